@@ -1,0 +1,167 @@
+"""One federated run from a validated config: build everything, train, report.
+
+``run(cfg)`` is what ``python -m medfed fit`` calls: it builds the
+federation of the chosen task, one model per site (all initialised from the
+same seeded prototype), the strategy, the links and the loop; trains for
+``trainer.rounds`` rounds with a progress bar, checkpointing atomically after
+each; and writes ``<output_dir>/results.json`` (per-site metrics and their
+mean, the resolved config, the seed, the splits, bytes on the wire, timings)
+next to the CSV and W&B logs.
+"""
+
+from __future__ import annotations
+
+import copy
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.loggers import CSVLogger
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+import medfed
+from medfed.checkpoint import CHECKPOINT_NAME, config_differences, load_checkpoint, save_atomic
+from medfed.config import RunConfig, parse_options, to_plain_dict
+from medfed.errors import ConfigError
+from medfed.federated.link import Link
+from medfed.federated.loop import FederatedLoop
+from medfed.federated.site import Site
+from medfed.federated.strategies import strategy_class
+from medfed.models import model_class
+from medfed.models.split import PARTS
+from medfed.results import communication_totals, format_table, summarise, write_json_atomic
+from medfed.tasks import get_task
+
+
+def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Train and evaluate one configured run; returns the results written to results.json."""
+    started = time.perf_counter()
+    config = to_plain_dict(cfg)
+    run_cfg: RunConfig = OmegaConf.to_object(cfg)
+    trainer = run_cfg.trainer
+    output_dir = Path(run_cfg.output_dir)
+    checkpoint_path = output_dir / "checkpoints" / CHECKPOINT_NAME
+    _check_output_dir(output_dir, checkpoint_path, resume, overwrite)
+    if trainer.num_threads is not None:
+        torch.set_num_threads(trainer.num_threads)
+
+    task = get_task(_required(config["data"], "task", "data"))
+    data_options = parse_options(task.Options, config["data"], "data", ignore=("task",))
+    federation = task.build_federation(data_options, run_cfg.federation, trainer.seed, progress=progress)
+
+    model_cls = model_class(config["model"].get("name", task.default_model))
+    model_options = parse_options(model_cls.Options, config["model"], "model", ignore=("name",))
+    with torch.random.fork_rng():
+        torch.manual_seed(trainer.seed)
+        prototype = model_cls(federation.input_shape[0], federation.num_classes, model_options)
+
+    strategy_cls = strategy_class(_required(config["strategy"], "name", "strategy"))
+    strategy_options = parse_options(strategy_cls.Options, config["strategy"], "strategy", ignore=("name",))
+    strategy = strategy_cls(strategy_options, prototype.parameter_split, len(federation.sites), trainer.seed)
+
+    fabric = Fabric(accelerator=trainer.device, devices=1, loggers=_loggers(run_cfg, output_dir, resume), callbacks=[strategy])
+    sites = []
+    for index, site_data in enumerate(federation.sites):
+        module = copy.deepcopy(prototype)
+        module, optimizer = fabric.setup(module, module.configure_optimizers())
+        sites.append(Site(index, site_data, module, optimizer, fabric, trainer.batch_size, trainer.seed))
+    codec = run_cfg.codec
+    links = [Link(_codec_spec(codec, codec.up), _codec_spec(codec, codec.down), strategy.coded_keys, fabric.device) for _ in sites]
+    initial = {part: prototype.get_vector(part).to(fabric.device) for part in PARTS}
+    loop = FederatedLoop(
+        fabric,
+        sites,
+        strategy,
+        links,
+        initial,
+        local_epochs=trainer.local_epochs,
+        participation=run_cfg.federation.participation,
+        seed=trainer.seed,
+        save_checkpoint=lambda state: save_atomic(fabric, checkpoint_path, {**state, "config": config}),
+    )
+    if resume:
+        state = load_checkpoint(fabric, checkpoint_path)
+        changed = config_differences(state["config"], config)
+        if changed:
+            raise ConfigError(f"--resume: the config differs from the checkpoint's at {', '.join(changed)}")
+        loop.load_state_dict(state)
+    else:
+        write_json_atomic(output_dir / "config.json", config)
+        for logger in fabric.loggers:
+            logger.log_hyperparams(config)
+
+    bar = tqdm(total=trainer.rounds, initial=loop.round, desc=f"{strategy.name} rounds", unit="round", disable=not progress)
+    loop.fit(trainer.rounds, progress=lambda record: (bar.set_postfix(record["mean"]), bar.update()))
+    bar.close()
+    for logger in fabric.loggers:
+        logger.finalize("success")
+
+    results = {
+        "medfed_version": medfed.__version__,
+        "strategy": strategy.name,
+        "seed": trainer.seed,
+        "federation": federation.summary(),
+        **summarise(loop.history, {site.name: site.n_test for site in sites}),
+        "communication": communication_totals(links),
+        "timing": _timing(loop.history, time.perf_counter() - started, fabric),
+        "config": config,
+        "history": loop.history,
+    }
+    write_json_atomic(output_dir / "results.json", results)
+    if progress:
+        print(format_table(results))
+    return results
+
+
+def _required(group: dict[str, Any], key: str, name: str) -> Any:
+    if key not in group or group[key] in (None, ""):
+        raise ConfigError(f"config key '{name}.{key}' is required")
+    return group[key]
+
+
+def _check_output_dir(output_dir: Path, checkpoint_path: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to clobber an earlier run unless asked to resume it or to overwrite it."""
+    earlier = [p for p in (output_dir / "results.json", checkpoint_path) if p.exists()]
+    if earlier and not (resume or overwrite):
+        raise ConfigError(
+            f"config key 'output_dir' = {str(output_dir)!r} already holds a run ({earlier[0].name}); "
+            "pass --resume to continue it, --overwrite to replace it, or choose another output_dir"
+        )
+
+
+def _loggers(run_cfg: RunConfig, output_dir: Path, resume: bool) -> list:
+    """CSV always; W&B offline by default (no network needed), online or disabled on request."""
+    loggers = [CSVLogger(root_dir=output_dir, name="csv")]
+    if run_cfg.logger.wandb != "disabled":
+        from lightning.pytorch.loggers import WandbLogger
+
+        loggers.append(
+            WandbLogger(
+                project=run_cfg.logger.project,
+                name=run_cfg.logger.run_name,
+                save_dir=str(output_dir),
+                offline=run_cfg.logger.wandb == "offline",
+            )
+        )
+    return loggers
+
+
+def _codec_spec(codec, name: str) -> dict[str, Any]:
+    return {"name": name}
+
+
+def _timing(history: list[dict[str, Any]], wall_s: float, fabric: Fabric) -> dict[str, Any]:
+    round_s = sum(r["timing"]["round_s"] for r in history)
+    server_s = sum(r["timing"]["server_s"] for r in history)
+    return {
+        "wall_s": wall_s,
+        "rounds_s": round_s,
+        "mean_round_s": round_s / max(len(history), 1),
+        "server_step_s": server_s,
+        "server_step_share": server_s / round_s if round_s else 0.0,
+        "machine": f"{platform.machine()} {platform.processor() or ''} threads={torch.get_num_threads()} device={fabric.device}".strip(),
+    }

@@ -1,0 +1,24 @@
+"""Server-side averaging shared by every strategy that averages vectors."""
+
+from __future__ import annotations
+
+import torch
+
+
+def weighted_average(vectors: list[torch.Tensor], weights: list[float] | torch.Tensor) -> torch.Tensor:
+    """Sample-weighted mean of equally shaped vectors.
+
+    Args:
+        vectors: K tensors of shape ``(d,)``.
+        weights: K non-negative weights (e.g. training-set sizes), not all zero.
+
+    Returns:
+        ``sum_k w_k v_k / sum_k w_k``, shape ``(d,)``, dtype of the vectors.
+    """
+    if not vectors:
+        raise ValueError("weighted_average needs at least one vector")
+    w = torch.as_tensor(weights, dtype=torch.float64).flatten()
+    if w.numel() != len(vectors) or bool((w < 0).any()) or float(w.sum()) <= 0:
+        raise ValueError(f"weights must be {len(vectors)} non-negative numbers with a positive sum, got {w.tolist()}")
+    stacked = torch.stack(vectors)  # (K, d)
+    return (w / w.sum()).to(stacked.dtype) @ stacked

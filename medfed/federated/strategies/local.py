@@ -1,0 +1,11 @@
+"""Local training: every site trains its own model alone; nothing is exchanged."""
+
+from __future__ import annotations
+
+from medfed.federated.strategies.base import Strategy
+
+
+class Local(Strategy):
+    """The lower reference: no federation (all base-class defaults)."""
+
+    name = "local"

@@ -1,0 +1,77 @@
+"""The run's results: ``results.json`` and the per-site table printed at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def summarise(history: list[dict[str, Any]], site_sizes: dict[str, int]) -> dict[str, Any]:
+    """Final per-site metrics and their mean over sites, from the last round of ``history``.
+
+    Args:
+        history: the loop's per-round records.
+        site_sizes: ``{site name: n_test}``.
+
+    Returns:
+        ``{"sites": [{"site", <metrics>, "n_test"}], "mean": {<metrics>}}``.
+    """
+    final = history[-1]["metrics"]
+    names = list(next(iter(final.values())).keys())
+    rows = [{"site": site, **{n: metrics[n] for n in names}, "n_test": site_sizes[site]} for site, metrics in final.items()]
+    mean = {n: float(np.mean([row[n] for row in rows])) for n in names}
+    return {"sites": rows, "mean": mean}
+
+
+def communication_totals(links: list) -> dict[str, Any]:
+    """Bytes up and down over the whole run (setup included) and the ratio against dense float32.
+
+    Args:
+        links: the run's :class:`~medfed.federated.link.Link` objects.
+    """
+    totals: dict[str, Any] = {}
+    for direction in ("up", "down"):
+        sent = sum(link.bytes_sent[direction] for link in links)
+        dense = sum(link.dense_bytes[direction] for link in links)
+        totals[f"bytes_{direction}"] = sent
+        totals[f"dense_float32_bytes_{direction}"] = dense
+        totals[f"compression_ratio_{direction}"] = dense / sent if sent else None
+    return totals
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """Plain-text table: one row per site, then the mean over sites; data provenance on top."""
+    rows = results["sites"]
+    names = [k for k in rows[0] if k not in ("site", "n_test")]
+    header = ["site", *names, "n_test"]
+    body = [[row["site"], *(f"{row[n]:.4f}" for n in names), str(row["n_test"])] for row in rows]
+    body.append(["mean", *(f"{results['mean'][n]:.4f}" for n in names), str(sum(r["n_test"] for r in rows))])
+    widths = [max(len(header[i]), *(len(r[i]) for r in body)) for i in range(len(header))]
+    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    rule = "-" * len(line(header))
+    title = f"{results['strategy']} on {results['federation']['task']} — data: {results['federation']['description']}"
+    return "\n".join([title, rule, line(header), rule, *map(line, body[:-1]), rule, line(body[-1])])
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    """Write JSON to a temporary file next to ``path`` and rename it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False) as handle:
+        json.dump(obj, handle, indent=2, default=_json_default)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(handle.name, path)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")

@@ -1,0 +1,36 @@
+"""Tasks: how a data set becomes a federation, and which model serves it by default.
+
+A task is the ``data`` config group: ``data.task`` picks one, the remaining
+keys are that task's ``Options``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from medfed.data.federation import Federation
+from medfed.errors import ConfigError
+from medfed.tasks import brats
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    Options: type
+    build_federation: Callable[..., Federation]
+    """``build_federation(options, federation: FederationConfig, seed, progress=True) -> Federation``"""
+    default_model: str
+
+
+TASKS: dict[str, Task] = {
+    task.name: task for task in (Task(brats.NAME, brats.Options, brats.build_federation, brats.DEFAULT_MODEL),)
+}
+
+
+def get_task(name: str) -> Task:
+    """The task registered as ``name`` (config key ``data.task``)."""
+    if name not in TASKS:
+        raise ConfigError(f"config key 'data.task' = {name!r}: expected one of {', '.join(sorted(TASKS))}")
+    return TASKS[name]
+

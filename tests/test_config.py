@@ -1,0 +1,65 @@
+import pytest
+
+from medfed.config import load_config, parse_options
+from medfed.errors import ConfigError
+from medfed.federated.strategies.pfednet import PFedNet
+
+BASE = """
+data: {task: brats}
+strategy: {name: pfednet, lam: 0.5}
+trainer: {rounds: 2}
+output_dir: out/${strategy.name}
+"""
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(BASE)
+    return path
+
+
+def test_overrides_and_interpolation(config_file):
+    cfg = load_config(config_file, ["trainer.rounds=7", "strategy.name=fedavg"])
+    assert cfg.trainer.rounds == 7
+    assert cfg.trainer.local_epochs == 1  # schema default
+    assert cfg.output_dir == "out/fedavg"
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("trainer.roundz=3", "trainer.roundz"), ("federaton.n_sites=3", "federaton"), ("logger.wandb_mode=x", "logger.wandb_mode")],
+)
+def test_unknown_keys_are_named(config_file, override, key):
+    with pytest.raises(ConfigError, match=f"unknown config key '{key}'"):
+        load_config(config_file, [override])
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("trainer.rounds=0", "trainer.rounds"), ("federation.test_fraction=1.5", "federation.test_fraction"), ("trainer.device=tpu", "trainer.device")],
+)
+def test_impossible_values_are_named(config_file, override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(config_file, [override])
+
+
+def test_wrong_type_is_named(config_file):
+    with pytest.raises(ConfigError, match="trainer.rounds"):
+        load_config(config_file, ["trainer.rounds=many"])
+
+
+def test_component_options_are_validated():
+    options = parse_options(PFedNet.Options, {"name": "pfednet", "lam": 0.25, "p": "inf"}, "strategy", ignore=("name",))
+    assert options.lam == 0.25 and options.p == "inf"
+    with pytest.raises(ConfigError, match="unknown config key 'strategy.lamda'"):
+        parse_options(PFedNet.Options, {"lamda": 1.0}, "strategy")
+    with pytest.raises(ConfigError, match=r"config key 'strategy\.lam'"):
+        parse_options(PFedNet.Options, {"lam": -1.0}, "strategy")
+    with pytest.raises(ConfigError, match=r"config key 'strategy\.p'"):
+        parse_options(PFedNet.Options, {"p": "3"}, "strategy")
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
