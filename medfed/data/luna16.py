@@ -131,11 +131,11 @@ def read_candidates_csv(path: str | Path) -> CandidateTable:
             of fields, a coordinate is not a finite number, or a class is not 0 or 1.
     """
     path = Path(path)
-    uids, values = _read_uid_and_numbers(path, CANDIDATES_HEADER)
+    uids, values, line_numbers = _read_uid_and_numbers(path, CANDIDATES_HEADER)
     labels = values[:, 3]
     bad = np.flatnonzero((labels != 0) & (labels != 1))
     if bad.size:
-        raise DataError(f"{path}, line {bad[0] + 2}: class must be 0 or 1, found {labels[bad[0]]:g}")
+        raise DataError(f"{path}, line {line_numbers[bad[0]]}: class must be 0 or 1, found {labels[bad[0]]:g}")
     return CandidateTable(series_uids=uids, world_mm=values[:, :3], labels=labels.astype(np.int64))
 
 
@@ -148,11 +148,11 @@ def read_annotations_csv(path: str | Path) -> NoduleAnnotations:
             finite number, or a diameter is not positive.
     """
     path = Path(path)
-    uids, values = _read_uid_and_numbers(path, ANNOTATIONS_HEADER)
+    uids, values, line_numbers = _read_uid_and_numbers(path, ANNOTATIONS_HEADER)
     diameters = values[:, 3]
     bad = np.flatnonzero(diameters <= 0)
     if bad.size:
-        raise DataError(f"{path}, line {bad[0] + 2}: diameter_mm must be positive, found {diameters[bad[0]]:g}")
+        raise DataError(f"{path}, line {line_numbers[bad[0]]}: diameter_mm must be positive, found {diameters[bad[0]]:g}")
     return NoduleAnnotations(series_uids=uids, world_mm=values[:, :3], diameter_mm=diameters)
 
 
@@ -264,8 +264,8 @@ def extract_candidate_patches(
     )
 
 
-def _read_uid_and_numbers(path: Path, header: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of a LUNA16 CSV: str (n,) series uids and float64 (n, len(header) - 1) finite numbers."""
+def _read_uid_and_numbers(path: Path, header: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of a LUNA16 CSV: str (n,) series uids, float64 (n, len(header) - 1) finite numbers, int (n,) line numbers."""
     if not path.is_file():
         raise DataError(f"{path}: file not found")
     with path.open(newline="") as handle:
@@ -273,12 +273,13 @@ def _read_uid_and_numbers(path: Path, header: tuple[str, ...]) -> tuple[np.ndarr
         found = next(reader, None)
         if found is None or tuple(field.strip() for field in found) != header:
             raise DataError(f"{path}: expected the header {','.join(header)}, found {found}")
-        rows = [row for row in reader if "".join(row).strip()]
-    if not rows:
+        numbered_rows = [(reader.line_num, row) for row in reader if "".join(row).strip()]
+    if not numbered_rows:
         raise DataError(f"{path}: no rows after the header")
-    for line_offset, row in enumerate(rows):
+    for line_number, row in numbered_rows:
         if len(row) != len(header):
-            raise DataError(f"{path}, line {line_offset + 2}: expected {len(header)} fields, found {row}")
+            raise DataError(f"{path}, line {line_number}: expected {len(header)} fields, found {row}")
+    rows = [row for _, row in numbered_rows]
     uids = np.array([row[0].strip() for row in rows], dtype=str)
     text = np.array([[field.strip() for field in row[1:]] for row in rows], dtype=str)
     try:
@@ -286,12 +287,12 @@ def _read_uid_and_numbers(path: Path, header: tuple[str, ...]) -> tuple[np.ndarr
     except ValueError:
         values = None
     if values is None or not np.isfinite(values).all():
-        line_offset, column = _first_non_finite(text)
+        row, column = _first_non_finite(text)
         raise DataError(
-            f"{path}, line {line_offset + 2}: {header[column + 1]} must be a finite number, "
-            f"found {str(text[line_offset, column])!r}"
+            f"{path}, line {numbered_rows[row][0]}: {header[column + 1]} must be a finite number, "
+            f"found {str(text[row, column])!r}"
         )
-    return uids, values
+    return uids, values, np.array([line_number for line_number, _ in numbered_rows])
 
 
 def _first_non_finite(text: np.ndarray) -> tuple[int, int]:
