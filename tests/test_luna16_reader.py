@@ -166,7 +166,7 @@ def test_read_annotations(tmp_path):
     "text, message",
     [
         ("seriesuid,x,y,z,class\n1.2,0,0,0,1\n", "expected the header"),
-        ("seriesuid,coordX,coordY,coordZ,class\n1.2,abc,0,0,1\n", "line 2: coordX must be a finite number, found 'abc'"),
+        ("seriesuid,coordX,coordY,coordZ,class\n1.2,abc,0,0,1\n", "line 2: coordX must be a finite number, found 'abc"),
         ("seriesuid,coordX,coordY,coordZ,class\n1.2,0,0,0,1\n1.2,0,0,nan,1\n", "line 3: coordZ must be a finite"),
         ("seriesuid,coordX,coordY,coordZ,class\n1.2,0,0,0,2\n", "class must be 0 or 1, found 2"),
         ("seriesuid,coordX,coordY,coordZ,class\n1.2,0,0,0\n", "expected 5 fields"),
@@ -202,6 +202,10 @@ def test_candidate_outside_volume_is_an_error(one_series):
     with pytest.raises(DataError, match="outside the volume") as info:
         extract_candidate_patches(root, progress=False)
     assert "7.7.mhd" in str(info.value)
+    # also when negative subsampling would drop the bad candidate
+    write_candidates(root / "candidates.csv", [("7.7", *world_of_index(image, (1, 1, 1)), 1), ("7.7", *outside, 0)])
+    with pytest.raises(DataError, match="outside the volume"):
+        extract_candidate_patches(root, max_negatives_per_series=0, progress=False)
 
 
 def test_missing_raw_names_the_data_file(one_series):

@@ -102,7 +102,8 @@ def test_breast_cancer_table_matches_scikit_learn_and_is_cached(tmp_path):
     [
         ("a,b\n1,yes\n", dict(target="y", positive="yes"), "column 'y' not found"),
         ("a,y\n1,yes\n2,no\n", dict(target="y", positive="yes", site_column="site"), "column 'site' not found"),
-        ("a,c,y\n1,2,yes\n2,x7,no\n", dict(target="y", positive="yes"), "column 'c' must be numeric, found 'x7' on line 3"),
+        ("a,c,y\n1,2,yes\n2,x7,no\n", dict(target="y", positive="yes"),
+         "column 'c' must be numeric, found 'x7' on line 3"),
         ("a,y\ninf,yes\n2,no\n", dict(target="y", positive="yes"), "column 'a' must be numeric, found 'inf'"),
         ("a,y\n1,yes\n2,no\n3,maybe\n", dict(target="y", positive="yes"), "exactly one other class"),
         ("a,y\n1,no\n2,no\n", dict(target="y", positive="yes"), "exactly one other class"),

@@ -152,7 +152,9 @@ def read_annotations_csv(path: str | Path) -> NoduleAnnotations:
     diameters = values[:, 3]
     bad = np.flatnonzero(diameters <= 0)
     if bad.size:
-        raise DataError(f"{path}, line {line_numbers[bad[0]]}: diameter_mm must be positive, found {diameters[bad[0]]:g}")
+        raise DataError(
+            f"{path}, line {line_numbers[bad[0]]}: diameter_mm must be positive, found {diameters[bad[0]]:g}"
+        )
     return NoduleAnnotations(series_uids=uids, world_mm=values[:, :3], diameter_mm=diameters)
 
 
@@ -247,14 +249,15 @@ def extract_candidate_patches(
     for uid, rows in tqdm(
         list(zip(uids_in_order, rows_by_series)), desc="LUNA16 series", unit="series", disable=not progress
     ):
-        rows = rows[keep[rows]]
-        if rows.size == 0:
+        kept = keep[rows]
+        if not kept.any():
             continue
         mhd_path = series_paths[uid]
         image = _read_axial_image(mhd_path)
+        # every candidate of a series that is read is checked, also negatives left out by the subsampling
         voxels = _nearest_voxels_inside(image, table.world_mm[rows], mhd_path, csv_path)
         volume = sitk.GetArrayViewFromImage(image)  # (z, y, x)
-        patches[output_position[rows]] = hu_to_unit_interval(_axial_patches(volume, voxels, patch_size))
+        patches[output_position[rows[kept]]] = hu_to_unit_interval(_axial_patches(volume, voxels[kept], patch_size))
 
     return NoduleCandidates(
         patches=patches,
@@ -265,7 +268,7 @@ def extract_candidate_patches(
 
 
 def _read_uid_and_numbers(path: Path, header: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows of a LUNA16 CSV: str (n,) series uids, float64 (n, len(header) - 1) finite numbers, int (n,) line numbers."""
+    """Rows of a LUNA16 CSV: str (n,) series uids, float64 (n, columns - 1) finite numbers, int (n,) line numbers."""
     if not path.is_file():
         raise DataError(f"{path}: file not found")
     with path.open(newline="") as handle:
@@ -279,32 +282,30 @@ def _read_uid_and_numbers(path: Path, header: tuple[str, ...]) -> tuple[np.ndarr
     for line_number, row in numbered_rows:
         if len(row) != len(header):
             raise DataError(f"{path}, line {line_number}: expected {len(header)} fields, found {row}")
-    rows = [row for _, row in numbered_rows]
-    uids = np.array([row[0].strip() for row in rows], dtype=str)
-    text = np.array([[field.strip() for field in row[1:]] for row in rows], dtype=str)
-    try:
-        values = text.astype(np.float64)
-    except ValueError:
-        values = None
-    if values is None or not np.isfinite(values).all():
-        row, column = _first_non_finite(text)
-        raise DataError(
-            f"{path}, line {numbered_rows[row][0]}: {header[column + 1]} must be a finite number, "
-            f"found {str(text[row, column])!r}"
-        )
-    return uids, values, np.array([line_number for line_number, _ in numbered_rows])
-
-
-def _first_non_finite(text: np.ndarray) -> tuple[int, int]:
-    """(row, column) of the first cell of a str array that is not a finite number."""
-    for (row, column), cell in np.ndenumerate(text):
+    line_numbers, rows = zip(*numbered_rows)
+    columns = list(zip(*rows))
+    values = np.empty((len(rows), len(header) - 1))
+    for k, column in enumerate(columns[1:]):
         try:
-            if np.isfinite(float(cell)):
-                continue
+            values[:, k] = np.fromiter(map(float, column), dtype=np.float64, count=len(column))
+            bad = np.flatnonzero(~np.isfinite(values[:, k]))
         except ValueError:
-            pass
-        return row, column
-    raise AssertionError("called on cells that are all finite numbers")
+            bad = [next(i for i, cell in enumerate(column) if not _is_number(cell))]
+        if len(bad):
+            raise DataError(
+                f"{path}, line {line_numbers[bad[0]]}: {header[k + 1]} must be a finite number, "
+                f"found {column[bad[0]].strip()!r}"
+            )
+    uids = np.array([uid.strip() for uid in columns[0]], dtype=str)
+    return uids, values, np.array(line_numbers)
+
+
+def _is_number(cell: str) -> bool:
+    try:
+        float(cell)
+    except ValueError:
+        return False
+    return True
 
 
 def _candidates_csv_path(root: Path, candidates_csv: str | Path | None) -> Path:
