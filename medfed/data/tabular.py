@@ -68,7 +68,7 @@ def read_tabular_csv(
     path: str | Path,
     *,
     target: str,
-    positive,
+    positive: str | int,
     site_column: str | None = None,
     exclude_columns: tuple[str, ...] = (),
 ) -> TabularData:
