@@ -1,0 +1,402 @@
+"""LUNA16 nodule candidates: read the challenge layout and cut 2-D axial patches.
+
+The LUNA16 challenge (https://luna16.grand-challenge.org/Data/) distributes
+
+* ``root/subset0`` ... ``root/subset9``: one MetaImage per CT series,
+  ``<seriesuid>.mhd`` (text header) next to the voxel data file it names in its
+  ``ElementDataFile`` key (``<seriesuid>.raw``, int16 Hounsfield units);
+* ``root/candidates.csv`` or ``root/candidates_V2.csv``: the candidate list of
+  the false-positive-reduction track, header ``seriesuid,coordX,coordY,coordZ,class``,
+  one row per candidate, centre in world millimetres, ``class`` 1 = nodule;
+* optionally ``root/annotations.csv``: the radiologists' nodules,
+  header ``seriesuid,coordX,coordY,coordZ,diameter_mm``.
+
+pFedNet (section VI-A) classifies each candidate from a 32 x 32 patch around it.
+:func:`extract_candidate_patches` reads every series once through SimpleITK,
+maps all of its candidates from world millimetres to voxels with the header's
+origin, spacing and direction matrix, and cuts the axial patches of all of them
+at once. Patch values are Hounsfield units clipped to [-1000, 400] and scaled to
+[0, 1]; the candidate's voxel is the patch pixel ``[patch_size // 2, patch_size // 2]``.
+
+Orientation: a volume whose direction matrix is not the identity is first
+reoriented (a permutation and flip of its axes, no resampling: ``sitk.DICOMOrient``
+to ``LPS``, ITK's identity orientation), so every patch is axial with columns
+running along +x (patient right to left) and rows along +y (anterior to
+posterior), whatever axis order the file was stored in. The real LUNA16 files
+already have identity directions; other MetaImage data need not.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import SimpleITK as sitk
+from tqdm import tqdm
+
+from medfed.errors import DataError
+
+CANDIDATES_HEADER = ("seriesuid", "coordX", "coordY", "coordZ", "class")
+ANNOTATIONS_HEADER = ("seriesuid", "coordX", "coordY", "coordZ", "diameter_mm")
+CANDIDATES_FILE_NAMES = ("candidates_V2.csv", "candidates.csv")  # first one found is used
+HU_WINDOW = (-1000.0, 400.0)  # Hounsfield units mapped to 0 and 1
+PAD_HU = -1000  # value of patch pixels beyond the volume's in-plane edge (air)
+
+
+@dataclass(frozen=True)
+class CandidateTable:
+    """The rows of a LUNA16 candidates CSV, in file order.
+
+    Attributes:
+        series_uids: str (n,), the series each candidate belongs to.
+        world_mm: float64 (n, 3), candidate centre (x, y, z) in world millimetres.
+        labels: int64 (n,), 1 = nodule, 0 = not a nodule.
+    """
+
+    series_uids: np.ndarray
+    world_mm: np.ndarray
+    labels: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+@dataclass(frozen=True)
+class NoduleAnnotations:
+    """The rows of a LUNA16 annotations CSV, in file order.
+
+    Attributes:
+        series_uids: str (n,), the series each nodule belongs to.
+        world_mm: float64 (n, 3), nodule centre (x, y, z) in world millimetres.
+        diameter_mm: float64 (n,), nodule diameter in millimetres.
+    """
+
+    series_uids: np.ndarray
+    world_mm: np.ndarray
+    diameter_mm: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.diameter_mm)
+
+
+@dataclass(frozen=True)
+class NoduleCandidates:
+    """Candidate patches ready for a classifier, in candidates-CSV order.
+
+    Attributes:
+        patches: float32 (n, patch_size, patch_size) in [0, 1]: axial slice
+            through the candidate, HU clipped to [-1000, 400] and scaled.
+        labels: int64 (n,), 1 = nodule, 0 = not a nodule.
+        series_uids: str (n,), the series each candidate comes from.
+        world_mm: float64 (n, 3), candidate centre (x, y, z) in world millimetres.
+    """
+
+    patches: np.ndarray
+    labels: np.ndarray
+    series_uids: np.ndarray
+    world_mm: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def find_series(root: str | Path) -> dict[str, Path]:
+    """Map each series uid to its ``.mhd`` header over ``root/subset*/``.
+
+    Raises:
+        DataError: ``root`` is not a directory, holds no ``subset*/*.mhd``, or
+            two subsets hold the same series uid.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"{root}: LUNA16 root directory not found")
+    series: dict[str, Path] = {}
+    for path in sorted(root.glob("subset*/*.mhd")):
+        if path.stem in series:
+            raise DataError(f"{root}: series {path.stem} appears twice, in {series[path.stem]} and {path}")
+        series[path.stem] = path
+    if not series:
+        raise DataError(f"{root}: no subset*/<seriesuid>.mhd files found (expected the LUNA16 layout)")
+    return series
+
+
+def read_candidates_csv(path: str | Path) -> CandidateTable:
+    """Read a LUNA16 ``candidates.csv`` / ``candidates_V2.csv``.
+
+    Raises:
+        DataError: the file is missing or empty, its header is not
+            ``seriesuid,coordX,coordY,coordZ,class``, a row has another number
+            of fields, a coordinate is not a finite number, or a class is not 0 or 1.
+    """
+    path = Path(path)
+    uids, values, line_numbers = _read_uid_and_numbers(path, CANDIDATES_HEADER)
+    labels = values[:, 3]
+    bad = np.flatnonzero((labels != 0) & (labels != 1))
+    if bad.size:
+        raise DataError(f"{path}, line {line_numbers[bad[0]]}: class must be 0 or 1, found {labels[bad[0]]:g}")
+    return CandidateTable(series_uids=uids, world_mm=values[:, :3], labels=labels.astype(np.int64))
+
+
+def read_annotations_csv(path: str | Path) -> NoduleAnnotations:
+    """Read a LUNA16 ``annotations.csv`` (the radiologists' nodules).
+
+    Raises:
+        DataError: the file is missing or empty, its header is not
+            ``seriesuid,coordX,coordY,coordZ,diameter_mm``, a value is not a
+            finite number, or a diameter is not positive.
+    """
+    path = Path(path)
+    uids, values, line_numbers = _read_uid_and_numbers(path, ANNOTATIONS_HEADER)
+    diameters = values[:, 3]
+    bad = np.flatnonzero(diameters <= 0)
+    if bad.size:
+        raise DataError(
+            f"{path}, line {line_numbers[bad[0]]}: diameter_mm must be positive, found {diameters[bad[0]]:g}"
+        )
+    return NoduleAnnotations(series_uids=uids, world_mm=values[:, :3], diameter_mm=diameters)
+
+
+def world_to_voxel(world_xyz, origin, spacing, direction) -> np.ndarray:
+    """Continuous voxel indices of world points, as ITK defines the geometry.
+
+    ITK maps an index i = (i_x, i_y, i_z) to the world point
+    ``origin + direction @ diag(spacing) @ i``; this inverts that map.
+
+    Args:
+        world_xyz: (n, 3) or (3,) world coordinates (x, y, z) in millimetres.
+        origin: (3,) world position of voxel (0, 0, 0) in millimetres.
+        spacing: (3,) voxel size along the x, y, z index axes in millimetres.
+        direction: 9 numbers in row-major order (SimpleITK's ``GetDirection()``)
+            or a 3 x 3 matrix whose columns are the index axes in world space.
+
+    Returns:
+        float64 (n, 3) continuous indices in SimpleITK's (x, y, z) order;
+        ``np.rint`` gives the nearest voxel, and numpy arrays from
+        ``sitk.GetArrayFromImage`` are indexed ``[z, y, x]``.
+    """
+    world = np.atleast_2d(np.asarray(world_xyz, dtype=np.float64))
+    origin = np.asarray(origin, dtype=np.float64)
+    spacing = np.asarray(spacing, dtype=np.float64)
+    matrix = np.asarray(direction, dtype=np.float64).reshape(3, 3)
+    # world - origin = direction @ (spacing * index)  =>  index = solve(direction, world - origin) / spacing
+    return np.linalg.solve(matrix, (world - origin).T).T / spacing
+
+
+def hu_to_unit_interval(hu: np.ndarray) -> np.ndarray:
+    """Clip Hounsfield units to [-1000, 400] and scale them to float32 [0, 1]."""
+    low, high = HU_WINDOW
+    return ((np.clip(hu, low, high) - low) / (high - low)).astype(np.float32)
+
+
+def extract_candidate_patches(
+    root: str | Path,
+    *,
+    candidates_csv: str | Path | None = None,
+    patch_size: int = 32,
+    max_negatives_per_series: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> NoduleCandidates:
+    """Cut an axial patch around every candidate of a LUNA16 layout.
+
+    Each series is read once; all of its candidates are located and cut
+    together. Patch pixels beyond the volume's in-plane edge are air
+    (-1000 HU); a candidate whose centre lies outside the volume is an error.
+
+    Args:
+        root: directory holding ``subset*/`` and the candidates CSV.
+        candidates_csv: candidates file; default ``root/candidates_V2.csv``,
+            else ``root/candidates.csv``.
+        patch_size: patch side in voxels (pFedNet: 32).
+        max_negatives_per_series: keep at most this many class-0 candidates
+            per series, drawn uniformly with ``seed`` (all positives are kept);
+            ``None`` keeps every candidate. Real LUNA16 has 551k candidates
+            (2.3 GB of float32 32 x 32 patches), 1.2k of them nodules.
+        seed: seed of the negative subsampling.
+        progress: show a tqdm bar over series.
+
+    Returns:
+        The kept candidates in candidates-CSV order.
+
+    Raises:
+        DataError: naming the file, for a missing or malformed CSV, a candidate
+            of a series not found under ``subset*/``, a candidate outside its
+            volume, a missing voxel data file, or an unreadable MetaImage.
+    """
+    if patch_size < 1:
+        raise ValueError(f"patch_size must be a positive number of voxels, got {patch_size}")
+    if max_negatives_per_series is not None and max_negatives_per_series < 0:
+        raise ValueError(f"max_negatives_per_series must be >= 0 or None, got {max_negatives_per_series}")
+    root = Path(root)
+    csv_path = _candidates_csv_path(root, candidates_csv)
+    table = read_candidates_csv(csv_path)
+    series_paths = find_series(root)
+    unknown = sorted(set(table.series_uids.tolist()) - series_paths.keys())
+    if unknown:
+        raise DataError(
+            f"{csv_path}: {len(unknown)} candidate series not found under {root}/subset*/, e.g. {unknown[0]}"
+        )
+
+    order = np.argsort(table.series_uids, kind="stable")
+    uids_in_order, starts = np.unique(table.series_uids[order], return_index=True)
+    rows_by_series = np.split(order, starts[1:])
+    keep = _keep_mask(table.labels, rows_by_series, max_negatives_per_series, seed)
+    output_position = np.cumsum(keep) - 1
+    patches = np.empty((int(keep.sum()), patch_size, patch_size), dtype=np.float32)
+
+    for uid, rows in tqdm(
+        list(zip(uids_in_order, rows_by_series)), desc="LUNA16 series", unit="series", disable=not progress
+    ):
+        kept = keep[rows]
+        if not kept.any():
+            continue
+        mhd_path = series_paths[uid]
+        image = _read_axial_image(mhd_path)
+        # every candidate of a series that is read is checked, also negatives left out by the subsampling
+        voxels = _nearest_voxels_inside(image, table.world_mm[rows], mhd_path, csv_path)
+        volume = sitk.GetArrayViewFromImage(image)  # (z, y, x)
+        patches[output_position[rows[kept]]] = hu_to_unit_interval(_axial_patches(volume, voxels[kept], patch_size))
+
+    return NoduleCandidates(
+        patches=patches,
+        labels=table.labels[keep],
+        series_uids=table.series_uids[keep],
+        world_mm=table.world_mm[keep],
+    )
+
+
+def _read_uid_and_numbers(path: Path, header: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of a LUNA16 CSV: str (n,) series uids, float64 (n, columns - 1) finite numbers, int (n,) line numbers."""
+    if not path.is_file():
+        raise DataError(f"{path}: file not found")
+    with path.open(newline="") as handle:
+        reader = csv.reader(handle)
+        found = next(reader, None)
+        if found is None or tuple(field.strip() for field in found) != header:
+            raise DataError(f"{path}: expected the header {','.join(header)}, found {found}")
+        numbered_rows = [(reader.line_num, row) for row in reader if "".join(row).strip()]
+    if not numbered_rows:
+        raise DataError(f"{path}: no rows after the header")
+    for line_number, row in numbered_rows:
+        if len(row) != len(header):
+            raise DataError(f"{path}, line {line_number}: expected {len(header)} fields, found {row}")
+    line_numbers, rows = zip(*numbered_rows)
+    columns = list(zip(*rows))
+    values = np.empty((len(rows), len(header) - 1))
+    for k, column in enumerate(columns[1:]):
+        try:
+            values[:, k] = np.fromiter(map(float, column), dtype=np.float64, count=len(column))
+            bad = np.flatnonzero(~np.isfinite(values[:, k]))
+        except ValueError:
+            bad = [next(i for i, cell in enumerate(column) if not _is_number(cell))]
+        if len(bad):
+            raise DataError(
+                f"{path}, line {line_numbers[bad[0]]}: {header[k + 1]} must be a finite number, "
+                f"found {column[bad[0]].strip()!r}"
+            )
+    uids = np.array([uid.strip() for uid in columns[0]], dtype=str)
+    return uids, values, np.array(line_numbers)
+
+
+def _is_number(cell: str) -> bool:
+    try:
+        float(cell)
+    except ValueError:
+        return False
+    return True
+
+
+def _candidates_csv_path(root: Path, candidates_csv: str | Path | None) -> Path:
+    if candidates_csv is not None:
+        return Path(candidates_csv)
+    for name in CANDIDATES_FILE_NAMES:
+        if (root / name).is_file():
+            return root / name
+    raise DataError(f"{root}: no candidates file, expected one of {', '.join(CANDIDATES_FILE_NAMES)}")
+
+
+def _keep_mask(
+    labels: np.ndarray, rows_by_series: list[np.ndarray], max_negatives: int | None, seed: int
+) -> np.ndarray:
+    """bool (n,): every positive, and per series at most ``max_negatives`` negatives drawn with ``seed``."""
+    if max_negatives is None:
+        return np.ones(len(labels), dtype=bool)
+    rng = np.random.default_rng(seed)
+    keep = labels == 1
+    for rows in rows_by_series:  # series in sorted uid order, so the draw does not depend on file order
+        negatives = rows[labels[rows] == 0]
+        if negatives.size > max_negatives:
+            negatives = rng.choice(negatives, size=max_negatives, replace=False)
+        keep[negatives] = True
+    return keep
+
+
+def _read_axial_image(mhd_path: Path) -> sitk.Image:
+    """The series as a 3-D SimpleITK image in ITK's identity (LPS) axis orientation."""
+    try:
+        image = sitk.ReadImage(str(mhd_path))
+    except RuntimeError as error:
+        data_file = _element_data_file(mhd_path)
+        if data_file is not None and not data_file.is_file():
+            raise DataError(f"{mhd_path}: its voxel data file {data_file} (ElementDataFile) does not exist") from None
+        reason = " ".join(str(error).split())
+        raise DataError(f"{mhd_path}: unreadable or corrupt MetaImage (SimpleITK: {reason})") from None
+    if image.GetDimension() != 3 or image.GetNumberOfComponentsPerPixel() != 1:
+        raise DataError(
+            f"{mhd_path}: expected a 3-D single-channel CT volume, found {image.GetDimension()}-D "
+            f"with {image.GetNumberOfComponentsPerPixel()} components per voxel"
+        )
+    if not np.allclose(image.GetDirection(), np.eye(3).ravel()):
+        image = sitk.DICOMOrient(image, "LPS")
+    return image
+
+
+def _element_data_file(mhd_path: Path) -> Path | None:
+    """The voxel data file a MetaImage header names, or None when it names none (``LOCAL``, lists, patterns)."""
+    try:
+        lines = mhd_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        key, _, value = line.partition("=")
+        if key.strip() == "ElementDataFile":
+            value = value.strip()
+            if value == "LOCAL" or value.startswith("LIST") or "%" in value:
+                return None
+            return mhd_path.parent / value
+    return None
+
+
+def _nearest_voxels_inside(image: sitk.Image, world_mm: np.ndarray, mhd_path: Path, csv_path: Path) -> np.ndarray:
+    """int64 (n, 3) nearest voxel (x, y, z) of each world point; DataError if one lies outside the volume."""
+    index = world_to_voxel(world_mm, image.GetOrigin(), image.GetSpacing(), image.GetDirection())
+    voxels = np.rint(index).astype(np.int64)
+    size = np.array(image.GetSize())
+    outside = np.flatnonzero(((voxels < 0) | (voxels >= size)).any(axis=1))
+    if outside.size:
+        first = outside[0]
+        raise DataError(
+            f"{csv_path}: {outside.size} candidate(s) lie outside the volume {mhd_path}, e.g. world "
+            f"{tuple(np.round(world_mm[first], 2))} mm -> voxel {tuple(voxels[first])}, volume size {tuple(size)}"
+        )
+    return voxels
+
+
+def _axial_patches(volume_zyx: np.ndarray, voxels_xyz: np.ndarray, patch_size: int) -> np.ndarray:
+    """(n, patch_size, patch_size) HU of the axial slices through each voxel, air beyond the in-plane edge.
+
+    Patch pixel [r, c] is volume[z, y + r - patch_size // 2, x + c - patch_size // 2].
+    """
+    depth, height, width = volume_zyx.shape
+    offsets = np.arange(patch_size) - patch_size // 2
+    rows = voxels_xyz[:, 1, None] + offsets  # (n, p)
+    columns = voxels_xyz[:, 0, None] + offsets  # (n, p)
+    inside = ((rows >= 0) & (rows < height))[:, :, None] & ((columns >= 0) & (columns < width))[:, None, :]
+    patches = volume_zyx[
+        voxels_xyz[:, 2, None, None],
+        np.clip(rows, 0, height - 1)[:, :, None],
+        np.clip(columns, 0, width - 1)[:, None, :],
+    ]
+    return np.where(inside, patches, PAD_HU)

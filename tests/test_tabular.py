@@ -1,0 +1,135 @@
+import os
+
+import numpy as np
+import pytest
+from sklearn.datasets import load_breast_cancer
+
+from medfed.data.tabular import (
+    BREAST_CANCER_POSITIVE,
+    BREAST_CANCER_TARGET,
+    check_sites_have_both_classes,
+    fit_minmax,
+    read_tabular_csv,
+    scale_to_unit_interval,
+    write_breast_cancer_csv,
+)
+from medfed.errors import DataError
+
+RECORDS = """patient,age,bleeding,hospital,creatinine
+p1,71,yes,A,1.2
+p2,,no,A,NA
+p3,65.5,no,B,NaN
+
+p4,80,yes,B,n/a
+p5,59,no,A,0.9
+"""
+
+
+def write(tmp_path, text, name="records.csv"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_round_trip_with_missing_values_filled_with_zero(tmp_path):
+    path = write(tmp_path, RECORDS)
+    data = read_tabular_csv(path, target="bleeding", positive="yes", site_column="hospital",
+                            exclude_columns=("patient",))
+    assert data.feature_names == ("age", "creatinine")
+    assert data.features.dtype == np.float32 and data.labels.dtype == np.int64
+    np.testing.assert_array_equal(
+        data.features, np.array([[71, 1.2], [0, 0], [65.5, 0], [80, 0], [59, 0.9]], dtype=np.float32)
+    )
+    np.testing.assert_array_equal(data.labels, [1, 0, 0, 1, 0])
+    assert data.sites.tolist() == ["A", "A", "B", "B", "A"]
+    np.testing.assert_array_equal(data.missing_per_feature, [1, 3])
+    assert data.n_missing == 4 and len(data) == 5
+
+
+def test_numeric_positive_value_and_no_site_column(tmp_path):
+    path = write(tmp_path, "x1,y\n0.5,1\n-2,0\n")
+    data = read_tabular_csv(path, target="y", positive=1)
+    assert data.sites is None
+    np.testing.assert_array_equal(data.labels, [1, 0])
+    np.testing.assert_array_equal(data.features, [[0.5], [-2.0]])
+
+
+def test_scaling_maps_training_range_to_unit_interval():
+    rng = np.random.default_rng(0)
+    train = rng.normal(size=(50, 4)) * [1, 10, 100, 0] + [0, 5, -3, 7]  # last feature constant
+    lo, hi = fit_minmax(train)
+    np.testing.assert_array_equal(lo, train.min(axis=0))
+    scaled = scale_to_unit_interval(train, lo, hi)
+    assert scaled.dtype == np.float32
+    np.testing.assert_allclose(scaled[:, :3].min(axis=0), -1.0)
+    np.testing.assert_allclose(scaled[:, :3].max(axis=0), 1.0)
+    np.testing.assert_array_equal(scaled[:, 3], 0.0)
+    # hand computation for one value, and clipping of test rows outside the training range
+    expected = 2 * (train[7, 1] - lo[1]) / (hi[1] - lo[1]) - 1
+    assert scaled[7, 1] == pytest.approx(expected, rel=1e-6)
+    test_rows = np.array([lo - 1.0, hi + 1.0])
+    np.testing.assert_array_equal(scale_to_unit_interval(test_rows, lo, hi)[:, :3], [[-1, -1, -1], [1, 1, 1]])
+
+
+def test_scaling_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="lo and hi"):
+        scale_to_unit_interval(np.zeros((3, 2)), np.zeros(3), np.ones(3))
+    with pytest.raises(ValueError, match="finite"):
+        fit_minmax(np.array([[np.nan]]))
+
+
+def test_breast_cancer_table_matches_scikit_learn_and_is_cached(tmp_path):
+    path = write_breast_cancer_csv(tmp_path / "wdbc" / "breast_cancer.csv")
+    reference = load_breast_cancer()
+    data = read_tabular_csv(path, target=BREAST_CANCER_TARGET, positive=BREAST_CANCER_POSITIVE)
+    np.testing.assert_array_equal(data.features, reference.data.astype(np.float32))
+    assert data.feature_names == tuple(reference.feature_names)
+    malignant = list(reference.target_names).index("malignant")
+    np.testing.assert_array_equal(data.labels, (reference.target == malignant).astype(np.int64))
+    assert data.labels.sum() == 212 and data.n_missing == 0
+
+    os.utime(path, (1_000_000, 1_000_000))
+    write_breast_cancer_csv(path)
+    assert path.stat().st_mtime == 1_000_000  # same content: not rewritten
+    path.write_text("stale\n")
+    write_breast_cancer_csv(path)
+    assert path.read_text().startswith("diagnosis,mean radius")
+    assert [p.name for p in path.parent.iterdir()] == ["breast_cancer.csv"]  # no temporary left behind
+
+
+@pytest.mark.parametrize(
+    "text, kwargs, message",
+    [
+        ("a,b\n1,yes\n", dict(target="y", positive="yes"), "column 'y' not found"),
+        ("a,y\n1,yes\n2,no\n", dict(target="y", positive="yes", site_column="site"), "column 'site' not found"),
+        ("a,c,y\n1,2,yes\n2,x7,no\n", dict(target="y", positive="yes"),
+         "column 'c' must be numeric, found 'x7' on line 3"),
+        ("a,y\ninf,yes\n2,no\n", dict(target="y", positive="yes"), "column 'a' must be numeric, found 'inf'"),
+        ("a,y\n1,yes\n2,no\n3,maybe\n", dict(target="y", positive="yes"), "exactly one other class"),
+        ("a,y\n1,no\n2,no\n", dict(target="y", positive="yes"), "exactly one other class"),
+        ("a,y\n1,yes\n2,\n", dict(target="y", positive="yes"), "column 'y' has 1 missing value"),
+        ("a,y,s\n1,yes,A\n2,no,\n", dict(target="y", positive="yes", site_column="s"), "column 's' has 1 missing"),
+        ("a,a,y\n1,2,yes\n", dict(target="y", positive="yes"), "duplicate column"),
+        ("a,y\n1,yes\n2\n", dict(target="y", positive="yes"), "line 3: expected 2 fields"),
+        ("y\nyes\nno\n", dict(target="y", positive="yes"), "no feature columns"),
+        ("a,y\n", dict(target="y", positive="yes"), "no records"),
+    ],
+)
+def test_bad_files_name_the_file_and_column(tmp_path, text, kwargs, message):
+    path = write(tmp_path, text)
+    with pytest.raises(DataError, match=message) as info:
+        read_tabular_csv(path, **kwargs)
+    assert str(path) in str(info.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        read_tabular_csv(tmp_path / "absent.csv", target="y", positive=1)
+
+
+def test_sites_need_both_classes():
+    labels = np.array([1, 0, 1, 1, 0, 0])
+    sites = np.array(["A", "A", "B", "B", "C", "C"])
+    with pytest.raises(DataError, match="records.csv: .*B: 2 positive, 0 negative; C: 0 positive, 2 negative"):
+        check_sites_have_both_classes(labels, sites, source="records.csv")
+    check_sites_have_both_classes(labels[:2], sites[:2])  # site A alone has both: no error
