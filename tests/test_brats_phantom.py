@@ -231,3 +231,30 @@ def test_bad_arguments_name_the_argument(tmp_path, argument, value):
     with pytest.raises(ValueError, match=argument):
         generate_brats_phantoms(tmp_path / "brats", **{argument: value})
     assert not (tmp_path / "brats").exists()
+
+
+def test_scanner_bias_noise_and_blur_act_as_documented():
+    anatomy = load_anatomy(4.0)
+    ideal = dataclasses.replace(
+        draw_site_acquisition(0, 1), noise_model="gaussian", noise_sigma=0.0, blur_sigma_mm=0.0, bias_amplitude=0.0
+    )
+
+    def scan(**changes):
+        acquisition = dataclasses.replace(ideal, **changes)
+        return simulate_case(anatomy, acquisition, grade="HGG", rng=np.random.default_rng(0)).image.astype(np.float64)
+
+    reference = scan()
+    brain = reference.min(axis=0) > 0
+    world_mm = nib.affines.apply_affine(anatomy.affine, np.moveaxis(np.indices(brain.shape), 0, -1))
+    near_origin = brain & np.all(np.abs(world_mm) <= phantoms.BIAS_LENGTH_MM, axis=-1)
+    log_bias = np.log(scan(bias_amplitude=0.2)[:, near_origin] / reference[:, near_origin])
+    assert np.abs(log_bias).max() < 0.2 + 0.03  # bounded by the amplitude (+ int16 rounding)
+    assert np.ptp(log_bias) > 0.1  # and not a constant gain
+
+    noise_std = [np.std(scan(noise_sigma=sigma)[:, brain] - reference[:, brain]) for sigma in (0.02, 0.04)]
+    np.testing.assert_allclose(noise_std[1] / noise_std[0], 2.0, rtol=0.02)
+
+    def roughness(image):
+        return np.abs(ndimage.laplace(image[T1])[brain]).mean()
+
+    assert roughness(scan(blur_sigma_mm=3.0)) < 0.8 * roughness(reference)

@@ -111,9 +111,10 @@ class SiteAcquisition:
         gain: global scanner units per unit of relative signal.
         modality_gain: per-modality factor, MODALITIES order.
         modality_offset: per-modality offset, relative signal units.
-        bias_amplitude: largest |log bias| within 100 mm of the brain centre.
-        bias_coefficients: coefficients (sum of |c| = 1) of the log-bias polynomial
-            in the monomials :data:`BIAS_MONOMIALS` of scanner coordinates / 100 mm.
+        bias_amplitude: largest |log bias| within +-:data:`BIAS_LENGTH_MM` of the
+            scanner origin on each axis (about the brain's half width).
+        bias_coefficients: coefficients (sum of |c| = 1) of the log-bias polynomial in the
+            monomials :data:`BIAS_MONOMIALS` of scanner coordinates / BIAS_LENGTH_MM.
         noise_model: ``"rician"`` (magnitude images) or ``"gaussian"``.
         noise_sigma: noise standard deviation, relative signal units.
         blur_sigma_mm: Gaussian point-spread sigma, mm.
@@ -131,6 +132,7 @@ class SiteAcquisition:
 
 
 BIAS_MONOMIALS = ("x", "y", "z", "x*x", "y*y", "z*z", "x*y", "x*z", "y*z")
+BIAS_LENGTH_MM = 70.0
 CASE_GAIN_SIGMA = 0.05
 
 
@@ -222,7 +224,7 @@ def draw_site_acquisition(seed: int, site: int) -> SiteAcquisition:
         gain=float(np.exp(rng.uniform(np.log(300.0), np.log(3000.0)))),
         modality_gain=tuple(float(g) for g in rng.uniform(0.7, 1.4, len(MODALITIES))),
         modality_offset=tuple(float(o) for o in rng.uniform(0.0, 0.1, len(MODALITIES))),
-        bias_amplitude=float(rng.uniform(0.1, 0.3)),
+        bias_amplitude=float(rng.uniform(0.1, 0.35)),
         bias_coefficients=tuple(float(c) for c in coefficients),
         noise_model=str(rng.choice(["rician", "gaussian"])),
         noise_sigma=float(rng.uniform(0.01, 0.05)),
@@ -269,8 +271,8 @@ def load_anatomy(resolution_mm: float) -> Anatomy:
         white_matter_mm=_to_world(affine, white_voxels),
         white_matter_depth_mm=depth_mm[tuple(white_voxels.T)],
     )
-    for array in (anatomy.tissue, anatomy.white_matter_mm, anatomy.white_matter_depth_mm):
-        array.flags.writeable = False
+    for field in dataclasses.fields(anatomy):
+        getattr(anatomy, field.name).flags.writeable = False  # shared by every caller of this cache
     return anatomy
 
 
@@ -411,6 +413,7 @@ def _write_data_set(folder: Path, parameters: dict) -> None:
         "parameters": parameters,
         "class_signal": CLASS_SIGNAL,
         "bias_monomials": BIAS_MONOMIALS,
+        "bias_length_mm": BIAS_LENGTH_MM,
         "case_gain_sigma": CASE_GAIN_SIGMA,
         "sites": [dataclasses.asdict(site) for site in sites],
         "cases": [{"case_id": case_id, "site": site, "grade": grade} for case_id, site, _, grade in plan],
@@ -573,10 +576,8 @@ def _smooth_noise(count: int, shape: tuple[int, ...], resolution_mm: float, rng:
 
 def _bias_field(affine: np.ndarray, shape: tuple[int, ...], acquisition: SiteAcquisition) -> np.ndarray:
     """Multiplicative bias float32 ``(X, Y, Z)``, fixed in scanner coordinates (axis-aligned ``affine``)."""
-    x, y, z = (
-        ((np.arange(n) * affine[axis, axis] + affine[axis, 3]) / 100.0).reshape([n if a == axis else 1 for a in range(3)])
-        for axis, n in enumerate(shape)
-    )
+    voxel_index = np.ogrid[tuple(slice(0, n) for n in shape)]  # three broadcastable 1-D axes
+    x, y, z = ((i * affine[axis, axis] + affine[axis, 3]) / BIAS_LENGTH_MM for axis, i in enumerate(voxel_index))
     monomials = (x, y, z, x * x, y * y, z * z, x * y, x * z, y * z)  # BIAS_MONOMIALS
     log_bias = sum(c * m for c, m in zip(acquisition.bias_coefficients, monomials))
     return np.exp(acquisition.bias_amplitude * np.broadcast_to(log_bias, shape)).astype(np.float32)
