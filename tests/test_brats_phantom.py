@@ -52,7 +52,6 @@ def test_reads_back_through_the_brats_reader_unchanged(generated, marker):
     cases = find_cases(generated)
     grades = {case["case_id"]: case["grade"] for case in marker["cases"]}
     assert [case.case_id for case in cases] == sorted(grades)
-    assert grades["Brats17_SYN2_001_1"] in ("HGG", "LGG")
     brats_to_ours = np.array([0, 1, 2, 255, 3], dtype=np.uint8)
     for case in cases:
         assert (case.layout, case.grade) == ("brats2017", grades[case.case_id])
