@@ -1,0 +1,463 @@
+"""Reader for BraTS brain-tumour MRI in the layouts users download.
+
+Three on-disk layouts are recognised (checked in this order):
+
+``msd``
+    Medical Segmentation Decathlon ``Task01_BrainTumour``: ``root/dataset.json``
+    lists ``imagesTr/*.nii.gz`` (one 4-D file per case, X x Y x Z x 4) with
+    ``labelsTr/*.nii.gz``, and ``imagesTs/*.nii.gz`` without labels. The
+    channel order and the meaning of the label values are read, by name, from
+    dataset.json.
+``brats2017``
+    BraTS 2017-2019: ``root/HGG|LGG/<case>/<case>_{flair,t1,t1ce,t2,seg}.nii.gz``.
+``brats2020``
+    BraTS 2020/2021: ``root/<case>/<case>_{flair,t1,t1ce,t2,seg}.nii[.gz]``
+    (files at ``root`` such as ``name_mapping.csv`` are ignored).
+
+BraTS segmentations use {0, 1, 2, 4} (4 = enhancing; the value 3 was retired
+in 2017 and is rejected). Every layout is converted to medfed's convention:
+images are float32 ``(4, X, Y, Z)`` in :data:`MODALITIES` order, labels are
+uint8 :class:`TumourLabel` values.
+
+Names starting with ``.`` (including macOS ``._*`` resource forks shipped in
+the MSD archive) are ignored everywhere.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+from nibabel.filebasedimages import ImageFileError
+
+from medfed.errors import DataError
+
+MODALITIES = ("flair", "t1", "t1ce", "t2")
+"""Channel order of every image array medfed produces."""
+
+
+class TumourLabel(enum.IntEnum):
+    """Voxel classes of medfed's label arrays."""
+
+    BACKGROUND = 0
+    NECROTIC_CORE = 1  # necrotic and non-enhancing tumour core (NCR/NET)
+    OEDEMA = 2
+    ENHANCING = 3
+
+
+WHOLE_TUMOUR = (TumourLabel.NECROTIC_CORE, TumourLabel.OEDEMA, TumourLabel.ENHANCING)
+TUMOUR_CORE = (TumourLabel.NECROTIC_CORE, TumourLabel.ENHANCING)
+ENHANCING_TUMOUR = (TumourLabel.ENHANCING,)
+
+BRATS_LABEL_CODES = (
+    (0, TumourLabel.BACKGROUND),
+    (1, TumourLabel.NECROTIC_CORE),
+    (2, TumourLabel.OEDEMA),
+    (4, TumourLabel.ENHANCING),
+)
+"""(value in a BraTS 2017+ segmentation file, TumourLabel) pairs."""
+
+_NIFTI_SUFFIXES = (".nii.gz", ".nii")
+_INVALID = 255  # marks label-file values outside a layout's convention in a lookup table
+
+# Names used in MSD dataset.json files, compared after lower-casing and dropping
+# everything but letters and digits.
+_MSD_MODALITY_NAMES = {
+    "flair": "flair",
+    "t1": "t1",
+    "t1w": "t1",
+    "t1gd": "t1ce",
+    "t1ce": "t1ce",
+    "t1c": "t1ce",
+    "t2": "t2",
+    "t2w": "t2",
+}
+_MSD_LABEL_NAMES = {
+    "background": TumourLabel.BACKGROUND,
+    "edema": TumourLabel.OEDEMA,
+    "oedema": TumourLabel.OEDEMA,
+    "nonenhancingtumor": TumourLabel.NECROTIC_CORE,
+    "nonenhancingtumour": TumourLabel.NECROTIC_CORE,
+    "necrosis": TumourLabel.NECROTIC_CORE,
+    "necroticcore": TumourLabel.NECROTIC_CORE,
+    "enhancingtumor": TumourLabel.ENHANCING,
+    "enhancingtumour": TumourLabel.ENHANCING,
+}
+
+_LAYOUTS_LOOKED_FOR = (
+    "MSD Task01_BrainTumour (root/dataset.json with imagesTr/, labelsTr/, imagesTs/); "
+    "BraTS 2017-2019 (root/HGG|LGG/<case>/<case>_{flair,t1,t1ce,t2,seg}.nii.gz); "
+    "BraTS 2020/2021 (root/<case>/<case>_{flair,t1,t1ce,t2,seg}.nii[.gz])"
+)
+
+
+def whole_tumour(label: np.ndarray) -> np.ndarray:
+    """Whole-tumour mask (necrotic core, oedema and enhancing): bool, same shape as ``label``."""
+    return np.isin(label, WHOLE_TUMOUR)
+
+
+def tumour_core(label: np.ndarray) -> np.ndarray:
+    """Tumour-core mask (necrotic core and enhancing): bool, same shape as ``label``."""
+    return np.isin(label, TUMOUR_CORE)
+
+
+def enhancing_tumour(label: np.ndarray) -> np.ndarray:
+    """Enhancing-tumour mask: bool, same shape as ``label``."""
+    return np.isin(label, ENHANCING_TUMOUR)
+
+
+@dataclass(frozen=True)
+class BratsCase:
+    """Where one case's files are and how to interpret them.
+
+    Attributes:
+        case_id: the case folder name (BraTS) or file name without suffix (MSD).
+        layout: ``"brats2017"``, ``"brats2020"`` or ``"msd"``.
+        image_files: four files in :data:`MODALITIES` order, or one 4-D file (MSD).
+        label_file: the segmentation, or None where the data set has no labels
+            (e.g. MSD ``imagesTs``, BraTS validation releases).
+        grade: ``"HGG"`` / ``"LGG"`` for the 2017-2019 layout, else None.
+        label_codes: ``(value in label_file, TumourLabel)`` for every allowed value.
+        channel_index: for a single 4-D image file, the index along its last
+            axis of each modality in :data:`MODALITIES` order; None otherwise.
+    """
+
+    case_id: str
+    layout: str
+    image_files: tuple[Path, ...]
+    label_file: Path | None
+    grade: str | None
+    label_codes: tuple[tuple[int, TumourLabel], ...] = BRATS_LABEL_CODES
+    channel_index: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class BratsVolume:
+    """One case in medfed's convention.
+
+    Attributes:
+        case_id: as in :class:`BratsCase`.
+        image: float32 ``(4, X, Y, Z)``, :data:`MODALITIES` order, raw scanner intensities.
+        label: uint8 ``(X, Y, Z)`` of :class:`TumourLabel` values, or None when
+            the case has no label file.
+        affine: float64 ``(4, 4)`` voxel index -> world coordinates (mm), from
+            the first image file.
+    """
+
+    case_id: str
+    image: np.ndarray
+    label: np.ndarray | None
+    affine: np.ndarray
+
+
+def find_cases(root: str | Path) -> list[BratsCase]:
+    """List every case under ``root``, detecting its layout; sorted by case_id.
+
+    Raises:
+        DataError: ``root`` is missing, matches none of the layouts, a case
+            lacks a modality file, dataset.json is malformed or uses unknown
+            names, or only some cases have segmentations.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"{root}: BraTS root folder not found")
+    if (root / "dataset.json").is_file():
+        cases = _find_msd_cases(root / "dataset.json")
+    else:
+        cases = _find_brats_cases(root)
+    if not cases:
+        raise DataError(f"{root}: no BraTS cases found; looked for {_LAYOUTS_LOOKED_FOR}")
+    _check_case_ids_unique(root, cases)
+    return sorted(cases, key=lambda case: case.case_id)
+
+
+def load_case(case: BratsCase) -> BratsVolume:
+    """Read one case's images and label into medfed's convention.
+
+    Raises:
+        DataError: a file is missing or unreadable, the modalities or the label
+            disagree in shape, voxels are NaN/Inf, or the label holds values
+            outside the layout's convention. Each message names the file.
+    """
+    if case.channel_index is None:
+        image, affine = _read_modality_files(case.image_files)
+    else:
+        image, affine = _read_four_d_image(case.image_files[0], case.channel_index)
+    label = None
+    if case.label_file is not None:
+        raw_label, _ = _read_nifti(case.label_file)
+        if raw_label.shape != image.shape[1:]:
+            raise DataError(
+                f"{case.label_file}: label shape {raw_label.shape} differs from the image shape "
+                f"{image.shape[1:]} of {case.image_files[0]}"
+            )
+        label = _to_tumour_labels(raw_label, case.label_codes, case.label_file)
+    return BratsVolume(case_id=case.case_id, image=image, label=label, affine=affine)
+
+
+# --- layout detection -------------------------------------------------------
+
+
+def _visible(path: Path) -> bool:
+    return not path.name.startswith(".")
+
+
+def _is_nifti(path: Path) -> bool:
+    return path.is_file() and path.name.endswith(_NIFTI_SUFFIXES)
+
+
+def _find_brats_cases(root: Path) -> list[BratsCase]:
+    """Cases of the 2017-2019 layout (``HGG``/``LGG`` folders) or else the 2020/2021 layout."""
+    if (root / "HGG").is_dir() or (root / "LGG").is_dir():
+        cases = [
+            _case_from_folder(folder, "brats2017", grade)
+            for grade in ("HGG", "LGG")
+            if (root / grade).is_dir()
+            for folder in _case_folders(root / grade)
+        ]
+    else:
+        cases = [_case_from_folder(folder, "brats2020", None) for folder in _case_folders(root)]
+    _check_labels_all_or_none(root, cases)
+    return cases
+
+
+def _case_folders(parent: Path) -> list[Path]:
+    """Visible sub-folders of ``parent`` that hold at least one visible NIfTI file."""
+    return [
+        folder
+        for folder in sorted(parent.iterdir())
+        if folder.is_dir() and _visible(folder) and any(_is_nifti(f) and _visible(f) for f in folder.iterdir())
+    ]
+
+
+def _case_from_folder(folder: Path, layout: str, grade: str | None) -> BratsCase:
+    """A BraTS case folder ``<case>/<case>_{flair,t1,t1ce,t2,seg}.nii[.gz]``."""
+    case_id = folder.name
+    image_files = tuple(_named_nifti(folder, case_id, modality, required=True) for modality in MODALITIES)
+    label_file = _named_nifti(folder, case_id, "seg", required=False)
+    if label_file is None:
+        label_file = _misnamed_segmentation(folder, image_files)
+    return BratsCase(case_id=case_id, layout=layout, image_files=image_files, label_file=label_file, grade=grade)
+
+
+def _named_nifti(folder: Path, case_id: str, kind: str, *, required: bool) -> Path | None:
+    """``folder/<case_id>_<kind>.nii.gz`` or ``.nii``; None (or DataError if required) when absent."""
+    candidates = [folder / f"{case_id}_{kind}{suffix}" for suffix in _NIFTI_SUFFIXES]
+    present = [path for path in candidates if path.is_file()]
+    if len(present) > 1:
+        raise DataError(f"{folder}: both {present[0].name} and {present[1].name} exist; keep one")
+    if present:
+        return present[0]
+    if required:
+        raise DataError(f"{folder}: missing the {kind} image; expected {candidates[0]} (or {candidates[1].name})")
+    return None
+
+
+def _misnamed_segmentation(folder: Path, image_files: tuple[Path, ...]) -> Path | None:
+    """The single NIfTI file whose name contains "seg" (case-insensitive), if any.
+
+    Accepts known misnamed segmentations such as BraTS 2020 case 355's
+    ``W39_1998.09.19_Segm.nii``.
+    """
+    candidates = [
+        path
+        for path in sorted(folder.iterdir())
+        if _visible(path) and _is_nifti(path) and "seg" in path.name.lower() and path not in image_files
+    ]
+    if len(candidates) > 1:
+        names = ", ".join(path.name for path in candidates)
+        raise DataError(f"{folder}: no {folder.name}_seg.nii[.gz] and several possible segmentations: {names}")
+    return candidates[0] if candidates else None
+
+
+def _find_msd_cases(dataset_json: Path) -> list[BratsCase]:
+    """Cases listed in an MSD ``dataset.json`` ("training" with labels, "test" without)."""
+    root = dataset_json.parent
+    try:
+        spec = json.loads(dataset_json.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DataError(f"{dataset_json}: not a readable JSON file ({error})") from error
+    if not isinstance(spec, dict) or not isinstance(spec.get("training"), list):
+        raise DataError(f"{dataset_json}: expected a JSON object with a 'training' list")
+    channel_index = _msd_channel_index(dataset_json, spec)
+    label_codes = _msd_label_codes(dataset_json, spec)
+    cases = []
+    for entry in spec["training"]:
+        if not isinstance(entry, dict) or "image" not in entry or "label" not in entry:
+            raise DataError(f"{dataset_json}: each 'training' entry must have 'image' and 'label', found {entry!r}")
+        cases.append(_msd_case(dataset_json, root, entry["image"], entry["label"], channel_index, label_codes))
+    test = spec.get("test", [])
+    if not isinstance(test, list) or not all(isinstance(image, str) for image in test):
+        raise DataError(f"{dataset_json}: 'test' must be a list of image paths, found {test!r}")
+    for image in test:
+        cases.append(_msd_case(dataset_json, root, image, None, channel_index, label_codes))
+    return cases
+
+
+def _msd_case(
+    dataset_json: Path,
+    root: Path,
+    image: str,
+    label: str | None,
+    channel_index: tuple[int, ...],
+    label_codes: tuple[tuple[int, TumourLabel], ...],
+) -> BratsCase:
+    image_file = root / image
+    label_file = None if label is None else root / label
+    for path in (image_file, label_file):
+        if path is not None and not path.is_file():
+            raise DataError(f"{dataset_json}: lists {path}, which does not exist")
+    case_id = image_file.name.removesuffix(".gz").removesuffix(".nii")
+    return BratsCase(
+        case_id=case_id,
+        layout="msd",
+        image_files=(image_file,),
+        label_file=label_file,
+        grade=None,
+        label_codes=label_codes,
+        channel_index=channel_index,
+    )
+
+
+def _normalised_name(name: object) -> str:
+    return "".join(character for character in str(name).lower() if character.isalnum())
+
+
+def _msd_channel_index(dataset_json: Path, spec: dict) -> tuple[int, ...]:
+    """Index along the 4-D image's last axis of each of MODALITIES, from dataset.json "modality"."""
+    modality = spec.get("modality")
+    if not isinstance(modality, dict):
+        raise DataError(f"{dataset_json}: expected a 'modality' object such as {{\"0\": \"FLAIR\", ...}}")
+    channel_of: dict[str, int] = {}
+    for channel, name in modality.items():
+        ours = _MSD_MODALITY_NAMES.get(_normalised_name(name))
+        if ours is None or not str(channel).isdigit():
+            raise DataError(
+                f"{dataset_json}: modality {channel!r}: {name!r} is not understood; "
+                f"expected integer channels named one of {sorted(_MSD_MODALITY_NAMES)}"
+            )
+        if ours in channel_of:
+            raise DataError(f"{dataset_json}: two channels are {ours}: {channel_of[ours]} and {channel}")
+        channel_of[ours] = int(channel)
+    if sorted(channel_of.values()) != list(range(len(channel_of))) or set(channel_of) != set(MODALITIES):
+        raise DataError(
+            f"{dataset_json}: 'modality' must name channels 0..{len(MODALITIES) - 1} as "
+            f"{', '.join(MODALITIES)} (in any order), found {modality}"
+        )
+    return tuple(channel_of[name] for name in MODALITIES)
+
+
+def _msd_label_codes(dataset_json: Path, spec: dict) -> tuple[tuple[int, TumourLabel], ...]:
+    """(file value, TumourLabel) pairs from dataset.json "labels", matched by name."""
+    labels = spec.get("labels")
+    if not isinstance(labels, dict):
+        raise DataError(f"{dataset_json}: expected a 'labels' object such as {{\"0\": \"background\", ...}}")
+    codes = []
+    for value, name in labels.items():
+        ours = _MSD_LABEL_NAMES.get(_normalised_name(name))
+        if ours is None or not str(value).isdigit():
+            raise DataError(
+                f"{dataset_json}: label {value!r}: {name!r} is not understood; "
+                f"expected integer values named one of {sorted(_MSD_LABEL_NAMES)}"
+            )
+        codes.append((int(value), ours))
+    return tuple(sorted(codes))
+
+
+def _check_case_ids_unique(root: Path, cases: list[BratsCase]) -> None:
+    seen: dict[str, BratsCase] = {}
+    for case in cases:
+        if case.case_id in seen:
+            raise DataError(
+                f"{root}: case {case.case_id!r} appears twice: {seen[case.case_id].image_files[0]} "
+                f"and {case.image_files[0]}"
+            )
+        seen[case.case_id] = case
+
+
+def _check_labels_all_or_none(root: Path, cases: list[BratsCase]) -> None:
+    """BraTS folders are either training data (all labelled) or validation data (none)."""
+    unlabelled = [case.case_id for case in cases if case.label_file is None]
+    if 0 < len(unlabelled) < len(cases):
+        shown = ", ".join(unlabelled[:5]) + (" ..." if len(unlabelled) > 5 else "")
+        raise DataError(
+            f"{root}: {len(unlabelled)} of {len(cases)} cases have no segmentation "
+            f"(<case>_seg.nii[.gz]): {shown}"
+        )
+
+
+# --- reading ----------------------------------------------------------------
+
+
+def _read_nifti(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The voxel array (file dtype, scaling applied) and float64 (4, 4) affine of a NIfTI file."""
+    try:
+        image = nib.load(path)
+        data = np.asanyarray(image.dataobj)
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except (ImageFileError, OSError, EOFError, zlib.error, ValueError) as error:
+        raise DataError(f"{path}: cannot be read as NIfTI: {error}") from error
+    return data, np.asarray(image.affine, dtype=np.float64)
+
+
+def _finite_float32(data: np.ndarray, path: Path) -> np.ndarray:
+    array = np.asarray(data, dtype=np.float32)
+    bad = array.size - np.count_nonzero(np.isfinite(array))
+    if bad:
+        raise DataError(f"{path}: {bad} voxels are NaN or infinite")
+    return array
+
+
+def _read_modality_files(files: tuple[Path, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Four 3-D files -> float32 (4, X, Y, Z) and the first file's affine."""
+    volumes = []
+    affines = []
+    for path in files:
+        data, affine = _read_nifti(path)
+        if data.ndim != 3:
+            raise DataError(f"{path}: expected a 3-D image, found shape {data.shape}")
+        volumes.append(_finite_float32(data, path))
+        affines.append(affine)
+    if len({volume.shape for volume in volumes}) > 1:
+        listing = "; ".join(f"{path.name}: {volume.shape}" for path, volume in zip(files, volumes))
+        raise DataError(f"{files[0].parent}: modalities differ in shape ({listing})")
+    return np.stack(volumes), affines[0]
+
+
+def _read_four_d_image(path: Path, channel_index: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """One X x Y x Z x C file -> float32 (4, X, Y, Z) reordered to MODALITIES, and its affine."""
+    data, affine = _read_nifti(path)
+    if data.ndim != 4 or data.shape[-1] != len(channel_index):
+        raise DataError(
+            f"{path}: expected a 4-D image X x Y x Z x {len(channel_index)} "
+            f"(one channel per modality in dataset.json), found shape {data.shape}"
+        )
+    channels_first = np.moveaxis(data, -1, 0)[list(channel_index)]
+    return np.ascontiguousarray(_finite_float32(channels_first, path)), affine
+
+
+def _to_tumour_labels(raw: np.ndarray, codes: tuple[tuple[int, TumourLabel], ...], path: Path) -> np.ndarray:
+    """Map label-file values to uint8 TumourLabel values through a lookup table."""
+    if raw.ndim != 3:
+        raise DataError(f"{path}: expected a 3-D label volume, found shape {raw.shape}")
+    if np.issubdtype(raw.dtype, np.floating):
+        _finite_float32(raw, path)
+    values = raw.astype(np.int64)
+    lut = np.full(max(code for code, _ in codes) + 1, _INVALID, dtype=np.uint8)
+    for code, label in codes:
+        lut[code] = label
+    in_range = (values >= 0) & (values < lut.size)
+    mapped = lut[np.where(in_range, values, 0)]
+    invalid = ~in_range | (mapped == _INVALID) | (values != raw)
+    if invalid.any():
+        bad = np.unique(raw[invalid])
+        shown = ", ".join(f"{value:g}" for value in bad[:10]) + (" ..." if bad.size > 10 else "")
+        allowed = ", ".join(f"{code} ({label.name.lower()})" for code, label in codes)
+        raise DataError(f"{path}: label values {shown} are not allowed; expected only {allowed}")
+    return mapped

@@ -1,0 +1,338 @@
+"""BraTS reader: every layout round-trips tiny written volumes; every bad input names its file."""
+
+import gzip
+import json
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from medfed.data.brats import (
+    MODALITIES,
+    TumourLabel,
+    enhancing_tumour,
+    find_cases,
+    load_case,
+    tumour_core,
+    whole_tumour,
+)
+from medfed.errors import DataError
+
+SHAPE = (8, 8, 6)
+AFFINE = np.array([[-1.0, 0, 0, 90], [0, -1.0, 0, 126], [0, 0, 1.0, -72], [0, 0, 0, 1]])
+BRATS_VALUES = np.array([0, 1, 2, 4], dtype=np.uint8)
+BRATS_TO_OURS = {0: 0, 1: 1, 2: 2, 4: 3}
+
+
+def write_nifti(path, data, affine=AFFINE):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nib.save(nib.Nifti1Image(data, affine), path)
+    return path
+
+
+def random_images(rng, shape=SHAPE):
+    """int16 (4, X, Y, Z), each modality in its own intensity range so a mix-up shows."""
+    return np.stack([rng.integers(1000 * m, 1000 * m + 500, size=shape, dtype=np.int16) for m in range(4)])
+
+
+def random_brats_seg(rng, shape=SHAPE):
+    seg = rng.choice(BRATS_VALUES, size=shape).astype(np.uint8)
+    seg.flat[:4] = BRATS_VALUES  # every value present
+    return seg
+
+
+def write_brats_case(folder, rng, *, suffix=".nii.gz", seg_name=None, with_seg=True):
+    """``folder/<case>_{flair,t1,t1ce,t2,seg}<suffix>``; returns (images, seg)."""
+    case_id = folder.name
+    images = random_images(rng)
+    for modality, volume in zip(MODALITIES, images):
+        write_nifti(folder / f"{case_id}_{modality}{suffix}", volume)
+    seg = random_brats_seg(rng)
+    if with_seg:
+        write_nifti(folder / (seg_name or f"{case_id}_seg{suffix}"), seg)
+    return images, seg
+
+
+def ours(seg):
+    return np.vectorize(BRATS_TO_OURS.get)(seg).astype(np.uint8)
+
+
+def only_case(root):
+    (case,) = find_cases(root)
+    return case
+
+
+# --- layouts ----------------------------------------------------------------
+
+
+def test_brats2017_layout_round_trips_with_label_4_becoming_3(tmp_path):
+    rng = np.random.default_rng(0)
+    written = {
+        "Brats17_TCIA_105_1": ("HGG", write_brats_case(tmp_path / "HGG" / "Brats17_TCIA_105_1", rng)),
+        "Brats17_2013_0_1": ("LGG", write_brats_case(tmp_path / "LGG" / "Brats17_2013_0_1", rng)),
+    }
+    cases = find_cases(tmp_path)
+    assert [case.case_id for case in cases] == sorted(written)
+    for case in cases:
+        grade, (images, seg) = written[case.case_id]
+        assert (case.layout, case.grade) == ("brats2017", grade)
+        volume = load_case(case)
+        assert volume.image.dtype == np.float32 and volume.image.shape == (4, *SHAPE)
+        np.testing.assert_array_equal(volume.image, images.astype(np.float32))
+        assert volume.label.dtype == np.uint8
+        np.testing.assert_array_equal(volume.label, ours(seg))
+        assert volume.affine.dtype == np.float64
+        np.testing.assert_array_equal(volume.affine, AFFINE)
+
+
+def test_brats2020_layout_uncompressed_with_misnamed_seg_and_stray_files(tmp_path):
+    rng = np.random.default_rng(1)
+    (tmp_path / "name_mapping.csv").write_text("BraTS_2020_subject_ID\nBraTS20_Training_001\n")
+    (tmp_path / "survival_info.csv").write_text("Brats20ID,Age\n")
+    (tmp_path / "__MACOSX").mkdir()
+    (tmp_path / "__MACOSX" / "._BraTS20_Training_001").write_bytes(b"\x00\x05\x16\x07")
+    normal = write_brats_case(tmp_path / "BraTS20_Training_001", rng, suffix=".nii")
+    quirk_folder = tmp_path / "BraTS20_Training_355"
+    quirk = write_brats_case(quirk_folder, rng, suffix=".nii", seg_name="W39_1998.09.19_Segm.nii")
+    (quirk_folder / "._W39_1998.09.19_Segm.nii").write_bytes(b"\x00\x05\x16\x07")  # macOS resource fork
+    cases = find_cases(tmp_path)
+    assert [case.case_id for case in cases] == ["BraTS20_Training_001", "BraTS20_Training_355"]
+    assert cases[1].label_file == quirk_folder / "W39_1998.09.19_Segm.nii"
+    for case, (images, seg) in zip(cases, (normal, quirk)):
+        assert (case.layout, case.grade) == ("brats2020", None)
+        volume = load_case(case)
+        np.testing.assert_array_equal(volume.image, images.astype(np.float32))
+        np.testing.assert_array_equal(volume.label, ours(seg))
+
+
+def test_brats_validation_folders_without_any_seg_have_no_label(tmp_path):
+    rng = np.random.default_rng(2)
+    images, _ = write_brats_case(tmp_path / "BraTS20_Validation_001", rng, with_seg=False)
+    case = only_case(tmp_path)
+    assert case.label_file is None
+    volume = load_case(case)
+    assert volume.label is None
+    np.testing.assert_array_equal(volume.image, images.astype(np.float32))
+
+
+MSD_NAMES = {"flair": "FLAIR", "t1": "T1w", "t1ce": "t1gd", "t2": "T2w"}  # as in the real dataset.json
+REAL_MSD_MODALITY = {str(channel): MSD_NAMES[m] for channel, m in enumerate(MODALITIES)}
+REAL_MSD_LABELS = {"0": "background", "1": "edema", "2": "non-enhancing tumor", "3": "enhancing tumour"}
+
+
+def write_msd(root, rng, *, disk_order=MODALITIES):
+    """Two training cases and one test case, channels stored in ``disk_order``.
+
+    Returns {case_id: (images in MODALITIES order, raw MSD label)}.
+    """
+    written = {}
+    training = []
+    for number in (2, 1, 3):
+        case_id = f"BRATS_{number:03d}"
+        images = random_images(rng).astype(np.float32)
+        on_disk = np.stack([images[MODALITIES.index(m)] for m in disk_order], axis=-1)
+        label = rng.integers(0, 4, size=SHAPE, dtype=np.uint8)
+        folder = "imagesTs" if number == 3 else "imagesTr"
+        write_nifti(root / folder / f"{case_id}.nii.gz", on_disk)
+        (root / folder / f"._{case_id}.nii.gz").write_bytes(b"\x00\x05\x16\x07")
+        if number != 3:
+            write_nifti(root / "labelsTr" / f"{case_id}.nii.gz", label)
+            (root / "labelsTr" / f"._{case_id}.nii.gz").write_bytes(b"\x00\x05\x16\x07")
+            training.append({"image": f"./imagesTr/{case_id}.nii.gz", "label": f"./labelsTr/{case_id}.nii.gz"})
+        written[case_id] = (images, label)
+    spec = {
+        "name": "BRATS",
+        "tensorImageSize": "4D",
+        "modality": {str(channel): MSD_NAMES[m] for channel, m in enumerate(disk_order)},
+        "labels": REAL_MSD_LABELS,
+        "numTraining": 2,
+        "numTest": 1,
+        "training": training,
+        "test": ["./imagesTs/BRATS_003.nii.gz"],
+    }
+    (root / "dataset.json").write_text(json.dumps(spec))
+    return written
+
+
+@pytest.mark.parametrize("disk_order", [MODALITIES, ("t2", "t1ce", "flair", "t1")], ids=["real", "permuted"])
+def test_msd_layout_maps_channels_and_labels_by_name(tmp_path, disk_order):
+    written = write_msd(tmp_path, np.random.default_rng(3), disk_order=disk_order)
+    cases = find_cases(tmp_path)
+    assert [case.case_id for case in cases] == ["BRATS_001", "BRATS_002", "BRATS_003"]
+    msd_to_ours = np.array(  # MSD values 0 background, 1 edema, 2 non-enhancing tumour, 3 enhancing
+        [TumourLabel.BACKGROUND, TumourLabel.OEDEMA, TumourLabel.NECROTIC_CORE, TumourLabel.ENHANCING]
+    )
+    for case in cases:
+        images, label = written[case.case_id]
+        volume = load_case(case)
+        assert case.layout == "msd"
+        np.testing.assert_array_equal(volume.image, images)
+        if case.case_id == "BRATS_003":
+            assert case.label_file is None and volume.label is None
+        else:
+            np.testing.assert_array_equal(volume.label, msd_to_ours[label])
+
+
+def test_region_masks():
+    label = np.array([0, 1, 2, 3], dtype=np.uint8)
+    np.testing.assert_array_equal(whole_tumour(label), [False, True, True, True])
+    np.testing.assert_array_equal(tumour_core(label), [False, True, False, True])
+    np.testing.assert_array_equal(enhancing_tumour(label), [False, False, False, True])
+
+
+# --- bad input ----------------------------------------------------------------
+
+
+def test_missing_root(tmp_path):
+    with pytest.raises(DataError, match="not found") as info:
+        find_cases(tmp_path / "nowhere")
+    assert str(tmp_path / "nowhere") in str(info.value)
+
+
+def test_nothing_matches_lists_the_layouts(tmp_path):
+    (tmp_path / "notes.txt").write_text("no images here")
+    with pytest.raises(DataError) as info:
+        find_cases(tmp_path)
+    for layout in ("dataset.json", "HGG|LGG", "BraTS 2020"):
+        assert layout in str(info.value)
+
+
+def test_missing_modality_names_the_modality_and_expected_path(tmp_path):
+    folder = tmp_path / "HGG" / "Brats17_A_1"
+    write_brats_case(folder, np.random.default_rng(4))
+    (folder / "Brats17_A_1_t1ce.nii.gz").unlink()
+    with pytest.raises(DataError, match="missing the t1ce image") as info:
+        find_cases(tmp_path)
+    assert str(folder / "Brats17_A_1_t1ce.nii.gz") in str(info.value)
+
+
+def test_some_cases_without_seg(tmp_path):
+    rng = np.random.default_rng(5)
+    write_brats_case(tmp_path / "BraTS20_Training_001", rng)
+    write_brats_case(tmp_path / "BraTS20_Training_002", rng, with_seg=False)
+    with pytest.raises(DataError, match="1 of 2 cases have no segmentation") as info:
+        find_cases(tmp_path)
+    assert "BraTS20_Training_002" in str(info.value)
+
+
+def test_modalities_of_different_shapes_are_listed(tmp_path):
+    folder = tmp_path / "Case_1"
+    write_brats_case(folder, np.random.default_rng(6))
+    write_nifti(folder / "Case_1_t2.nii.gz", np.zeros((8, 8, 5), dtype=np.int16))
+    with pytest.raises(DataError, match="differ in shape") as info:
+        load_case(only_case(tmp_path))
+    assert "Case_1_t2.nii.gz: (8, 8, 5)" in str(info.value)
+    assert "Case_1_flair.nii.gz: (8, 8, 6)" in str(info.value)
+
+
+def test_label_shape_differs_from_image(tmp_path):
+    folder = tmp_path / "Case_1"
+    write_brats_case(folder, np.random.default_rng(7))
+    write_nifti(folder / "Case_1_seg.nii.gz", np.zeros((8, 8, 5), dtype=np.uint8))
+    with pytest.raises(DataError, match=r"label shape \(8, 8, 5\) differs") as info:
+        load_case(only_case(tmp_path))
+    assert "Case_1_seg.nii.gz" in str(info.value)
+
+
+def test_brats_label_3_is_rejected(tmp_path):
+    folder = tmp_path / "Case_1"
+    _, seg = write_brats_case(folder, np.random.default_rng(8))
+    seg[0, 0, 0], seg[1, 0, 0] = 3, 7
+    write_nifti(folder / "Case_1_seg.nii.gz", seg)
+    with pytest.raises(DataError, match="label values 3, 7 are not allowed") as info:
+        load_case(only_case(tmp_path))
+    assert "Case_1_seg.nii.gz" in str(info.value)
+    assert "4 (enhancing)" in str(info.value)
+
+
+def test_fractional_label_value_is_rejected(tmp_path):
+    folder = tmp_path / "Case_1"
+    _, seg = write_brats_case(folder, np.random.default_rng(9))
+    seg = seg.astype(np.float32)
+    seg[2, 2, 2] = 1.5
+    write_nifti(folder / "Case_1_seg.nii.gz", seg)
+    with pytest.raises(DataError, match="label values 1.5 are not allowed") as info:
+        load_case(only_case(tmp_path))
+    assert "Case_1_seg.nii.gz" in str(info.value)
+
+
+def test_msd_label_outside_dataset_json_is_rejected(tmp_path):
+    write_msd(tmp_path, np.random.default_rng(10))
+    label = np.zeros(SHAPE, dtype=np.uint8)
+    label[0, 0, :2] = 4
+    path = write_nifti(tmp_path / "labelsTr" / "BRATS_001.nii.gz", label)
+    with pytest.raises(DataError, match="label values 4 are not allowed") as info:
+        load_case(find_cases(tmp_path)[0])
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("bad_value", [np.nan, np.inf])
+def test_non_finite_voxels_are_counted(tmp_path, bad_value):
+    folder = tmp_path / "Case_1"
+    images, _ = write_brats_case(folder, np.random.default_rng(11))
+    t2 = images[3].astype(np.float32)
+    t2[0, 0, :3] = bad_value
+    path = write_nifti(folder / "Case_1_t2.nii.gz", t2)
+    with pytest.raises(DataError, match="3 voxels are NaN or infinite") as info:
+        load_case(only_case(tmp_path))
+    assert str(path) in str(info.value)
+
+
+def corrupt_gzip(path):
+    path.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(200)))
+
+
+def not_nifti(path):
+    path.write_bytes(gzip.compress(b"this is a text file, not an image\n" * 20))
+
+
+def truncated(path):
+    """A file large enough that its header survives while the last quarter of the voxel data is gone."""
+    write_nifti(path, np.random.default_rng(0).integers(0, 500, size=(48, 48, 48), dtype=np.int16))
+    path.write_bytes(path.read_bytes()[: path.stat().st_size * 3 // 4])
+
+
+@pytest.mark.parametrize("damage", [corrupt_gzip, not_nifti, truncated])
+@pytest.mark.parametrize("suffix", [".nii.gz", ".nii"])
+def test_unreadable_files_are_wrapped(tmp_path, damage, suffix):
+    folder = tmp_path / "Case_1"
+    write_brats_case(folder, np.random.default_rng(12), suffix=suffix)
+    path = folder / f"Case_1_t1{suffix}"
+    damage(path)
+    with pytest.raises(DataError, match="cannot be read as NIfTI") as info:
+        load_case(only_case(tmp_path))
+    assert str(path) in str(info.value)
+
+
+def test_msd_image_with_wrong_channel_count(tmp_path):
+    write_msd(tmp_path, np.random.default_rng(13))
+    path = write_nifti(tmp_path / "imagesTr" / "BRATS_002.nii.gz", np.zeros((*SHAPE, 3), dtype=np.float32))
+    with pytest.raises(DataError, match=r"X x Y x Z x 4 .* found shape \(8, 8, 6, 3\)") as info:
+        load_case(find_cases(tmp_path)[1])
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "modality, labels, message",
+    [
+        ({**REAL_MSD_MODALITY, "3": "DWI"}, REAL_MSD_LABELS, "modality '3': 'DWI' is not understood"),
+        (REAL_MSD_MODALITY, {**REAL_MSD_LABELS, "2": "calcification"}, "label '2': 'calcification' is not understood"),
+    ],
+)
+def test_msd_unknown_names_in_dataset_json(tmp_path, modality, labels, message):
+    write_msd(tmp_path, np.random.default_rng(14))
+    spec = json.loads((tmp_path / "dataset.json").read_text())
+    spec["modality"], spec["labels"] = modality, labels
+    (tmp_path / "dataset.json").write_text(json.dumps(spec))
+    with pytest.raises(DataError, match=message) as info:
+        find_cases(tmp_path)
+    assert str(tmp_path / "dataset.json") in str(info.value)
+
+
+def test_msd_listed_file_missing(tmp_path):
+    write_msd(tmp_path, np.random.default_rng(15))
+    (tmp_path / "labelsTr" / "BRATS_002.nii.gz").unlink()
+    with pytest.raises(DataError, match="does not exist") as info:
+        find_cases(tmp_path)
+    assert str(tmp_path / "labelsTr" / "BRATS_002.nii.gz") in str(info.value)
+    assert "dataset.json" in str(info.value)
