@@ -26,7 +26,7 @@ from medfed.data.federation import Federation, SiteData, assign_subjects_to_site
 from medfed.data.partition_csv import read_partition_csv
 from medfed.data.patches import extract_axial_patches, sample_centres, tumour_free_centres, zscore_over_brain
 from medfed.data.phantoms.brats import describe_generated, generate_brats_phantoms
-from medfed.errors import ConfigError
+from medfed.errors import ConfigError, DataError
 
 NAME = "brats"
 DEFAULT_MODEL = "unet"
@@ -74,6 +74,7 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
             cases_per_site=options.generate.cases_per_site,
             seed=options.generate.seed,
             resolution_mm=options.generate.resolution_mm,
+            progress=progress,
         )
     cases = {case.case_id: case for case in find_cases(root)}
     partition_file = Path(options.partition_csv) if options.partition_csv else root / "partitioning.csv"
@@ -136,6 +137,8 @@ def _missing_channel_sites(federation: FederationConfig) -> tuple[set[int], int 
 def _case_patches(case, options: Options, rng: np.random.Generator, drop_channel: int | None) -> tuple[np.ndarray, np.ndarray]:
     """Patches of one case: ``x`` float32 (n, 4, P, P), ``y`` int64 (n, P, P) whole tumour vs background."""
     volume = load_case(case)
+    if volume.label is None:
+        raise DataError(f"case {case.case_id} has no segmentation; training and testing need labelled cases")
     image = zscore_over_brain(volume.image)
     if drop_channel is not None:
         image[drop_channel] = 0.0

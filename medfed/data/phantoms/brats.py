@@ -161,6 +161,7 @@ def generate_brats_phantoms(
     seed: int = 0,
     resolution_mm: float = 2.0,
     lgg_fraction: float = 0.25,
+    progress: bool = True,
 ) -> Path:
     """Write (or reuse) a generated multi-site BraTS 2017-layout data set at ``root``.
 
@@ -172,6 +173,7 @@ def generate_brats_phantoms(
         seed: everything is drawn from it; the same seed gives identical arrays.
         resolution_mm: isotropic voxel size, 1 to 8 mm (BraTS: 1 mm).
         lgg_fraction: share of each site's cases that are low grade (rounded).
+        progress: show a tqdm bar over cases.
 
     Returns:
         ``root`` as a Path. If ``root/GENERATED.json`` records the same
@@ -192,7 +194,7 @@ def generate_brats_phantoms(
     staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.partial-", dir=root.parent))
     try:
         staging.chmod(0o755)
-        _write_data_set(staging, parameters)
+        _write_data_set(staging, parameters, progress)
         _swap_in(staging, root)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # only left behind when writing failed
@@ -377,12 +379,12 @@ def _case_plan(parameters: dict) -> list[tuple[str, int, int, str]]:
     return plan
 
 
-def _write_data_set(folder: Path, parameters: dict) -> None:
+def _write_data_set(folder: Path, parameters: dict, progress: bool) -> None:
     anatomy = load_anatomy(parameters["resolution_mm"])
     sites = [draw_site_acquisition(parameters["seed"], site) for site in range(1, parameters["n_sites"] + 1)]
     plan = _case_plan(parameters)
     files = []
-    for case_id, site, index, grade in tqdm(plan, desc="BraTS phantoms", unit="case"):
+    for case_id, site, index, grade in tqdm(plan, desc="BraTS phantoms", unit="case", disable=not progress):
         rng = np.random.default_rng([parameters["seed"], 2, site, index])
         case = simulate_case(anatomy, sites[site - 1], grade=grade, rng=rng)
         case_folder = folder / grade / case_id

@@ -1,0 +1,75 @@
+"""The main job through the CLI on tiny generated data: outputs, errors, resume."""
+
+import json
+
+import pytest
+
+from medfed.cli import main
+from medfed.federated.loop import FederatedLoop
+
+
+def _results(path):
+    return json.loads((path / "results.json").read_text())
+
+
+@pytest.mark.parametrize("strategy", ["local", "fedavg", "pfednet"])
+def test_cli_run_writes_results(tiny_run_config, tmp_path, strategy):
+    assert main(["fit", "--config", str(tiny_run_config), "--quiet", f"strategy.name={strategy}"]) == 0
+    results = _results(tmp_path / "run")
+    assert results["strategy"] == strategy and results["seed"] == 0
+    assert results["federation"]["generated"] is True and "generated" in results["federation"]["description"].lower()
+    assert [row["site"] for row in results["sites"]] == ["site0", "site1", "site2"]
+    for row in results["sites"]:
+        assert 0.0 <= row["label_iou"] <= 1.0 and 0.0 <= row["iou"] <= 1.0
+        assert row["n_test"] > 0
+    mean_iou = sum(row["iou"] for row in results["sites"]) / 3
+    assert results["mean"]["iou"] == pytest.approx(mean_iou)
+    assert len(results["history"]) == 3 and results["config"]["strategy"]["name"] == strategy
+    sites = results["federation"]["sites"]
+    assert sites[2]["missing_channel"] == "t1" and sites[0]["missing_channel"] is None
+    for site in sites:  # split by case, seeded, recorded
+        assert set(site["train_cases"]).isdisjoint(site["test_cases"])
+    bytes_up = results["communication"]["bytes_up"]
+    if strategy == "local":
+        assert bytes_up == 0
+    else:
+        assert bytes_up > 0 and results["communication"]["compression_ratio_up"] == pytest.approx(1.0, rel=0.01)
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+    assert list((tmp_path / "run" / "csv").rglob("metrics.csv"))
+
+
+def test_unknown_key_and_existing_output_are_refused(tiny_run_config, tmp_path, capsys):
+    assert main(["fit", "--config", str(tiny_run_config), "--quiet", "trainer.epochs=3"]) == 2
+    assert "trainer.epochs" in capsys.readouterr().err
+    assert main(["fit", "--config", str(tiny_run_config), "--quiet", "strategy.lamda=3"]) == 2
+    assert "strategy.lamda" in capsys.readouterr().err
+    assert main(["fit", "--config", str(tiny_run_config), "--quiet", "trainer.rounds=1"]) == 0
+    before = (tmp_path / "run" / "results.json").read_bytes()
+    assert main(["fit", "--config", str(tiny_run_config), "--quiet", "trainer.rounds=1"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert (tmp_path / "run" / "results.json").read_bytes() == before
+
+
+def test_interrupted_run_resumes_to_the_same_metrics(tiny_run_config, tmp_path, monkeypatch):
+    full = tmp_path / "full"
+    assert main(["fit", "--config", str(tiny_run_config), "--quiet", f"output_dir={full}"]) == 0
+
+    interrupted = tmp_path / "interrupted"
+    original = FederatedLoop._run_round
+
+    def crash_in_round_3(self, round_index):
+        if round_index == 3:
+            raise KeyboardInterrupt("simulated interruption")
+        return original(self, round_index)
+
+    monkeypatch.setattr(FederatedLoop, "_run_round", crash_in_round_3)
+    with pytest.raises(KeyboardInterrupt):
+        main(["fit", "--config", str(tiny_run_config), "--quiet", f"output_dir={interrupted}"])
+    monkeypatch.setattr(FederatedLoop, "_run_round", original)
+    assert not (interrupted / "results.json").exists()
+
+    assert main(["fit", "--config", str(tiny_run_config), "--quiet", "--resume", f"output_dir={interrupted}"]) == 0
+    resumed, uninterrupted = _results(interrupted), _results(full)
+    assert resumed["sites"] == uninterrupted["sites"]
+    assert [r["metrics"] for r in resumed["history"]] == [r["metrics"] for r in uninterrupted["history"]]
+    assert resumed["communication"] == uninterrupted["communication"]
