@@ -37,11 +37,13 @@ def test_single_entry_is_soft_thresholding():
         assert cer(np.array([value]), weight)[0] == pytest.approx(expected, abs=1e-15)
 
 
-def test_satisfies_optimality_conditions_on_a_long_vector():
+@pytest.mark.parametrize("shape", ["heavy-tailed noise", "ramp", "sorted noise"])
+def test_satisfies_optimality_conditions_on_a_long_vector(shape):
     # KKT: the dual variable z = cumsum(delta - u) lies in [-w, w] and equals
     # w * sign(u_i - u_{i+1}) where u jumps, and w * sign(u_{d-1}) if u_{d-1} != 0.
     rng = np.random.default_rng(0)
-    delta = rng.standard_t(3, 20_000)
+    noise = rng.standard_t(3, 20_000)
+    delta = {"heavy-tailed noise": noise, "ramp": np.linspace(-5, 5, noise.size), "sorted noise": np.sort(noise)}[shape]
     weight = 2.0
     u = cer(delta, weight)
     z = np.cumsum(delta - u)
