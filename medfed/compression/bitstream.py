@@ -223,4 +223,6 @@ class BitReader:
         return unpacked[start - 8 * first_byte : stop - 8 * first_byte]
 
     def _truncated(self, wanted: str) -> ValueError:
-        return ValueError(f"{self._what}: stream truncated (needed {wanted} at bit {self._position} of {self._total_bits})")
+        return ValueError(
+            f"{self._what}: stream truncated (needed {wanted} at bit {self._position} of {self._total_bits})"
+        )

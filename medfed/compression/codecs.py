@@ -190,7 +190,9 @@ class STCCodec(Codec):
     def state_dict(self) -> dict[str, torch.Tensor]:
         """{"residual": (d,) float32}, or an empty (0,) tensor before the first message."""
         residual = self._compressor.residual
-        return {"residual": torch.zeros(0, dtype=torch.float32) if residual is None else torch.from_numpy(residual.copy())}
+        if residual is None:
+            return {"residual": torch.zeros(0, dtype=torch.float32)}
+        return {"residual": torch.from_numpy(residual.copy())}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if set(state) != {"residual"}:
@@ -234,9 +236,8 @@ class CERCodec(Codec):
 
     def __init__(self, gamma: float, quant_bits: int | None = None) -> None:
         self.gamma = _check_gamma(gamma)
-        if quant_bits is not None and (
-            isinstance(quant_bits, bool) or not isinstance(quant_bits, numbers.Integral) or not 1 <= quant_bits <= MAX_QUANT_BITS
-        ):
+        is_integer = isinstance(quant_bits, numbers.Integral) and not isinstance(quant_bits, bool)
+        if quant_bits is not None and not (is_integer and 1 <= quant_bits <= MAX_QUANT_BITS):
             raise ValueError(f"quant_bits: expected None or an integer 1..{MAX_QUANT_BITS}, got {quant_bits!r}")
         self.quant_bits = None if quant_bits is None else int(quant_bits)
 
@@ -274,7 +275,8 @@ def make_codec(name: str, **options) -> Codec:
     unknown = sorted(set(options) - set(parameters))
     if unknown:
         raise ValueError(f"codec {name!r}: unknown option(s) {unknown}; it accepts {sorted(parameters) or 'none'}")
-    missing = sorted(key for key, p in parameters.items() if p.default is inspect.Parameter.empty and key not in options)
+    required = {key for key, parameter in parameters.items() if parameter.default is inspect.Parameter.empty}
+    missing = sorted(required - set(options))
     if missing:
         raise ValueError(f"codec {name!r}: missing option(s) {missing}")
     return codec_class(**options)

@@ -14,14 +14,20 @@ float32. Per message:
 STC.) Exact zeros of A are never kept, so fewer than k entries are sent when
 A has fewer than k non-zeros.
 
-Stream (see ``write_ternary``): mu, then the non-zero entries as maximal runs
-of consecutive positions with equal sign: for each run the number of zeros
-before it and its sign, and, when that is shorter, its length. The zero
-counts and lengths are Golomb-Rice coded with Sattler's optimal parameter
-(``rice_parameter_for_mean``). For scattered positions (plain STC) every run
-has length one, lengths are left out and this is exactly Sattler's coding:
-Golomb-coded position gaps plus one sign bit each. After CER the kept
-positions come in long runs and the run coding is much shorter.
+Stream (``write_ternary``): the kept entries as runs of consecutive
+positions with one sign, each run given by the number of zeros before it, its
+sign bit and, when that pays off, its length:
+
+    mu (float32) | run count (64 bits) | lengths coded? (1 bit) |
+    Rice parameter (6 bits), zeros before each run (Golomb-Rice) |
+    [Rice parameter (6 bits), run lengths - 1 (Golomb-Rice)] | one sign bit per run
+
+Rice parameters are Sattler's optimum for the values' mean
+(``rice_parameter_for_mean``). The encoder keeps the shorter of two layouts:
+every kept entry its own run with no lengths, which is exactly Sattler's
+coding (Golomb-coded position gaps plus one sign bit each, best for the
+scattered positions of plain STC), or maximal runs with lengths (much
+shorter after CER, whose output makes the kept positions come in runs).
 """
 
 from __future__ import annotations
@@ -111,7 +117,9 @@ class SparseTernaryCompressor:
         if self.residual is None:
             self.residual = np.zeros(delta.size, dtype=np.float32)
         if delta.shape != self.residual.shape:
-            raise ValueError(f"delta: expected shape {self.residual.shape} like the earlier messages, got {delta.shape}")
+            raise ValueError(
+                f"delta: expected shape {self.residual.shape} like the earlier messages, got {delta.shape}"
+            )
         self.residual += delta
         update = select_top_k(self.residual, self.kept_count(delta.size))
         self.residual[update.positions] -= np.where(update.negative, -update.magnitude, update.magnitude)
@@ -135,30 +143,30 @@ def _sign_runs(update: TernaryUpdate) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return starts - previous_ends, lengths, negative[first]
 
 
+def _coded_bits(zeros_before: np.ndarray, lengths: np.ndarray | None) -> int:
+    """Bits of the gap section, the length section (None: left out) and the sign bits."""
+    bits = rice_code_length(zeros_before, rice_parameter_for_mean(zeros_before)) + zeros_before.size
+    if lengths is not None:
+        bits += _RICE_PARAMETER_BITS + rice_code_length(lengths - 1, rice_parameter_for_mean(lengths - 1))
+    return bits
+
+
 def write_ternary(writer: BitWriter, update: TernaryUpdate) -> None:
     """Append ``update`` to ``writer`` (layout in the module docstring; size is not written)."""
     zeros_before, lengths, negative = _sign_runs(update)
-    singles_zeros = np.diff(update.positions, prepend=-1) - 1
-    singles_parameter = rice_parameter_for_mean(singles_zeros)
-    runs_parameter = rice_parameter_for_mean(zeros_before)
-    length_parameter = rice_parameter_for_mean(lengths - 1)
-    singles_bits = rice_code_length(singles_zeros, singles_parameter) + update.positions.size
-    runs_bits = (
-        rice_code_length(zeros_before, runs_parameter)
-        + rice_code_length(lengths - 1, length_parameter)
-        + lengths.size
-        + _RICE_PARAMETER_BITS
-    )
-    code_lengths = runs_bits < singles_bits
+    single_zeros_before = np.diff(update.positions, prepend=-1) - 1  # every entry its own run
+    code_lengths = _coded_bits(zeros_before, lengths) < _coded_bits(single_zeros_before, None)
     if not code_lengths:
-        zeros_before, negative, runs_parameter = singles_zeros, update.negative, singles_parameter
+        zeros_before, negative = single_zeros_before, update.negative
 
     writer.write_uints(np.array([update.magnitude], dtype=np.float32).view(np.uint32), 32)
     writer.write_uints([zeros_before.size], _COUNT_BITS)
     writer.write_uints([int(code_lengths)], 1)
-    writer.write_uints([runs_parameter], _RICE_PARAMETER_BITS)
-    writer.write_rice(zeros_before, runs_parameter)
+    gap_parameter = rice_parameter_for_mean(zeros_before)
+    writer.write_uints([gap_parameter], _RICE_PARAMETER_BITS)
+    writer.write_rice(zeros_before, gap_parameter)
     if code_lengths:
+        length_parameter = rice_parameter_for_mean(lengths - 1)
         writer.write_uints([length_parameter], _RICE_PARAMETER_BITS)
         writer.write_rice(lengths - 1, length_parameter)
     writer.write_uints(negative, 1)
