@@ -14,7 +14,7 @@ both halves decode with array operations.
 
 For geometrically distributed values, P(n) = p (1 - p)^n, the parameter that
 minimises the expected code length is (Sattler et al. 2019, "Robust and
-communication-efficient federated learning from non-iid data", eq. 17)
+communication-efficient federated learning from non-iid data")
 
     b* = 1 + floor(log2(log(phi - 1) / log(1 - p))),   phi the golden ratio,
 
