@@ -1,0 +1,282 @@
+"""Codecs: what crosses the site boundary, as real bytes.
+
+A codec turns a flat float32 update, shape (d,), into a self-describing byte
+string and back. The communication cost of a message is ``len(data)``.
+
+Every stream starts with an 18-byte header, then the codec's payload:
+
+    magic b"MFCD" | format version (uint8) | codec id (uint8) | d (uint64) |
+    CRC-32 of the payload (uint32)                  (little-endian)
+
+Codecs (``make_codec(name, **options)``):
+
+    "dense"    raw little-endian float32 values (4 d bytes).
+    "stc"      sparse ternary compression with residual accumulation
+               (options: sparsity=1/400), see ``stc``.
+    "cer"      exact CER (options: gamma, the weight w = eta * gamma of
+               ``tv.cer``), then the run coder of ``piecewise``
+               (options: quant_bits=None for exact float32 runs, or 1..16).
+    "cer+stc"  CER then STC, the pFedNet paper's composition (options:
+               gamma, sparsity=1/400); the STC residual accumulates CER's
+               outputs.
+
+``encode`` is stateful on the sender's side (STC's residual: use one codec
+object per sender and direction); ``decode`` needs only the bytes, so any
+codec object of the same kind decodes them.
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+import numbers
+import struct
+import zlib
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from medfed.compression.bitstream import BitReader, BitWriter
+from medfed.compression.piecewise import MAX_QUANT_BITS, read_piecewise, write_piecewise
+from medfed.compression.stc import SparseTernaryCompressor, read_ternary, write_ternary
+from medfed.compression.tv import cer
+
+__all__ = ["CODEC_NAMES", "CERCodec", "CERSTCCodec", "Codec", "DenseCodec", "Encoding", "STCCodec", "make_codec"]
+
+MAGIC = b"MFCD"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<4sBBQI")
+HEADER_SIZE = _HEADER.size
+"""Bytes before every payload (18); the CRC-32 is the header's last 4 bytes."""
+
+
+class Encoding(NamedTuple):
+    """One encoded message: the bytes sent and the (d,) float32 CPU tensor the receiver will decode."""
+
+    data: bytes
+    sent: torch.Tensor
+
+
+def _check_update(x: torch.Tensor) -> np.ndarray:
+    """A finite, non-empty (d,) float32 tensor as a NumPy array on the CPU (no copy when possible)."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 1 or x.numel() == 0 or x.dtype != torch.float32:
+        raise ValueError(f"x: expected a non-empty flat (d,) float32 tensor, got shape {tuple(x.shape)} {x.dtype}")
+    array = x.detach().cpu().numpy()
+    if not np.isfinite(array).all():
+        raise ValueError("x: contains NaN or infinite entries")
+    return array
+
+
+def _check_gamma(gamma: float) -> float:
+    if isinstance(gamma, bool) or not isinstance(gamma, numbers.Real) or not np.isfinite(gamma) or gamma < 0:
+        raise ValueError(f"gamma: expected a finite number >= 0 (the CER weight), got {gamma!r}")
+    return float(gamma)
+
+
+class Codec(abc.ABC):
+    """Encodes a flat float32 update crossing the site boundary in one direction.
+
+    encode is stateful on the sender side (e.g. STC residual); decode needs only the bytes.
+    """
+
+    name: str
+    codec_id: int
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        """The bytes for update ``x`` ((d,) float32)."""
+        return self.encode_with_sent(x).data
+
+    def encode_with_sent(self, x: torch.Tensor) -> Encoding:
+        """Encode ``x`` ((d,) float32) and also return what the receiver will decode from it.
+
+        Raises:
+            ValueError: x is not a finite, non-empty, flat float32 tensor.
+        """
+        array = _check_update(x)
+        payload, sent = self._encode_payload(array)
+        header = _HEADER.pack(MAGIC, FORMAT_VERSION, self.codec_id, array.size, zlib.crc32(payload))
+        return Encoding(header + payload, torch.from_numpy(sent))
+
+    def decode(self, data: bytes) -> torch.Tensor:
+        """The (d,) float32 CPU tensor encoded in ``data``.
+
+        Raises:
+            ValueError: data is not a complete, intact stream of this codec.
+        """
+        if len(data) < _HEADER.size:
+            raise ValueError(f"{self.name} stream: {len(data)} bytes is shorter than the {_HEADER.size}-byte header")
+        magic, version, codec_id, size, checksum = _HEADER.unpack_from(data)
+        if magic != MAGIC:
+            raise ValueError(f"{self.name} stream: not a medfed codec stream (magic {magic!r})")
+        if version != FORMAT_VERSION:
+            raise ValueError(f"{self.name} stream: format version {version}, this medfed reads {FORMAT_VERSION}")
+        if codec_id != self.codec_id:
+            other = _NAME_OF_ID.get(codec_id, f"unknown codec id {codec_id}")
+            raise ValueError(f"{self.name} stream: the data was written by codec {other!r}")
+        payload = bytes(data[_HEADER.size :])
+        if zlib.crc32(payload) != checksum:
+            raise ValueError(f"{self.name} stream: truncated or corrupt payload (CRC-32 mismatch)")
+        if size == 0:
+            raise ValueError(f"{self.name} stream: empty vector (d = 0)")
+        return torch.from_numpy(self._decode_payload(payload, size))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Sender-side state to checkpoint; empty for stateless codecs."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what ``state_dict`` returned."""
+        if state:
+            raise ValueError(f"{self.name} codec: has no state, got keys {sorted(state)}")
+
+    @abc.abstractmethod
+    def _encode_payload(self, x: np.ndarray) -> tuple[bytes, np.ndarray]:
+        """Payload for ``x`` ((d,) float32) and the (d,) float32 vector it decodes to."""
+
+    @abc.abstractmethod
+    def _decode_payload(self, payload: bytes, size: int) -> np.ndarray:
+        """The (size,) float32 vector in ``payload``."""
+
+
+class DenseCodec(Codec):
+    """Raw float32 values: the uncompressed reference, 4 d bytes of payload."""
+
+    name = "dense"
+    codec_id = 0
+
+    def _encode_payload(self, x: np.ndarray) -> tuple[bytes, np.ndarray]:
+        return x.astype("<f4").tobytes(), x.copy()
+
+    def _decode_payload(self, payload: bytes, size: int) -> np.ndarray:
+        if len(payload) != 4 * size:
+            raise ValueError(f"dense stream: expected {4 * size} bytes of float32 values, got {len(payload)}")
+        return np.frombuffer(payload, dtype="<f4").astype(np.float32)
+
+
+class STCCodec(Codec):
+    """Sparse ternary compression with residual accumulation (Sattler et al. 2019).
+
+    Args:
+        sparsity: p in (0, 1], the fraction of entries sent per message.
+    """
+
+    name = "stc"
+    codec_id = 1
+
+    def __init__(self, sparsity: float = 1.0 / 400.0) -> None:
+        if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real):
+            raise ValueError(f"sparsity: expected a number in (0, 1], got {sparsity!r}")
+        self._compressor = SparseTernaryCompressor(float(sparsity))
+
+    def _compressor_input(self, x: np.ndarray) -> np.ndarray:
+        """What is added to the residual; STC alone adds the update itself."""
+        return x
+
+    def _encode_payload(self, x: np.ndarray) -> tuple[bytes, np.ndarray]:
+        update = self._compressor.compress(self._compressor_input(x))
+        writer = BitWriter()
+        write_ternary(writer, update)
+        return writer.to_bytes(), update.to_dense()
+
+    def _decode_payload(self, payload: bytes, size: int) -> np.ndarray:
+        reader = BitReader(payload, f"{self.name} stream")
+        update = read_ternary(reader, size)
+        reader.finish()
+        return update.to_dense()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """{"residual": (d,) float32}, or an empty (0,) tensor before the first message."""
+        residual = self._compressor.residual
+        if residual is None:
+            return {"residual": torch.zeros(0, dtype=torch.float32)}
+        return {"residual": torch.from_numpy(residual.copy())}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if set(state) != {"residual"}:
+            raise ValueError(f"{self.name} codec: expected the state key 'residual', got {sorted(state)}")
+        residual = state["residual"]
+        if not isinstance(residual, torch.Tensor) or residual.dim() != 1 or residual.dtype != torch.float32:
+            raise ValueError(f"{self.name} codec: 'residual' must be a (d,) float32 tensor")
+        self._compressor.residual = residual.detach().cpu().numpy().copy() if residual.numel() else None
+
+
+class CERSTCCodec(STCCodec):
+    """CER then STC, the pFedNet paper's composition.
+
+    Args:
+        gamma: the CER weight w >= 0 (the paper's eta * gamma).
+        sparsity: p in (0, 1], the fraction of entries sent per message.
+    """
+
+    name = "cer+stc"
+    codec_id = 3
+
+    def __init__(self, gamma: float, sparsity: float = 1.0 / 400.0) -> None:
+        super().__init__(sparsity)
+        self.gamma = _check_gamma(gamma)
+
+    def _compressor_input(self, x: np.ndarray) -> np.ndarray:
+        return cer(x, self.gamma)
+
+
+class CERCodec(Codec):
+    """Exact CER, then the piecewise-constant run coder.
+
+    Args:
+        gamma: the CER weight w >= 0 (the paper's eta * gamma).
+        quant_bits: None to send CER's run values exactly (float32), or 1..16
+            to quantise them uniformly between their minimum and maximum.
+    """
+
+    name = "cer"
+    codec_id = 2
+
+    def __init__(self, gamma: float, quant_bits: int | None = None) -> None:
+        self.gamma = _check_gamma(gamma)
+        is_integer = isinstance(quant_bits, numbers.Integral) and not isinstance(quant_bits, bool)
+        if quant_bits is not None and not (is_integer and 1 <= quant_bits <= MAX_QUANT_BITS):
+            raise ValueError(f"quant_bits: expected None or an integer 1..{MAX_QUANT_BITS}, got {quant_bits!r}")
+        self.quant_bits = None if quant_bits is None else int(quant_bits)
+
+    def _encode_payload(self, x: np.ndarray) -> tuple[bytes, np.ndarray]:
+        writer = BitWriter()
+        sent = write_piecewise(writer, cer(x, self.gamma), self.quant_bits)
+        return writer.to_bytes(), sent
+
+    def _decode_payload(self, payload: bytes, size: int) -> np.ndarray:
+        reader = BitReader(payload, f"{self.name} stream")
+        u = read_piecewise(reader, size)
+        reader.finish()
+        return u
+
+
+_CODECS: dict[str, type[Codec]] = {codec.name: codec for codec in (DenseCodec, STCCodec, CERCodec, CERSTCCodec)}
+_NAME_OF_ID = {codec.codec_id: codec.name for codec in _CODECS.values()}
+CODEC_NAMES = tuple(_CODECS)
+
+
+def make_codec(name: str, **options) -> Codec:
+    """A new codec (fresh sender state) by name: "dense", "stc", "cer" or "cer+stc".
+
+    Raises:
+        ValueError: unknown name, unknown or missing option, or an option out of range.
+    """
+    if name not in _CODECS:
+        raise ValueError(f"codec: unknown name {name!r}; expected one of {', '.join(CODEC_NAMES)}")
+    codec_class = _CODECS[name]
+    parameters = {
+        key: parameter
+        for key, parameter in inspect.signature(codec_class).parameters.items()
+        if parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    unknown = sorted(set(options) - set(parameters))
+    if unknown:
+        raise ValueError(f"codec {name!r}: unknown option(s) {unknown}; it accepts {sorted(parameters) or 'none'}")
+    required = {key for key, parameter in parameters.items() if parameter.default is inspect.Parameter.empty}
+    missing = sorted(required - set(options))
+    if missing:
+        raise ValueError(f"codec {name!r}: missing option(s) {missing}")
+    return codec_class(**options)

@@ -1,0 +1,118 @@
+"""Sparse ternary compression: selection, residual bookkeeping and its bit stream."""
+
+import numpy as np
+import pytest
+
+from medfed.compression.bitstream import BitReader, BitWriter, rice_parameter
+from medfed.compression.stc import SparseTernaryCompressor, TernaryUpdate, read_ternary, select_top_k, write_ternary
+
+
+def _round_trip(update: TernaryUpdate) -> tuple[TernaryUpdate, int]:
+    writer = BitWriter()
+    write_ternary(writer, update)
+    data = writer.to_bytes()
+    reader = BitReader(data, "STC stream")
+    decoded = read_ternary(reader, update.size)
+    reader.finish()
+    return decoded, len(data)
+
+
+def _assert_same(a: TernaryUpdate, b: TernaryUpdate) -> None:
+    assert a.size == b.size and a.magnitude == b.magnitude
+    assert np.array_equal(a.positions, b.positions) and np.array_equal(a.negative, b.negative)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_selection_matches_brute_force_with_ties(seed):
+    rng = np.random.default_rng(seed)
+    accumulated = rng.integers(-4, 5, 60).astype(np.float32)  # many ties and zeros
+    count = int(rng.integers(1, 40))
+    update = select_top_k(accumulated, count)
+
+    order = sorted(range(60), key=lambda i: (-abs(accumulated[i]), i))
+    expected = sorted(i for i in order[:count] if accumulated[i] != 0)
+    assert update.positions.tolist() == expected
+    assert update.negative.tolist() == [bool(accumulated[i] < 0) for i in expected]
+    assert update.magnitude == pytest.approx(np.mean(np.abs(accumulated[expected])))
+    dense = update.to_dense()
+    assert set(np.abs(dense[expected])) == {update.magnitude} and np.count_nonzero(dense) == len(expected)
+
+
+def test_all_zero_input_sends_nothing():
+    update = select_top_k(np.zeros(10, dtype=np.float32), 3)
+    assert update.positions.size == 0 and update.magnitude == 0
+    decoded, _ = _round_trip(update)
+    _assert_same(decoded, update)
+    assert not decoded.to_dense().any()
+
+
+def test_kept_count_is_ceil_of_sparsity_times_d():
+    compressor = SparseTernaryCompressor(1 / 400)
+    assert [compressor.kept_count(d) for d in (1, 400, 401, 1_600_000)] == [1, 1, 2, 4000]
+    with pytest.raises(ValueError, match="sparsity"):
+        SparseTernaryCompressor(0.0)
+
+
+def test_residual_bookkeeping_over_rounds():
+    rng = np.random.default_rng(1)
+    compressor = SparseTernaryCompressor(0.05)
+    inputs = [rng.standard_normal(500).astype(np.float32) for _ in range(6)]
+    sent = []
+    for delta in inputs:
+        update = compressor.compress(delta)
+        assert update.positions.size == 25
+        magnitudes_before = np.abs(compressor.residual[update.positions] + update.to_dense()[update.positions])
+        assert update.magnitude == pytest.approx(magnitudes_before.mean(), rel=1e-6)
+        sent.append(update.to_dense())
+    total_in = np.sum(inputs, axis=0, dtype=np.float64)
+    total_out = np.sum(sent, axis=0, dtype=np.float64) + compressor.residual
+    np.testing.assert_allclose(total_out, total_in, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="shape"):
+        compressor.compress(np.zeros(499, dtype=np.float32))
+
+
+def test_scattered_positions_cost_what_sattler_predicts():
+    # Plain STC: gaps between kept positions are ~geometric(p); with b* each costs
+    # 1 + b* + E[gap >> b*] bits, plus one sign bit.
+    rng = np.random.default_rng(2)
+    d, p = 400_000, 1 / 400
+    update = SparseTernaryCompressor(p).compress(rng.standard_normal(d).astype(np.float32))
+    decoded, size = _round_trip(update)
+    _assert_same(decoded, update)
+    b = rice_parameter(p)
+    tail = (1 - p) ** (2**b)
+    predicted_bits = update.positions.size * (1 + b + tail / (1 - tail) + 1)
+    assert 8 * size == pytest.approx(predicted_bits, rel=0.05)
+
+
+def test_runs_of_positions_code_much_shorter_than_scattered_ones():
+    rng = np.random.default_rng(3)
+    d, k = 100_000, 2_000
+    in_runs = np.zeros(d, dtype=np.float32)
+    for start in rng.choice(d // 100, 20, replace=False) * 100:  # 20 runs of 100
+        in_runs[start : start + 100] = rng.choice([-1.0, 1.0])
+    scattered = np.zeros(d, dtype=np.float32)
+    scattered[rng.choice(d, k, replace=False)] = rng.choice([-1.0, 1.0], k)
+
+    run_update, scattered_update = select_top_k(in_runs, k), select_top_k(scattered, k)
+    decoded_runs, run_size = _round_trip(run_update)
+    decoded_scattered, scattered_size = _round_trip(scattered_update)
+    _assert_same(decoded_runs, run_update)
+    _assert_same(decoded_scattered, scattered_update)
+    assert run_size < scattered_size / 20
+
+
+def test_adjacent_runs_of_opposite_sign_round_trip():
+    accumulated = np.array([0, 2, 2, -2, -2, 2, 0, 0, -2, 2], dtype=np.float32)
+    update = select_top_k(accumulated, 7)
+    decoded, _ = _round_trip(update)
+    _assert_same(decoded, update)
+    assert np.array_equal(decoded.to_dense(), accumulated)
+
+
+def test_stream_describing_entries_beyond_d_is_rejected():
+    update = select_top_k(np.array([0, 0, 0, 5], dtype=np.float32), 1)
+    writer = BitWriter()
+    write_ternary(writer, update)
+    with pytest.raises(ValueError, match="beyond 3 entries"):
+        read_ternary(BitReader(writer.to_bytes(), "STC stream"), 3)

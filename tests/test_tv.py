@@ -1,0 +1,120 @@
+"""Exact CER (1-D total variation with the last entry pulled to 0) against independent references."""
+
+import cvxpy as cp
+import numpy as np
+import pytest
+import torch
+
+from medfed.compression.tv import cer, zero_solution_threshold
+
+
+def _cvxpy_cer(delta: np.ndarray, weight: float) -> np.ndarray:
+    """argmin 1/2||u - delta||^2 + weight ||Lambda u||_1 with the d x d matrix Lambda written out."""
+    d = delta.size
+    first_difference = np.eye(d) - np.eye(d, k=1)  # last row [0 ... 0 1]
+    u = cp.Variable(d)
+    objective = 0.5 * cp.sum_squares(u - delta) + weight * cp.norm1(first_difference @ u)
+    cp.Problem(cp.Minimize(objective)).solve(solver="CLARABEL", tol_gap_abs=1e-12, tol_gap_rel=1e-12, tol_feas=1e-12)
+    return u.value
+
+
+def _change_points(u: np.ndarray) -> set[int]:
+    return set(np.flatnonzero(u[1:] != u[:-1]).tolist())
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 7, 40])
+@pytest.mark.parametrize("fraction", [0.02, 0.3, 0.9])
+def test_matches_cvxpy(d, fraction):
+    rng = np.random.default_rng(1000 * d + int(100 * fraction))
+    delta = rng.standard_normal(d) * 3.0
+    weight = fraction * zero_solution_threshold(delta)
+    np.testing.assert_allclose(cer(delta, weight), _cvxpy_cer(delta, weight), rtol=0, atol=1e-6)
+
+
+def test_single_entry_is_soft_thresholding():
+    for value, weight in [(2.5, 1.0), (-2.5, 1.0), (0.3, 1.0), (-1.0, 0.0)]:
+        expected = np.sign(value) * max(abs(value) - weight, 0.0)
+        assert cer(np.array([value]), weight)[0] == pytest.approx(expected, abs=1e-15)
+
+
+@pytest.mark.parametrize("shape", ["heavy-tailed noise", "ramp", "sorted noise"])
+def test_satisfies_optimality_conditions_on_a_long_vector(shape):
+    # KKT: the dual variable z = cumsum(delta - u) lies in [-w, w] and equals
+    # w * sign(u_i - u_{i+1}) where u jumps, and w * sign(u_{d-1}) if u_{d-1} != 0.
+    rng = np.random.default_rng(0)
+    noise = rng.standard_t(3, 20_000)
+    delta = {"heavy-tailed noise": noise, "ramp": np.linspace(-5, 5, noise.size), "sorted noise": np.sort(noise)}[shape]
+    weight = 2.0
+    u = cer(delta, weight)
+    z = np.cumsum(delta - u)
+    assert np.abs(z).max() <= weight * (1 + 1e-9)
+    jumps = np.flatnonzero(u[:-1] != u[1:])
+    assert jumps.size > 100  # the check below is not vacuous
+    np.testing.assert_allclose(z[jumps], weight * np.sign(u[jumps] - u[jumps + 1]), atol=1e-8)
+    if u[-1] != 0:
+        assert z[-1] == pytest.approx(weight * np.sign(u[-1]), abs=1e-8)
+
+
+def test_zero_weight_returns_delta_exactly():
+    delta = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    u = cer(delta, 0.0)
+    assert torch.equal(u, delta) and u.data_ptr() != delta.data_ptr()
+
+
+def test_zero_exactly_from_the_threshold_on_and_constant_then_zero_just_below():
+    rng = np.random.default_rng(3)
+    delta = rng.standard_normal(500)
+    running_sum = np.cumsum(delta)
+    k_star = int(np.argmax(np.abs(running_sum)))
+    threshold = zero_solution_threshold(delta)
+    assert threshold == pytest.approx(abs(running_sum[k_star]))
+
+    assert np.all(cer(delta, threshold * (1 + 1e-12)) == 0)
+    assert np.all(cer(delta, 10 * threshold) == 0)
+
+    weight = threshold * (1 - 1e-6)
+    u = cer(delta, weight)
+    constant = np.sign(running_sum[k_star]) * (threshold - weight) / (k_star + 1)
+    assert np.all(u[k_star + 1 :] == 0)
+    assert np.unique(u[: k_star + 1]).size == 1
+    assert u[0] == pytest.approx(constant, abs=1e-12 * threshold)
+    assert u[0] != 0
+
+
+def test_runs_merge_as_the_weight_grows():
+    # 1-D fused lasso path property: jumps of a larger weight are jumps of every smaller one.
+    rng = np.random.default_rng(5)
+    delta = rng.standard_normal(2_000)
+    weights = np.array([0.01, 0.1, 0.5, 2.0, 10.0, 40.0])
+    jumps = [_change_points(cer(delta, w)) for w in weights]
+    for smaller, larger in zip(jumps, jumps[1:]):
+        assert larger <= smaller
+    assert len(jumps[0]) > 10 * len(jumps[-1])
+
+
+def test_float32_in_float32_out_and_close_to_float64():
+    rng = np.random.default_rng(7)
+    delta64 = rng.standard_normal(1_000)
+    delta32 = delta64.astype(np.float32)
+    u32 = cer(delta32, 0.7)
+    assert u32.dtype == np.float32
+    np.testing.assert_allclose(u32, cer(delta32.astype(np.float64), 0.7), rtol=0, atol=1e-6)
+    u_torch = cer(torch.from_numpy(delta32), 0.7)
+    assert isinstance(u_torch, torch.Tensor) and u_torch.dtype == torch.float32
+    assert np.array_equal(u_torch.numpy(), u32)
+
+
+@pytest.mark.parametrize(
+    "delta, weight, message",
+    [
+        (np.ones(3), -1.0, "weight"),
+        (np.ones(3), float("nan"), "weight"),
+        (np.ones((2, 2)), 1.0, "1-D"),
+        (np.ones(3, dtype=np.int64), 1.0, "dtype"),
+        (np.array([1.0, np.nan]), 1.0, "NaN"),
+        ([1.0, 2.0], 1.0, "torch.Tensor or numpy.ndarray"),
+    ],
+)
+def test_rejects_bad_input(delta, weight, message):
+    with pytest.raises(ValueError, match=message):
+        cer(delta, weight)
