@@ -84,6 +84,9 @@ class Codec(abc.ABC):
 
     name: str
     codec_id: int
+    lossless: bool = False
+    """True if decoding returns the input exactly, so coding absolute values costs nothing extra;
+    lossy codecs are meant for updates (the sender codes a change, see ``medfed.federated.link``)."""
 
     def encode(self, x: torch.Tensor) -> bytes:
         """The bytes for update ``x`` ((d,) float32)."""
@@ -146,6 +149,7 @@ class DenseCodec(Codec):
 
     name = "dense"
     codec_id = 0
+    lossless = True
 
     def _encode_payload(self, x: np.ndarray) -> tuple[bytes, np.ndarray]:
         return x.astype("<f4").tobytes(), x.copy()

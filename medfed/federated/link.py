@@ -55,6 +55,9 @@ class Link:
         received = {}
         for key, value in payload.items():
             flat = value.detach().reshape(-1).to(torch.float32).cpu()
+            if flat.numel() == 0:  # e.g. the shared part of an all-personal model: nothing to send
+                received[key] = value.to(self.device)
+                continue
             if key not in self.coded_keys:
                 data = self._small.encode(flat)
                 decoded = self._small.decode(data)
