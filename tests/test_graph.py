@@ -146,7 +146,8 @@ def test_connected_components_match_scipy():
         n = int(rng.integers(1, 10))
         pairs = rng.integers(0, n, size=(int(rng.integers(0, 8)), 2))
         edges = [(int(i), int(j)) for i, j in pairs if i != j]
-        adjacency = scipy.sparse.coo_matrix((np.ones(len(edges)), tuple(np.array(edges, dtype=int).reshape(-1, 2).T)), shape=(n, n))
+        rows, columns = np.array(edges, dtype=int).reshape(-1, 2).T
+        adjacency = scipy.sparse.coo_matrix((np.ones(len(edges)), (rows, columns)), shape=(n, n))
         _, labels = scipy.sparse.csgraph.connected_components(adjacency, directed=False)
         expected = sorted(sorted(np.flatnonzero(labels == label).tolist()) for label in np.unique(labels))
         assert connected_components(edges, n) == expected

@@ -93,7 +93,7 @@ def test_matches_cvxpy(seed, connected, p):
 
     assert result.converged
     assert result.Z.shape == Z_tilde.shape and result.Z.dtype == torch.float64
-    assert relative_difference(result.Z.numpy(), expected_Z) < 1e-5
+    assert relative_difference(result.Z.numpy(), expected_Z) < 1e-6  # (measured: at most 2e-8)
     problem = dict(lam=lam, eta=eta, p=p)
     value = network_lasso_objective(result.Z, torch.tensor(Z_tilde), Q, **problem)
     value_at_cvxpy = network_lasso_objective(torch.tensor(expected_Z), torch.tensor(Z_tilde), Q, **problem)
@@ -127,7 +127,8 @@ def test_prox_matches_cvxpy(p, dim):
 def test_inf_norm_prox_by_hand():
     # prox of tau ||.||_inf clips at t with sum(|v| - t)_+ = tau: here (3 - t) + (1 - t) = 3 gives t = 0.5.
     v = torch.tensor([[3.0], [-1.0], [0.5]], dtype=torch.float64)
-    assert torch.equal(prox_sum_of_norms(v, 3.0, math.inf, dim=0), torch.tensor([[0.5], [-0.5], [0.5]], dtype=torch.float64))
+    clipped = torch.tensor([[0.5], [-0.5], [0.5]], dtype=torch.float64)
+    assert torch.equal(prox_sum_of_norms(v, 3.0, math.inf, dim=0), clipped)
     # ||v||_1 = 4.5 <= tau: the whole vector is absorbed.
     assert torch.equal(prox_sum_of_norms(v, 5.0, math.inf, dim=0), torch.zeros(3, 1, dtype=torch.float64))
 
@@ -185,7 +186,8 @@ def test_large_lam_fuses_each_component_to_its_mean(p):
     eta = 0.8
     lam = 1.01 * fusion_lam(Z_tilde, edges, eta, p)
 
-    result = solve_network_lasso(torch.tensor(Z_tilde), incidence_matrix(edges, n_sites), lam=lam, eta=eta, p=p, **TIGHT)
+    Q = incidence_matrix(edges, n_sites)
+    result = solve_network_lasso(torch.tensor(Z_tilde), Q, lam=lam, eta=eta, p=p, **TIGHT)
 
     for component in components:
         mean = Z_tilde[:, component].mean(axis=1, keepdims=True)

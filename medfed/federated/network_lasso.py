@@ -364,7 +364,8 @@ def _check_problem(Z_tilde: torch.Tensor, Q: torch.Tensor, *, lam: float, eta: f
         raise ValueError(f"Z_tilde: expected dtype float32 or float64, found {Z_tilde.dtype}")
     if not isinstance(Q, torch.Tensor) or Q.ndim != 2 or Q.shape[0] != Z_tilde.shape[1]:
         raise ValueError(
-            f"Q: expected a 2-D tensor (N={Z_tilde.shape[1]} sites, M edges) matching Z_tilde's columns, found {_describe(Q)}"
+            f"Q: expected a 2-D tensor (N={Z_tilde.shape[1]} sites, M edges) matching Z_tilde's columns, "
+            f"found {_describe(Q)}"
         )
     if Q.is_complex() or not torch.isfinite(Q.double()).all():
         raise ValueError("Q: expected finite real entries")
@@ -390,8 +391,10 @@ def _exact_state_without_penalty(Z_tilde: torch.Tensor, Q: torch.Tensor) -> tupl
     return w, torch.zeros_like(w)
 
 
-def _checked_warm_start(state: AdmmState, *, like: torch.Tensor, n_edges: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """``(W^T, U^T, rho)`` of ``state``, contiguous ``(M, d)``, on ``like``'s dtype and device, after checking shapes."""
+def _checked_warm_start(
+    state: AdmmState, *, like: torch.Tensor, n_edges: int
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``(W^T, U^T, rho)`` of ``state``, ``(M, d)`` contiguous on ``like``'s dtype and device, after checking."""
     expected = (like.shape[0], n_edges)
     for name in ("W", "U"):
         value = getattr(state, name, None)
