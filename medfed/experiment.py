@@ -30,7 +30,7 @@ from medfed.errors import ConfigError
 from medfed.federated.link import Link
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.site import Site
-from medfed.federated.strategies import strategy_class
+from medfed.federated.strategies import strategy_from_config
 from medfed.models import model_class
 from medfed.models.split import PARTS
 from medfed.results import communication_totals, format_table, summarise, write_json_atomic
@@ -59,8 +59,7 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
         torch.manual_seed(trainer.seed)
         prototype = model_cls(federation.input_shape[0], federation.num_classes, model_options)
 
-    strategy_cls = strategy_class(_required(config["strategy"], "name", "strategy"))
-    strategy_options = parse_options(strategy_cls.Options, config["strategy"], "strategy", ignore=("name",))
+    strategy_cls, strategy_options = strategy_from_config(config["strategy"])
     strategy = strategy_cls(strategy_options, prototype.parameter_split, len(federation.sites), trainer.seed)
 
     fabric = Fabric(accelerator=trainer.device, devices=1, loggers=_loggers(run_cfg, output_dir, resume), callbacks=[strategy])

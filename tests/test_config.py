@@ -6,7 +6,7 @@ from medfed.federated.strategies.pfednet import PFedNet
 
 BASE = """
 data: {task: brats}
-strategy: {name: pfednet, lam: 0.5}
+strategy: {name: pfednet, pfednet: {lam: 0.5}}
 trainer: {rounds: 2}
 output_dir: out/${strategy.name}
 """

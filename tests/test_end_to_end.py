@@ -41,8 +41,8 @@ def test_cli_run_writes_results(tiny_run_config, tmp_path, strategy):
 def test_unknown_key_and_existing_output_are_refused(tiny_run_config, tmp_path, capsys):
     assert main(["fit", "--config", str(tiny_run_config), "--quiet", "trainer.epochs=3"]) == 2
     assert "trainer.epochs" in capsys.readouterr().err
-    assert main(["fit", "--config", str(tiny_run_config), "--quiet", "strategy.lamda=3"]) == 2
-    assert "strategy.lamda" in capsys.readouterr().err
+    assert main(["fit", "--config", str(tiny_run_config), "--quiet", "strategy.pfednet.lamda=3"]) == 2
+    assert "strategy.pfednet.lamda" in capsys.readouterr().err
     assert main(["fit", "--config", str(tiny_run_config), "--quiet", "trainer.rounds=1"]) == 0
     before = (tmp_path / "run" / "results.json").read_bytes()
     assert main(["fit", "--config", str(tiny_run_config), "--quiet", "trainer.rounds=1"]) == 2

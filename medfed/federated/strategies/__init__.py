@@ -1,7 +1,23 @@
-"""Federated algorithms, one module each, registered by their config name."""
+"""Federated algorithms, one module each, registered by their config name.
+
+The ``strategy`` config group names the algorithm and may hold options for
+any registered algorithm under its own name, so switching ``strategy.name``
+on the command line never invalidates a config::
+
+    strategy:
+      name: pfednet
+      pfednet: {lam: 1.0, p: 2}
+      fedamp: {sigma: 1.0}
+
+Every subgroup is validated (typos are caught even in the unused ones); the
+chosen algorithm gets its subgroup, or its defaults.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+from medfed.config import parse_options
 from medfed.errors import ConfigError
 from medfed.federated.strategies.base import Strategy
 from medfed.federated.strategies.fedavg import FedAvg
@@ -11,8 +27,19 @@ from medfed.federated.strategies.pfednet import PFedNet
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (Local, FedAvg, PFedNet)}
 
 
-def strategy_class(name: str) -> type[Strategy]:
-    """The strategy registered as ``name`` (config key ``strategy.name``)."""
+def strategy_from_config(group: dict[str, Any]) -> tuple[type[Strategy], Any]:
+    """The chosen strategy class and its validated options, from the ``strategy`` config group."""
+    name = group.get("name")
     if name not in STRATEGIES:
         raise ConfigError(f"config key 'strategy.name' = {name!r}: expected one of {', '.join(sorted(STRATEGIES))}")
-    return STRATEGIES[name]
+    options = {}
+    for key, values in group.items():
+        if key == "name":
+            continue
+        if key not in STRATEGIES:
+            raise ConfigError(
+                f"unknown config key 'strategy.{key}' (expected 'name' or a strategy's options: {', '.join(sorted(STRATEGIES))})"
+            )
+        options[key] = parse_options(STRATEGIES[key].Options, values or {}, f"strategy.{key}")
+    chosen = STRATEGIES[name]
+    return chosen, options.get(name, chosen.Options())

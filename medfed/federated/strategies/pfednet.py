@@ -25,6 +25,7 @@ The graph is built once, before round 1, from sketches that reveal no sample
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,7 @@ import torch
 from medfed.config import require
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.graph import incidence_matrix, knn_edges
-from medfed.federated.network_lasso import solve_network_lasso
+from medfed.federated.network_lasso import AdmmState, solve_network_lasso
 from medfed.federated.sketch import data_sketch
 from medfed.federated.strategies.base import DELIVER, Payload, Strategy, num_samples
 
@@ -52,7 +53,8 @@ class PFedNet(Strategy):
         p: str = "2"
         """Column norm of the penalty: "1", "2" or "inf"."""
         knn_k: int = 3
-        rho: float = 1.0
+        rho: float | None = None
+        """ADMM penalty; default 1 / server_lr (then adapted by residual balancing)."""
         admm_max_iter: int = 500
         admm_abs_tol: float = 1e-6
         admm_rel_tol: float = 1e-5
@@ -62,7 +64,7 @@ class PFedNet(Strategy):
             require(self.server_lr > 0, "server_lr", self.server_lr, "eta_s > 0")
             require(str(self.p) in P_NORMS, "p", self.p, "one of 1, 2, inf")
             require(self.knn_k >= 1, "knn_k", self.knn_k, "k >= 1")
-            require(self.rho > 0, "rho", self.rho, "rho > 0")
+            require(self.rho is None or self.rho > 0, "rho", self.rho, "null or rho > 0")
             require(self.admm_max_iter >= 1, "admm_max_iter", self.admm_max_iter, ">= 1")
 
     # ------------------------------------------------------------------ server side
@@ -133,7 +135,7 @@ class PFedNet(Strategy):
             "edges": list(self.edges),
             "shared": self.shared,
             "personal": self.personal,
-            "admm_state": self.admm_state,
+            "admm_state": None if self.admm_state is None else dataclasses.asdict(self.admm_state),
             "last_solve": self.last_solve,
             "sites_holding_shared": sorted(self.sites_holding_shared),
         }
@@ -142,7 +144,7 @@ class PFedNet(Strategy):
         self.edges = [tuple(edge) for edge in state["edges"]]
         self.shared = state["shared"]
         self.personal = state["personal"]
-        self.admm_state = state["admm_state"]
+        self.admm_state = None if state["admm_state"] is None else AdmmState(**state["admm_state"])
         self.last_solve = state["last_solve"]
         self.sites_holding_shared = set(state["sites_holding_shared"])
 
