@@ -147,7 +147,7 @@ def solve_network_lasso(
         w, u = _exact_state_without_penalty(Z_tilde, Q)
     else:
         w, u, rho = _checked_warm_start(warm_start, like=Z_tilde, n_edges=n_edges)
-    if lam == 0 or n_edges == 0:
+    if lam == 0 or n_edges == 0:  # Z_tilde is the answer; return its exact state, not the warm one
         w, u = _exact_state_without_penalty(Z_tilde, Q)
         return NetworkLassoResult(
             Z=Z_tilde.clone(),
