@@ -91,7 +91,8 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
     else:
         write_json_atomic(output_dir / "config.json", config)
         for logger in fabric.loggers:
-            logger.log_hyperparams(config)
+            if not isinstance(logger, CSVLogger):  # the CSV logger has no hyper-parameters: config.json holds them
+                logger.log_hyperparams(config)
 
     bar = tqdm(total=trainer.rounds, initial=loop.round, desc=f"{strategy.name} rounds", unit="round", disable=not progress)
     loop.fit(trainer.rounds, progress=lambda record: (bar.set_postfix(record["mean"]), bar.update()))
