@@ -97,13 +97,35 @@ class LoggerConfig:
 
 @dataclass
 class CodecConfig:
-    """What crosses the site boundary, per direction: a codec name and its options."""
+    """What crosses the site boundary, per direction (see :mod:`medfed.compression.codecs`).
+
+    ``up`` (site -> server) and ``down`` (server -> site) each name a codec:
+    ``dense`` (float32), ``stc``, ``cer`` or ``cer+stc``. The options apply to
+    every codec that takes them: ``gamma`` is CER's weight w = eta * gamma of
+    the paper, in the units of the coded update; ``sparsity`` STC's kept
+    fraction; ``quant_bits`` CER's run-value quantisation (null = exact).
+    """
 
     up: str = "dense"
     down: str = "dense"
     gamma: float = 0.0
-    stc_sparsity: float = 1.0 / 400.0
+    sparsity: float = 1.0 / 400.0
     quant_bits: int | None = None
+
+    def __post_init__(self) -> None:
+        from medfed.compression.codecs import CODEC_NAMES
+
+        for key in ("up", "down"):
+            require(getattr(self, key) in CODEC_NAMES, f"codec.{key}", getattr(self, key), f"one of {', '.join(CODEC_NAMES)}")
+        require(self.gamma >= 0, "codec.gamma", self.gamma, "a CER weight >= 0")
+        require(0 < self.sparsity <= 1, "codec.sparsity", self.sparsity, "a fraction in (0, 1]")
+
+    def spec(self, direction: str) -> dict[str, Any]:
+        """``{"name": ..., <the options that codec takes>}`` for ``direction`` ("up" or "down")."""
+        from medfed.compression.codecs import codec_options
+
+        name = getattr(self, direction)
+        return {"name": name, **{key: getattr(self, key) for key in codec_options(name)}}
 
 
 @dataclass

@@ -31,7 +31,9 @@ from medfed.federated.link import Link
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.site import Site
 from medfed.federated.strategies import strategy_from_config
+from medfed.data.federation import Federation
 from medfed.models import model_class
+from medfed.models.base import FederatedModule
 from medfed.models.split import PARTS
 from medfed.results import communication_totals, format_table, summarise, write_json_atomic
 from medfed.tasks import get_task
@@ -62,21 +64,15 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
     strategy_cls, strategy_options = strategy_from_config(config["strategy"])
     strategy = strategy_cls(strategy_options, prototype.parameter_split, len(federation.sites), trainer.seed)
 
-    fabric = Fabric(accelerator=trainer.device, devices=1, loggers=_loggers(run_cfg, output_dir, resume), callbacks=[strategy])
-    sites = []
-    for index, site_data in enumerate(federation.sites):
-        module = copy.deepcopy(prototype)
-        module, optimizer = fabric.setup(module, module.configure_optimizers())
-        sites.append(Site(index, site_data, module, optimizer, fabric, trainer.batch_size, trainer.seed))
-    codec = run_cfg.codec
-    links = [Link(_codec_spec(codec, codec.up), _codec_spec(codec, codec.down), strategy.coded_keys, fabric.device) for _ in sites]
-    initial = {part: prototype.get_vector(part).to(fabric.device) for part in PARTS}
+    fabric = Fabric(accelerator=trainer.device, devices=1, loggers=_loggers(run_cfg, output_dir), callbacks=[strategy])
+    sites = build_sites(fabric, federation, prototype, trainer.batch_size, trainer.seed)
+    links = [Link(run_cfg.codec.spec("up"), run_cfg.codec.spec("down"), strategy.coded_keys, fabric.device) for _ in sites]
     loop = FederatedLoop(
         fabric,
         sites,
         strategy,
         links,
-        initial,
+        initial_vectors(prototype, fabric.device),
         local_epochs=trainer.local_epochs,
         participation=run_cfg.federation.participation,
         seed=trainer.seed,
@@ -117,6 +113,21 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
     return results
 
 
+def build_sites(fabric: Fabric, federation: Federation, prototype: FederatedModule, batch_size: int, seed: int) -> list[Site]:
+    """One site per member of ``federation``, each with its own copy of ``prototype`` and its optimiser."""
+    sites = []
+    for index, site_data in enumerate(federation.sites):
+        module = copy.deepcopy(prototype)
+        module, optimizer = fabric.setup(module, module.configure_optimizers())
+        sites.append(Site(index, site_data, module, optimizer, fabric, batch_size, seed))
+    return sites
+
+
+def initial_vectors(prototype: FederatedModule, device: torch.device) -> dict[str, torch.Tensor]:
+    """The initial model as ``{"shared", "personal", "all"}`` vectors (every site starts from it)."""
+    return {part: prototype.get_vector(part).to(device) for part in PARTS}
+
+
 def _required(group: dict[str, Any], key: str, name: str) -> Any:
     if key not in group or group[key] in (None, ""):
         raise ConfigError(f"config key '{name}.{key}' is required")
@@ -133,7 +144,7 @@ def _check_output_dir(output_dir: Path, checkpoint_path: Path, resume: bool, ove
         )
 
 
-def _loggers(run_cfg: RunConfig, output_dir: Path, resume: bool) -> list:
+def _loggers(run_cfg: RunConfig, output_dir: Path) -> list:
     """CSV always; W&B offline by default (no network needed), online or disabled on request."""
     loggers = [CSVLogger(root_dir=output_dir, name="csv")]
     if run_cfg.logger.wandb != "disabled":
@@ -148,10 +159,6 @@ def _loggers(run_cfg: RunConfig, output_dir: Path, resume: bool) -> list:
             )
         )
     return loggers
-
-
-def _codec_spec(codec, name: str) -> dict[str, Any]:
-    return {"name": name}
 
 
 def _timing(history: list[dict[str, Any]], wall_s: float, fabric: Fabric) -> dict[str, Any]:

@@ -53,8 +53,8 @@ def format_table(results: dict[str, Any]) -> str:
     body.append(["mean", *(f"{results['mean'][n]:.4f}" for n in names), str(sum(r["n_test"] for r in rows))])
     widths = [max(len(header[i]), *(len(r[i]) for r in body)) for i in range(len(header))]
     line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-    rule = "-" * len(line(header))
-    title = f"{results['strategy']} on {results['federation']['task']} — data: {results['federation']['description']}"
+    rule = "-" * (sum(widths) + 2 * (len(widths) - 1))
+    title = f"{results['strategy']} on {results['federation']['task']}, data: {results['federation']['description']}"
     return "\n".join([title, rule, line(header), rule, *map(line, body[:-1]), rule, line(body[-1])])
 
 

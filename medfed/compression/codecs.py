@@ -42,7 +42,7 @@ from medfed.compression.piecewise import MAX_QUANT_BITS, read_piecewise, write_p
 from medfed.compression.stc import SparseTernaryCompressor, read_ternary, write_ternary
 from medfed.compression.tv import cer
 
-__all__ = ["CODEC_NAMES", "CERCodec", "CERSTCCodec", "Codec", "DenseCodec", "Encoding", "STCCodec", "make_codec"]
+__all__ = ["CODEC_NAMES", "CERCodec", "CERSTCCodec", "Codec", "DenseCodec", "Encoding", "STCCodec", "codec_options", "make_codec"]
 
 MAGIC = b"MFCD"
 FORMAT_VERSION = 1
@@ -262,20 +262,24 @@ _NAME_OF_ID = {codec.codec_id: codec.name for codec in _CODECS.values()}
 CODEC_NAMES = tuple(_CODECS)
 
 
+def codec_options(name: str) -> dict[str, inspect.Parameter]:
+    """The options codec ``name`` accepts, as keyword parameters (``default`` empty when required)."""
+    if name not in _CODECS:
+        raise ValueError(f"codec: unknown name {name!r}; expected one of {', '.join(CODEC_NAMES)}")
+    return {
+        key: parameter
+        for key, parameter in inspect.signature(_CODECS[name]).parameters.items()
+        if parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+
+
 def make_codec(name: str, **options) -> Codec:
     """A new codec (fresh sender state) by name: "dense", "stc", "cer" or "cer+stc".
 
     Raises:
         ValueError: unknown name, unknown or missing option, or an option out of range.
     """
-    if name not in _CODECS:
-        raise ValueError(f"codec: unknown name {name!r}; expected one of {', '.join(CODEC_NAMES)}")
-    codec_class = _CODECS[name]
-    parameters = {
-        key: parameter
-        for key, parameter in inspect.signature(codec_class).parameters.items()
-        if parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    }
+    parameters = codec_options(name)
     unknown = sorted(set(options) - set(parameters))
     if unknown:
         raise ValueError(f"codec {name!r}: unknown option(s) {unknown}; it accepts {sorted(parameters) or 'none'}")
@@ -283,4 +287,4 @@ def make_codec(name: str, **options) -> Codec:
     missing = sorted(required - set(options))
     if missing:
         raise ValueError(f"codec {name!r}: missing option(s) {missing}")
-    return codec_class(**options)
+    return _CODECS[name](**options)
