@@ -27,12 +27,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)  # overrides may come before or after the flags
+    stray = [arg for arg in extra if arg.startswith("-") or "=" not in arg]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    overrides = [*args.overrides, *extra]
     from medfed.config import load_config
     from medfed.experiment import run
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, overrides)
         run(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
     except (ConfigError, DataError) as error:
         print(f"medfed: error: {error}", file=sys.stderr)

@@ -66,13 +66,14 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
 
     fabric = Fabric(accelerator=trainer.device, devices=1, loggers=_loggers(run_cfg, output_dir), callbacks=[strategy])
     sites = build_sites(fabric, federation, prototype, trainer.batch_size, trainer.seed)
-    links = [Link(run_cfg.codec.spec("up"), run_cfg.codec.spec("down"), strategy.coded_keys, fabric.device) for _ in sites]
+    initial = initial_vectors(prototype, fabric.device)
+    links = [Link(run_cfg.codec.spec("up"), run_cfg.codec.spec("down"), strategy.coded_keys, initial, fabric.device) for _ in sites]
     loop = FederatedLoop(
         fabric,
         sites,
         strategy,
         links,
-        initial_vectors(prototype, fabric.device),
+        initial,
         local_epochs=trainer.local_epochs,
         participation=run_cfg.federation.participation,
         seed=trainer.seed,

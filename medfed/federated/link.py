@@ -12,8 +12,10 @@ relative to the last value both ends agreed on for that payload key
 (``known``): the site's reply "shared" is coded relative to the "shared"
 vector it received, the server's next "shared" relative to the site's reply,
 and so on. Both ends update ``known`` with the decoded value, so they never
-drift apart. Every other entry (sample counts, sketches, mixing weights)
-travels as dense float32.
+drift apart. Before a key's first message the reference is the seeded
+initial model, which both ends hold (every site builds it from the run's
+seed). Every other entry (sample counts, sketches, mixing weights) travels
+as dense float32.
 """
 
 from __future__ import annotations
@@ -34,12 +36,23 @@ class Link:
     Args:
         up: codec name and options for site -> server (``{"name": "stc", ...}``).
         down: codec name and options for server -> site.
-        coded_keys: payload keys that carry model vectors (coded by the codecs).
+        coded_keys: ``{key prefix: initial vector}``: payload keys equal to a
+            prefix or starting with ``prefix + "/"`` carry model vectors (coded
+            by the codecs); their first reference is ``initial[vector]``.
+        initial: the initial model vectors ``{"shared", "personal", "all"}``.
         device: where received tensors are placed (the run's device).
     """
 
-    def __init__(self, up: dict[str, Any], down: dict[str, Any], coded_keys: frozenset[str], device: torch.device) -> None:
+    def __init__(
+        self,
+        up: dict[str, Any],
+        down: dict[str, Any],
+        coded_keys: dict[str, str],
+        initial: dict[str, torch.Tensor],
+        device: torch.device,
+    ) -> None:
         self.coded_keys = coded_keys
+        self.initial = {name: vector.detach().reshape(-1).to(torch.float32).cpu() for name, vector in initial.items()}
         self.device = device
         self._specs = {"up": dict(up), "down": dict(down)}
         self._codecs: dict[tuple[str, str], Codec] = {}
@@ -58,7 +71,8 @@ class Link:
             if flat.numel() == 0:  # e.g. the shared part of an all-personal model: nothing to send
                 received[key] = value.to(self.device)
                 continue
-            if key not in self.coded_keys:
+            reference_name = self._reference_name(key)
+            if reference_name is None:
                 data = self._small.encode(flat)
                 decoded = self._small.decode(data)
             else:
@@ -67,9 +81,9 @@ class Link:
                     data = codec.encode(flat)
                     decoded = codec.decode(data)
                 else:
-                    reference = self.known.get(key)
-                    if reference is None or reference.shape != flat.shape:
-                        reference = torch.zeros_like(flat)
+                    reference = self.known.get(key, self.initial[reference_name])
+                    if reference.shape != flat.shape:
+                        raise ValueError(f"payload {key!r}: shape {tuple(flat.shape)} differs from its reference {tuple(reference.shape)}")
                     data = codec.encode(flat - reference)
                     decoded = reference + codec.decode(data)
                 self.known[key] = decoded
@@ -77,6 +91,13 @@ class Link:
             self.dense_bytes[direction] += 4 * flat.numel()
             received[key] = decoded.reshape(value.shape).to(self.device)
         return received
+
+    def _reference_name(self, key: str) -> str | None:
+        """The initial vector a coded key starts from, or None if the key is not a model vector."""
+        for prefix, name in self.coded_keys.items():
+            if key == prefix or key.startswith(prefix + "/"):
+                return name
+        return None
 
     def _codec(self, direction: str, key: str) -> Codec:
         if (direction, key) not in self._codecs:
