@@ -37,6 +37,7 @@ from medfed.models.base import FederatedModule
 from medfed.models.split import PARTS
 from medfed.results import communication_totals, format_table, summarise, write_json_atomic
 from medfed.tasks import get_task
+from medfed.viz.plots import plot_learning_curves, plot_segmentation_examples, save_figure
 
 
 def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
@@ -109,6 +110,11 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
         "history": loop.history,
     }
     write_json_atomic(output_dir / "results.json", results)
+    title = f"{strategy.name} on {federation.task}, seed {trainer.seed}; data: {federation.description}"
+    save_figure(plot_learning_curves(loop.history, title), output_dir / "learning_curves.png")
+    examples = plot_segmentation_examples(sites, title)
+    if examples is not None:
+        save_figure(examples, output_dir / "examples.png")
     if progress:
         print(format_table(results))
     return results

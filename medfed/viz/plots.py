@@ -1,0 +1,87 @@
+"""Figures a run writes next to its results: learning curves and segmentation overlays.
+
+Both carry the data's provenance in their title, so a figure made from
+generated data says so wherever it is shown.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display on servers or in CI
+import matplotlib.pyplot as plt
+import torch
+
+
+def plot_learning_curves(history: list[dict[str, Any]], title: str) -> plt.Figure:
+    """One panel per metric: every site's test metric per round, and the mean over sites.
+
+    Args:
+        history: the loop's per-round records (``record["metrics"][site][name]``).
+        title: figure title (strategy, task, data provenance).
+    """
+    names = list(next(iter(history[0]["metrics"].values())).keys())
+    rounds = [record["round"] for record in history]
+    figure, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 3.6), squeeze=False)
+    for axis, name in zip(axes[0], names):
+        for site in history[0]["metrics"]:
+            axis.plot(rounds, [r["metrics"][site][name] for r in history], lw=1, alpha=0.7, label=site)
+        axis.plot(rounds, [r["mean"][name] for r in history], "k-", lw=2.2, label="mean")
+        axis.set_xlabel("round")
+        axis.set_ylabel(name)
+        axis.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8, loc="lower right")
+    figure.suptitle(textwrap.fill(title, 110), fontsize=9)
+    figure.tight_layout()
+    return figure
+
+
+@torch.no_grad()
+def plot_segmentation_examples(sites: list, title: str, per_site: int = 4, channel: int = 0) -> plt.Figure | None:
+    """Test patches of every site with the true (red) and predicted (cyan) tumour outlines.
+
+    Args:
+        sites: the run's sites; each site's model predicts on its own first test patches.
+        title: figure title.
+        per_site: patches shown per site.
+        channel: image channel drawn as background (0 = FLAIR for BraTS); if
+            that channel is all zero at a site (a missing sequence) the
+            first non-zero channel is drawn instead.
+
+    Returns:
+        The figure, or ``None`` when the targets are not images (not a segmentation task).
+    """
+    x, y = sites[0].data.test.tensors
+    if y.ndim != 3:
+        return None
+    figure, axes = plt.subplots(len(sites), per_site, figsize=(2.1 * per_site, 2.2 * len(sites)), squeeze=False)
+    for row, site in zip(axes, sites):
+        x, y = (t[:per_site] for t in site.data.test.tensors)
+        site.module.eval()
+        prediction = site.module(site.fabric.to_device(x)).argmax(dim=1).cpu()
+        shown = channel if x[:, channel].abs().sum() > 0 else int((x.abs().sum(dim=(0, 2, 3)) > 0).float().argmax())
+        for axis, image, truth, predicted in zip(row, x[:, shown], y, prediction):
+            axis.imshow(image.numpy().T, cmap="gray", origin="lower")
+            for mask, colour in ((truth, "red"), (predicted, "cyan")):
+                if mask.any():
+                    axis.contour(mask.numpy().T.astype(float), levels=[0.5], colors=colour, linewidths=1.0, origin="lower")
+            axis.set_xticks([])
+            axis.set_yticks([])
+        row[0].set_ylabel(f"{site.name}\n(channel {shown})", fontsize=8)
+    figure.suptitle(textwrap.fill(title, 18 * per_site) + "\nred: truth, cyan: prediction", fontsize=8)
+    figure.tight_layout()
+    return figure
+
+
+def save_figure(figure: plt.Figure, path: Path) -> None:
+    """Write ``figure`` as PNG via a temporary file and close it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    figure.savefig(tmp, dpi=110)
+    plt.close(figure)
+    tmp.replace(path)
+
