@@ -171,11 +171,14 @@ def _loggers(run_cfg: RunConfig, output_dir: Path) -> list:
 def _timing(history: list[dict[str, Any]], wall_s: float, fabric: Fabric) -> dict[str, Any]:
     round_s = sum(r["timing"]["round_s"] for r in history)
     server_s = sum(r["timing"]["server_s"] for r in history)
+    codec_s = sum(r["timing"]["codec_s"] for r in history)
     return {
         "wall_s": wall_s,
         "rounds_s": round_s,
         "mean_round_s": round_s / max(len(history), 1),
         "server_step_s": server_s,
         "server_step_share": server_s / round_s if round_s else 0.0,
+        "codec_s": codec_s,
+        "codec_share": codec_s / round_s if round_s else 0.0,
         "machine": f"{platform.machine()} {platform.processor() or ''} threads={torch.get_num_threads()} device={fabric.device}".strip(),
     }

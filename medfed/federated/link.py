@@ -20,6 +20,7 @@ as dense float32.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -60,12 +61,17 @@ class Link:
         self.known: dict[str, torch.Tensor] = {}
         self.bytes_sent = {"up": 0, "down": 0}
         self.dense_bytes = {"up": 0, "down": 0}
+        self.codec_seconds = 0.0
 
     def send(self, direction: str, payload: Payload) -> Payload:
-        """Encode ``payload`` in ``direction``, count the bytes, return what the receiver decodes."""
+        """Encode ``payload`` in ``direction``, count the bytes, return what the receiver decodes.
+
+        The time spent encoding and decoding accumulates in ``codec_seconds``.
+        """
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
         received = {}
+        started = time.perf_counter()
         for key, value in payload.items():
             flat = value.detach().reshape(-1).to(torch.float32).cpu()
             if flat.numel() == 0:  # e.g. the shared part of an all-personal model: nothing to send
@@ -90,6 +96,7 @@ class Link:
             self.bytes_sent[direction] += len(data)
             self.dense_bytes[direction] += 4 * flat.numel()
             received[key] = decoded.reshape(value.shape).to(self.device)
+        self.codec_seconds += time.perf_counter() - started
         return received
 
     def _reference_name(self, key: str) -> str | None:
@@ -111,6 +118,7 @@ class Link:
             "known": dict(self.known),
             "bytes_sent": dict(self.bytes_sent),
             "dense_bytes": dict(self.dense_bytes),
+            "codec_seconds": self.codec_seconds,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -120,3 +128,4 @@ class Link:
         self.known = dict(state["known"])
         self.bytes_sent = dict(state["bytes_sent"])
         self.dense_bytes = dict(state["dense_bytes"])
+        self.codec_seconds = state["codec_seconds"]

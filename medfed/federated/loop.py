@@ -104,7 +104,7 @@ class FederatedLoop:
     # ------------------------------------------------------------------ one round
     def _run_round(self, round_index: int) -> dict[str, Any]:
         start = time.perf_counter()
-        bytes_before = [dict(link.bytes_sent) for link in self.links]
+        counters_before = [_link_counters(link) for link in self.links]
         participants = self.participants(round_index)
         timing = {"train_s": 0.0, "server_s": 0.0, "eval_s": 0.0}
         train_loss: dict[str, dict[str, float]] = {}
@@ -130,6 +130,11 @@ class FederatedLoop:
         metrics = {site.name: site.evaluate() for site in self.sites}
         timing["eval_s"] = time.perf_counter() - tic
         timing["round_s"] = time.perf_counter() - start
+        traffic = {
+            site.name: {k: v - counters_before[site.index][k] for k, v in _link_counters(self.links[site.index]).items()}
+            for site in self.sites
+        }
+        timing["codec_s"] = sum(t.pop("codec_s") for t in traffic.values())
         names = next(iter(metrics.values())).keys()
         return {
             "round": round_index,
@@ -137,10 +142,7 @@ class FederatedLoop:
             "metrics": metrics,
             "mean": {name: float(np.mean([m[name] for m in metrics.values()])) for name in names},
             "train_loss": train_loss,
-            "bytes": {
-                site.name: {d: self.links[site.index].bytes_sent[d] - bytes_before[site.index][d] for d in ("up", "down")}
-                for site in self.sites
-            },
+            "bytes": traffic,
             "server": self.strategy.server_metrics(),
             "timing": timing,
         }
@@ -170,6 +172,17 @@ class FederatedLoop:
         self.strategy.load_server_state_dict(state["server"])
 
 
+def _link_counters(link: Link) -> dict[str, float]:
+    """A link's running totals: bytes sent and their dense float32 size per direction, codec time."""
+    return {
+        "up": link.bytes_sent["up"],
+        "down": link.bytes_sent["down"],
+        "dense_up": link.dense_bytes["up"],
+        "dense_down": link.dense_bytes["down"],
+        "codec_s": link.codec_seconds,
+    }
+
+
 def _flatten_for_logging(record: dict[str, Any]) -> dict[str, float]:
     """Round record -> flat ``{"site0/iou": ..., "mean/iou": ..., "bytes/up": ...}`` for loggers."""
     flat: dict[str, float] = {}
@@ -179,7 +192,14 @@ def _flatten_for_logging(record: dict[str, Any]) -> dict[str, float]:
     for name, value in record["mean"].items():
         flat[f"mean/{name}"] = value
     for direction in ("up", "down"):
-        flat[f"bytes/{direction}"] = float(sum(b[direction] for b in record["bytes"].values()))
+        sent = float(sum(b[direction] for b in record["bytes"].values()))
+        dense = float(sum(b[f"dense_{direction}"] for b in record["bytes"].values()))
+        flat[f"bytes/{direction}"] = sent
+        if sent:
+            flat[f"compression_ratio/{direction}"] = dense / sent
+    for site, traffic in record["bytes"].items():
+        for direction in ("up", "down"):
+            flat[f"{site}/bytes_{direction}"] = float(traffic[direction])
     for name, value in record["server"].items():
         flat[f"server/{name}"] = float(value)
     for name, value in record["timing"].items():
