@@ -69,9 +69,11 @@ class Site:
             step_loss: maps a device batch to the scalar loss of one step.
 
         Returns:
-            Mean training loss over the steps (NaN if nothing was trained).
+            Mean training loss over the steps (NaN if nothing was trained:
+            no part, or a part without parameters, e.g. the shared part of
+            an all-personal logistic regression).
         """
-        if part is None:
+        if part is None or self.module.parameter_split.size(part) == 0:
             return float("nan")
         self.module.set_trainable(part)
         self.module.train()
