@@ -133,6 +133,14 @@ def test_site_with_too_few_records_of_a_class_for_a_split_names_the_site(tmp_pat
                               exclude_columns=["hospital"]), n_sites=1, label_ratio=None)
 
 
+def test_the_embedded_table_never_replaces_another_file(tmp_path):
+    path = two_hospitals(tmp_path / "records.csv")
+    before = path.read_bytes()
+    with pytest.raises(DataError, match=r"records\.csv: exists and is not the embedded 'breast_cancer' table"):
+        federation_of(Options(csv=str(path)))
+    assert path.read_bytes() == before
+
+
 def test_unknown_embedded_table_is_a_config_error():
     with pytest.raises(ConfigError, match="embedded"):
         Options(embedded="diabetes")

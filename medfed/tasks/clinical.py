@@ -32,6 +32,7 @@ scaling's origin.
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,7 +67,8 @@ class Options:
 
     csv: str = "data/generated/clinical/breast_cancer.csv"
     embedded: str | None = "breast_cancer"
-    """Write this table shipped with an installed package to ``csv`` first; null reads your own ``csv``."""
+    """Write this table shipped with an installed package to ``csv`` first (a different file there is
+    an error, never overwritten); null reads your own ``csv``."""
     target: str = BREAST_CANCER_TARGET
     positive: str = BREAST_CANCER_POSITIVE
     """The target value meaning the event (label 1), compared as text."""
@@ -87,7 +89,7 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
     """Read the records, place them at sites, split, impose the label ratios, scale per site."""
     path = Path(options.csv)
     if options.embedded is not None:
-        write_breast_cancer_csv(path)
+        _write_embedded_table(path, options.embedded)
     data = read_tabular_csv(
         path,
         target=options.target,
@@ -142,6 +144,19 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
         description=description,
         generated=False,
     )
+
+
+def _write_embedded_table(path: Path, name: str) -> None:
+    """Write the embedded table ``name`` to ``path``; a different file already there is an error, never replaced."""
+    if not path.is_file():
+        write_breast_cancer_csv(path)
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        if write_breast_cancer_csv(Path(scratch) / path.name).read_bytes() != path.read_bytes():
+            raise DataError(
+                f"{path}: exists and is not the embedded {name!r} table; set data.embedded=null to read it, "
+                "or choose another data.csv"
+            )
 
 
 def _sites(
