@@ -80,8 +80,8 @@ class Options:
     """Default: ``root/partitioning.csv`` when present, else a seeded shuffle of the series."""
     patch_size: int = 32
     max_negatives_per_series: int | None = None
-    """Keep at most this many non-nodule candidates per series before the federation is built
-    (real LUNA16 has ~620 per series); null keeps all."""
+    """Keep at most this many non-nodule candidates per series, drawn with the run's seed, before
+    the federation is built (real LUNA16 has ~620 per series); null keeps all."""
 
     def __post_init__(self) -> None:
         require(self.patch_size >= 1, "patch_size", self.patch_size, "a positive number of voxels")
