@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from medfed.errors import ConfigError
 from medfed.models.base import FederatedModule
+from medfed.models.classification import NoduleClassifier
 from medfed.models.segmentation import UNetSegmenter
+from medfed.models.tabular import LogisticRegression
 
-MODELS: dict[str, type[FederatedModule]] = {"unet": UNetSegmenter}
+MODELS: dict[str, type[FederatedModule]] = {"unet": UNetSegmenter, "densenet": NoduleClassifier, "logreg": LogisticRegression}
 
 
 def model_class(name: str) -> type[FederatedModule]:

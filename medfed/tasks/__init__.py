@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from medfed.data.federation import Federation
 from medfed.errors import ConfigError
-from medfed.tasks import brats
+from medfed.tasks import brats, clinical, luna16
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,8 @@ class Task:
 
 
 TASKS: dict[str, Task] = {
-    task.name: task for task in (Task(brats.NAME, brats.Options, brats.build_federation, brats.DEFAULT_MODEL),)
+    module.NAME: Task(module.NAME, module.Options, module.build_federation, module.DEFAULT_MODEL)
+    for module in (brats, luna16, clinical)
 }
 
 

@@ -1,0 +1,151 @@
+"""Two-class classification: the common metrics and loss, and the nodule classifier (a MONAI DenseNet).
+
+Every binary classifier in medfed produces the log-odds of the positive
+class, ``(B,)`` float: the loss is the binary cross-entropy on those log-odds
+(for a network with two output logits l0, l1 the log-odds are l1 - l0, and this
+loss *is* the usual two-class cross-entropy), and the test metrics accumulate
+over the site's whole test split (never the last batch only: bug 4 of the
+reference code):
+
+* ``accuracy``: share of correct predictions, predicted class 1 iff
+  p(positive) > 0.5 (the argmax of two logits); what pFedNet reports;
+* ``balanced_accuracy``: the mean of the two classes' recalls (multiclass
+  macro recall), which a constant prediction cannot push above 0.5 however
+  imbalanced the test split;
+* ``auroc``: area under the ROC curve of p(positive), threshold-free.
+
+Both classes must be present in a test split for balanced accuracy and AUROC
+to be defined; the label-ratio federations guarantee it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from monai.networks.nets import DenseNet
+from torchmetrics import MetricCollection
+from torchmetrics.classification import BinaryAUROC, BinaryConfusionMatrix
+
+from medfed.config import require
+from medfed.models.base import FederatedModule
+
+#: MONAI's DenseNet holds its convolutional trunk in ``features`` and the final ReLU, pooling and
+#: fully connected layer in ``class_layers``; only ``class_layers.out`` has parameters.
+DENSENET_CLASSIFIER_PATTERN = r"^densenet\.class_layers\."
+
+
+class BinaryClassifier(FederatedModule):
+    """Base class of two-class models: subclasses implement :meth:`log_odds` and ``configure_optimizers``."""
+
+    metric_names = ("accuracy", "balanced_accuracy", "auroc")
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        if num_classes != 2:
+            raise ValueError(f"{type(self).__name__} is a two-class model, got num_classes={num_classes}")
+        self.num_classes = num_classes
+        self.test_metrics = MetricCollection({"confusion": BinaryConfusionMatrix(), "auroc": BinaryAUROC()})
+
+    def log_odds(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, ...)`` inputs -> ``(B,)`` float log-odds of the positive class."""
+        raise NotImplementedError(f"{type(self).__name__} must implement log_odds")
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.binary_cross_entropy_with_logits(self.log_odds(x), y.to(torch.float32))
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        x, y = batch
+        # float64 keeps p(positive) below 1 up to log-odds ~36, so AUROC does not see false ties
+        self.test_metrics.update(torch.sigmoid(self.log_odds(x).to(torch.float64)), y)
+
+    def compute_test_metrics(self) -> dict[str, torch.Tensor]:
+        results = self.test_metrics.compute()
+        confusion = results["confusion"].to(torch.float64)  # rows: true class 0, 1; columns: predicted
+        recall_per_class = confusion.diagonal() / confusion.sum(dim=1)
+        return {
+            "accuracy": confusion.trace() / confusion.sum(),
+            "balanced_accuracy": recall_per_class.mean(),
+            "auroc": results["auroc"],
+        }
+
+
+class NoduleClassifier(BinaryClassifier):
+    """Compact 2-D DenseNet on candidate patches: features shared, classifier personal by default (pFedNet VI-A).
+
+    Input ``(B, C, H, W)`` float32 patches (LUNA16: C = 1, H = W = 32); output
+    ``(B, 2)`` logits (0 = not a nodule, 1 = nodule). MONAI's DenseNet stem
+    (7x7 convolution with stride 2, 3x3 max-pooling with stride 2) divides the
+    side by 4, each of the ``len(block_config) - 1`` transitions halves it, and
+    a global average pooling feeds the linear classifier. The default
+    (16 initial features, growth 12, three blocks of 4 layers) has 98,466
+    parameters and leaves a 2 x 2 map of a 32 x 32 patch before the pooling;
+    BatchNorm running statistics are buffers and stay at their site.
+    """
+
+    @dataclass
+    class Options:
+        init_features: int = 16
+        growth_rate: int = 12
+        block_config: list[int] = field(default_factory=lambda: [4, 4, 4])
+        bn_size: int = 4
+        dropout: float = 0.0
+        lr: float = 1e-3
+        weight_decay: float = 0.0
+        personal_patterns: list[str] | None = None
+        shared_patterns: list[str] | None = None
+
+        def __post_init__(self) -> None:
+            require(self.init_features >= 1, "init_features", self.init_features, "an integer >= 1")
+            require(self.growth_rate >= 1, "growth_rate", self.growth_rate, "an integer >= 1")
+            require(
+                len(self.block_config) >= 1 and all(n >= 1 for n in self.block_config),
+                "block_config",
+                self.block_config,
+                "a non-empty list of layer counts >= 1",
+            )
+            require(self.bn_size >= 1, "bn_size", self.bn_size, "an integer >= 1")
+            require(0.0 <= self.dropout < 1.0, "dropout", self.dropout, "a number in [0, 1)")
+            require(self.lr > 0, "lr", self.lr, "a positive learning rate")
+            require(self.weight_decay >= 0, "weight_decay", self.weight_decay, ">= 0")
+
+    default_personal_patterns = (DENSENET_CLASSIFIER_PATTERN,)
+
+    def __init__(self, in_channels: int, num_classes: int, options: Options | None = None) -> None:
+        super().__init__(num_classes)
+        options = options or self.Options()
+        self.options = options
+        self.densenet = DenseNet(
+            spatial_dims=2,
+            in_channels=in_channels,
+            out_channels=num_classes,
+            init_features=options.init_features,
+            growth_rate=options.growth_rate,
+            block_config=tuple(options.block_config),
+            bn_size=options.bn_size,
+            dropout_prob=options.dropout,
+        )
+        self.configure_split(options.personal_patterns, options.shared_patterns)
+
+    def min_input_side(self) -> int:
+        """Smallest patch side whose feature map survives the stem and every transition (1 x 1 at least)."""
+        # after the stem: ceil(side / 4); after k transitions: floor(. / 2 ** k) >= 1
+        return 4 * (2 ** (len(self.options.block_config) - 1) - 1) + 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, C, H, W)`` patches -> ``(B, 2)`` logits."""
+        if min(x.shape[-2:]) < self.min_input_side():
+            raise ValueError(
+                f"NoduleClassifier with block_config {self.options.block_config} needs patches of at least "
+                f"{self.min_input_side()} x {self.min_input_side()} pixels, got {tuple(x.shape[-2:])}"
+            )
+        return self.densenet(x)
+
+    def log_odds(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self(x)
+        return logits[:, 1] - logits[:, 0]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.options.lr, weight_decay=self.options.weight_decay)

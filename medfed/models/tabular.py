@@ -1,0 +1,57 @@
+"""Logistic regression on tabular records (the clinical task), every parameter personal by default.
+
+Input ``(B, f)`` float32 features scaled to [-1, 1]; output ``(B,)`` log-odds
+of the event, w . x + b, from one linear layer f -> 1 trained with the binary
+cross-entropy (:class:`~medfed.models.classification.BinaryClassifier` supplies
+loss and metrics). One output rather than two logits keeps the parameters
+identifiable: two softmax logits can shift both weight rows by the same
+vector without changing the model, and pFedNet's graph penalty
+lambda * ||z_i - z_j|| would then charge sites for differences that are no
+difference. pFedNet makes every feature personal for clinical risk
+prediction (section VI-A), so by default the shared part is empty and only
+the graph penalty couples the sites.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from medfed.config import require
+from medfed.models.classification import BinaryClassifier
+
+
+class LogisticRegression(BinaryClassifier):
+    """One linear layer ``linear`` (weight (1, f), bias (1,)), personal by default."""
+
+    @dataclass
+    class Options:
+        lr: float = 1e-2
+        weight_decay: float = 0.0
+        personal_patterns: list[str] | None = None
+        shared_patterns: list[str] | None = None
+
+        def __post_init__(self) -> None:
+            require(self.lr > 0, "lr", self.lr, "a positive learning rate")
+            require(self.weight_decay >= 0, "weight_decay", self.weight_decay, ">= 0")
+
+    default_personal_patterns = (r"^linear\.",)
+
+    def __init__(self, in_features: int, num_classes: int, options: Options | None = None) -> None:
+        super().__init__(num_classes)
+        options = options or self.Options()
+        self.options = options
+        self.linear = nn.Linear(in_features, 1)
+        self.configure_split(options.personal_patterns, options.shared_patterns)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, f)`` features -> ``(B,)`` log-odds of the positive class."""
+        return self.linear(x).squeeze(-1)
+
+    def log_odds(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.options.lr, weight_decay=self.options.weight_decay)

@@ -1,0 +1,213 @@
+"""The clinical task: federated risk prediction from tabular patient records under label imbalance.
+
+Records come from a CSV (:func:`medfed.data.tabular.read_tabular_csv`): a
+binary target column, optionally a site column, every other column a numeric
+feature; missing cells are filled with 0 (pFedNet, section VI-A). The embedded
+default is REAL data, not generated: the Wisconsin diagnostic breast-cancer
+table shipped inside scikit-learn (569 records, 30 features, target
+``diagnosis``, positive ``malignant``), written to ``csv`` as an ordinary file
+and read back through the same reader as user data. A federation is built in
+four seeded steps:
+
+1. **Sites.** From the site column when configured (its distinct values,
+   sorted, are sites 0 .. S-1; each must hold both classes), otherwise a
+   seeded shuffle of the records dealt round-robin into S sites.
+2. **Train/test by record.** Each site's records are split 80/20 (the
+   federation's ``test_fraction``) with a seeded draw per site, stratified by
+   class, so train and test each hold both classes.
+3. **Label ratio.** Within each split, every site keeps records at its own
+   ratio delta_s = n_negative / n_positive around the federation's delta
+   (:mod:`medfed.tasks.label_imbalance`): train and test carry the same ratio.
+4. **Scaling to [-1, 1] per site.** Each feature's minimum and maximum are
+   fitted on the site's own *training* records only and applied to that
+   site's train and test records (test values beyond the range are clipped).
+   No statistic of one site's data reaches another site, and no test record
+   shapes its own scaling.
+
+Samples: ``x`` float32 (n, f), ``y`` int64 (n,), 1 = the positive value.
+``SiteData.info`` records each site's train and test records (0-based
+positions among the file's records), the ratios and class counts, and the
+scaling's origin.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import TensorDataset
+
+from medfed.config import FederationConfig, require
+from medfed.data.federation import Federation, SiteData, site_seed
+from medfed.data.tabular import (
+    BREAST_CANCER_POSITIVE,
+    BREAST_CANCER_TARGET,
+    TabularData,
+    check_sites_have_both_classes,
+    fit_minmax,
+    read_tabular_csv,
+    scale_to_unit_interval,
+    write_breast_cancer_csv,
+)
+from medfed.errors import ConfigError, DataError
+from medfed.tasks.label_imbalance import sites_at_label_ratio
+
+NAME = "clinical"
+DEFAULT_MODEL = "logreg"
+EMBEDDED_TABLES = ("breast_cancer",)
+CLASS_NAMES = ("negative", "positive")  # label 0, label 1
+
+
+@dataclass
+class Options:
+    """The ``data`` config group of the clinical task."""
+
+    csv: str = "data/generated/clinical/breast_cancer.csv"
+    embedded: str | None = "breast_cancer"
+    """Write this table shipped with an installed package to ``csv`` first (a different file there is
+    an error, never overwritten); null reads your own ``csv``."""
+    target: str = BREAST_CANCER_TARGET
+    positive: str = BREAST_CANCER_POSITIVE
+    """The target value meaning the event (label 1), compared as text."""
+    site_column: str | None = None
+    exclude_columns: list[str] = field(default_factory=list)
+    """Columns that are neither features nor target nor site (e.g. a patient id)."""
+
+    def __post_init__(self) -> None:
+        require(
+            self.embedded is None or self.embedded in EMBEDDED_TABLES,
+            "embedded",
+            self.embedded,
+            f"null or one of {', '.join(EMBEDDED_TABLES)}",
+        )
+
+
+def build_federation(options: Options, federation: FederationConfig, seed: int, progress: bool = True) -> Federation:
+    """Read the records, place them at sites, split, impose the label ratios, scale per site."""
+    path = Path(options.csv)
+    if options.embedded is not None:
+        _write_embedded_table(path, options.embedded)
+    data = read_tabular_csv(
+        path,
+        target=options.target,
+        positive=options.positive,
+        site_column=options.site_column,
+        exclude_columns=tuple(options.exclude_columns),
+    )
+    site_of_record, site_names = _sites(data, federation.n_sites, seed, path, options.site_column)
+    in_test = _stratified_test_mask(data.labels, site_of_record, federation.n_sites, federation.test_fraction, seed, path)
+    kept = sites_at_label_ratio(
+        data.labels,
+        site_of_record,
+        in_test,
+        n_sites=federation.n_sites,
+        label_ratio=federation.label_ratio,
+        seed=seed,
+        source=str(path),
+    )
+
+    sites = []
+    for index, samples in enumerate(kept):
+        lo, hi = fit_minmax(data.features[samples.train])
+        info = {
+            "source_site": site_names[index],
+            "train_records": samples.train.tolist(),
+            "test_records": samples.test.tolist(),
+            **samples.info,
+            "scaling": f"min/max per feature fitted on this site's {len(samples.train)} training records only",
+        }
+        sites.append(
+            SiteData(
+                name=f"site{index}",
+                train=_dataset(data, samples.train, lo, hi),
+                test=_dataset(data, samples.test, lo, hi),
+                info=info,
+            )
+        )
+    origin = (
+        "REAL data: scikit-learn's Wisconsin diagnostic breast-cancer table"
+        if options.embedded == "breast_cancer"
+        else "clinical records"
+    )
+    description = (
+        f"{origin} ({path}; target {options.target!r} = {options.positive!r}; "
+        f"{len(data.feature_names)} features, {data.n_missing} missing cells filled with 0)"
+    )
+    return Federation(
+        task=NAME,
+        sites=sites,
+        input_shape=(len(data.feature_names),),
+        num_classes=2,
+        description=description,
+        generated=False,
+    )
+
+
+def _write_embedded_table(path: Path, name: str) -> None:
+    """Write the embedded table ``name`` to ``path``; a different file already there is an error, never replaced."""
+    if not path.is_file():
+        write_breast_cancer_csv(path)
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        if write_breast_cancer_csv(Path(scratch) / path.name).read_bytes() != path.read_bytes():
+            raise DataError(
+                f"{path}: exists and is not the embedded {name!r} table; set data.embedded=null to read it, "
+                "or choose another data.csv"
+            )
+
+
+def _sites(
+    data: TabularData, n_sites: int, seed: int, path: Path, site_column: str | None
+) -> tuple[np.ndarray, list[str | None]]:
+    """int64 (n,) site index of every record, and each site's value in the site column (None without one).
+
+    Raises:
+        ConfigError: the site column has another number of values than ``federation.n_sites``,
+            or there are fewer records than sites.
+        DataError: a site whose records are all one class.
+    """
+    if data.sites is None:
+        if len(data) < n_sites:
+            raise ConfigError(f"config key 'federation.n_sites' = {n_sites}: {path} has only {len(data)} records")
+        return np.random.default_rng(seed).permutation(len(data)) % n_sites, [None] * n_sites
+    names, site_of_record = np.unique(data.sites, return_inverse=True)
+    if len(names) != n_sites:
+        raise ConfigError(
+            f"config key 'federation.n_sites' = {n_sites}: site column {site_column!r} of {path} holds "
+            f"{len(names)} sites {names.tolist()[:10]}; set them equal"
+        )
+    check_sites_have_both_classes(data.labels, data.sites, source=f"{path}, site column {site_column!r}")
+    return site_of_record.astype(np.int64), names.tolist()
+
+
+def _stratified_test_mask(
+    labels: np.ndarray, site_of_record: np.ndarray, n_sites: int, test_fraction: float, seed: int, path: Path
+) -> np.ndarray:
+    """bool (n,): the test records, round(test_fraction * k) of each site's k records of each class (>= 1, <= k - 1).
+
+    Raises:
+        DataError: a site with fewer than 2 records of a class (one for each split).
+    """
+    in_test = np.zeros(len(labels), dtype=bool)
+    for site in range(n_sites):
+        rng = np.random.default_rng(site_seed(seed, site, 1))
+        for label in (0, 1):
+            records = np.flatnonzero((site_of_record == site) & (labels == label))
+            if len(records) < 2:
+                raise DataError(
+                    f"{path}: site{site} has {len(records)} {CLASS_NAMES[label]} record(s); "
+                    "its train/test split needs at least 2 of each class"
+                )
+            n_test = min(max(1, round(test_fraction * len(records))), len(records) - 1)
+            in_test[rng.choice(records, size=n_test, replace=False)] = True
+    return in_test
+
+
+def _dataset(data: TabularData, records: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> TensorDataset:
+    """``x`` float32 (n, f) scaled to [-1, 1] with the site's (lo, hi), ``y`` int64 (n,)."""
+    x = torch.from_numpy(scale_to_unit_interval(data.features[records], lo, hi))
+    y = torch.from_numpy(data.labels[records])
+    return TensorDataset(x, y)

@@ -1,0 +1,214 @@
+"""The LUNA16 task: federated lung-nodule classification of 32x32 candidate patches under label imbalance.
+
+Candidates are read through :mod:`medfed.data.luna16` (the challenge layout;
+the generated default, :mod:`medfed.data.phantoms.luna16`, is written in the
+same layout and read back by the same reader). A federation is built in three
+seeded steps:
+
+1. **Sites.** CT series are placed at sites from a FeTS-style
+   ``partitioning.csv`` when the data set has one (the generated default does:
+   one partition per simulated scanner) or by a seeded shuffle of the series
+   otherwise (:func:`~medfed.data.federation.assign_subjects_to_sites`).
+2. **Train/test by series.** Each site's series are split 80/20 (the
+   federation's ``test_fraction``) with a seeded draw per site, so no series
+   (patient) has candidates in both splits. The draw is stratified: series
+   holding a nodule candidate and series without one are split separately, so
+   the test split always has nodules (a site needs at least two series with
+   a nodule); a site with a single nodule-free series trains on it.
+3. **Label ratio.** Within each split, every site keeps candidates at its own
+   ratio delta_s = n_negative / n_positive around the federation's delta
+   (:mod:`medfed.tasks.label_imbalance`): train and test carry the same ratio.
+
+Samples: ``x`` float32 (n, 1, P, P), the axial patch through the candidate with
+HU clipped to [-1000, 400] and scaled to [0, 1]; ``y`` int64 (n,), 1 = nodule.
+No augmentation of any kind is applied, at training or at test time.
+``SiteData.info`` records each site's series per split, target and realised
+ratios and class counts; they end up in results.json.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import TensorDataset
+
+from medfed.config import FederationConfig, require
+from medfed.data.federation import Federation, SiteData, assign_subjects_to_sites, site_seed, split_subjects
+from medfed.data.luna16 import NoduleCandidates, extract_candidate_patches
+from medfed.data.partition_csv import read_partition_csv
+from medfed.data.phantoms.luna16 import MARKER_FILE, generate_luna16_phantoms
+from medfed.errors import ConfigError, DataError
+from medfed.tasks.label_imbalance import sites_at_label_ratio
+
+NAME = "luna16"
+DEFAULT_MODEL = "densenet"
+
+
+@dataclass
+class GeneratedLuna16:
+    """Settings of the generated default data set (one acquisition site per site of the federation).
+
+    The keys are those of :func:`~medfed.data.phantoms.luna16.generate_luna16_phantoms`, which checks them.
+    """
+
+    series_per_site: int = 10
+    nodules_per_series: list[int] = field(default_factory=lambda: [3, 5])
+    nodule_diameter_mm: list[float] = field(default_factory=lambda: [3.0, 25.0])
+    negatives_per_series: int = 80
+    matrix_size: int = 192
+    z_extent_mm: float = 80.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("nodules_per_series", "nodule_diameter_mm"):
+            require(len(getattr(self, key)) == 2, f"generate.{key}", getattr(self, key), "a [low, high] pair")
+
+
+@dataclass
+class Options:
+    """The ``data`` config group of the LUNA16 task."""
+
+    root: str = "data/generated/luna16"
+    generate: GeneratedLuna16 | None = field(default_factory=GeneratedLuna16)
+    candidates_csv: str | None = None
+    """Default: ``root/candidates_V2.csv``, else ``root/candidates.csv``."""
+    partition_csv: str | None = None
+    """Default: ``root/partitioning.csv`` when present, else a seeded shuffle of the series."""
+    patch_size: int = 32
+    max_negatives_per_series: int | None = None
+    """Keep at most this many non-nodule candidates per series, drawn with the run's seed, before
+    the federation is built (real LUNA16 has ~620 per series); null keeps all."""
+
+    def __post_init__(self) -> None:
+        require(self.patch_size >= 1, "patch_size", self.patch_size, "a positive number of voxels")
+        require(
+            self.max_negatives_per_series is None or self.max_negatives_per_series >= 0,
+            "max_negatives_per_series",
+            self.max_negatives_per_series,
+            "null or >= 0",
+        )
+
+
+def build_federation(options: Options, federation: FederationConfig, seed: int, progress: bool = True) -> Federation:
+    """Read (or generate) the candidates, place series at sites, split by series, impose the label ratios."""
+    root = Path(options.root)
+    if options.generate is not None:
+        try:
+            generate_luna16_phantoms(root, n_sites=federation.n_sites, progress=progress, **asdict(options.generate))
+        except ValueError as error:  # the generator names the impossible parameter
+            raise ConfigError(f"config key 'data.generate': {error}") from None
+    candidates = extract_candidate_patches(
+        root,
+        candidates_csv=options.candidates_csv,
+        patch_size=options.patch_size,
+        max_negatives_per_series=options.max_negatives_per_series,
+        seed=seed,
+        progress=progress,
+    )
+    series, series_of_candidate = np.unique(candidates.series_uids, return_inverse=True)
+    series_has_nodule = np.bincount(series_of_candidate, weights=candidates.labels, minlength=len(series)) > 0
+
+    partition_file = Path(options.partition_csv) if options.partition_csv else root / "partitioning.csv"
+    partition = read_partition_csv(partition_file) if partition_file.is_file() else None
+    site_series = assign_subjects_to_sites(series.tolist(), federation.n_sites, seed, partition)
+
+    position = {uid: i for i, uid in enumerate(series.tolist())}
+    site_of_series = np.empty(len(series), dtype=np.int64)
+    series_in_test = np.zeros(len(series), dtype=bool)
+    splits = []
+    for index, uids in enumerate(site_series):
+        rows = np.array([position[uid] for uid in uids], dtype=np.int64)
+        train_uids, test_uids = _split_series(
+            uids,
+            series_has_nodule[rows],
+            federation.test_fraction,
+            (site_seed(seed, index, 1), site_seed(seed, index, 2)),
+            f"site{index}",
+        )
+        site_of_series[rows] = index
+        series_in_test[[position[uid] for uid in test_uids]] = True
+        splits.append((train_uids, test_uids))
+
+    kept = sites_at_label_ratio(
+        candidates.labels,
+        site_of_series[series_of_candidate],
+        series_in_test[series_of_candidate],
+        n_sites=federation.n_sites,
+        label_ratio=federation.label_ratio,
+        seed=seed,
+        source=str(root),
+    )
+    sites = [
+        SiteData(
+            name=f"site{index}",
+            train=_dataset(candidates, samples.train),
+            test=_dataset(candidates, samples.test),
+            info={"train_series": train_uids, "test_series": test_uids, **samples.info},
+        )
+        for index, (samples, (train_uids, test_uids)) in enumerate(zip(kept, splits))
+    ]
+    description = _describe(root)
+    return Federation(
+        task=NAME,
+        sites=sites,
+        input_shape=(1, options.patch_size, options.patch_size),
+        num_classes=2,
+        description=description,
+        generated=(root / MARKER_FILE).is_file(),
+    )
+
+
+def _split_series(
+    uids: list[str], has_nodule: np.ndarray, test_fraction: float, seeds: tuple[int, int], site: str
+) -> tuple[list[str], list[str]]:
+    """Seeded train/test split of one site's series, stratified by whether a series holds a nodule.
+
+    Args:
+        uids: the site's series.
+        has_nodule: bool (len(uids),), whether each series has a nodule candidate.
+        test_fraction: share of each stratum that goes to test.
+        seeds: seeds of the two strata's draws (with, without a nodule).
+        site: the site's name, for the error message.
+
+    Returns:
+        ``(train_uids, test_uids)``, each sorted.
+
+    Raises:
+        DataError: fewer than two series with a nodule candidate at the site.
+    """
+    with_nodule = [uid for uid, has in zip(uids, has_nodule) if has]
+    without_nodule = [uid for uid, has in zip(uids, has_nodule) if not has]
+    if len(with_nodule) < 2:
+        raise DataError(
+            f"{site}: needs at least 2 series with a nodule candidate (one for each split), found {len(with_nodule)}"
+        )
+    train, test = split_subjects(with_nodule, test_fraction, seeds[0])
+    if len(without_nodule) >= 2:
+        more_train, more_test = split_subjects(without_nodule, test_fraction, seeds[1])
+        train, test = train + more_train, test + more_test
+    else:
+        train = train + without_nodule
+    return sorted(train), sorted(test)
+
+
+def _dataset(candidates: NoduleCandidates, indices: np.ndarray) -> TensorDataset:
+    """``x`` float32 (n, 1, P, P) patches and ``y`` int64 (n,) labels of the chosen candidates."""
+    x = torch.from_numpy(candidates.patches[indices][:, None])
+    y = torch.from_numpy(candidates.labels[indices])
+    return TensorDataset(x, y)
+
+
+def _describe(root: Path) -> str:
+    """One line saying what the data are: the generator's statement for generated data."""
+    marker = root / MARKER_FILE
+    if not marker.is_file():
+        return f"LUNA16 candidates read from {root}"
+    try:
+        statement = json.loads(marker.read_text())["statement"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
+        raise DataError(f"{marker}: expected a JSON object with a 'statement' string ({error})") from None
+    return f"{statement.split('. ')[0]} ({root})"

@@ -1,0 +1,146 @@
+import csv
+
+import numpy as np
+import pytest
+import torch
+
+from medfed.config import FederationConfig, LabelRatioConfig
+from medfed.data.label_ratio import site_ratios
+from medfed.data.tabular import read_tabular_csv
+from medfed.errors import ConfigError, DataError
+from medfed.tasks.clinical import Options, build_federation
+
+LABEL_RATIO = LabelRatioConfig(delta=2.0, spread=1.5)
+
+
+def federation_of(options, n_sites=3, seed=0, label_ratio=LABEL_RATIO):
+    return build_federation(options, FederationConfig(n_sites=n_sites, label_ratio=label_ratio), seed, progress=False)
+
+
+@pytest.fixture
+def breast_cancer(tmp_path):
+    """The embedded default, written under tmp_path."""
+    return Options(csv=str(tmp_path / "breast_cancer.csv"))
+
+
+def write_records(path, rows, header=("hospital", "event", "a", "b")):
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(header)
+        writer.writerows(rows)
+    return path
+
+
+def two_hospitals(path, extreme_row=3):
+    """Hospital A with features in [0, 10], hospital B in [100, 200]; one A record holds an extreme value."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for hospital, low, high in (("A", 0, 10), ("B", 100, 200)):
+        for i in range(20):
+            rows.append([hospital, "yes" if i % 3 == 0 else "no", *np.round(rng.uniform(low, high, 2), 3)])
+    rows[extreme_row][2] = 1e6
+    return write_records(path, rows)
+
+
+def test_default_is_the_real_breast_cancer_table(breast_cancer):
+    federation = federation_of(breast_cancer, n_sites=5)
+    assert federation.task == "clinical" and not federation.generated
+    assert "REAL data" in federation.description and "breast-cancer" in federation.description
+    assert federation.input_shape == (30,) and federation.num_classes == 2
+    for site in federation.sites:
+        x, y = site.train.tensors
+        assert x.dtype == torch.float32 and x.shape[1] == 30 and y.dtype == torch.int64
+        assert -1 <= x.min() and x.max() <= 1 and -1 <= site.test.tensors[0].min() and site.test.tensors[0].max() <= 1
+
+
+@pytest.mark.parametrize("delta", [1.0, 2.0, 4.0])
+def test_every_site_has_its_ratio_in_train_and_in_test_and_records_are_disjoint(breast_cancer, delta):
+    label_ratio = LabelRatioConfig(delta=delta, spread=1.5)
+    federation = federation_of(breast_cancer, n_sites=5, label_ratio=label_ratio)
+    seen = set()
+    for site, target in zip(federation.sites, site_ratios(delta, 5, 1.5)):
+        train, test = set(site.info["train_records"]), set(site.info["test_records"])
+        assert train.isdisjoint(test) and seen.isdisjoint(train | test)
+        seen |= train | test
+        assert len(train) == len(site.train) and len(test) == len(site.test)
+        for split in (site.train, site.test):
+            y = split.tensors[1]
+            n_pos, n_neg = int(y.sum()), int((y == 0).sum())
+            assert n_pos >= 1 and abs(n_neg - target * n_pos) <= 0.5
+
+
+def test_seeded(breast_cancer):
+    first, again, other = (federation_of(breast_cancer, seed=s) for s in (0, 0, 1))
+    assert [s.info for s in first.sites] == [s.info for s in again.sites]
+    assert all(torch.equal(a.train.tensors[0], b.train.tensors[0]) for a, b in zip(first.sites, again.sites))
+    assert [s.info["test_records"] for s in first.sites] != [s.info["test_records"] for s in other.sites]
+
+
+def test_scaling_uses_only_the_sites_own_training_records(tmp_path):
+    path = two_hospitals(tmp_path / "records.csv")
+    options = Options(csv=str(path), embedded=None, target="event", positive="yes", site_column="hospital")
+    # a seed that puts the extreme A record (position 3) into A's test split, so a fit over test rows would show
+    seed = next(s for s in range(100) if 3 in federation_of(options, 2, s, None).sites[0].info["test_records"])
+    federation = federation_of(options, n_sites=2, seed=seed, label_ratio=None)
+    raw = read_tabular_csv(path, target="event", positive="yes", site_column="hospital").features.astype(np.float64)
+    for site, hospital in zip(federation.sites, ("A", "B")):
+        assert site.info["source_site"] == hospital and "training records only" in site.info["scaling"]
+        train_rows, test_rows = site.info["train_records"], site.info["test_records"]
+        lo, hi = raw[train_rows].min(axis=0), raw[train_rows].max(axis=0)
+        for split, rows in ((site.train, train_rows), (site.test, test_rows)):
+            expected = np.clip(2 * (raw[rows] - lo) / (hi - lo) - 1, -1, 1)
+            np.testing.assert_allclose(split.tensors[0].numpy(), expected, atol=1e-6)
+        x_train = site.train.tensors[0]
+        assert torch.equal(x_train.min(dim=0).values, -torch.ones(2))  # the site's own training range spans [-1, 1]
+        assert torch.equal(x_train.max(dim=0).values, torch.ones(2))
+    assert federation.sites[0].test.tensors[0].max() == 1.0  # the extreme test value is clipped, not fitted
+
+
+def test_site_column_with_another_number_of_sites_is_a_config_error(tmp_path):
+    options = Options(csv=str(two_hospitals(tmp_path / "r.csv")), embedded=None, target="event", positive="yes",
+                      site_column="hospital")
+    with pytest.raises(ConfigError, match="n_sites.*'hospital'.*2 sites"):
+        federation_of(options, n_sites=3, label_ratio=None)
+
+
+def test_missing_target_column_names_file_and_column(tmp_path):
+    path = two_hospitals(tmp_path / "records.csv")
+    with pytest.raises(DataError, match=r"records\.csv: column 'outcome' not found"):
+        federation_of(Options(csv=str(path), embedded=None, target="outcome", positive="yes"), label_ratio=None)
+
+
+def test_non_numeric_feature_names_file_and_column(tmp_path):
+    rows = [["A", "yes" if i % 2 else "no", i, "high" if i == 5 else i] for i in range(10)]
+    path = write_records(tmp_path / "records.csv", rows)
+    with pytest.raises(DataError, match=r"records\.csv: column 'b' must be numeric, found 'high'"):
+        federation_of(Options(csv=str(path), embedded=None, target="event", positive="yes",
+                              exclude_columns=["hospital"]), n_sites=1)
+
+
+def test_single_class_site_names_the_site(tmp_path):
+    rows = [["A", "yes" if i % 2 else "no", i, i] for i in range(10)] + [["B", "no", i, i] for i in range(10)]
+    path = write_records(tmp_path / "records.csv", rows)
+    options = Options(csv=str(path), embedded=None, target="event", positive="yes", site_column="hospital")
+    with pytest.raises(DataError, match=r"records\.csv, site column 'hospital'.*B: 0 positive, 10 negative"):
+        federation_of(options, n_sites=2, label_ratio=None)
+
+
+def test_site_with_too_few_records_of_a_class_for_a_split_names_the_site(tmp_path):
+    rows = [["A", "yes" if i == 0 else "no", i, i] for i in range(10)]
+    path = write_records(tmp_path / "records.csv", rows)
+    with pytest.raises(DataError, match="site0 has 1 positive record"):
+        federation_of(Options(csv=str(path), embedded=None, target="event", positive="yes",
+                              exclude_columns=["hospital"]), n_sites=1, label_ratio=None)
+
+
+def test_the_embedded_table_never_replaces_another_file(tmp_path):
+    path = two_hospitals(tmp_path / "records.csv")
+    before = path.read_bytes()
+    with pytest.raises(DataError, match=r"records\.csv: exists and is not the embedded 'breast_cancer' table"):
+        federation_of(Options(csv=str(path)))
+    assert path.read_bytes() == before
+
+
+def test_unknown_embedded_table_is_a_config_error():
+    with pytest.raises(ConfigError, match="embedded"):
+        Options(embedded="diabetes")

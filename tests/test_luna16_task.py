@@ -1,0 +1,115 @@
+import numpy as np
+import pytest
+import torch
+
+from medfed.config import FederationConfig, LabelRatioConfig
+from medfed.data.label_ratio import site_ratios
+from medfed.data.luna16 import extract_candidate_patches
+from medfed.data.partition_csv import read_partition_csv
+from medfed.data.phantoms.luna16 import generate_luna16_phantoms
+from medfed.errors import ConfigError, DataError
+from medfed.tasks.luna16 import Options, _split_series, build_federation
+
+TINY_PHANTOMS = dict(
+    n_sites=3,
+    series_per_site=4,
+    matrix_size=64,
+    z_extent_mm=20.0,
+    nodules_per_series=(2, 3),
+    nodule_diameter_mm=(3.0, 6.0),
+    negatives_per_series=12,
+    progress=False,
+)
+LABEL_RATIO = LabelRatioConfig(delta=2.0, spread=1.5)
+
+
+@pytest.fixture(scope="module")
+def tiny_luna_root(tmp_path_factory):
+    """3 sites x 4 generated series, 64 x 64 in-plane, written once for this module."""
+    return generate_luna16_phantoms(tmp_path_factory.mktemp("luna") / "luna16", seed=1, **TINY_PHANTOMS)
+
+
+def federation_of(root, seed=0, label_ratio=LABEL_RATIO):
+    options = Options(root=str(root), generate=None)
+    return build_federation(options, FederationConfig(n_sites=3, label_ratio=label_ratio), seed, progress=False)
+
+
+def test_samples_are_single_channel_patches_of_binary_labels(tiny_luna_root):
+    federation = federation_of(tiny_luna_root)
+    assert federation.task == "luna16" and federation.num_classes == 2 and federation.input_shape == (1, 32, 32)
+    assert federation.generated and "GENERATED" in federation.description
+    for site in federation.sites:
+        for split in (site.train, site.test):
+            x, y = split.tensors
+            assert x.dtype == torch.float32 and x.shape[1:] == (1, 32, 32) and 0 <= x.min() and x.max() <= 1
+            assert y.dtype == torch.int64 and set(y.unique().tolist()) == {0, 1}
+
+
+def test_every_site_has_its_ratio_in_train_and_in_test(tiny_luna_root):
+    federation = federation_of(tiny_luna_root)
+    targets = site_ratios(LABEL_RATIO.delta, 3, LABEL_RATIO.spread)
+    for site, target in zip(federation.sites, targets):
+        assert site.info["target_ratio"] == pytest.approx(target)
+        for split_name, split in (("train", site.train), ("test", site.test)):
+            y = split.tensors[1]
+            n_pos, n_neg = int(y.sum()), int((y == 0).sum())
+            assert abs(n_neg - target * n_pos) <= 0.5  # n_neg = round(target * n_pos)
+            assert site.info[f"n_{split_name}_positive"] == n_pos and site.info[f"n_{split_name}_negative"] == n_neg
+            assert site.info[f"{split_name}_ratio"] == pytest.approx(n_neg / n_pos)
+
+
+def test_sites_follow_the_partition_and_splits_are_disjoint_by_series(tiny_luna_root):
+    federation = federation_of(tiny_luna_root)
+    partition = read_partition_csv(tiny_luna_root / "partitioning.csv")
+    candidates = extract_candidate_patches(tiny_luna_root, progress=False)
+    for index, site in enumerate(federation.sites):
+        train_series, test_series = set(site.info["train_series"]), set(site.info["test_series"])
+        assert train_series and test_series and train_series.isdisjoint(test_series)
+        assert {partition[uid] for uid in train_series | test_series} == {index + 1}  # Partition_ID 1 .. 3
+        assert len(test_series) == 1  # round(0.2 * 4 series)
+        # every patch of a split comes from that split's series (matched against the reader's own patches)
+        for split, series in ((site.train, train_series), (site.test, test_series)):
+            allowed = {patch.tobytes() for patch in candidates.patches[np.isin(candidates.series_uids, list(series))]}
+            assert all(patch.tobytes() in allowed for patch in split.tensors[0][:, 0].numpy())
+
+
+def test_seeded(tiny_luna_root):
+    first, again, other = federation_of(tiny_luna_root, 0), federation_of(tiny_luna_root, 0), federation_of(tiny_luna_root, 7)
+    for a, b in zip(first.sites, again.sites):
+        assert a.info == b.info and torch.equal(a.train.tensors[0], b.train.tensors[0])
+    assert any(
+        a.info != c.info or not torch.equal(a.train.tensors[0], c.train.tensors[0]) for a, c in zip(first.sites, other.sites)
+    )
+
+
+def test_without_a_label_ratio_every_candidate_is_kept(tiny_luna_root):
+    federation = federation_of(tiny_luna_root, label_ratio=None)
+    candidates = extract_candidate_patches(tiny_luna_root, progress=False)
+    assert sum(len(s.train) + len(s.test) for s in federation.sites) == len(candidates)
+    assert all(s.info["target_ratio"] is None for s in federation.sites)
+
+
+def test_a_ratio_the_test_split_cannot_meet_names_the_split(tiny_luna_root):
+    with pytest.raises(DataError, match="test split"):
+        federation_of(tiny_luna_root, label_ratio=LabelRatioConfig(delta=20.0, spread=1.0))
+
+
+def test_series_split_is_stratified_by_nodule_presence():
+    uids = [f"s{i}" for i in range(10)]
+    has_nodule = np.array([True] * 5 + [False] * 5)
+    train, test = _split_series(uids, has_nodule, 0.2, (3, 4), "site0")
+    assert sorted(train + test) == uids and set(train).isdisjoint(test)
+    assert sum(u in test for u in uids[:5]) == 1 and sum(u in test for u in uids[5:]) == 1
+    train, test = _split_series(uids[:3], has_nodule[:3], 0.2, (3, 4), "site0")
+    assert len(test) == 1
+    train, test = _split_series(uids[:3] + ["lone"], np.array([True, True, True, False]), 0.2, (3, 4), "site0")
+    assert "lone" in train  # a single nodule-free series trains
+    with pytest.raises(DataError, match="site0: needs at least 2 series with a nodule"):
+        _split_series(uids[4:], has_nodule[4:], 0.2, (3, 4), "site0")
+
+
+def test_options_are_checked():
+    with pytest.raises(ConfigError, match="patch_size"):
+        Options(patch_size=0)
+    with pytest.raises(ConfigError, match="max_negatives_per_series"):
+        Options(max_negatives_per_series=-1)
