@@ -49,11 +49,6 @@ output_dir: {output}
 RESULT_KEYS = {"medfed_version", "strategy", "seed", "federation", "sites", "mean", "communication", "timing", "config", "history"}
 METRICS = ["accuracy", "balanced_accuracy", "auroc"]
 
-# Site.train backpropagates even when the part to train is empty (pFedNet's shared phase of an
-# all-personal model): "element 0 of tensors does not require grad". A spine fix, not a task one.
-EMPTY_SHARED_PART_BUG = pytest.mark.xfail(raises=RuntimeError, strict=True, reason="Site.train on an empty part")
-
-
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("classification-data")
@@ -67,7 +62,7 @@ def data_dir(tmp_path_factory):
         ("luna16", "pfednet"),
         ("clinical", "local"),
         ("clinical", "fedavg"),
-        pytest.param("clinical", "pfednet", marks=EMPTY_SHARED_PART_BUG),
+        ("clinical", "pfednet"),  # all-personal model: pFedNet's shared phase has nothing to train
     ],
 )
 def test_cli_run_writes_results_like_brats(task, strategy, data_dir, tmp_path):
