@@ -10,12 +10,37 @@ reference code) and resets them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import lightning as L
 import torch
 
+from medfed.config import require
 from medfed.models.split import PersonalizationSplit
+
+
+@dataclass
+class ModelOptions:
+    """Options every model takes (the ``model`` config group); models extend it with their own.
+
+    Attributes:
+        lr: Adam learning rate of local training.
+        weight_decay: Adam weight decay.
+        personal_patterns: regexes over parameter names that make a parameter
+            personal (``None``: the model's default split).
+        shared_patterns: regexes that make a parameter shared (``None``:
+            everything not personal is shared).
+    """
+
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    personal_patterns: list[str] | None = None
+    shared_patterns: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        require(self.lr > 0, "lr", self.lr, "a positive learning rate")
+        require(self.weight_decay >= 0, "weight_decay", self.weight_decay, ">= 0")
 
 
 class FederatedModule(PersonalizationSplit, L.LightningModule):
@@ -27,6 +52,11 @@ class FederatedModule(PersonalizationSplit, L.LightningModule):
     """
 
     metric_names: ClassVar[tuple[str, ...]] = ()
+    options: ModelOptions
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """Adam over every parameter; frozen ones get no gradient and are skipped."""
+        return torch.optim.Adam(self.parameters(), lr=self.options.lr, weight_decay=self.options.weight_decay)
 
     def test_results(self) -> dict[str, float]:
         """Metrics over every test batch seen since the last call; resets the accumulators."""

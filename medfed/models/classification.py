@@ -29,7 +29,7 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import BinaryAUROC, BinaryConfusionMatrix
 
 from medfed.config import require
-from medfed.models.base import FederatedModule
+from medfed.models.base import FederatedModule, ModelOptions
 
 #: MONAI's DenseNet holds its convolutional trunk in ``features`` and the final ReLU, pooling and
 #: fully connected layer in ``class_layers``; only ``class_layers.out`` has parameters.
@@ -37,7 +37,7 @@ DENSENET_CLASSIFIER_PATTERN = r"^densenet\.class_layers\."
 
 
 class BinaryClassifier(FederatedModule):
-    """Base class of two-class models: subclasses implement :meth:`log_odds` and ``configure_optimizers``."""
+    """Base class of two-class models: subclasses implement :meth:`log_odds`."""
 
     metric_names = ("accuracy", "balanced_accuracy", "auroc")
 
@@ -86,18 +86,15 @@ class NoduleClassifier(BinaryClassifier):
     """
 
     @dataclass
-    class Options:
+    class Options(ModelOptions):
         init_features: int = 16
         growth_rate: int = 12
         block_config: list[int] = field(default_factory=lambda: [4, 4, 4])
         bn_size: int = 4
         dropout: float = 0.0
-        lr: float = 1e-3
-        weight_decay: float = 0.0
-        personal_patterns: list[str] | None = None
-        shared_patterns: list[str] | None = None
 
         def __post_init__(self) -> None:
+            super().__post_init__()
             require(self.init_features >= 1, "init_features", self.init_features, "an integer >= 1")
             require(self.growth_rate >= 1, "growth_rate", self.growth_rate, "an integer >= 1")
             require(
@@ -108,8 +105,6 @@ class NoduleClassifier(BinaryClassifier):
             )
             require(self.bn_size >= 1, "bn_size", self.bn_size, "an integer >= 1")
             require(0.0 <= self.dropout < 1.0, "dropout", self.dropout, "a number in [0, 1)")
-            require(self.lr > 0, "lr", self.lr, "a positive learning rate")
-            require(self.weight_decay >= 0, "weight_decay", self.weight_decay, ">= 0")
 
     default_personal_patterns = (DENSENET_CLASSIFIER_PATTERN,)
 
@@ -146,6 +141,3 @@ class NoduleClassifier(BinaryClassifier):
     def log_odds(self, x: torch.Tensor) -> torch.Tensor:
         logits = self(x)
         return logits[:, 1] - logits[:, 0]
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=self.options.lr, weight_decay=self.options.weight_decay)

@@ -17,7 +17,7 @@ from monai.networks.nets import UNet
 from torchmetrics.classification import MulticlassJaccardIndex
 
 from medfed.config import require
-from medfed.models.base import FederatedModule
+from medfed.models.base import FederatedModule, ModelOptions
 
 #: MONAI's UNet nests ``Sequential(down, SkipConnection(submodule), up)``; index 2 at any depth is
 #: an up-sampling (decoder) block. Everything else — down blocks and the bottom — is the encoder.
@@ -28,19 +28,15 @@ class UNetSegmenter(FederatedModule):
     """U-Net with the encoder shared and the decoder personal by default (pFedNet, section VI-A)."""
 
     @dataclass
-    class Options:
+    class Options(ModelOptions):
         channels: list[int] = field(default_factory=lambda: [16, 32, 64, 128, 256])
         strides: list[int] = field(default_factory=lambda: [2, 2, 2, 2])
         num_res_units: int = 2
         dropout: float = 0.0
-        lr: float = 1e-3
-        weight_decay: float = 0.0
-        personal_patterns: list[str] | None = None
-        shared_patterns: list[str] | None = None
 
         def __post_init__(self) -> None:
+            super().__post_init__()
             require(len(self.strides) == len(self.channels) - 1, "strides", self.strides, "one fewer entry than channels")
-            require(self.lr > 0, "lr", self.lr, "a positive learning rate")
             require(0.0 <= self.dropout < 1.0, "dropout", self.dropout, "a number in [0, 1)")
 
     metric_names = ("iou", "label_iou")
@@ -79,6 +75,3 @@ class UNetSegmenter(FederatedModule):
     def compute_test_metrics(self) -> dict[str, torch.Tensor]:
         per_class = self.test_metrics.compute()
         return {"iou": per_class.mean(), "label_iou": per_class[1]}
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=self.options.lr, weight_decay=self.options.weight_decay)

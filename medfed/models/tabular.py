@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from medfed.config import require
+from medfed.models.base import ModelOptions
 from medfed.models.classification import BinaryClassifier
 
 
@@ -27,15 +27,8 @@ class LogisticRegression(BinaryClassifier):
     """One linear layer ``linear`` (weight (1, f), bias (1,)), personal by default."""
 
     @dataclass
-    class Options:
+    class Options(ModelOptions):
         lr: float = 1e-2
-        weight_decay: float = 0.0
-        personal_patterns: list[str] | None = None
-        shared_patterns: list[str] | None = None
-
-        def __post_init__(self) -> None:
-            require(self.lr > 0, "lr", self.lr, "a positive learning rate")
-            require(self.weight_decay >= 0, "weight_decay", self.weight_decay, ">= 0")
 
     default_personal_patterns = (r"^linear\.",)
 
@@ -52,6 +45,3 @@ class LogisticRegression(BinaryClassifier):
 
     def log_odds(self, x: torch.Tensor) -> torch.Tensor:
         return self(x)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=self.options.lr, weight_decay=self.options.weight_decay)
