@@ -11,8 +11,8 @@ from scipy import ndimage
 import medfed.data.phantoms.brats as phantoms
 from medfed.data.brats import MODALITIES, TumourLabel, find_cases, load_case, tumour_core, whole_tumour
 from medfed.data.partition_csv import read_partition_csv
+from medfed.data.phantoms.store import describe_generated
 from medfed.data.phantoms.brats import (
-    describe_generated,
     draw_site_acquisition,
     generate_brats_phantoms,
     load_anatomy,
@@ -83,7 +83,7 @@ def test_partition_file_and_marker_record_sites_and_parameters(generated, marker
 
 def test_describe_generated(generated, tmp_path):
     description = describe_generated(generated)
-    assert "generated" in description and "3 sites x 2 cases (3 LGG), 4 mm, seed 0" in description
+    assert description.startswith("GENERATED") and "3 sites x 2 cases (3 LGG), 4 mm, seed 0" in description
     assert describe_generated(tmp_path) is None
     (tmp_path / "GENERATED.json").write_text("{not json")
     with pytest.raises(DataError, match="GENERATED.json"):

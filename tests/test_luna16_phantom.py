@@ -41,7 +41,8 @@ def all_files(root):
 
 def test_layout_marker_and_partition(tiny):
     root, marker = tiny
-    assert "GENERATED" in marker["statement"] and "not patient scans" in marker["statement"]
+    assert "GENERATED" in marker["notice"] and "not patient scans" in marker["notice"]
+    assert marker["generated"] is True and marker["description"].startswith("GENERATED")
     assert marker["parameters"]["seed"] == 5 and marker["parameters"]["matrix_size"] == 64
     series = find_series(root)
     partition = read_partition_csv(root / "partitioning.csv")
@@ -148,7 +149,7 @@ def test_failure_leaves_nothing_behind(tmp_path):
 def test_refuses_to_overwrite_other_data(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "scan.mhd").write_text("mine")
-    with pytest.raises(DataError, match="not a generated data set"):
+    with pytest.raises(DataError, match="refusing to replace"):
         generate_luna16_phantoms(tmp_path / "data", **TINY)
     assert (tmp_path / "data" / "scan.mhd").read_text() == "mine"
 

@@ -25,7 +25,8 @@ from medfed.data.brats import MODALITIES, find_cases, load_case
 from medfed.data.federation import Federation, SiteData, assign_subjects_to_sites, site_seed, split_subjects
 from medfed.data.partition_csv import read_partition_csv
 from medfed.data.patches import extract_axial_patches, sample_centres, tumour_free_centres, zscore_over_brain
-from medfed.data.phantoms.brats import describe_generated, generate_brats_phantoms
+from medfed.data.phantoms.brats import generate_brats_phantoms
+from medfed.data.phantoms.store import describe_generated
 from medfed.errors import ConfigError, DataError
 
 NAME = "brats"

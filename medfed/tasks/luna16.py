@@ -28,7 +28,6 @@ ratios and class counts; they end up in results.json.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -40,7 +39,8 @@ from medfed.config import FederationConfig, require
 from medfed.data.federation import Federation, SiteData, assign_subjects_to_sites, site_seed, split_subjects
 from medfed.data.luna16 import NoduleCandidates, extract_candidate_patches
 from medfed.data.partition_csv import read_partition_csv
-from medfed.data.phantoms.luna16 import MARKER_FILE, generate_luna16_phantoms
+from medfed.data.phantoms.luna16 import generate_luna16_phantoms
+from medfed.data.phantoms.store import describe_generated
 from medfed.errors import ConfigError, DataError
 from medfed.tasks.label_imbalance import sites_at_label_ratio
 
@@ -151,14 +151,14 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
         )
         for index, (samples, (train_uids, test_uids)) in enumerate(zip(kept, splits))
     ]
-    description = _describe(root)
+    generated = describe_generated(root)
     return Federation(
         task=NAME,
         sites=sites,
         input_shape=(1, options.patch_size, options.patch_size),
         num_classes=2,
-        description=description,
-        generated=(root / MARKER_FILE).is_file(),
+        description=generated if generated is not None else f"LUNA16 candidates read from {root}",
+        generated=generated is not None,
     )
 
 
@@ -200,15 +200,3 @@ def _dataset(candidates: NoduleCandidates, indices: np.ndarray) -> TensorDataset
     x = torch.from_numpy(candidates.patches[indices][:, None])
     y = torch.from_numpy(candidates.labels[indices])
     return TensorDataset(x, y)
-
-
-def _describe(root: Path) -> str:
-    """One line saying what the data are: the generator's statement for generated data."""
-    marker = root / MARKER_FILE
-    if not marker.is_file():
-        return f"LUNA16 candidates read from {root}"
-    try:
-        statement = json.loads(marker.read_text())["statement"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
-        raise DataError(f"{marker}: expected a JSON object with a 'statement' string ({error})") from None
-    return f"{statement.split('. ')[0]} ({root})"

@@ -33,10 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import nibabel as nib
@@ -46,11 +42,10 @@ from tqdm import tqdm
 
 from medfed.data.brats import MODALITIES
 from medfed.data.partition_csv import write_partition_csv
-from medfed.errors import DataError
+from medfed.data.phantoms.store import is_cached, write_atomically, write_marker
 
 GENERATOR = "medfed.data.phantoms.brats"
 GENERATOR_VERSION = 1
-MARKER = "GENERATED.json"
 PARTITION_FILE = "partitioning.csv"
 
 TISSUES = ("csf", "gm", "wm")
@@ -186,34 +181,9 @@ def generate_brats_phantoms(
         DataError: ``root`` exists and is not this generator's output.
     """
     parameters = _checked_parameters(n_sites, cases_per_site, seed, resolution_mm, lgg_fraction)
-    root = Path(root)
-    if _is_complete_output(root, parameters):
-        return root
-    _check_replaceable(root)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.partial-", dir=root.parent))
-    try:
-        staging.chmod(0o755)
-        _write_data_set(staging, parameters, progress)
-        _swap_in(staging, root)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)  # only left behind when writing failed
-    return root
-
-
-def describe_generated(root: str | Path) -> str | None:
-    """The one-line description recorded in ``root/GENERATED.json``; None if there is no such file.
-
-    Raises:
-        DataError: GENERATED.json exists but is unreadable or has no "description".
-    """
-    marker = Path(root) / MARKER
-    if not marker.is_file():
-        return None
-    record = _read_marker(marker)
-    if record is None or not isinstance(record.get("description"), str):
-        raise DataError(f"{marker}: expected a JSON object with a 'description' string")
-    return record["description"]
+    if is_cached(root, GENERATOR, GENERATOR_VERSION, parameters):
+        return Path(root)
+    return write_atomically(root, GENERATOR, lambda folder: _write_data_set(folder, parameters, progress))
 
 
 def draw_site_acquisition(seed: int, site: int) -> SiteAcquisition:
@@ -319,50 +289,6 @@ def _checked_parameters(n_sites, cases_per_site, seed, resolution_mm, lgg_fracti
     }
 
 
-def _read_marker(marker: Path) -> dict | None:
-    try:
-        record = json.loads(marker.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
-def _is_complete_output(root: Path, parameters: dict) -> bool:
-    record = _read_marker(root / MARKER) if (root / MARKER).is_file() else None
-    return (
-        record is not None
-        and record.get("generator") == GENERATOR
-        and record.get("generator_version") == GENERATOR_VERSION
-        and record.get("parameters") == parameters
-        and all((root / name).is_file() for name in record.get("files", []))
-    )
-
-
-def _check_replaceable(root: Path) -> None:
-    """Only a missing or empty folder, or this generator's own output, may be replaced."""
-    if not root.exists():
-        return
-    if root.is_dir() and not any(root.iterdir()):
-        return
-    record = _read_marker(root / MARKER) if (root / MARKER).is_file() else None
-    if record is None or record.get("generator") != GENERATOR:
-        raise DataError(
-            f"{root}: exists and is not a data set written by {GENERATOR}; "
-            "refusing to replace it (choose another root or remove it)"
-        )
-
-
-def _swap_in(staging: Path, root: Path) -> None:
-    """Rename ``staging`` to ``root``; an old ``root`` is renamed aside first and then deleted."""
-    if not root.exists():
-        os.rename(staging, root)
-        return
-    retired = Path(tempfile.mkdtemp(prefix=f".{root.name}.old-", dir=root.parent))
-    os.rename(root, retired / root.name)
-    os.rename(staging, root)
-    shutil.rmtree(retired)
-
-
 # --- writing the data set ---------------------------------------------------
 
 
@@ -397,31 +323,30 @@ def _write_data_set(folder: Path, parameters: dict, progress: bool) -> None:
             files.append(path.relative_to(folder).as_posix())
     write_partition_csv(folder / PARTITION_FILE, {case_id: site for case_id, site, _, _ in plan})
     n_lgg = sum(grade == "LGG" for *_, grade in plan)
-    record = {
-        "generated": True,
-        "notice": (
+    write_marker(
+        folder,
+        GENERATOR,
+        GENERATOR_VERSION,
+        parameters,
+        description=(
+            f"GENERATED BraTS-like data ({GENERATOR} v{GENERATOR_VERSION}): {parameters['n_sites']} sites x "
+            f"{parameters['cases_per_site']} cases ({n_lgg} LGG), {parameters['resolution_mm']:g} mm, "
+            f"seed {parameters['seed']}"
+        ),
+        notice=(
             "GENERATED DATA, not patient scans: brain anatomy from the MNI152 2009 template "
             "(nilearn), tumours, MRI contrasts and site scanner effects simulated by medfed. "
             "Label results computed on it as generated."
         ),
-        "description": (
-            f"generated BraTS-like data ({GENERATOR} v{GENERATOR_VERSION}): {parameters['n_sites']} sites x "
-            f"{parameters['cases_per_site']} cases ({n_lgg} LGG), {parameters['resolution_mm']:g} mm, "
-            f"seed {parameters['seed']}"
-        ),
-        "generator": GENERATOR,
-        "generator_version": GENERATOR_VERSION,
-        "layout": "brats2017",
-        "parameters": parameters,
-        "class_signal": CLASS_SIGNAL,
-        "bias_monomials": BIAS_MONOMIALS,
-        "bias_length_mm": BIAS_LENGTH_MM,
-        "case_gain_sigma": CASE_GAIN_SIGMA,
-        "sites": [dataclasses.asdict(site) for site in sites],
-        "cases": [{"case_id": case_id, "site": site, "grade": grade} for case_id, site, _, grade in plan],
-        "files": [*files, PARTITION_FILE],
-    }
-    (folder / MARKER).write_text(json.dumps(record, indent=2) + "\n")
+        layout="brats2017",
+        class_signal=CLASS_SIGNAL,
+        bias_monomials=BIAS_MONOMIALS,
+        bias_length_mm=BIAS_LENGTH_MM,
+        case_gain_sigma=CASE_GAIN_SIGMA,
+        sites=[dataclasses.asdict(site) for site in sites],
+        cases=[{"case_id": case_id, "site": site, "grade": grade} for case_id, site, _, grade in plan],
+        files=[*files, PARTITION_FILE],
+    )
 
 
 # --- simulation steps ---------------------------------------------------------

@@ -53,9 +53,6 @@ the same parameters and generator version is returned untouched.
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -66,10 +63,10 @@ from tqdm import tqdm
 
 from medfed.data.luna16 import ANNOTATIONS_HEADER, CANDIDATES_HEADER
 from medfed.data.partition_csv import write_partition_csv
-from medfed.errors import DataError
+from medfed.data.phantoms.store import is_cached, write_atomically, write_marker
 
 GENERATOR_VERSION = 1
-MARKER_FILE = "GENERATED.json"
+GENERATOR = __name__
 N_SUBSETS = 10  # LUNA16 ships subset0 .. subset9
 
 # Nominal tissue values in Hounsfield units, before the per-site calibration offset.
@@ -267,21 +264,9 @@ def generate_luna16_phantoms(
         negatives_per_series=negatives_per_series,
     )
     _check_parameters(parameters)
-    root = Path(root)
-    if _is_cached(root, parameters):
-        return root
-    if root.exists() and any(root.iterdir()) and not (root / MARKER_FILE).is_file():
-        raise DataError(f"{root}: exists and is not a generated data set ({MARKER_FILE} missing); not overwriting")
-
-    root.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}.", suffix=".tmp"))
-    try:
-        _write_dataset(staging, parameters, progress)
-        _replace_directory(staging, root)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return root
+    if is_cached(root, GENERATOR, GENERATOR_VERSION, parameters):
+        return Path(root)
+    return write_atomically(root, GENERATOR, lambda folder: _write_dataset(folder, parameters, progress))
 
 
 def _check_parameters(p: dict) -> None:
@@ -312,28 +297,6 @@ def _check_parameters(p: dict) -> None:
             raise ValueError(f"generate_luna16_phantoms: {name} must be {expected[name]}, got {p[name]}")
 
 
-def _is_cached(root: Path, parameters: dict) -> bool:
-    marker = root / MARKER_FILE
-    if not marker.is_file():
-        return False
-    try:
-        recorded = json.loads(marker.read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    return recorded.get("generator_version") == GENERATOR_VERSION and recorded.get("parameters") == parameters
-
-
-def _replace_directory(staging: Path, root: Path) -> None:
-    """Move the finished ``staging`` directory to ``root``, removing a previous output only after."""
-    if not root.exists():
-        staging.rename(root)
-        return
-    retired = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}.", suffix=".old"))
-    root.rename(retired / root.name)
-    staging.rename(root)
-    shutil.rmtree(retired)
-
-
 def _write_dataset(out: Path, p: dict, progress: bool) -> None:
     acquisitions = _site_acquisitions(p["n_sites"], np.random.default_rng([p["seed"], 0]))
     candidate_rows, annotation_rows, partition = [], [], {}
@@ -362,16 +325,21 @@ def _write_dataset(out: Path, p: dict, progress: bool) -> None:
     _write_csv(out / "candidates_V2.csv", CANDIDATES_HEADER, candidate_rows)
     _write_csv(out / "annotations.csv", ANNOTATIONS_HEADER, annotation_rows)
     write_partition_csv(out / "partitioning.csv", partition)
-    marker = {
-        "statement": "GENERATED data: synthetic chest CT phantoms written in the LUNA16 layout by medfed. "
+    n_nodules = sum(summary["n_nodules"] for summary in site_summaries)
+    write_marker(
+        out,
+        GENERATOR,
+        GENERATOR_VERSION,
+        p,
+        description=(
+            f"GENERATED chest CT in the LUNA16 layout ({GENERATOR} v{GENERATOR_VERSION}): {p['n_sites']} sites x "
+            f"{p['series_per_site']} series, {n_nodules} nodules, seed {p['seed']}"
+        ),
+        notice="GENERATED data: synthetic chest CT phantoms written in the LUNA16 layout by medfed. "
         "They are not patient scans; results computed on them must be labelled as generated.",
-        "generator": __name__,
-        "generator_version": GENERATOR_VERSION,
-        "parameters": p,
-        "tissue_hu": TISSUE_HU,
-        "sites": site_summaries,
-    }
-    (out / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+        tissue_hu=TISSUE_HU,
+        sites=site_summaries,
+    )
 
 
 def _write_csv(path: Path, header: tuple[str, ...], rows: list[list[str]]) -> None:
