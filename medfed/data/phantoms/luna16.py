@@ -65,7 +65,7 @@ from medfed.data.luna16 import ANNOTATIONS_HEADER, CANDIDATES_HEADER
 from medfed.data.partition_csv import write_partition_csv
 from medfed.data.phantoms.store import is_cached, write_atomically, write_marker
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # 2: marker written by phantoms.store (with a description)
 GENERATOR = __name__
 N_SUBSETS = 10  # LUNA16 ships subset0 .. subset9
 
