@@ -24,9 +24,10 @@ from medfed.federated.strategies.fedamp import FedAMP
 from medfed.federated.strategies.fedavg import FedAvg
 from medfed.federated.strategies.local import Local
 from medfed.federated.strategies.pfednet import PFedNet
+from medfed.federated.strategies.pgfed import PGFed, PGFedMo
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (Local, FedAvg, PFedNet, FedAMP)
+    cls.name: cls for cls in (Local, FedAvg, PFedNet, FedAMP, PGFed, PGFedMo)
 }
 
 
