@@ -7,6 +7,7 @@ import torch
 from medfed.errors import ConfigError
 from medfed.federated.strategies import strategy_from_config
 from medfed.federated.strategies.pgfed import PGFed, PGFedMo
+from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, LinearOptions, LinearRegressor, build_loop, regression_federation, seeded, two_group_federation
 
 LR, MU, ALPHA_LR, EPOCHS, ROUNDS = 0.1, 0.5, 0.05, 2, 4
