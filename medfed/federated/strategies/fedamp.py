@@ -115,9 +115,9 @@ class FedAMP(Strategy):
     class Options:
         variant: str = "exponential"
         """"exponential" (the paper's A(t) = 1 - exp(-t/sigma)) or "heuristic" (cosine softmax, for deep nets)."""
-        alpha: float = 0.1
+        alpha: float = 0.01
         """alpha_k: the server's step on the attention term; also divides lam in the proximal weight."""
-        lam: float = 1.0
+        lam: float = 0.01
         """lambda: weight of the attention term; the site's proximal weight is lam / (2 alpha)."""
         sigma: float = 1.0
         """A's scale (exponential variant), in the units of squared parameter distances."""
