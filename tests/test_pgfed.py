@@ -6,7 +6,7 @@ import torch
 
 from medfed.errors import ConfigError
 from medfed.federated.strategies import strategy_from_config
-from medfed.federated.strategies.pgfed import PGFed, PGFedMo
+from medfed.federated.strategies.pgfed import PGFed, PGFedMo, training_risk
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, LinearOptions, LinearRegressor, build_loop, regression_federation, seeded, two_group_federation
 
@@ -104,6 +104,17 @@ def test_rounds_follow_algorithm_1(name, options, beta):
     assert [(t, i) for t, i, _ in received] == [(t, i) for t, i, _ in expected]
     for (_, _, got), (_, _, want) in zip(received, expected):
         np.testing.assert_allclose(got, want, **tol)
+
+
+def test_training_risk_is_the_full_split_mean_over_uneven_batches():
+    federation = regression_federation(n_sites=3)  # site 2 holds 10 samples: batches of 4, 4, 2
+    loop = build_loop("pgfed", federation, seeded(LinearRegressor, 3), batch_size=4)
+    site = loop.sites[2]
+    risk, gradient = training_risk(site)
+    x, y = (t.double() for t in federation.sites[2].train.tensors)
+    theta = site.module.get_vector("all").double()
+    assert risk == pytest.approx(0.5 * float(((x @ theta - y) ** 2).mean()), rel=1e-6)
+    torch.testing.assert_close(gradient.double(), x.T @ (x @ theta - y) / len(y), rtol=1e-5, atol=1e-7)
 
 
 def test_pgfedmo_with_beta_zero_is_pgfed_bit_for_bit():

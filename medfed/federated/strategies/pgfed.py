@@ -73,7 +73,7 @@ def training_risk(site) -> tuple[float, torch.Tensor]:
     f is the sample-weighted mean of ``training_step`` over batches (the
     training loader's batch size, in a fixed order that leaves the site's
     shuffling generator untouched), grad f the same mean of the batch
-    gradients.
+    gradients (zero for a parameter the loss does not use).
 
     Returns:
         ``(f, gradient)``: a float and a float32 vector of shape
@@ -87,7 +87,8 @@ def training_risk(site) -> tuple[float, torch.Tensor]:
         batch = site.fabric.to_device(batch)
         share = batch[0].shape[0] / site.n_train
         loss = site.module.training_step(batch, 0)
-        gradient += share * torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, parameters)]).to(torch.float64)
+        batch_gradients = torch.autograd.grad(loss, parameters, allow_unused=True, materialize_grads=True)
+        gradient += share * torch.cat([g.reshape(-1) for g in batch_gradients]).to(torch.float64)
         risk += share * loss.item()
     return risk, gradient.to(parameters[0].dtype)
 
