@@ -1,13 +1,19 @@
 """FedAMP, APPLE, PGFed and PGFedMo through the CLI on the tiny generated BraTS set (MONAI U-Net)."""
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from medfed.cli import main
 from medfed.compression.codecs import make_codec
+from medfed.config import load_config, to_plain_dict
+from medfed.federated.strategies import strategy_from_config
 from medfed.models.segmentation import UNetSegmenter
+
+BRATS_LACK0 = Path(__file__).resolve().parents[1] / "configs" / "brats_lack0.yaml"
 
 # model vectors each participant sends up / receives down per round from round 2 on (APPLE: M = 1)
 MODELS_PER_ROUND = {"fedamp": (1, 1), "apple": (1, 1), "pgfed": (2, 3), "pgfedmo": (2, 3)}
@@ -39,3 +45,13 @@ def test_peer_runs_on_a_unet_with_partial_participation(tiny_run_config, tmp_pat
             taking_part = site in record["participants"]
             assert sent["up"] // model_bytes == (up if taking_part else 0), (site, sent)
             assert sent["down"] // model_bytes == (down if taking_part else 0), (site, sent)
+
+
+
+@pytest.mark.parametrize("name", ["fedamp", "apple", "pgfed", "pgfedmo"])
+def test_brats_lack0_lists_every_option_of_the_peers(name):
+    group = to_plain_dict(load_config(BRATS_LACK0, [f"strategy.name={name}"]))["strategy"]
+    cls, options = strategy_from_config(group)  # validates every strategy's subgroup
+    assert cls.name == name
+    assert {key: getattr(options, key) for key in group[name]} == group[name]
+    assert set(group[name]) == {field.name for field in dataclasses.fields(options)}
