@@ -19,12 +19,17 @@ from typing import Any
 
 from medfed.config import parse_options
 from medfed.errors import ConfigError
+from medfed.federated.strategies.apple import APPLE
 from medfed.federated.strategies.base import Strategy
+from medfed.federated.strategies.fedamp import FedAMP
 from medfed.federated.strategies.fedavg import FedAvg
 from medfed.federated.strategies.local import Local
 from medfed.federated.strategies.pfednet import PFedNet
+from medfed.federated.strategies.pgfed import PGFed, PGFedMo
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (Local, FedAvg, PFedNet)}
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (Local, FedAvg, PFedNet, FedAMP, APPLE, PGFed, PGFedMo)
+}
 
 
 def strategy_from_config(group: dict[str, Any]) -> tuple[type[Strategy], Any]:

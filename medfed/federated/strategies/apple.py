@@ -1,0 +1,305 @@
+"""APPLE (Luo & Wu, "Adapt to adaptation"): core models mixed by learned directed relationships.
+
+See ``shared/papers/apple-adapt-to-adaptation.md`` (Algorithm 1, sections
+3.2-3.4, appendix A). Every site i uploads a *core model* w_i^(c); the server
+keeps the N core models. Site i keeps copies of the core models it has
+downloaded and its *directed-relationship* (DR) vector p_i, which never
+leaves it; its personalised model is::
+
+    w_i^(p) = sum_j p_ij w_j^(c)                                          (eq. 4)
+
+Local training updates only its own core model (the copies are frozen) and
+p_i, on the loss of w_i^(p) plus the proximal DR penalty::
+
+    F_i(w_i^(p)) + lambda(r) * mu / 2 * ||p_i - p_0||^2,   p_0 = [n_1/n ... n_N/n]   (eq. 7)
+
+w_i^(c) is stepped by the module's optimiser (eq. 5), p_i by plain SGD with
+its own rate ``dr_lr`` = eta_2 (eq. 6). p_i starts at p_0 (the authors' code).
+
+**Loss scheduler** (appendix A.1). r = rounds completed before this one (0 in
+the first round, so lambda starts at 1 as "between 1 and 0" requires); L =
+``scheduler_rounds``; lambda(r) = 0 from r = L on; before that
+
+* cosine: (cos(r pi / L) + 1) / 2;
+* exponential: eps^(r / L), eps = ``scheduler_eps`` = 1e-3. The paper prints
+  e^{r/L}, which *increases*; the eps it names and the "rapid transition from
+  global to local" it describes give the decreasing eps^{r/L} (1 at r = 0,
+  eps as r -> L), which is also what the authors' code computes.
+
+**Download budget** M (section 3.4, appendix A.2). Every site starts with the
+seeded initial model as every core model (as the authors' code, which
+downloads all of them in round 0, equivalently "by setting seeds"), so
+nothing is fetched for that. In each round it takes part in, site i fetches
+min(M, N - 1) of the other core models:
+
+1. those it has never downloaded first; if there are more than slots, a
+   random subset (seeded generator in the site's state);
+2. the remaining slots among the already-downloaded ones, drawn without
+   replacement with probability b(r)^|p_ij| / sum_k b(r)^|p_ik|,
+   b(r) = max(1.5, r M / N) (eqs. 8-9).
+
+The download counters are updated on every reception and kept in the site's
+state (the authors' code never updated them, so its selection was uniform:
+bug 8 of ``shared/design/algorithms.md``; it could also pick a core twice
+when filling, which the draw here excludes). ``download_budget: null``
+fetches all N - 1 every round. Bytes per round therefore scale with M.
+
+**Life cycle.** Phase "select": the server sends r, the site picks its
+cores (no training) and replies with a 0/1 request vector (N floats; p_i
+stays at the site). Phase "fit": the server sends "core/<j>" for each
+requested j, the site trains and replies "core/<i>". Deliveries carry
+nothing except p_0 after setup.
+
+**What the module holds.** During training it holds w_i^(c), so the loop's
+optimiser (and its moments) act on the core model. The forward pass runs
+``training_step`` through ``torch.func.functional_call`` with the parameters
+p_ii * w_i^(c) + sum_{j != i} p_ij w_j^(c), built from the live core
+parameters and the frozen copies, so gradients reach w_i^(c) (scaled by
+p_ii, eq. 5) and p_i (eq. 6). At every delivery (after setup and at the end
+of each round, when the loop evaluates) the site stores its core model in its
+state and loads w_i^(p) into the module; when it next takes part, the core
+model is restored before anything else. Each site holds N model vectors
+(fine for N ~ 5-20).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from medfed.config import require
+from medfed.federated.strategies.base import DELIVER, Payload, Strategy, num_samples
+from medfed.federated.strategies.live_parameters import live_parameters, training_loss_with
+
+SCHEDULERS = ("cosine", "exponential")
+
+
+def loss_scheduler(kind: str, completed_rounds: int, last_round: int, eps: float) -> float:
+    """lambda(r) of appendix A.1 (see the module docstring for the exponential form).
+
+    Args:
+        kind: "cosine" or "exponential".
+        completed_rounds: r, rounds completed before the current one (>= 0).
+        last_round: L >= 1; lambda is 0 from r = L on.
+        eps: the exponential scheduler's value approached as r -> L.
+
+    Returns:
+        lambda(r) in [0, 1], non-increasing in r.
+    """
+    if completed_rounds >= last_round:
+        return 0.0
+    fraction = completed_rounds / last_round
+    if kind == "cosine":
+        return (math.cos(math.pi * fraction) + 1.0) / 2.0
+    return eps**fraction
+
+
+def choose_downloads(
+    site_index: int,
+    downloads: torch.Tensor,
+    dr: torch.Tensor,
+    budget: int,
+    completed_rounds: int,
+    generator: torch.Generator,
+) -> list[int]:
+    """Which core models site i fetches this round (appendix A.2).
+
+    Args:
+        site_index: i.
+        downloads: int64 ``(N,)``, how often each core model was downloaded by i.
+        dr: ``(N,)`` the DR vector p_i.
+        budget: M >= 1, core models per round (at most N - 1 are fetched).
+        completed_rounds: r, for the base b(r) = max(1.5, r M / N).
+        generator: CPU generator for the random tie-break and the weighted draw.
+
+    Returns:
+        Sorted indices j != i: never-downloaded ones first (a random subset if
+        they exceed the budget), the remaining slots drawn without replacement
+        among the already-downloaded ones with probability ∝ b(r)^|p_ij|.
+    """
+    n = downloads.numel()
+    others = [j for j in range(n) if j != site_index]
+    if budget >= len(others):
+        return others
+    never = [j for j in others if int(downloads[j]) == 0]
+    if len(never) >= budget:
+        order = torch.randperm(len(never), generator=generator)[:budget]
+        return sorted(never[k] for k in order.tolist())
+    seen = [j for j in others if int(downloads[j]) > 0]
+    base = max(1.5, completed_rounds * budget / n)
+    weights = torch.tensor([base ** abs(float(dr[j])) for j in seen], dtype=torch.float64)
+    drawn = torch.multinomial(weights, budget - len(never), replacement=False, generator=generator)
+    return sorted(never + [seen[k] for k in drawn.tolist()])
+
+
+def _sgd_in_backward(stored: torch.Tensor, lr: float) -> torch.Tensor:
+    """A leaf copy of ``stored`` whose gradient, once backward has accumulated it, steps ``stored`` by SGD.
+
+    The loop's optimiser knows only the module's parameters; this applies
+    eq. (6), p <- p - eta_2 dF/dp, in the same backward pass that gives the
+    optimiser its gradients for eq. (5) (both at the same point).
+    """
+    leaf = stored.detach().clone().requires_grad_(True)
+
+    def step(tensor: torch.Tensor) -> None:
+        with torch.no_grad():
+            stored.sub_(lr * tensor.grad)
+        tensor.grad = None
+
+    leaf.register_post_accumulate_grad_hook(step)
+    return leaf
+
+
+class APPLE(Strategy):
+    name = "apple"
+    phases = ("select", "fit")
+    coded_keys = {"core": "all"}
+
+    @dataclass
+    class Options:
+        dr_lr: float = 1e-3
+        """eta_2: SGD step of the DR vector p_i (eq. 6)."""
+        mu: float = 0.1
+        """Weight of the proximal DR penalty (eq. 7); 0 disables it."""
+        scheduler: str = "cosine"
+        """Loss scheduler lambda(r): "cosine" or "exponential" (appendix A.1)."""
+        scheduler_rounds: int = 32
+        """L: lambda(r) = 0 from round r = L on (the paper uses 10-30% of its 160 rounds)."""
+        scheduler_eps: float = 1e-3
+        """eps of the exponential scheduler eps^(r/L)."""
+        download_budget: int | None = None
+        """M: core models a site downloads per round; null = all N - 1 (no limit)."""
+
+        def __post_init__(self) -> None:
+            require(self.dr_lr >= 0, "dr_lr", self.dr_lr, "eta_2 >= 0")
+            require(self.mu >= 0, "mu", self.mu, "mu >= 0")
+            require(self.scheduler in SCHEDULERS, "scheduler", self.scheduler, f"one of {', '.join(SCHEDULERS)}")
+            require(self.scheduler_rounds >= 1, "scheduler_rounds", self.scheduler_rounds, "L >= 1")
+            require(0 < self.scheduler_eps < 1, "scheduler_eps", self.scheduler_eps, "eps in (0, 1)")
+            require(
+                self.download_budget is None or self.download_budget >= 1,
+                "download_budget",
+                self.download_budget,
+                "null or M >= 1",
+            )
+
+    # ------------------------------------------------------------------ server side
+    def server_setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+        self.cores = initial["all"].reshape(1, -1).repeat(self.n_sites, 1)  # (N, d) w_j^(c)
+        sizes = torch.cat([replies[i]["num_samples"] for i in range(self.n_sites)]).to(torch.float64)
+        self.prior = sizes / sizes.sum()  # p_0
+        self.completed_rounds = 0
+        self.requests: dict[int, list[int]] = {}
+
+    def server_message(self, phase: str, site_index: int) -> Payload:
+        if phase == "select":
+            return {"completed_rounds": torch.tensor([float(self.completed_rounds)])}
+        return {f"core/{j}": self.cores[j] for j in self.requests[site_index]}
+
+    def server_aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
+        if phase == "select":
+            self.requests = {i: torch.nonzero(reply["request"]).flatten().tolist() for i, reply in replies.items()}
+            return
+        for index, reply in replies.items():
+            self.cores[index] = reply[f"core/{index}"]
+        self.completed_rounds += 1
+
+    def server_deliver(self, site_index: int) -> Payload:
+        return {"prior": self.prior} if self.completed_rounds == 0 else {}
+
+    def server_metrics(self) -> dict[str, float]:
+        return {"cores_sent_per_site": sum(map(len, self.requests.values())) / max(len(self.requests), 1)}
+
+    def server_state_dict(self) -> dict:
+        return {"cores": self.cores, "prior": self.prior, "completed_rounds": self.completed_rounds}
+
+    def load_server_state_dict(self, state: dict) -> None:
+        self.cores = state["cores"]
+        self.prior = state["prior"]
+        self.completed_rounds = state["completed_rounds"]
+        self.requests = {}
+
+    # ------------------------------------------------------------------ site side
+    def site_setup(self, site) -> Payload:
+        return {"num_samples": num_samples(site)}
+
+    def site_receive(self, site, phase: str, payload: Payload) -> None:
+        state = site.strategy_state
+        if phase == DELIVER:
+            if "prior" in payload:
+                self._initialise_site(site, payload["prior"])
+            self._hold_personalised_model(site)
+            return
+        self._hold_core_model(site)
+        if phase == "select":
+            state["completed_rounds"] = int(payload["completed_rounds"])
+            return
+        for key, core in payload.items():
+            j = int(key.split("/", 1)[1])
+            state["cores"][j] = core
+            state["downloads"][j] += 1
+
+    def _initialise_site(self, site, prior: torch.Tensor) -> None:
+        """State before round 1: p_i = p_0, every core model = the seeded initial model (held now)."""
+        initial = site.module.get_vector("all")
+        site.strategy_state.update(
+            prior=prior.to(initial.dtype),
+            dr=prior.to(initial.dtype).clone(),
+            cores=initial.reshape(1, -1).repeat(self.n_sites, 1),
+            downloads=torch.zeros(self.n_sites, dtype=torch.int64),
+            generator=torch.Generator().manual_seed(self.seed * 1_000_003 + site.index).get_state(),
+            completed_rounds=0,
+            module_holds="core",
+        )
+
+    def _hold_personalised_model(self, site) -> None:
+        """Store the core model (if the module holds it) and load w_i^(p) = sum_j p_ij w_j^(c) for evaluation."""
+        state = site.strategy_state
+        if state["module_holds"] == "core":
+            state["cores"][site.index] = site.module.get_vector("all")
+            site.module.set_vector("all", state["dr"] @ state["cores"])
+            state["module_holds"] = "personalised"
+
+    def _hold_core_model(self, site) -> None:
+        """Put the site's own core model back into the module (before selecting and training)."""
+        state = site.strategy_state
+        if state["module_holds"] == "personalised":
+            site.module.set_vector("all", state["cores"][site.index])
+            state["module_holds"] = "core"
+
+    def site_trainable(self, phase: str) -> str | None:
+        return None if phase == "select" else "all"
+
+    def site_loss(self, site, phase: str, batch) -> torch.Tensor:
+        """Loss of w_i^(p) on ``batch`` plus lambda(r) mu/2 ||p_i - p_0||^2; backward also steps p_i."""
+        state = site.strategy_state
+        dr = _sgd_in_backward(state["dr"], self.options.dr_lr)
+        not_self = torch.ones_like(dr)
+        not_self[site.index] = 0.0
+        frozen = (dr * not_self) @ state["cores"]  # sum_{j != i} p_ij w_j^(c), (d,)
+        names = site.module.parameter_split.names("all")
+        mixed, offset = {}, 0
+        for name, parameter in zip(names, live_parameters(site.module, "all"), strict=True):
+            size = parameter.numel()
+            mixed[name] = dr[site.index] * parameter + frozen[offset : offset + size].view_as(parameter)
+            offset += size
+        weight = loss_scheduler(
+            self.options.scheduler, state["completed_rounds"], self.options.scheduler_rounds, self.options.scheduler_eps
+        )
+        penalty = weight * self.options.mu / 2.0 * (dr - state["prior"]).square().sum()
+        return training_loss_with(site.module, mixed, batch) + penalty
+
+    def site_reply(self, site, phase: str) -> Payload:
+        state = site.strategy_state
+        if phase == "fit":
+            return {f"core/{site.index}": site.module.get_vector("all")}
+        budget = self.n_sites - 1 if self.options.download_budget is None else self.options.download_budget
+        generator = torch.Generator()
+        generator.set_state(state["generator"])
+        chosen = choose_downloads(site.index, state["downloads"], state["dr"], budget, state["completed_rounds"], generator)
+        state["generator"] = generator.get_state()
+        request = torch.zeros(self.n_sites)
+        request[chosen] = 1.0
+        return {"request": request}

@@ -1,0 +1,193 @@
+"""FedAMP (Huang et al. 2021): federated attentive message passing (``shared/papers/fedamp-summary.md``).
+
+Objective over the sites' personalised models W = [w_1 ... w_N]::
+
+    min_W  sum_i F_i(w_i) + lam * sum_{i<j} A(||w_i - w_j||^2),   A(t) = 1 - exp(-t / sigma)
+
+Each round alternates the two parts:
+
+1. **server** — a gradient step of size alpha on the attention term turns
+   the last models into one *cloud model* per site, a convex combination::
+
+       u_i = sum_j xi_ij w_j,   xi_ij = alpha * A'(||w_i - w_j||^2)  (j != i),
+       xi_ii = 1 - sum_{j != i} xi_ij,   A'(t) = exp(-t / sigma) / sigma
+
+   (``variant: exponential``; ``xi_ii >= 0`` needs alpha (N - 1) / sigma <= 1,
+   checked). For deep networks, where Euclidean distances between models of
+   ~10^6 parameters are uninformative, the paper's heuristic (``variant:
+   heuristic``) uses cosine similarity instead, with xi_ii a hyper-parameter::
+
+       xi_ij = (1 - xi_ii) * softmax_{j != i}(cosine_scale * cos(w_i, w_j))
+
+2. **site** — site i starts from u_i (as FedAMP's code does) and trains w_i
+   on the proximal objective F_i(w) + lam / (2 alpha) * ||w - u_i||^2. The
+   penalty is computed from the live parameters, so its gradient
+   (lam / alpha)(w - u_i) reaches the optimiser (the popular library's
+   detached, unsquared version has none: bug 6 of
+   ``shared/design/algorithms.md``).
+
+The server keeps every site's last uploaded model (a site that skipped rounds
+keeps its last one, or the initial model) and derives all pairwise distances
+and cosines from the N x N Gram matrix of those models (O(N^2 d) time, no
+d x d or N x N x d array). The whole model is personalised (the shared /
+personal split is not used) and sites are evaluated with their own w_i:
+nothing is delivered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from medfed.config import require
+from medfed.errors import ConfigError
+from medfed.federated.strategies.base import DELIVER, Payload, Strategy
+from medfed.federated.strategies.live_parameters import live_vector
+
+VARIANTS = ("exponential", "heuristic")
+
+
+def gram_matrix(models: torch.Tensor) -> torch.Tensor:
+    """Inner products of every pair of models.
+
+    Args:
+        models: ``(N, d)``, one flattened model per row.
+
+    Returns:
+        float64 ``(N, N)``, entry (i, j) = <w_i, w_j>.
+    """
+    wide = models.to(torch.float64)
+    return wide @ wide.T
+
+
+def exponential_attention(models: torch.Tensor, alpha: float, sigma: float) -> torch.Tensor:
+    """FedAMP's message-passing weights for A(t) = 1 - exp(-t / sigma).
+
+    Args:
+        models: ``(N, d)`` flattened models.
+        alpha: the server's step size alpha_k on the attention term.
+        sigma: A's scale, in the units of squared parameter distances.
+
+    Returns:
+        float64 ``(N, N)`` row-stochastic xi: off the diagonal
+        ``alpha * exp(-||w_i - w_j||^2 / sigma) / sigma``, on it one minus the
+        row's other entries.
+    """
+    gram = gram_matrix(models)
+    norms = gram.diagonal()
+    squared_distances = (norms[:, None] + norms[None, :] - 2.0 * gram).clamp_min(0.0)
+    xi = alpha * torch.exp(-squared_distances / sigma) / sigma
+    xi.fill_diagonal_(0.0)
+    xi += torch.diag(1.0 - xi.sum(dim=1))
+    return xi
+
+
+def heuristic_attention(models: torch.Tensor, self_weight: float, cosine_scale: float) -> torch.Tensor:
+    """FedAMP's heuristic weights for deep networks: a softmax of scaled cosine similarities.
+
+    Args:
+        models: ``(N, d)`` flattened models (a zero model has cosine 0 with all).
+        self_weight: xi_ii, the same for every site.
+        cosine_scale: the paper's sigma multiplying the cosine inside the softmax.
+
+    Returns:
+        float64 ``(N, N)`` row-stochastic xi with ``self_weight`` on the
+        diagonal and ``(1 - self_weight) * softmax_{j != i}(cosine_scale *
+        cos(w_i, w_j))`` off it (a lone site gets xi = [[1]]).
+    """
+    n = models.shape[0]
+    if n == 1:
+        return torch.ones(1, 1, dtype=torch.float64)
+    gram = gram_matrix(models)
+    norms = gram.diagonal().sqrt().clamp_min(torch.finfo(torch.float64).tiny)
+    logits = cosine_scale * gram / (norms[:, None] * norms[None, :])
+    logits.fill_diagonal_(-torch.inf)
+    xi = (1.0 - self_weight) * torch.softmax(logits, dim=1)
+    xi += torch.diag(torch.full((n,), self_weight, dtype=torch.float64))
+    return xi
+
+
+class FedAMP(Strategy):
+    name = "fedamp"
+
+    @dataclass
+    class Options:
+        variant: str = "exponential"
+        """"exponential" (the paper's A(t) = 1 - exp(-t/sigma)) or "heuristic" (cosine softmax, for deep nets)."""
+        alpha: float = 0.01
+        """alpha_k: the server's step on the attention term; also divides lam in the proximal weight."""
+        lam: float = 0.01
+        """lambda: weight of the attention term; the site's proximal weight is lam / (2 alpha)."""
+        sigma: float = 1.0
+        """A's scale (exponential variant), in the units of squared parameter distances."""
+        self_weight: float = 0.5
+        """xi_ii of the heuristic variant."""
+        cosine_scale: float = 10.0
+        """The heuristic variant's sigma: multiplies the cosine similarities inside the softmax."""
+
+        def __post_init__(self) -> None:
+            require(self.variant in VARIANTS, "variant", self.variant, f"one of {', '.join(VARIANTS)}")
+            require(self.alpha > 0, "alpha", self.alpha, "alpha > 0")
+            require(self.lam >= 0, "lam", self.lam, "lambda >= 0")
+            require(self.sigma > 0, "sigma", self.sigma, "sigma > 0")
+            require(0.0 <= self.self_weight <= 1.0, "self_weight", self.self_weight, "a weight in [0, 1]")
+            require(self.cosine_scale >= 0, "cosine_scale", self.cosine_scale, "a scale >= 0")
+
+    def __init__(self, options, split, n_sites: int, seed: int) -> None:
+        super().__init__(options, split, n_sites, seed)
+        largest_off_diagonal_sum = options.alpha * (n_sites - 1) / options.sigma
+        if options.variant == "exponential" and largest_off_diagonal_sum > 1.0:
+            raise ConfigError(
+                f"config keys 'strategy.fedamp.alpha' = {options.alpha} and 'strategy.fedamp.sigma' = {options.sigma}: "
+                f"with {n_sites} sites xi_ii = 1 - sum_j xi_ij can reach 1 - alpha (N-1)/sigma = "
+                f"{1.0 - largest_off_diagonal_sum:.3g} < 0 (u_i would not be a convex combination); "
+                "expected alpha * (N - 1) / sigma <= 1"
+            )
+
+    # ------------------------------------------------------------------ server side
+    def server_setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+        self.models = initial["all"].reshape(1, -1).repeat(self.n_sites, 1)  # (N, d): last w_j of every site
+        self.attention = self._attention()
+
+    def _attention(self) -> torch.Tensor:
+        """xi (N, N) float64 from the models the server holds now."""
+        if self.options.variant == "exponential":
+            return exponential_attention(self.models, self.options.alpha, self.options.sigma)
+        return heuristic_attention(self.models, self.options.self_weight, self.options.cosine_scale)
+
+    def server_message(self, phase: str, site_index: int) -> Payload:
+        weights = self.attention[site_index].to(self.models.dtype)
+        return {"all": weights @ self.models}  # the cloud model u_i
+
+    def server_aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
+        for index, reply in replies.items():
+            self.models[index] = reply["all"]
+        self.attention = self._attention()
+
+    def server_metrics(self) -> dict[str, float]:
+        return {"self_attention_mean": float(self.attention.diagonal().mean())}
+
+    def server_state_dict(self) -> dict:
+        return {"models": self.models, "attention": self.attention}
+
+    def load_server_state_dict(self, state: dict) -> None:
+        self.models = state["models"]
+        self.attention = state["attention"]
+
+    # ------------------------------------------------------------------ site side
+    def site_receive(self, site, phase: str, payload: Payload) -> None:
+        if phase == DELIVER:
+            return
+        cloud = payload["all"]
+        site.module.set_vector("all", cloud)
+        site.strategy_state["cloud"] = cloud
+
+    def site_regularizer(self, site, phase: str) -> torch.Tensor:
+        """lam / (2 alpha) * ||w - u_i||^2 on the live parameters w (gradient (lam / alpha)(w - u_i))."""
+        difference = live_vector(site.module, "all") - site.strategy_state["cloud"]
+        return self.options.lam / (2.0 * self.options.alpha) * difference.square().sum()
+
+    def site_reply(self, site, phase: str) -> Payload:
+        del site.strategy_state["cloud"]  # only needed while training; keeps checkpoints small
+        return {"all": site.module.get_vector("all")}

@@ -1,0 +1,71 @@
+"""A site's parameters as differentiable tensors, for terms a strategy adds to the local loss.
+
+``PersonalizationSplit.get_vector`` returns a detached copy (what crosses the
+wire); a proximal or linear term of the local objective must instead be built
+from the *live* parameters so that its gradient reaches the optimiser (a
+detached term has none: bug 6 of ``shared/design/algorithms.md``). The
+helpers here give the live flat vector of a part, and run a module's
+``training_step`` with substituted parameter tensors (``torch.func.functional_call``),
+which APPLE needs for its mixed personalised model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.fabric.wrappers import is_wrapped
+from torch import nn
+
+from medfed.models.base import FederatedModule
+from medfed.models.split import Part
+
+
+def unwrap(module: nn.Module) -> FederatedModule:
+    """The user's module behind Fabric's wrapper (Fabric documents ``.module`` as the way to it)."""
+    return module.module if is_wrapped(module) else module
+
+
+def live_parameters(module: nn.Module, part: Part) -> list[nn.Parameter]:
+    """The parameters of ``part`` in vector order (``ParameterSplit.names(part)``), not detached."""
+    original = unwrap(module)
+    lookup = dict(original.named_parameters())
+    return [lookup[name] for name in original.parameter_split.names(part)]
+
+
+def live_vector(module: nn.Module, part: Part) -> torch.Tensor:
+    """``part``'s parameters as one differentiable vector, shape ``(size(part),)``, the parameters' dtype.
+
+    Same order as ``get_vector(part)``; gradients of anything computed from it
+    flow back to the parameters themselves.
+    """
+    return torch.cat([p.reshape(-1) for p in live_parameters(module, part)])
+
+
+class _TrainingStep(nn.Module):
+    """Exposes ``module.training_step`` as ``forward``, so ``functional_call`` can run it."""
+
+    def __init__(self, module: FederatedModule) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.module.training_step(batch, 0)
+
+
+def training_loss_with(module: nn.Module, parameters: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
+    """The module's training loss on ``batch`` with its parameters replaced by ``parameters``.
+
+    Args:
+        module: the site's module (Fabric-wrapped or not).
+        parameters: ``{parameter name: tensor of that parameter's shape}``;
+            any tensor, e.g. a differentiable combination of other tensors
+            (gradients flow to whatever it was computed from). Parameters
+            not named, and all buffers, keep the module's own values.
+        batch: a device batch, as ``training_step`` takes it.
+
+    Returns:
+        The scalar loss of ``training_step(batch, 0)``.
+    """
+    wrapper = _TrainingStep(unwrap(module))
+    return torch.func.functional_call(wrapper, {f"module.{name}": t for name, t in parameters.items()}, (batch,))
