@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -59,14 +60,28 @@ def format_table(results: dict[str, Any]) -> str:
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:
-    """Write JSON to a temporary file next to ``path`` and rename it into place."""
+    """Write JSON to a temporary file next to ``path`` and rename it into place.
+
+    Non-finite floats (NaN, inf) become ``null``: standard JSON has no such values.
+    """
     path = Path(path)
+    obj = _finite_or_null(obj)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False) as handle:
         json.dump(obj, handle, indent=2, default=_json_default)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(handle.name, path)
+
+
+def _finite_or_null(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(item) for item in value]
+    return value
 
 
 def _json_default(value: Any) -> Any:

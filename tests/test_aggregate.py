@@ -20,3 +20,4 @@ def test_equal_weights_give_the_plain_mean():
 def test_bad_weights(weights):
     with pytest.raises(ValueError):
         weighted_average([torch.zeros(2), torch.ones(2)], weights)
+

@@ -47,3 +47,12 @@ def test_state_round_trip_preserves_residuals_and_counters():
     assert copy.bytes_sent == link.bytes_sent and torch.equal(copy.known["all"], link.known["all"])
     follow_up = update * 0.5
     assert torch.equal(link.send("up", {"all": follow_up})["all"], copy.send("up", {"all": follow_up})["all"])
+
+
+def test_gradient_keys_start_from_zero():
+    link = Link({"name": "stc", "sparsity": 0.05}, {"name": "dense"}, {"gradient": "zeros"}, {}, torch.device("cpu"))
+    gradient = torch.zeros(4000)
+    gradient[:10] = torch.arange(1.0, 11.0)
+    received = link.send("up", {"gradient": gradient})["gradient"]
+    # top 5% of 4000 = 200 entries kept: all 10 non-zeros, sent as one magnitude (their mean) with their signs
+    assert torch.equal(received[:10], torch.full((10,), 5.5)) and received[10:].abs().sum() == 0

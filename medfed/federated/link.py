@@ -14,8 +14,10 @@ vector it received, the server's next "shared" relative to the site's reply,
 and so on. Both ends update ``known`` with the decoded value, so they never
 drift apart. Before a key's first message the reference is the seeded
 initial model, which both ends hold (every site builds it from the run's
-seed). Every other entry (sample counts, sketches, mixing weights) travels
-as dense float32.
+seed), or zero for keys declared against ``"zeros"`` (gradients). Only
+lossy codecs need ``known``; a lossless codec sends values as they are.
+Every other entry (sample counts, sketches, mixing weights) travels as
+dense float32.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from medfed.compression.codecs import Codec, make_codec
 from medfed.federated.strategies.base import Payload
 
 DIRECTIONS = ("up", "down")
+ZEROS = "zeros"
 
 
 class Link:
@@ -38,8 +41,9 @@ class Link:
         up: codec name and options for site -> server (``{"name": "stc", ...}``).
         down: codec name and options for server -> site.
         coded_keys: ``{key prefix: initial vector}``: payload keys equal to a
-            prefix or starting with ``prefix + "/"`` carry model vectors (coded
-            by the codecs); their first reference is ``initial[vector]``.
+            prefix or starting with ``prefix + "/"`` carry model-sized vectors
+            (coded by the codecs); their first reference is
+            ``initial[vector]``, or zero when the vector is ``"zeros"``.
         initial: the initial model vectors ``{"shared", "personal", "all"}``.
         device: where received tensors are placed (the run's device).
     """
@@ -87,12 +91,14 @@ class Link:
                     data = codec.encode(flat)
                     decoded = codec.decode(data)
                 else:
-                    reference = self.known.get(key, self.initial[reference_name])
+                    reference = self.known.get(key)
+                    if reference is None:
+                        reference = torch.zeros_like(flat) if reference_name == ZEROS else self.initial[reference_name]
                     if reference.shape != flat.shape:
                         raise ValueError(f"payload {key!r}: shape {tuple(flat.shape)} differs from its reference {tuple(reference.shape)}")
                     data = codec.encode(flat - reference)
                     decoded = reference + codec.decode(data)
-                self.known[key] = decoded
+                    self.known[key] = decoded
             self.bytes_sent[direction] += len(data)
             self.dense_bytes[direction] += 4 * flat.numel()
             received[key] = decoded.reshape(value.shape).to(self.device)

@@ -120,7 +120,8 @@ class FederatedLoop:
                     lambda batch, site=site, phase=phase: self.strategy.site_loss(site, phase, batch),
                 )
                 timing["train_s"] += time.perf_counter() - tic
-                train_loss.setdefault(site.name, {})[phase] = loss
+                if loss is not None:
+                    train_loss.setdefault(site.name, {})[phase] = loss
                 replies[site.index] = link.send("up", self.strategy.site_reply(site, phase))
             tic = time.perf_counter()
             self.strategy.server_aggregate(phase, replies)

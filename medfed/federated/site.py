@@ -60,7 +60,7 @@ class Site:
     def n_test(self) -> int:
         return len(self.data.test)
 
-    def train(self, epochs: int, part: str | None, step_loss: Callable[[Any], torch.Tensor]) -> float:
+    def train(self, epochs: int, part: str | None, step_loss: Callable[[Any], torch.Tensor]) -> float | None:
         """Train ``part`` of the module for ``epochs`` passes over the training split.
 
         Args:
@@ -69,12 +69,12 @@ class Site:
             step_loss: maps a device batch to the scalar loss of one step.
 
         Returns:
-            Mean training loss over the steps (NaN if nothing was trained:
-            no part, or a part without parameters, e.g. the shared part of
-            an all-personal logistic regression).
+            Mean training loss over the steps, or ``None`` if nothing was
+            trained (no part, or a part without parameters, e.g. the shared
+            part of an all-personal logistic regression).
         """
         if part is None or self.module.parameter_split.size(part) == 0:
-            return float("nan")
+            return None
         self.module.set_trainable(part)
         self.module.train()
         total, steps = 0.0, 0

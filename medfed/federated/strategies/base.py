@@ -68,9 +68,9 @@ class Strategy(ABC):
 
     name: ClassVar[str]
     phases: ClassVar[tuple[str, ...]] = ("fit",)
-    #: payload keys carrying model vectors, the only ones a (lossy) codec compresses, mapped to the
-    #: initial vector their first message is coded against; "key/..." matches the prefix "key"
-    #: (e.g. ``{"core": "all"}`` covers "core/0", "core/1", ...).
+    #: payload keys carrying model-sized vectors, the only ones a (lossy) codec compresses, mapped to
+    #: the initial vector their first message is coded against ("zeros" for gradients); "key/..."
+    #: matches the prefix "key" (e.g. ``{"core": "all"}`` covers "core/0", "core/1", ...).
     coded_keys: ClassVar[dict[str, str]] = {"all": "all", "shared": "shared", "personal": "personal"}
 
     @dataclass

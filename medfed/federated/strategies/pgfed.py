@@ -48,10 +48,9 @@ loss f(theta_i, B) + <g~_i, theta_i> (the linear term on the live parameters
 has gradient g~_i), so with plain SGD it is exactly line 8.
 
 Sites are evaluated with their own theta_i (nothing is delivered). The
-gradients ("aux_gradient", "mean_gradient" down; "gradient" up) travel as
-dense float32 even under a lossy codec: a link codes a model vector against
-the seeded initial model, and the right reference for a gradient (zero) is
-not one the links offer yet.
+gradients ("aux_gradient", "mean_gradient" down; "gradient" up) are
+model-sized too and go through the configured codecs, their first message
+coded against zero.
 """
 
 from __future__ import annotations
@@ -97,6 +96,7 @@ class PGFed(Strategy):
     """PGFed: momentum beta = 0 (see the module docstring)."""
 
     name = "pgfed"
+    coded_keys = {"all": "all", "gradient": "zeros", "aux_gradient": "zeros", "mean_gradient": "zeros"}
 
     @dataclass
     class Options:

@@ -1,0 +1,34 @@
+import json
+
+import pytest
+
+from medfed.results import format_table, summarise, write_json_atomic
+
+HISTORY = [
+    {"metrics": {"site0": {"iou": 0.1, "label_iou": 0.0}, "site1": {"iou": 0.2, "label_iou": 0.1}}},
+    {"metrics": {"site0": {"iou": 0.8, "label_iou": 0.6}, "site1": {"iou": 0.6, "label_iou": 0.4}}},
+]
+
+
+def test_summary_uses_the_last_round_and_the_plain_mean_over_sites():
+    summary = summarise(HISTORY, {"site0": 10, "site1": 30})
+    assert summary["sites"] == [
+        {"site": "site0", "iou": 0.8, "label_iou": 0.6, "n_test": 10},
+        {"site": "site1", "iou": 0.6, "label_iou": 0.4, "n_test": 30},
+    ]
+    assert summary["mean"] == pytest.approx({"iou": 0.7, "label_iou": 0.5})
+
+
+def test_table_names_the_data_and_lists_every_site():
+    results = {**summarise(HISTORY, {"site0": 10, "site1": 30}), "strategy": "fedavg",
+               "federation": {"task": "brats", "description": "GENERATED BraTS-like data"}}
+    table = format_table(results)
+    assert table.splitlines()[0] == "fedavg on brats, data: GENERATED BraTS-like data"
+    assert "site0  0.8000     0.6000      10" in table and "mean   0.7000     0.5000      40" in table
+
+
+def test_results_json_has_no_nan(tmp_path):
+    write_json_atomic(tmp_path / "r.json", {"loss": float("nan"), "rows": [{"auroc": float("inf")}, 1.5]})
+    text = (tmp_path / "r.json").read_text()
+    assert json.loads(text, parse_constant=lambda constant: pytest.fail(constant)) == {"loss": None, "rows": [{"auroc": None}, 1.5]}
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temporary file left behind
