@@ -168,7 +168,7 @@ class BitReader:
             return np.zeros(0, dtype=np.int64)
         zeros = np.zeros(0, dtype=np.int64)
         scanned = self._position
-        window = 16 * count  # bits scanned at once, doubled until enough 0-bits are found
+        window = 2 * count + 64  # bits scanned at once (Rice quotients are small), doubled until enough 0-bits
         while zeros.size < count:
             if scanned >= self._total_bits:
                 raise self._truncated(f"{count} unary values")
