@@ -48,7 +48,9 @@ class FederatedModule(PersonalizationSplit, L.LightningModule):
 
     Subclasses must set ``metric_names`` (the keys :meth:`test_results`
     returns, in display order), create ``self.test_metrics`` (torchmetrics
-    objects that accumulate over batches) and call ``configure_split``.
+    objects that accumulate over batches), define
+    ``compute_test_metrics() -> dict[str, Tensor]`` from them, and call
+    ``configure_split``.
     """
 
     metric_names: ClassVar[tuple[str, ...]] = ()
@@ -63,6 +65,3 @@ class FederatedModule(PersonalizationSplit, L.LightningModule):
         results = self.compute_test_metrics()
         self.test_metrics.reset()
         return {name: float(results[name]) for name in self.metric_names}
-
-    def compute_test_metrics(self) -> dict[str, torch.Tensor]:
-        raise NotImplementedError(f"{type(self).__name__} must implement compute_test_metrics")

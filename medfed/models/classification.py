@@ -37,7 +37,11 @@ DENSENET_CLASSIFIER_PATTERN = r"^densenet\.class_layers\."
 
 
 class BinaryClassifier(FederatedModule):
-    """Base class of two-class models: subclasses implement :meth:`log_odds`."""
+    """Base class of two-class models.
+
+    Subclasses define ``log_odds(x) -> (B,)``: the float log-odds of the
+    positive class for a batch of inputs.
+    """
 
     metric_names = ("accuracy", "balanced_accuracy", "auroc")
 
@@ -47,10 +51,6 @@ class BinaryClassifier(FederatedModule):
             raise ValueError(f"{type(self).__name__} is a two-class model, got num_classes={num_classes}")
         self.num_classes = num_classes
         self.test_metrics = MetricCollection({"confusion": BinaryConfusionMatrix(), "auroc": BinaryAUROC()})
-
-    def log_odds(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, ...)`` inputs -> ``(B,)`` float log-odds of the positive class."""
-        raise NotImplementedError(f"{type(self).__name__} must implement log_odds")
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
