@@ -75,7 +75,7 @@ class Strategy(ABC):
 
     @dataclass
     class Options:
-        pass
+        """No options (the ``strategy.<name>`` group of a strategy that takes none)."""
 
     def __init__(self, options: Any, split: ParameterSplit, n_sites: int, seed: int) -> None:
         self.options = options

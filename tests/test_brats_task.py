@@ -1,0 +1,59 @@
+"""The BraTS federation: "lack k" channel dropping, patient-level seeded splits, patch targets."""
+
+import pytest
+import torch
+
+from medfed.config import FederationConfig, MissingChannelConfig
+from medfed.errors import ConfigError
+from medfed.tasks import brats
+
+
+def _options(root):
+    return brats.Options(root=str(root), generate=None, patch_size=32, tumour_patches_per_case=4, background_patches_per_case=2)
+
+
+@pytest.mark.parametrize("channel", [0, 3])
+def test_channel_k_is_zero_exactly_at_the_configured_sites(tiny_brats_root, channel):
+    federation = brats.build_federation(
+        _options(tiny_brats_root),
+        FederationConfig(n_sites=3, missing_channel=MissingChannelConfig(channel=channel, sites=[1])),
+        seed=0,
+        progress=False,
+    )
+    for index, site in enumerate(federation.sites):
+        for split in (site.train, site.test):
+            x = split.tensors[0]
+            assert x.shape[1:] == (4, 32, 32)
+            if index == 1:
+                assert torch.count_nonzero(x[:, channel]) == 0
+            else:
+                assert torch.count_nonzero(x[:, channel]) > 0
+            others = [c for c in range(4) if c != channel]
+            assert all(torch.count_nonzero(x[:, c]) > 0 for c in others)
+    assert [s.info["missing_channel"] for s in federation.sites] == [None, brats.MODALITIES[channel], None]
+
+
+def test_default_missing_sites_are_the_last_ones_and_bad_channels_are_named(tiny_brats_root):
+    federation = brats.build_federation(
+        _options(tiny_brats_root), FederationConfig(n_sites=3, missing_channel=MissingChannelConfig(channel=2, n_sites_missing=2)), seed=0, progress=False
+    )
+    assert [s.info["missing_channel"] for s in federation.sites] == [None, "t1ce", "t1ce"]
+    with pytest.raises(ConfigError, match="federation.missing_channel.channel"):
+        brats.build_federation(_options(tiny_brats_root), FederationConfig(n_sites=3, missing_channel=MissingChannelConfig(channel=4)), seed=0, progress=False)
+
+
+def test_splits_are_by_case_seeded_and_targets_are_whole_tumour(tiny_brats_root):
+    def build(seed):
+        return brats.build_federation(_options(tiny_brats_root), FederationConfig(n_sites=3), seed=seed, progress=False)
+
+    first, again, other = build(0), build(0), build(7)
+    for a, b in zip(first.sites, again.sites):
+        assert a.info == b.info and torch.equal(a.train.tensors[0], b.train.tensors[0])
+    assert any(a.info["test_cases"] != c.info["test_cases"] for a, c in zip(first.sites, other.sites))
+    for site in first.sites:
+        assert set(site.info["train_cases"]).isdisjoint(site.info["test_cases"])
+        assert len(site.train) == 6 * len(site.info["train_cases"]) and len(site.test) == 6 * len(site.info["test_cases"])
+        y = site.train.tensors[1]
+        assert set(torch.unique(y).tolist()) <= {0, 1}
+        tumour_patches = y.flatten(1).any(dim=1)
+        assert int(tumour_patches.sum()) == 4 * len(site.info["train_cases"])  # 4 around tumour, 2 tumour-free per case
