@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from medfed.compression import tv
 from medfed.compression.tv import cer, zero_solution_threshold
 
 
@@ -118,3 +119,55 @@ def test_float32_in_float32_out_and_close_to_float64():
 def test_rejects_bad_input(delta, weight, message):
     with pytest.raises(ValueError, match=message):
         cer(delta, weight)
+
+
+# ------------------------------------------------------------ the two-core solver
+# It meets in the middle from both ends; these tests drive it directly with
+# small blocks so the passes alternate and meet at nodes that depend on timing.
+
+
+def _two_core(delta: np.ndarray, weight: float, block_nodes: int) -> np.ndarray:
+    out = np.empty_like(delta)
+    tv._TwoCoreSolver(block_nodes)(delta, weight, out)
+    return out
+
+
+def _serial(delta: np.ndarray, weight: float) -> np.ndarray:
+    out = np.empty_like(delta)
+    tv._solve_serially(delta, weight, out)
+    return out
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 7, 40])
+@pytest.mark.parametrize("fraction", [0.02, 0.3, 0.9, 1.5])
+def test_two_core_solver_matches_cvxpy(d, fraction):
+    rng = np.random.default_rng(7 * d + int(10 * fraction))
+    delta = rng.standard_normal(d) * 3.0
+    weight = fraction * zero_solution_threshold(delta)
+    expected = _cvxpy_cer(delta, weight)
+    for block_nodes in (1, 2, 5):
+        np.testing.assert_allclose(_two_core(delta, weight, block_nodes), expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", ["heavy-tailed noise", "ramp", "sorted noise", "spikes"])
+def test_two_core_solver_equals_the_one_pass_solver_on_long_vectors(shape):
+    rng = np.random.default_rng(11)
+    noise = rng.standard_t(3, 30_001)
+    spikes = np.where(rng.random(noise.size) < 0.01, 50.0 * noise, 0.0)
+    delta = {"heavy-tailed noise": noise, "ramp": np.linspace(-5, 5, noise.size), "sorted noise": np.sort(noise), "spikes": spikes}[shape]
+    for weight in (0.05, 2.0, 0.5 * zero_solution_threshold(delta)):
+        serial = _serial(delta, weight)
+        assert np.unique(serial).size >= 3  # not trivially constant
+        for block_nodes in (997, 1 << 15):
+            np.testing.assert_allclose(_two_core(delta, weight, block_nodes), serial, rtol=0, atol=1e-9 * np.abs(delta).max())
+
+
+def test_cer_takes_the_two_core_path_for_long_float32_updates_and_agrees_with_one_pass():
+    rng = np.random.default_rng(12)
+    delta = (1e-2 * rng.standard_t(3, 2 * tv.PARALLEL_MIN_SIZE + 1)).astype(np.float32)
+    u = cer(delta, 1e-2)
+    serial = _serial(delta, 1e-2)
+    assert u.dtype == np.float32 and (u != 0).any()
+    assert np.max(np.abs(u - serial)) <= 1e-6 * np.abs(delta).max()
+    # the shared workspace is reused: a second, shorter call is unaffected by the first
+    np.testing.assert_array_equal(cer(delta[:1000], 1e-2), _serial(delta[:1000], 1e-2))
