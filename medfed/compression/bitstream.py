@@ -2,7 +2,8 @@
 
 Bits are written most significant first and packed with ``numpy.packbits``;
 every operation works on whole arrays of values at once (no Python loop per
-value). A stream may mix bit fields and byte-aligned raw byte blocks (e.g. a
+value: small numba kernels turn values into bits and packed bytes back into
+values). A stream may mix bit fields and byte-aligned raw byte blocks (e.g. a
 float32 array): ``write_bytes`` pads the bits written so far with zeros up to
 a byte boundary first.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 
 __all__ = ["BitReader", "BitWriter", "rice_code_length", "rice_parameter", "rice_parameter_for_mean"]
@@ -72,7 +74,66 @@ def _as_uint64(values: np.ndarray | list[int]) -> np.ndarray:
         raise ValueError(f"values: expected integers, got dtype {values.dtype}")
     if values.size and values.dtype.kind == "i" and values.min() < 0:
         raise ValueError(f"values: expected non-negative integers, got {values.min()}")
-    return values.astype(np.uint64)
+    return values.astype(np.uint64, copy=False)
+
+
+@numba.njit(cache=True)
+def _uint_bits(values, width):
+    """(n * width,) uint8 0/1: each of the (n,) uint64 ``values`` as ``width`` bits, most significant first."""
+    bits = np.empty(values.size * width, dtype=np.uint8)
+    for i in range(values.size):
+        for column in range(width):
+            bits[i * width + column] = (values[i] >> np.uint64(width - 1 - column)) & np.uint64(1)
+    return bits
+
+
+@numba.njit(cache=True)
+def _unary_bits(values):
+    """uint8 0/1: each of the (n,) uint64 ``values`` as that many 1 bits and a 0 bit."""
+    bits = np.ones(values.size + int(values.sum()), dtype=np.uint8)
+    position = 0
+    for value in values:
+        position += int(value)
+        bits[position] = 0
+        position += 1
+    return bits
+
+
+@numba.njit(cache=True)
+def _bit_at(data, position):
+    """Bit ``position`` (0 = most significant bit of byte 0) of the uint8 array ``data``, as int64."""
+    return np.int64((data[position >> 3] >> (7 - (position & 7))) & 1)
+
+
+@numba.njit(cache=True)
+def _add_low_bits(data, position, width, values):
+    """values[i] = values[i] << width | the i-th ``width``-bit field from bit ``position`` of ``data``."""
+    for i in range(values.size):
+        value = values[i]
+        for _ in range(width):
+            value = (value << np.uint64(1)) | np.uint64(_bit_at(data, position))
+            position += 1
+        values[i] = value
+
+
+@numba.njit(cache=True)
+def _read_unary_values(data, position, total_bits, out):
+    """Fill (n,) integer ``out`` with n unary values from bit ``position``; the position after them, or -1 if the data end first.
+
+    Branch-free per bit: the running count is stored at every bit and the
+    output slot only advances at a 0 bit.
+    """
+    filled = 0
+    ones = 0
+    while filled < out.size:
+        if position >= total_bits:
+            return -1
+        bit = _bit_at(data, position)
+        position += 1
+        out[filled] = ones
+        filled += 1 - bit
+        ones = (ones + 1) * bit
+    return position
 
 
 def _check_width(width: int) -> None:
@@ -98,25 +159,18 @@ class BitWriter:
         values = _as_uint64(values)
         if width < 64 and values.size and int(values.max()) >> width:
             raise ValueError(f"values: {int(values.max())} does not fit in {width} bits")
-        bits = np.empty((values.size, width), dtype=np.uint8)
-        for column in range(width):  # one array operation per bit plane
-            bits[:, column] = (values >> np.uint64(width - 1 - column)) & np.uint64(1)
-        self._bits.append(bits.ravel())
+        self._bits.append(_uint_bits(values, width))
 
     def write_unary(self, values: np.ndarray) -> None:
         """Append each value n as n 1-bits followed by one 0-bit."""
-        values = _as_uint64(values).astype(np.int64)
-        ends = np.cumsum(values + 1)
-        bits = np.ones(int(ends[-1]) if values.size else 0, dtype=np.uint8)
-        bits[ends - 1] = 0
-        self._bits.append(bits)
+        self._bits.append(_unary_bits(_as_uint64(values)))
 
     def write_rice(self, values: np.ndarray, parameter: int) -> None:
         """Append ``values`` (non-negative integers) Golomb-Rice coded: all quotients, then all remainders."""
         if not 0 <= parameter <= MAX_RICE_PARAMETER:
             raise ValueError(f"parameter: expected 0..{MAX_RICE_PARAMETER}, got {parameter}")
         values = _as_uint64(values)
-        self.write_unary((values >> np.uint64(parameter)).astype(np.int64))
+        self.write_unary(values >> np.uint64(parameter))
         self.write_uints(values & np.uint64((1 << parameter) - 1), parameter)
 
     def write_bytes(self, data: bytes) -> None:
@@ -152,10 +206,11 @@ class BitReader:
     def read_uints(self, count: int, width: int) -> np.ndarray:
         """Read ``count`` values of ``width`` bits each; returns (count,) uint64."""
         _check_width(width)
-        bits = self._take(count * width).reshape(count, width)
+        if self._position + count * width > self._total_bits:
+            raise self._truncated(f"{count * width} bits")
         values = np.zeros(count, dtype=np.uint64)
-        for column in range(width):
-            values = (values << np.uint64(1)) | bits[:, column]
+        _add_low_bits(self._data, self._position, width, values)
+        self._position += count * width
         return values
 
     def read_uint(self, width: int) -> int:
@@ -164,29 +219,24 @@ class BitReader:
 
     def read_unary(self, count: int) -> np.ndarray:
         """Read ``count`` unary-coded values; returns (count,) int64."""
-        if count == 0:
-            return np.zeros(0, dtype=np.int64)
-        zeros = np.zeros(0, dtype=np.int64)
-        scanned = self._position
-        window = 2 * count + 64  # bits scanned at once (Rice quotients are small), doubled until enough 0-bits
-        while zeros.size < count:
-            if scanned >= self._total_bits:
-                raise self._truncated(f"{count} unary values")
-            stop = min(self._total_bits, scanned + window)
-            zeros = np.concatenate([zeros, scanned + np.flatnonzero(self._bits(scanned, stop) == 0)])
-            scanned = stop
-            window *= 2
-        zeros = zeros[:count]
-        values = np.diff(zeros, prepend=self._position - 1) - 1
-        self._position = int(zeros[-1]) + 1
+        values = np.empty(count, dtype=np.int64)
+        end = _read_unary_values(self._data, self._position, self._total_bits, values)
+        if end < 0:
+            raise self._truncated(f"{count} unary values")
+        self._position = end
         return values
 
     def read_rice(self, count: int, parameter: int) -> np.ndarray:
         """Read ``count`` Golomb-Rice values written by ``BitWriter.write_rice``; returns (count,) uint64."""
         if not 0 <= parameter <= MAX_RICE_PARAMETER:
             raise ValueError(f"{self._what}: Rice parameter {parameter} is out of range 0..{MAX_RICE_PARAMETER}")
-        quotients = self.read_unary(count).astype(np.uint64)
-        return (quotients << np.uint64(parameter)) | self.read_uints(count, parameter)
+        values = np.empty(count, dtype=np.uint64)
+        end = _read_unary_values(self._data, self._position, self._total_bits, values)
+        if end < 0 or end + count * parameter > self._total_bits:
+            raise self._truncated(f"{count} Rice-coded values")
+        _add_low_bits(self._data, end, parameter, values)
+        self._position = end + count * parameter
+        return values
 
     def read_bytes(self, count: int) -> bytes:
         """Skip the padding to the next byte boundary, then read ``count`` raw bytes."""
@@ -208,13 +258,6 @@ class BitReader:
         if padding_end > self._position and self._bits(self._position, padding_end).any():
             raise ValueError(f"{self._what}: corrupt stream (non-zero padding bits)")
         self._position = padding_end
-
-    def _take(self, count: int) -> np.ndarray:
-        if self._position + count > self._total_bits:
-            raise self._truncated(f"{count} bits")
-        bits = self._bits(self._position, self._position + count)
-        self._position += count
-        return bits
 
     def _bits(self, start: int, stop: int) -> np.ndarray:
         """Bits [start, stop) of the stream as a uint8 array of 0/1."""
