@@ -119,7 +119,7 @@ class Codec(abc.ABC):
         if codec_id != self.codec_id:
             other = _NAME_OF_ID.get(codec_id, f"unknown codec id {codec_id}")
             raise ValueError(f"{self.name} stream: the data was written by codec {other!r}")
-        payload = bytes(data[_HEADER.size :])
+        payload = memoryview(data)[_HEADER.size :]
         if zlib.crc32(payload) != checksum:
             raise ValueError(f"{self.name} stream: truncated or corrupt payload (CRC-32 mismatch)")
         if size == 0:
@@ -140,7 +140,7 @@ class Codec(abc.ABC):
         """Payload for ``x`` ((d,) float32) and the (d,) float32 vector it decodes to."""
 
     @abc.abstractmethod
-    def _decode_payload(self, payload: bytes, size: int) -> np.ndarray:
+    def _decode_payload(self, payload: memoryview, size: int) -> np.ndarray:
         """The (size,) float32 vector in ``payload``."""
 
 
@@ -154,7 +154,7 @@ class DenseCodec(Codec):
     def _encode_payload(self, x: np.ndarray) -> tuple[bytes, np.ndarray]:
         return x.astype("<f4").tobytes(), x.copy()
 
-    def _decode_payload(self, payload: bytes, size: int) -> np.ndarray:
+    def _decode_payload(self, payload: memoryview, size: int) -> np.ndarray:
         if len(payload) != 4 * size:
             raise ValueError(f"dense stream: expected {4 * size} bytes of float32 values, got {len(payload)}")
         return np.frombuffer(payload, dtype="<f4").astype(np.float32)
@@ -185,7 +185,7 @@ class STCCodec(Codec):
         write_ternary(writer, update)
         return writer.to_bytes(), update.to_dense()
 
-    def _decode_payload(self, payload: bytes, size: int) -> np.ndarray:
+    def _decode_payload(self, payload: memoryview, size: int) -> np.ndarray:
         reader = BitReader(payload, f"{self.name} stream")
         update = read_ternary(reader, size)
         reader.finish()
@@ -250,7 +250,7 @@ class CERCodec(Codec):
         sent = write_piecewise(writer, cer(x, self.gamma), self.quant_bits)
         return writer.to_bytes(), sent
 
-    def _decode_payload(self, payload: bytes, size: int) -> np.ndarray:
+    def _decode_payload(self, payload: memoryview, size: int) -> np.ndarray:
         reader = BitReader(payload, f"{self.name} stream")
         u = read_piecewise(reader, size)
         reader.finish()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from medfed.compression.codecs import Codec, make_codec
@@ -96,8 +97,12 @@ class Link:
                         reference = torch.zeros_like(flat) if reference_name == ZEROS else self.initial[reference_name]
                     if reference.shape != flat.shape:
                         raise ValueError(f"payload {key!r}: shape {tuple(flat.shape)} differs from its reference {tuple(reference.shape)}")
-                    data = codec.encode(flat - reference)
-                    decoded = reference + codec.decode(data)
+                    # NumPy, not torch, for the arithmetic next to the codec: a torch
+                    # operation wakes PyTorch's OpenMP workers, which then spin for
+                    # milliseconds on the core CER's two-core solver is about to use.
+                    change = torch.from_numpy(np.subtract(flat.numpy(), reference.numpy()))
+                    data = codec.encode(change)
+                    decoded = torch.from_numpy(np.add(reference.numpy(), codec.decode(data).numpy()))
                     self.known[key] = decoded
             self.bytes_sent[direction] += len(data)
             self.dense_bytes[direction] += 4 * flat.numel()
