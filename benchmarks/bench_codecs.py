@@ -1,13 +1,16 @@
 """Time CER and every codec on one update of U-Net size; print bytes and compression ratios.
 
 The update is synthetic: d float32 entries of Student-t noise with 3 degrees
-of freedom (heavy tails, like gradients) scaled by ``--scale``. Everything runs
-on one thread (numba and torch); numba's compile time is excluded by a warm-up
-call on a small vector. Times are the minimum and median of ``--repeats``
+of freedom (heavy tails, like gradients) scaled by ``--scale``, or a saved
+real update (``--update file.npy``, a flat float32 vector). torch runs on one
+thread. CER is timed on one core (``cores=1``) and on two (``cores=2``, both
+ends of the chain at once), side by side; the codecs use what ``cer`` picks by
+default (two cores when the process has them). numba's compile time is
+excluded by a warm-up call. Times are the minimum and median of ``--repeats``
 runs; stateful codecs start from a fresh residual on every run (a first
 message).
 
-    python benchmarks/bench_codecs.py [--d 1600000] [--gamma 0.01] [--repeats 5]
+    python benchmarks/bench_codecs.py [--d 1600000] [--gamma 0.01] [--repeats 5] [--update file.npy]
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-import numba
 import numpy as np
 import torch
 
@@ -41,12 +44,17 @@ def main() -> None:
     parser.add_argument("--gamma", type=float, default=1e-2, help="CER weight for the codecs")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--update", type=Path, help="a flat float32 .npy update to use instead of the synthetic one")
     args = parser.parse_args()
 
-    numba.set_num_threads(1)
     torch.set_num_threads(1)
-    rng = np.random.default_rng(args.seed)
-    x = torch.from_numpy((args.scale * rng.standard_t(3, args.d)).astype(np.float32))
+    if args.update:
+        x = torch.from_numpy(np.load(args.update).astype(np.float32).ravel())
+        description = f"{args.update} (d = {x.numel():,})"
+    else:
+        rng = np.random.default_rng(args.seed)
+        x = torch.from_numpy((args.scale * rng.standard_t(3, args.d)).astype(np.float32))
+        description = f"d = {args.d:,} float32, Student-t(3) x {args.scale:g}"
     codecs = [  # (label, name, options)
         ("dense", "dense", {}),
         ("stc (p=1/400)", "stc", {"sparsity": 1 / 400}),
@@ -57,13 +65,20 @@ def main() -> None:
     for _, name, options in codecs:  # compiles the numba kernels
         codec = make_codec(name, **options)
         codec.decode(codec.encode(x[:1000]))
+    for cores in (1, 2):
+        cer(x[:1000], args.gamma, cores=cores)
 
-    print(f"update: d = {args.d:,} float32, Student-t(3) x {args.scale:g}; 1 thread; {args.repeats} repeats")
+    print(f"update: {description}; {args.repeats} repeats")
     print("\nCER alone (min / median ms, runs in the output)")
+    print(f"  {'weight':<10} {'one core':>17} {'two cores':>17} {'speed-up':>9} {'runs':>10}")
     for weight in (0.1 * args.gamma, args.gamma, 10 * args.gamma):
-        best, median = _times_ms(lambda w=weight: cer(x, w), args.repeats)
+        one = _times_ms(lambda w=weight: cer(x, w, cores=1), args.repeats)
+        two = _times_ms(lambda w=weight: cer(x, w, cores=2), args.repeats)
         runs = 1 + int(torch.count_nonzero(torch.diff(cer(x, weight))))
-        print(f"  weight {weight:<8g} {best:7.1f} / {median:7.1f} ms   {runs:>9,} runs")
+        print(
+            f"  {weight:<10g} {one[0]:7.1f} / {one[1]:7.1f} {two[0]:7.1f} / {two[1]:7.1f}"
+            f" {one[1] / two[1]:>8.2f}x {runs:>10,}"
+        )
 
     print(f"\n{'codec':<20} {'bytes':>10} {'ratio':>9} {'rel. error':>10} {'encode ms':>17} {'decode ms':>17}")
     for label, name, options in codecs:

@@ -304,13 +304,16 @@ def _as_flat_numpy(delta: torch.Tensor | np.ndarray, name: str) -> np.ndarray:
     return array
 
 
-def cer(delta: torch.Tensor | np.ndarray, weight: float) -> torch.Tensor | np.ndarray:
+def cer(delta: torch.Tensor | np.ndarray, weight: float, cores: int | None = None) -> torch.Tensor | np.ndarray:
     """Exact CER: argmin_u 1/2||u - delta||^2 + weight * ||Lambda u||_1.
 
     Args:
         delta: (d,) float32 or float64 update, torch (any device) or NumPy.
         weight: w = eta * gamma in the paper's notation, in the units of delta;
             w >= 0. w = 0 returns a copy of delta.
+        cores: 1 for the one-pass solver, 2 to solve from both ends at once;
+            None picks 2 when d >= PARALLEL_MIN_SIZE and the process may run
+            on two cores. The minimiser is the same (up to rounding).
 
     Returns:
         u: (d,) piecewise-constant vector of delta's type, dtype and device.
@@ -322,12 +325,16 @@ def cer(delta: torch.Tensor | np.ndarray, weight: float) -> torch.Tensor | np.nd
     weight = float(weight)
     if not np.isfinite(weight) or weight < 0:
         raise ValueError(f"weight: expected a finite number >= 0, got {weight}")
+    if cores not in (None, 1, 2):
+        raise ValueError(f"cores: expected None, 1 or 2, got {cores!r}")
     array = _as_flat_numpy(delta, "delta")
+    if cores is None:
+        cores = 2 if array.size >= PARALLEL_MIN_SIZE and _cpu_count() > 1 else 1
     out = np.empty_like(array)
     if weight == 0.0 or array.size == 0:
         out[...] = array
     else:
-        solve = _two_core_solver() if array.size >= PARALLEL_MIN_SIZE and _cpu_count() > 1 else _solve_serially
+        solve = _two_core_solver() if cores == 2 else _solve_serially
         solve(array, weight, out)
     if isinstance(delta, torch.Tensor):
         return torch.from_numpy(out).to(delta.device)
