@@ -38,6 +38,39 @@ def test_selection_matches_brute_force_with_ties(seed):
     assert set(np.abs(dense[expected])) == {update.magnitude} and np.count_nonzero(dense) == len(expected)
 
 
+def _reference_top_k(accumulated: np.ndarray, count: int) -> np.ndarray:
+    """Positions of the top ``count`` non-zero |A_i|, ties to the lowest index, by a full sort."""
+    order = np.lexsort((np.arange(accumulated.size), -np.abs(accumulated)))[:count]
+    return np.sort(order[accumulated[order] != 0])
+
+
+def _long_vectors() -> dict[str, tuple[np.ndarray, int]]:
+    rng = np.random.default_rng(3)
+    d = 200_003
+    noise = rng.standard_t(3, d).astype(np.float32)
+    run_values = rng.integers(-30, 31, 4_000).astype(np.float32) / 8  # few distinct values: wide ties
+    piecewise = np.repeat(run_values, rng.multinomial(d, np.full(4_000, 1 / 4_000)))
+    sparse = np.zeros(d, np.float32)
+    sparse[rng.choice(d, 100, replace=False)] = rng.standard_normal(100)
+    off_sample = np.ones(1 << 17, np.float32)
+    off_sample[:: (1 << 17) // (1 << 15)] = 10.0  # the strided sample sees only the large entries
+    return {
+        "heavy-tailed noise": (noise, 500),
+        "piecewise constant with ties": (piecewise, 2_000),
+        "fewer non-zeros than k": (sparse, 500),
+        "sample bound too high": (off_sample, 40_000),
+    }
+
+
+@pytest.mark.parametrize("name", list(_long_vectors()))
+def test_selection_on_long_vectors_matches_a_full_sort(name):
+    accumulated, count = _long_vectors()[name]
+    update = select_top_k(accumulated, count)
+    expected = _reference_top_k(accumulated, count)
+    assert np.array_equal(update.positions, expected)
+    assert update.magnitude == np.float32(np.abs(accumulated[expected]).mean(dtype=np.float64))
+
+
 def test_all_zero_input_sends_nothing():
     update = select_top_k(np.zeros(10, dtype=np.float32), 3)
     assert update.positions.size == 0 and update.magnitude == 0

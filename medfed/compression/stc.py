@@ -43,6 +43,7 @@ __all__ = ["SparseTernaryCompressor", "TernaryUpdate", "read_ternary", "select_t
 
 _RICE_PARAMETER_BITS = 6  # Rice parameters are 0..62
 _COUNT_BITS = 64
+_SAMPLE_SIZE = 1 << 15  # entries sampled to bound the top-k threshold
 
 
 @dataclass(frozen=True)
@@ -77,16 +78,43 @@ def select_top_k(accumulated: np.ndarray, count: int) -> TernaryUpdate:
     float64 and rounded to float32.
     """
     magnitudes = np.abs(accumulated)
-    count = min(count, int(np.count_nonzero(magnitudes)))
+    candidates = _candidates_above_sampled_bound(magnitudes, count)
+    if candidates is None:
+        candidates = np.flatnonzero(magnitudes)
+    count = min(count, candidates.size)
     if count == 0:
         return TernaryUpdate(accumulated.size, np.float32(0.0), np.zeros(0, np.int64), np.zeros(0, bool))
-    cut = magnitudes.size - count
-    threshold = np.partition(magnitudes, cut)[cut]  # the count-th largest magnitude
-    above = np.flatnonzero(magnitudes > threshold)
-    tied = np.flatnonzero(magnitudes == threshold)[: count - above.size]
+    values = magnitudes[candidates]
+    cut = values.size - count
+    threshold = np.partition(values, cut)[cut]  # the count-th largest magnitude
+    above = candidates[values > threshold]
+    tied = candidates[values == threshold][: count - above.size]  # candidates are in index order
     positions = np.sort(np.concatenate([above, tied]))
     magnitude = np.float32(magnitudes[positions].mean(dtype=np.float64))
     return TernaryUpdate(accumulated.size, magnitude, positions, accumulated[positions] < 0)
+
+
+def _candidates_above_sampled_bound(magnitudes: np.ndarray, count: int) -> np.ndarray | None:
+    """Indices (increasing) of all entries >= a bound below the count-th largest magnitude, or None.
+
+    The bound is an order statistic of a strided sample of about
+    ``_SAMPLE_SIZE`` entries, taken at twice the rank the count-th largest
+    would have in the sample, plus slack. The result is used only if it holds
+    at least ``count`` non-zero entries: then every entry of the top ``count``
+    (ties included) is among them, and selecting within them is exact. None
+    (use every non-zero entry) for short vectors and when the sample's bound
+    is too high or zero.
+    """
+    stride = magnitudes.size // _SAMPLE_SIZE
+    if stride < 2:
+        return None
+    sample = magnitudes[::stride]
+    rank = min(sample.size - 1, 2 * (count // stride) + 32)  # from the top
+    bound = np.partition(sample, sample.size - 1 - rank)[sample.size - 1 - rank]
+    if bound == 0:
+        return None
+    candidates = np.flatnonzero(magnitudes >= bound)
+    return candidates if candidates.size >= count else None
 
 
 class SparseTernaryCompressor:
