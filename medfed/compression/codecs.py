@@ -32,6 +32,7 @@ import inspect
 import numbers
 import struct
 import zlib
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -89,8 +90,12 @@ class Codec(abc.ABC):
     lossy codecs are meant for updates (the sender codes a change, see ``medfed.federated.link``)."""
 
     def encode(self, x: torch.Tensor) -> bytes:
-        """The bytes for update ``x`` ((d,) float32)."""
-        return self.encode_with_sent(x).data
+        """The bytes for update ``x`` ((d,) float32).
+
+        Raises:
+            ValueError: x is not a finite, non-empty, flat float32 tensor.
+        """
+        return self._encode(x)[0]
 
     def encode_with_sent(self, x: torch.Tensor) -> Encoding:
         """Encode ``x`` ((d,) float32) and also return what the receiver will decode from it.
@@ -98,10 +103,15 @@ class Codec(abc.ABC):
         Raises:
             ValueError: x is not a finite, non-empty, flat float32 tensor.
         """
+        data, decoded = self._encode(x)
+        return Encoding(data, torch.from_numpy(decoded()))
+
+    def _encode(self, x: torch.Tensor) -> tuple[bytes, Callable[[], np.ndarray]]:
+        """The whole stream for ``x`` and a function returning the (d,) float32 vector it decodes to."""
         array = _check_update(x)
-        payload, sent = self._encode_payload(array)
+        payload, decoded = self._encode_payload(array)
         header = _HEADER.pack(MAGIC, FORMAT_VERSION, self.codec_id, array.size, zlib.crc32(payload))
-        return Encoding(header + payload, torch.from_numpy(sent))
+        return header + payload, decoded
 
     def decode(self, data: bytes) -> torch.Tensor:
         """The (d,) float32 CPU tensor encoded in ``data``.
@@ -136,8 +146,12 @@ class Codec(abc.ABC):
             raise ValueError(f"{self.name} codec: has no state, got keys {sorted(state)}")
 
     @abc.abstractmethod
-    def _encode_payload(self, x: np.ndarray) -> tuple[bytes, np.ndarray]:
-        """Payload for ``x`` ((d,) float32) and the (d,) float32 vector it decodes to."""
+    def _encode_payload(self, x: np.ndarray) -> tuple[bytes, Callable[[], np.ndarray]]:
+        """Payload for ``x`` ((d,) float32) and a function returning the (d,) float32 vector it decodes to.
+
+        The function is called only by ``encode_with_sent``: ``encode`` does
+        not pay for building the decoded vector.
+        """
 
     @abc.abstractmethod
     def _decode_payload(self, payload: memoryview, size: int) -> np.ndarray:
@@ -151,8 +165,8 @@ class DenseCodec(Codec):
     codec_id = 0
     lossless = True
 
-    def _encode_payload(self, x: np.ndarray) -> tuple[bytes, np.ndarray]:
-        return x.astype("<f4").tobytes(), x.copy()
+    def _encode_payload(self, x: np.ndarray) -> tuple[bytes, Callable[[], np.ndarray]]:
+        return x.astype("<f4").tobytes(), x.copy
 
     def _decode_payload(self, payload: memoryview, size: int) -> np.ndarray:
         if len(payload) != 4 * size:
@@ -179,11 +193,11 @@ class STCCodec(Codec):
         """What is added to the residual; STC alone adds the update itself."""
         return x
 
-    def _encode_payload(self, x: np.ndarray) -> tuple[bytes, np.ndarray]:
+    def _encode_payload(self, x: np.ndarray) -> tuple[bytes, Callable[[], np.ndarray]]:
         update = self._compressor.compress(self._compressor_input(x))
         writer = BitWriter()
         write_ternary(writer, update)
-        return writer.to_bytes(), update.to_dense()
+        return writer.to_bytes(), update.to_dense
 
     def _decode_payload(self, payload: memoryview, size: int) -> np.ndarray:
         reader = BitReader(payload, f"{self.name} stream")
@@ -245,10 +259,10 @@ class CERCodec(Codec):
             raise ValueError(f"quant_bits: expected None or an integer 1..{MAX_QUANT_BITS}, got {quant_bits!r}")
         self.quant_bits = None if quant_bits is None else int(quant_bits)
 
-    def _encode_payload(self, x: np.ndarray) -> tuple[bytes, np.ndarray]:
+    def _encode_payload(self, x: np.ndarray) -> tuple[bytes, Callable[[], np.ndarray]]:
         writer = BitWriter()
         sent = write_piecewise(writer, cer(x, self.gamma), self.quant_bits)
-        return writer.to_bytes(), sent
+        return writer.to_bytes(), lambda: sent
 
     def _decode_payload(self, payload: memoryview, size: int) -> np.ndarray:
         reader = BitReader(payload, f"{self.name} stream")
