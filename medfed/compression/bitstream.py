@@ -100,6 +100,25 @@ def _unary_bits(values):
 
 
 @numba.njit(cache=True)
+def _rice_bits(values, parameter):
+    """uint8 0/1: the (n,) uint64 ``values`` Golomb-Rice coded, all unary quotients first, then all remainders."""
+    quotient_bits = values.size
+    for value in values:
+        quotient_bits += int(value >> np.uint64(parameter))
+    bits = np.ones(quotient_bits + values.size * parameter, dtype=np.uint8)
+    position = 0
+    for value in values:
+        position += int(value >> np.uint64(parameter))
+        bits[position] = 0
+        position += 1
+    for value in values:
+        for column in range(parameter):
+            bits[position] = (value >> np.uint64(parameter - 1 - column)) & np.uint64(1)
+            position += 1
+    return bits
+
+
+@numba.njit(cache=True)
 def _bit_at(data, position):
     """Bit ``position`` (0 = most significant bit of byte 0) of the uint8 array ``data``, as int64."""
     return np.int64((data[position >> 3] >> (7 - (position & 7))) & 1)
@@ -118,8 +137,9 @@ def _add_low_bits(data, position, width, values):
 
 @numba.njit(cache=True)
 def _read_unary_values(data, position, total_bits, out):
-    """Fill (n,) integer ``out`` with n unary values from bit ``position``; the position after them, or -1 if the data end first.
+    """Fill (n,) integer ``out`` with n unary values from bit ``position`` of ``data``.
 
+    Returns the bit position after them, or -1 if the data end first.
     Branch-free per bit: the running count is stored at every bit and the
     output slot only advances at a 0 bit.
     """
@@ -169,9 +189,7 @@ class BitWriter:
         """Append ``values`` (non-negative integers) Golomb-Rice coded: all quotients, then all remainders."""
         if not 0 <= parameter <= MAX_RICE_PARAMETER:
             raise ValueError(f"parameter: expected 0..{MAX_RICE_PARAMETER}, got {parameter}")
-        values = _as_uint64(values)
-        self.write_unary(values >> np.uint64(parameter))
-        self.write_uints(values & np.uint64((1 << parameter) - 1), parameter)
+        self._bits.append(_rice_bits(_as_uint64(values), parameter))
 
     def write_bytes(self, data: bytes) -> None:
         """Pad to a byte boundary with 0-bits, then append ``data`` unchanged."""

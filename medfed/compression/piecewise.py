@@ -44,13 +44,16 @@ def _find_runs(bits, u):
     Branch-free: where runs are short and irregular (small CER weights) a
     branch per entry would be mispredicted about half the time.
     """
-    starts = np.empty(bits.size + 1, dtype=np.int64)
+    count = 1
+    for i in range(1, bits.size):
+        count += bits[i] != bits[i - 1]
+    starts = np.empty(count + 1, dtype=np.int64)
     starts[0] = 0
     run = 0
     for i in range(1, bits.size):
-        starts[run + 1] = i  # kept only if a new run starts at i
+        starts[min(run + 1, count)] = i  # kept only if a new run starts at i
         run += bits[i] != bits[i - 1]
-    starts[run + 1] = bits.size
+    starts[count] = bits.size
     lengths = np.empty(run + 1, dtype=np.int64)
     values = np.empty(run + 1, dtype=u.dtype)
     for r in range(run + 1):
