@@ -20,11 +20,16 @@ One run, as :class:`~medfed.federated.loop.FederatedLoop` calls it::
     deliver to every site                             # round 0
     for round in 1..R:
         for phase in phases:
+            messages = {i: server_message(phase, i)}   # for each participating site i
             for each participating site i:
-                site_receive(site_i, phase, server_message(phase, i))
+                site_receive(site_i, phase, messages[i])
                 site_i trains the part site_trainable(phase) on site_loss(...)
                 replies[i] = site_reply(site_i, phase)
             server_aggregate(phase, replies)
+
+(The server's messages of a phase are all made before any site trains, as
+they would be with sites training at the same time: ``server_message`` may
+depend only on server state.)
         for every site i: site_receive(site_i, "deliver", server_deliver(i))
         every site evaluates its model on its own test split
 
