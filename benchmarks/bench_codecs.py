@@ -89,7 +89,7 @@ def main() -> None:
         decode = _times_ms(lambda: receiver.decode(data), args.repeats)
         error = float(torch.linalg.vector_norm(sent - x) / torch.linalg.vector_norm(x))
         print(
-            f"{label:<20} {len(data):>10,} {4 * args.d / len(data):>8.1f}x {error:>10.3f}"
+            f"{label:<20} {len(data):>10,} {4 * x.numel() / len(data):>8.1f}x {error:>10.3f}"
             f" {encode[0]:>7.1f} / {encode[1]:>7.1f} {decode[0]:>7.1f} / {decode[1]:>7.1f}"
         )
 

@@ -166,7 +166,7 @@ class DenseCodec(Codec):
     lossless = True
 
     def _encode_payload(self, x: np.ndarray) -> tuple[bytes, Callable[[], np.ndarray]]:
-        return x.astype("<f4").tobytes(), x.copy
+        return x.astype("<f4", copy=False).tobytes(), x.copy
 
     def _decode_payload(self, payload: memoryview, size: int) -> np.ndarray:
         if len(payload) != 4 * size:
