@@ -13,10 +13,12 @@ It writes ``<out>/tradeoff.csv`` (one row per run: compression ratios
 client-side (up) and server-side (down) against dense float32, the task's
 final mean metrics, wall time, the share of round time spent encoding and
 decoding) and ``<out>/tradeoff.png``: compression ratio vs gamma, final
-metric vs gamma, and the metric per round of every setting. Generated data
+metric vs gamma, the metric per round of every setting, and the share of
+round time spent encoding + decoding against the 10% target. Generated data
 are labelled as such in the plot titles.
 
     python benchmarks/compression_tradeoff.py --gammas 1e-4 3e-4 1e-3 3e-3
+    python benchmarks/compression_tradeoff.py --out DIR --plot-only   # redraw from DIR/tradeoff.csv
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from medfed.config import load_config
 from medfed.experiment import run
 
 DEFAULT_CONFIGS = ("configs/brats_lack0.yaml", "configs/luna16_delta4.yaml")
+CODEC_SHARE_TARGET_PERCENT = 10.0
+"""Encoding plus decoding should take less than this share of a round's wall time."""
+NUMERIC_COLUMNS = ("gamma", "compression_ratio_up", "compression_ratio_down", "bytes_up", "bytes_down", "wall_s", "codec_share")
 
 
 def settings(gammas: list[float]) -> list[dict]:
@@ -81,10 +86,10 @@ def run_setting(config: Path, setting: dict, out: Path, extra: list[str]) -> dic
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Per config: ratio vs gamma, metric vs gamma, metric per round (the shape of Figs 8/10)."""
+    """Per config: ratio vs gamma, metric vs gamma, metric per round (the shape of Figs 8/10), codec share vs gamma."""
     configs = sorted({row["config"] for row in rows})
-    figure, axes = plt.subplots(len(configs), 3, figsize=(15, 4 * len(configs)), squeeze=False)
-    for (ratio_axis, metric_axis, curve_axis), config in zip(axes, configs):
+    figure, axes = plt.subplots(len(configs), 4, figsize=(20, 4 * len(configs)), squeeze=False)
+    for (ratio_axis, metric_axis, curve_axis, share_axis), config in zip(axes, configs):
         mine = [row for row in rows if row["config"] == config]
         metric = _headline_metric(mine[0])
         dense = next(row for row in mine if row["setting"] == "dense")
@@ -98,10 +103,14 @@ def plot(rows: list[dict], path: Path) -> None:
                 ratio_axis.plot(gammas, [row[f"compression_ratio_{direction}"] for row in series], marker, color=colour,
                                 label=f"{setting} {'client (up)' if direction == 'up' else 'server (down)'}")
             metric_axis.plot(gammas, [row[metric] for row in series], marker, label=setting)
+            share_axis.plot(gammas, [100 * row["codec_share"] for row in series], marker, label=setting)
         for direction, colour in (("up", "C0"), ("down", "C1")):
             ratio_axis.axhline(stc[f"compression_ratio_{direction}"], color=colour, ls=":", label=f"stc alone {direction}")
         metric_axis.axhline(dense[metric], color="k", ls="-", label="dense")
         metric_axis.axhline(stc[metric], color="gray", ls=":", label="stc alone")
+        share_axis.axhline(100 * dense["codec_share"], color="k", ls="-", label="dense")
+        share_axis.axhline(100 * stc["codec_share"], color="gray", ls=":", label="stc alone")
+        share_axis.axhline(CODEC_SHARE_TARGET_PERCENT, color="red", ls="--", label="target")
         for row in mine:
             history = json.loads(Path(row["results"]).read_text())["history"]
             curve_axis.plot([r["round"] for r in history], [r["mean"][metric.removeprefix("mean_")] for r in history],
@@ -109,12 +118,27 @@ def plot(rows: list[dict], path: Path) -> None:
         ratio_axis.set(xscale="log", yscale="log", xlabel="gamma (CER weight)", ylabel="compression ratio vs float32")
         metric_axis.set(xscale="log", xlabel="gamma (CER weight)", ylabel=metric)
         curve_axis.set(xlabel="round", ylabel=metric)
-        for axis in (ratio_axis, metric_axis, curve_axis):
+        share_axis.set(xscale="log", ylim=(0, None), xlabel="gamma (CER weight)",
+                       ylabel="% of round wall time encoding + decoding")
+        for axis in (ratio_axis, metric_axis, curve_axis, share_axis):
             axis.grid(alpha=0.3)
             axis.legend(fontsize=7)
         ratio_axis.set_title(f"{config}: {mine[0]['data']}", fontsize=8, loc="left")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a tradeoff.csv written by this script, numbers as floats."""
+    with path.open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    for row in rows:
+        for key in list(row):
+            if row[key] == "":  # a metric of the other task
+                del row[key]
+            elif key in NUMERIC_COLUMNS or key.startswith("mean_"):
+                row[key] = float(row[key])
+    return rows
 
 
 def _headline_metric(row: dict) -> str:
@@ -126,8 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", nargs="+", default=[c for c in DEFAULT_CONFIGS if Path(c).is_file()])
     parser.add_argument("--gammas", nargs="+", type=float, default=[1e-4, 3e-4, 1e-3, 3e-3])
     parser.add_argument("--out", type=Path, default=Path("outputs/benchmarks/compression"))
+    parser.add_argument("--plot-only", action="store_true", help="redraw tradeoff.png from <out>/tradeoff.csv")
     parser.add_argument("overrides", nargs="*", help="extra config overrides for every run, e.g. trainer.rounds=10")
     args = parser.parse_args(argv)
+    if args.plot_only:
+        plot(read_rows(args.out / "tradeoff.csv"), args.out / "tradeoff.png")
+        print(f"wrote {args.out / 'tradeoff.png'}")
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"machine: {platform.machine()} {platform.processor()} python {sys.version.split()[0]}", flush=True)
     rows = [run_setting(Path(config), setting, args.out, args.overrides) for config in args.configs for setting in settings(args.gammas)]
