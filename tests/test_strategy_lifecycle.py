@@ -68,3 +68,29 @@ def test_state_round_trips_through_a_checkpoint(name, tmp_path):
         assert json.dumps([r[key] for r in resumed.history]) == json.dumps([r[key] for r in uninterrupted.history]), key
     for a, b in zip(resumed.sites, uninterrupted.sites):
         assert torch.equal(a.module.get_vector("all"), b.module.get_vector("all"))
+
+
+def test_a_phase_codes_its_messages_before_and_after_all_local_training():
+    # Sites would train at the same time: the loop sends every participant's
+    # message, then trains them one by one, then sends every reply (so the
+    # codecs run back to back, away from PyTorch's spinning worker threads).
+    loop = _loop("pfednet", participation=0.75)
+    events = []
+    for site, link in zip(loop.sites, loop.links):
+        def send(direction, payload, site=site, link_send=link.send):
+            events.append((direction, site.index))
+            return link_send(direction, payload)
+
+        def train(*args, site=site, site_train=site.train):
+            events.append(("train", site.index))
+            return site_train(*args)
+
+        link.send, site.train = send, train
+    loop.fit(1)  # setup, round 0's delivery, then round 1 (events from here on)
+    events.clear()
+    loop.fit(2)
+    taking_part = [site.index for site in loop.participants(2)]
+    one_phase = [("down", i) for i in taking_part] + [("train", i) for i in taking_part] + [("up", i) for i in taking_part]
+    delivery = [("down", site.index) for site in loop.sites]
+    assert len(taking_part) == 3
+    assert events == one_phase * len(loop.strategy.phases) + delivery
