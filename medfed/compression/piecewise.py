@@ -54,9 +54,9 @@ def _find_runs(bits, u):
         starts[min(run + 1, count)] = i  # kept only if a new run starts at i
         run += bits[i] != bits[i - 1]
     starts[count] = bits.size
-    lengths = np.empty(run + 1, dtype=np.int64)
-    values = np.empty(run + 1, dtype=u.dtype)
-    for r in range(run + 1):
+    lengths = np.empty(count, dtype=np.int64)
+    values = np.empty(count, dtype=u.dtype)
+    for r in range(count):
         lengths[r] = starts[r + 1] - starts[r]
         values[r] = u[starts[r]]
     return lengths, values
