@@ -162,27 +162,70 @@ def _meet(y_m, lam, from_below, below_span, from_above, above_span):
     """u_m = argmin_b M_below(b) + M_above(b) + 1/2 (b - y_m)^2 for the two messages into node m.
 
     The derivative of the sum, -2 lam + b - y_m below every knot, is
-    increasing; its root is found by merging the two sorted deques
-    ``from_below[below_span[0]..below_span[1]]`` and ``from_above[...]``.
+    increasing. A walk up the two sorted deques ``from_below[below_span[0]
+    ..below_span[1]]`` and ``from_above[...]``, merged, finds the piece
+    between two knots where it crosses 0; the root is then solved on that
+    piece with each message's line summed from its more accurate end
+    (``_line_on_piece``).
     """
     a = 1.0
     b = -2.0 * lam - y_m
-    crossed = -np.inf
+    lowest = -np.inf  # the piece is [lowest, highest]
+    highest = np.inf
     i, i_end = below_span
     j, j_end = above_span
     while i <= i_end or j <= j_end:
         take_below = j > j_end or (i <= i_end and from_below[i, 0] <= from_above[j, 0])
         knot = from_below[i] if take_below else from_above[j]
         if a * knot[0] + b > 0.0:
+            highest = knot[0]
             break
         a += knot[1]
         b += knot[2]
-        crossed = knot[0]
+        lowest = knot[0]
         if take_below:
             i += 1
         else:
             j += 1
-    return max(-b / a, crossed)
+    a_below, b_below = _line_on_piece(from_below, below_span[0], i, i_end, lam)
+    a_above, b_above = _line_on_piece(from_above, above_span[0], j, j_end, lam)
+    root = -(b_below + b_above - y_m) / (1.0 + a_below + a_above)
+    return min(max(root, lowest), highest)
+
+
+@numba.njit(cache=True)
+def _line_on_piece(knots, first, split, last, lam):
+    """(slope, intercept) of a message's derivative between knots[split - 1] and knots[split].
+
+    It is -lam plus the changes of knots first..split-1, or equally +lam
+    minus those of knots split..last. A knot far from the piece can carry
+    large coefficients that cancel with a neighbour's (a long fused segment
+    whose slope is its node count, accumulated over as many nodes), so the
+    two sums can differ by far more than rounding of the result: the sum
+    whose terms have the smaller error bound, about |slope| (|slope| |x| +
+    |intercept|) per knot, is returned.
+    """
+    slope_lo, intercept_lo, error_lo = 0.0, -lam, 0.0
+    for k in range(first, split):
+        slope_lo += knots[k, 1]
+        intercept_lo += knots[k, 2]
+        error_lo += _knot_error_bound(knots[k])
+    slope_hi, intercept_hi, error_hi = 0.0, lam, 0.0
+    for k in range(last, split - 1, -1):
+        slope_hi -= knots[k, 1]
+        intercept_hi -= knots[k, 2]
+        error_hi += _knot_error_bound(knots[k])
+    if error_lo <= error_hi:
+        return slope_lo, intercept_lo
+    return slope_hi, intercept_hi
+
+
+@numba.njit(cache=True)
+def _knot_error_bound(knot):
+    """Rounding-error bound of a knot's (position, slope change, intercept change), in units of eps."""
+    slope = abs(knot[1])
+    size = abs(knot[2]) + (slope * abs(knot[0]) if slope > 0.0 else 0.0)  # jumps may sit at +-inf
+    return max(1.0, slope) * size
 
 
 @numba.njit(cache=True, nogil=True)
