@@ -202,27 +202,32 @@ def _line_on_piece(knots, first, split, last, lam):
     large coefficients that cancel with a neighbour's (a long fused segment
     whose slope is its node count, accumulated over as many nodes), so the
     two sums can differ by far more than rounding of the result: the sum
-    whose terms have the smaller error bound, about |slope| (|slope| |x| +
-    |intercept|) per knot, is returned.
+    whose terms have the smaller rounding-error estimate (``_knot_error``)
+    is returned.
     """
     slope_lo, intercept_lo, error_lo = 0.0, -lam, 0.0
     for k in range(first, split):
         slope_lo += knots[k, 1]
         intercept_lo += knots[k, 2]
-        error_lo += _knot_error_bound(knots[k])
+        error_lo += _knot_error(knots[k])
     slope_hi, intercept_hi, error_hi = 0.0, lam, 0.0
     for k in range(last, split - 1, -1):
         slope_hi -= knots[k, 1]
         intercept_hi -= knots[k, 2]
-        error_hi += _knot_error_bound(knots[k])
+        error_hi += _knot_error(knots[k])
     if error_lo <= error_hi:
         return slope_lo, intercept_lo
     return slope_hi, intercept_hi
 
 
 @numba.njit(cache=True)
-def _knot_error_bound(knot):
-    """Rounding-error bound of a knot's (position, slope change, intercept change), in units of eps."""
+def _knot_error(knot):
+    """Estimated rounding error of a knot's (position, slope change, intercept change), in units of eps.
+
+    The terms' size |slope| |x| + |intercept|, times |slope|: a knot's slope
+    change counts the nodes its coefficients were accumulated over. An
+    estimate to choose a summation order with, not a rigorous bound.
+    """
     slope = abs(knot[1])
     size = abs(knot[2]) + (slope * abs(knot[0]) if slope > 0.0 else 0.0)  # jumps may sit at +-inf
     return max(1.0, slope) * size
