@@ -115,6 +115,8 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
     examples = plot_segmentation_examples(sites, title)
     if examples is not None:
         save_figure(examples, output_dir / "examples.png")
+    for name, figure in strategy.server_figures().items():
+        save_figure(figure, output_dir / f"{name}.png")
     if progress:
         print(format_table(results))
     return results

@@ -26,7 +26,7 @@ model:
   num_res_units: 1
 strategy:
   name: pfednet
-  pfednet: {{lam: 0.1}}
+  pfednet: {{lam: 0.3, min_sketch_samples: 4}}
 trainer:
   rounds: 3
   batch_size: 8

@@ -22,7 +22,7 @@ model:
   block_config: [2, 2]
 strategy:
   name: pfednet
-  pfednet: {{lam: 0.01}}
+  pfednet: {{lam: 0.3, min_sketch_samples: 4}}
 trainer: {{rounds: 2, batch_size: 8, seed: 0, num_threads: 1}}
 logger: {{wandb: disabled}}
 output_dir: {output}
@@ -39,7 +39,7 @@ model:
   name: logreg
 strategy:
   name: pfednet
-  pfednet: {{lam: 0.1}}
+  pfednet: {{lam: 0.3, min_sketch_samples: 4}}
 trainer: {{rounds: 2, batch_size: 16, seed: 0, num_threads: 1}}
 logger: {{wandb: disabled}}
 output_dir: {output}

@@ -4,7 +4,15 @@ import scipy.sparse
 import scipy.sparse.csgraph
 import torch
 
-from medfed.federated.graph import connected_components, incidence_matrix, knn_edges
+from medfed.federated.graph import (
+    SimilarityGraph,
+    connected_components,
+    gaussian_edge_weights,
+    incidence_matrix,
+    knn_edges,
+    pairwise_distances,
+    similarity_graph,
+)
 
 
 def brute_force_knn_edges(sketches: np.ndarray, k: int, standardize: bool) -> list[tuple[int, int]]:
@@ -29,6 +37,32 @@ def test_knn_keeps_asymmetric_neighbours():
     # alone would give just (0, 1).
     sketches = torch.tensor([[0.0], [1.0], [3.0], [10.0]])
     assert knn_edges(sketches, k=1) == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_mutual_rule_keeps_only_two_sided_neighbours():
+    sketches = torch.tensor([[0.0], [1.0], [3.0], [10.0]])  # see the union test above
+    assert knn_edges(sketches, k=1, rule="mutual") == [(0, 1)]
+
+
+def test_gaussian_weights_by_hand():
+    distances = pairwise_distances(torch.tensor([[0.0], [1.0], [3.0]], dtype=torch.float64))
+    edges = [(0, 1), (1, 2), (0, 2)]  # lengths 1, 2, 3: median 2
+    expected = [np.exp(-((1 / 2) ** 2) / 2), np.exp(-0.5), np.exp(-((3 / 2) ** 2) / 2)]
+    assert gaussian_edge_weights(distances, edges) == pytest.approx(expected, rel=1e-12)
+    assert gaussian_edge_weights(torch.zeros(3, 3, dtype=torch.float64), edges) == [1.0, 1.0, 1.0]
+
+
+def test_weighted_incidence_scales_each_edge_difference():
+    graph = similarity_graph(torch.tensor([[0.0], [1.0], [3.0], [10.0]]), k=1)
+    Z = torch.randn(7, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    differences = Z @ graph.incidence()
+    for m, ((i, j), weight) in enumerate(zip(graph.edges, graph.weights)):
+        assert torch.allclose(differences[:, m], weight * (Z[:, i] - Z[:, j]))
+    restored = SimilarityGraph.from_dict(graph.to_dict())
+    assert (restored.n_sites, restored.edges, restored.weights) == (graph.n_sites, graph.edges, graph.weights)
+    assert torch.equal(restored.distances, graph.distances)
+    uniform = similarity_graph(torch.tensor([[0.0], [1.0], [3.0], [10.0]]), k=1, weighting="uniform")
+    assert uniform.weights == [1.0, 1.0, 1.0]
 
 
 def test_knn_matches_brute_force_on_random_sketches():

@@ -1,8 +1,13 @@
-"""pFedNet's server side on hand-made replies: averaging, the network-lasso limits, delivery."""
+"""pFedNet's server side on hand-made replies: averaging, the network-lasso limits, the
+relative penalty, the graph in its three spaces, delivery."""
 
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
+from medfed.config import ConfigError
+from medfed.errors import DataError
+from medfed.federated.fusion import between_site_spread
 from medfed.federated.strategies.pfednet import PFedNet
 from medfed.models.split import ParameterSplit
 
@@ -10,11 +15,11 @@ D1, D2, N = 6, 5, 4
 SPLIT = ParameterSplit(shared=("a",), personal=("b",), numels={"a": D1, "b": D2})
 
 
-def _strategy(lam, p="2", knn_k=1):
-    strategy = PFedNet(PFedNet.Options(lam=lam, p=p, knn_k=knn_k), SPLIT, N, seed=0)
-    # two groups of sites with distinct sketches: {0, 1} and {2, 3} differ in two statistics,
-    # sites within a group in one (features are z-scored across sites before the KNN)
-    sketches = {i: {"sketch": torch.tensor([float(i >= 2), float(i >= 2), float(i % 2)])} for i in range(N)}
+def _strategy(lam, p="2", knn_k=1, **options):
+    strategy = PFedNet(PFedNet.Options(lam=lam, p=p, knn_k=knn_k, **options), SPLIT, N, seed=0)
+    # two groups of sites with distinct sketches: {0, 1} and {2, 3} lie 1 apart, sites within
+    # a group 0.5 apart
+    sketches = {i: {"sketch": torch.tensor([float(i >= 2), float(i >= 2), 0.5 * (i % 2)])} for i in range(N)}
     initial = {"shared": torch.zeros(D1), "personal": torch.zeros(D2), "all": torch.zeros(D1 + D2)}
     strategy.server_setup(initial, sketches)
     return strategy
@@ -26,7 +31,7 @@ def _personal_replies(seed=0):
 
 
 def test_graph_links_sites_with_similar_sketches():
-    assert _strategy(1.0).edges == [(0, 1), (2, 3)]
+    assert _strategy(1.0).graph.edges == [(0, 1), (2, 3)]
 
 
 def test_shared_phase_is_the_sample_weighted_average():
@@ -46,8 +51,9 @@ def test_lambda_zero_keeps_every_sites_trained_personal_part():
 
 
 @pytest.mark.parametrize("p", ["1", "2", "inf"])
-def test_large_lambda_fuses_connected_sites_to_their_mean(p):
-    strategy = _strategy(1e4, p=p)
+@pytest.mark.parametrize("lam, lam_scale", [(1.0, "fusion"), (1e4, "absolute")])
+def test_lambda_at_the_fusion_threshold_fuses_connected_sites_to_their_mean(p, lam, lam_scale):
+    strategy = _strategy(lam, p=p, lam_scale=lam_scale)
     replies = _personal_replies()
     strategy.server_aggregate("personal", replies)
     for group in ([0, 1], [2, 3]):
@@ -85,3 +91,99 @@ def test_server_state_round_trips():
     strategy.server_aggregate("personal", replies)
     copy.server_aggregate("personal", replies)
     assert torch.equal(copy.personal, strategy.personal)
+
+
+def _spread_removed(strategy, replies):
+    strategy.server_aggregate("personal", replies)
+    return strategy.server_metrics()["spread_removed"]
+
+
+@pytest.mark.parametrize("p", ["1", "2", "inf"])
+def test_spread_removed_grows_with_lambda_from_nothing_to_everything(p):
+    replies = _personal_replies()
+    removed = [_spread_removed(_strategy(lam, p=p, knn_k=2), replies) for lam in (0.0, 0.1, 0.3, 0.6, 1.0, 3.0)]
+    assert removed[0] == 0.0
+    assert removed[-2] == pytest.approx(1.0, abs=1e-5) and removed[-1] == pytest.approx(1.0, abs=1e-5)
+    assert all(a < b for a, b in zip(removed[:4], removed[1:5])), removed
+
+
+def test_spread_removed_is_measured_against_the_centre():
+    strategy = _strategy(0.4, knn_k=2)
+    replies = _personal_replies()
+    centre = torch.stack([replies[i]["personal"] for i in range(N)], dim=1)
+    strategy.server_aggregate("personal", replies)
+    components = [list(range(N))]
+    expected = 1 - between_site_spread(strategy.personal, components) / between_site_spread(centre, components)
+    assert strategy.server_metrics()["spread_removed"] == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+def test_relative_lambda_is_free_of_the_models_scale_and_of_eta(scale):
+    replies = _personal_replies()
+    scaled = {i: {"personal": scale * r["personal"]} for i, r in replies.items()}
+    tight = dict(admm_abs_tol=0.0, admm_rel_tol=1e-10, admm_max_iter=20_000)  # scale-free stopping rule
+    reference = _strategy(0.4, knn_k=2, server_lr=0.01, **tight)
+    reference.server_aggregate("personal", replies)
+    other = _strategy(0.4, knn_k=2, server_lr=7.0, **tight)
+    other.server_aggregate("personal", scaled)
+    assert torch.allclose(other.personal / scale, reference.personal, atol=1e-6)
+    assert other.server_metrics()["spread_removed"] == pytest.approx(reference.server_metrics()["spread_removed"], abs=1e-5)
+
+
+def test_graph_is_logged_edge_by_edge():
+    metrics = _strategy(0.5).server_metrics()
+    assert metrics["graph_edges"] == 2.0
+    assert metrics["graph/w_0_1"] > 0 and metrics["graph/w_2_3"] > 0
+    assert metrics["graph/w_0_2"] == metrics["graph/w_1_3"] == 0.0
+    assert len([k for k in metrics if k.startswith("graph/w_")]) == N * (N - 1) // 2
+
+
+def test_model_space_graph_is_built_from_trained_personal_parts_and_refreshed():
+    strategy = _strategy(0.0, graph_space="model", graph_refresh_rounds=2)
+    assert strategy.graph is None
+    # sites {0, 2} and {1, 3} hold nearly the same personal parts
+    base = torch.randn(D2, 2, generator=torch.Generator().manual_seed(3))
+    replies = {i: {"personal": base[:, i % 2] + 0.01 * i} for i in range(N)}
+    strategy.server_aggregate("personal", replies)
+    assert strategy.graph.edges == [(0, 2), (1, 3)] and strategy.graph_built_at == [1]
+    swapped = {i: {"personal": base[:, int(i >= 2)] + 0.01 * i} for i in range(N)}
+    strategy.server_aggregate("personal", swapped)  # round 2: not yet due
+    assert strategy.graph.edges == [(0, 2), (1, 3)]
+    strategy.server_aggregate("personal", swapped)  # round 3: refreshed
+    assert strategy.graph.edges == [(0, 1), (2, 3)] and strategy.graph_built_at == [1, 3]
+
+
+class _Site:
+    def __init__(self, dataset, name="site0", num_classes=2):
+        self.data = type("Data", (), {"train": dataset})()
+        self.name = name
+        self.module = type("Module", (), {"num_classes": num_classes})()
+
+
+def _images(n, seed, channel_scale=1.0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, 4, 4, generator=generator) * channel_scale
+    y = (torch.rand(n, 4, 4, generator=generator) > 0.7).long()
+    return TensorDataset(x, y)
+
+
+def test_sites_send_the_sketch_of_their_space():
+    site = _Site(_images(20, 0))
+    data = PFedNet(PFedNet.Options(graph_space="data", kernel_features=64), SPLIT, N, seed=0).site_setup(site)
+    feature = PFedNet(PFedNet.Options(graph_space="feature"), SPLIT, N, seed=0).site_setup(site)
+    model = PFedNet(PFedNet.Options(graph_space="model"), SPLIT, N, seed=0).site_setup(site)
+    assert data["sketch"].shape == (64,) and feature["sketch"].shape == (6,) and model == {}
+
+
+def test_no_sketch_from_too_few_samples():
+    site = _Site(_images(5, 0), name="site3")
+    with pytest.raises(DataError, match="site3: only 5 training samples.*min_sketch_samples = 16"):
+        PFedNet(PFedNet.Options(), SPLIT, N, seed=0).site_setup(site)
+
+
+@pytest.mark.parametrize(
+    "key, value", [("graph_space", "pixels"), ("knn_rule", "any"), ("edge_weights", "cosine"), ("lam_scale", "relative")]
+)
+def test_unknown_choices_are_refused_by_name(key, value):
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        PFedNet.Options(**{key: value})

@@ -1,45 +1,128 @@
-"""Data-space sketches: what a site reveals about its data to build the similarity network.
+"""Site sketches: what a site reveals about its data to build the similarity network.
 
-pFedNet links sites whose data look alike (paper section III-A: a KNN graph
-over per-site "sketch matrices" in data space). medfed's sketch is a short
-vector of aggregate statistics of the site's training split, computed at the
-site; it reveals no individual sample:
+pFedNet's draft (``pfednet-fast-training-framework-draft.md``, section IV-A)
+measures how alike two sites' data distributions are in one of three spaces;
+the two that need something from the site's data are computed here, at the
+site, from its training split, and reveal no individual sample:
 
-* the mean and covariance of the per-position channel vectors (images: the
-  C-vector of channel intensities at every pixel of every patch; tables: the
-  feature vector of each row), i.e. C + C(C+1)/2 numbers;
-* the class frequencies of the targets (pixel labels or sample labels).
+* **data space** (:func:`data_sketch`): a kernel mean embedding. Each
+  observation is the vector ``v = [x, onehot(y)]`` of one position (images:
+  the C channel intensities of one pixel with that pixel's label, or the
+  sample's label for classification; tables: one row and its label). With
+  random Fourier features ``phi(v) = sqrt(2/D) cos(W v + b)``, ``W ~
+  N(0, I / sigma^2)``, ``b ~ U[0, 2 pi)`` (Rahimi & Recht 2007), the sketch
+  is the site's mean ``mu = E[phi(v)]`` and ``||mu_i - mu_j||`` estimates the
+  maximum mean discrepancy between the two sites' joint distributions of
+  ``(x, y)`` under the Gaussian kernel ``exp(-||v - v'||^2 / (2 sigma^2))``
+  (Gretton et al. 2012). Every site draws the same ``W, b`` from the run's
+  seed.
+* **feature space** (:func:`feature_sketch`): the ``C x C`` covariance of the
+  observation vectors ``x``, flattened so that the Euclidean distance between
+  two sketches is the Frobenius distance between the covariance matrices.
 
-A site missing an MRI sequence has a zero channel mean and variance; a site
-with a different label ratio has different class frequencies; a different
-scanner shifts the moments. All three are what the graph should capture.
+(The third, **model space**, needs no sketch: the server measures distances
+between the sites' locally trained personal parameters, which it receives
+anyway.)
+
+A site missing an MRI sequence has a zero channel; a site with a different
+label ratio has different label frequencies; a different scanner shifts the
+intensities. All three move the sketches.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils.data import TensorDataset
 
+from medfed.errors import DataError
 
-def data_sketch(dataset: TensorDataset, num_classes: int) -> torch.Tensor:
-    """Aggregate statistics of a site's ``(x, y)`` samples.
+#: Observations embedded per chunk (bounds the (chunk, D) feature matrix).
+_CHUNK = 65_536
+
+
+def observations(dataset: TensorDataset, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position observation vectors of a site's ``(x, y)`` samples.
 
     Args:
         dataset: ``x`` of shape ``(n, C, *spatial)`` (images) or ``(n, C)``
             (tables); ``y`` integer class labels of shape ``(n, *spatial)``
-            or ``(n,)``.
+            (segmentation) or ``(n,)`` (one label per sample).
         num_classes: number of classes of ``y``.
 
     Returns:
-        float64 vector ``[mean (C), upper-triangular covariance (C(C+1)/2),
-        class frequencies (num_classes)]``.
+        ``(x_obs, y_obs)``: float64 ``(P, C)`` channel vectors and float64
+        ``(P, num_classes)`` one-hot labels, ``P`` = samples x positions.
     """
     x, y = dataset.tensors[0], dataset.tensors[1]
-    channels = x.shape[1]
-    vectors = x.to(torch.float64).movedim(1, -1).reshape(-1, channels)  # (n * positions, C)
-    mean = vectors.mean(dim=0)
-    centred = vectors - mean
-    covariance = centred.T @ centred / max(vectors.shape[0] - 1, 1)
+    x_obs = channel_vectors(x)
+    labels = y.long()
+    if labels.dim() == 1 and x.dim() > 2:  # one label per image: every position carries it
+        labels = labels.reshape(-1, *([1] * (x.dim() - 2))).expand(-1, *x.shape[2:])
+    y_obs = torch.nn.functional.one_hot(labels.reshape(-1), num_classes).to(torch.float64)
+    return x_obs, y_obs
+
+
+def channel_vectors(x: torch.Tensor) -> torch.Tensor:
+    """``(n, C, *spatial)`` or ``(n, C)`` -> float64 ``(P, C)``: one channel vector per position."""
+    return x.to(torch.float64).movedim(1, -1).reshape(-1, x.shape[1])
+
+
+def check_sketch_size(dataset: TensorDataset, minimum: int, site: str) -> None:
+    """Refuse a sketch from fewer than ``minimum`` samples (its statistics would be noise).
+
+    Raises:
+        DataError: naming the site, the count and the option.
+    """
+    n = len(dataset)
+    if n < minimum:
+        raise DataError(
+            f"{site}: only {n} training samples for its similarity sketch; "
+            f"strategy.pfednet.min_sketch_samples = {minimum} (lower it, or use graph_space=model)"
+        )
+
+
+def data_sketch(
+    dataset: TensorDataset, num_classes: int, *, features: int, bandwidth: float | None, seed: int
+) -> torch.Tensor:
+    """Mean random-Fourier-feature embedding of the observations ``[x, onehot(y)]``.
+
+    Args:
+        dataset, num_classes: as :func:`observations`.
+        features: number ``D`` of random features (the sketch's length).
+        bandwidth: kernel width ``sigma``; ``None`` uses ``sqrt(C + K)``, the
+            typical distance between observations of unit-variance features.
+        seed: seeds ``W`` and ``b``; equal at every site (the run's seed).
+
+    Returns:
+        float64 ``(D,)`` vector ``mean_v phi(v)``.
+    """
+    x_obs, y_obs = observations(dataset, num_classes)
+    dim = x_obs.shape[1] + y_obs.shape[1]
+    sigma = math.sqrt(dim) if bandwidth is None else float(bandwidth)
+    generator = torch.Generator().manual_seed(seed)
+    frequencies = torch.randn(dim, features, generator=generator, dtype=torch.float64) / sigma
+    phases = 2 * math.pi * torch.rand(features, generator=generator, dtype=torch.float64)
+    total = torch.zeros(features, dtype=torch.float64)
+    for start in range(0, x_obs.shape[0], _CHUNK):
+        v = torch.cat([x_obs[start : start + _CHUNK], y_obs[start : start + _CHUNK]], dim=1)
+        total += torch.cos(v @ frequencies + phases).sum(dim=0)
+    return math.sqrt(2.0 / features) * total / x_obs.shape[0]
+
+
+def feature_sketch(dataset: TensorDataset) -> torch.Tensor:
+    """The covariance of the channel vectors, flattened for Frobenius distances.
+
+    Returns:
+        float64 ``(C (C + 1) / 2,)``: the upper triangle of the ``C x C``
+        covariance ``S``, off-diagonal entries times ``sqrt(2)``, so that
+        ``||sketch_i - sketch_j||_2 = ||S_i - S_j||_F``.
+    """
+    x_obs = channel_vectors(dataset.tensors[0])
+    centred = x_obs - x_obs.mean(dim=0)
+    covariance = centred.T @ centred / max(x_obs.shape[0] - 1, 1)
+    channels = covariance.shape[0]
     rows, cols = torch.triu_indices(channels, channels)
-    frequencies = torch.bincount(y.reshape(-1).long(), minlength=num_classes).to(torch.float64) / y.numel()
-    return torch.cat([mean, covariance[rows, cols], frequencies])
+    scale = torch.where(rows == cols, 1.0, math.sqrt(2.0)).to(torch.float64)
+    return covariance[rows, cols] * scale

@@ -107,6 +107,10 @@ class Strategy(ABC):
         """Diagnostics of the last server step, logged each round (e.g. ADMM iterations)."""
         return {}
 
+    def server_figures(self) -> dict[str, Any]:
+        """Figures of the server's state to save with the run (``{file stem: matplotlib Figure}``)."""
+        return {}
+
     def server_state_dict(self) -> dict[str, Any]:
         """Everything the server must remember across rounds (checkpointed)."""
         return {}

@@ -2,42 +2,81 @@
 
 Objective (``shared/design/algorithms.md``)::
 
-    min_{x, Z}  (1/N) sum_n f_n(M x + N z_n)  +  lam * ||Z Q||_{1,p}
+    min_{x, Z}  (1/N) sum_n f_n(M x + N z_n)  +  lam * sum_m w_m ||z_i - z_j||_p
 
-with Q the incidence matrix of a symmetric KNN graph over the sites' data
-sketches. One round alternates two phases:
+over the edges m = (i, j) of a weighted KNN similarity network of the sites
+(``lam ||Z Q||_{1,p}`` with Q the weighted incidence matrix). One round
+alternates two phases:
 
 1. **shared** — each site trains only its shared coordinates from x_t (its
    personal part frozen); the server averages them (sample-weighted) into
    x_{t+1};
 2. **personal** — each site receives x_{t+1}, trains only its personal
    coordinates from z_n, giving z~_n; the server solves the network-lasso
-   proximal problem exactly by ADMM::
+   proximal problem exactly::
 
-       Z_{t+1} = argmin_Z 1/(2 eta_s) ||Z - Z~||_F^2 + lam ||Z Q||_{1,p}
+       Z_{t+1} = argmin_Z 1/(2 eta_s) ||Z - Z~||_F^2 + lam_t ||Z Q||_{1,p}
 
    and delivers z_{t+1,n}, so site n is evaluated with M x_{t+1} + N z_{t+1,n}.
 
-A site that skipped the round keeps its column of Z as the proximal centre.
-The graph is built once, before round 1, from sketches that reveal no sample
-(:mod:`medfed.federated.sketch`).
+**The server step and the paper.** The paper's Algorithm 4 solves the same
+proximal problem around Z_t after one linearised step, with h(Z) =
+<(1/N) grad, Z> + 1/(2 eta_t) ||Z - Z_t||^2: the 1/N of the objective sits
+inside h. Here the sites train their personal parts for several Adam steps
+on f_n, so Z~ is no gradient step of known length and no learning rate
+calibrates eta_s; only lam_t * eta_s matters in the problem above.
+
+**Penalty strength** (``lam_scale``, see :mod:`medfed.federated.fusion`):
+
+- ``fusion`` (default): ``lam`` is a fraction of the fusion threshold of the
+  round's Z~: lam_t = lam * lam_bar(Z~_t), where at lam_bar every connected
+  component of the graph fuses to its mean (exactly on forests; an upper
+  bound otherwise). 0 = independent personal parts, 1 = fused. This is an
+  adaptive server step: lam_t eta_s does not depend on eta_s, nor on the
+  model's scale, d or p.
+- ``absolute``: lam in the paper's units, with eta_s = ``server_lr``.
+
+Every round logs ``spread_removed``: the fraction of the between-site spread
+of the personal parts that the server step removed (0 = no effect, 1 = all
+fused), with ``lam_effective`` (lam_t in the paper's units) and
+``fusion_lam`` (lam_bar).
+
+**Similarity network** (``graph_space``; the draft's section IV-A):
+
+- ``data``: maximum mean discrepancy between the sites' joint distributions
+  of (pixel or row, label), from random-Fourier-feature sketches;
+- ``feature``: Frobenius distance between the sites' channel covariances;
+- ``model``: Euclidean distance between the sites' locally trained personal
+  parts z~_n (no extra message: the server receives them in the personal
+  phase), built at round 1 and refreshed every ``graph_refresh_rounds``.
+
+Edges: each site's ``knn_k`` nearest sites (``knn_rule`` union or mutual),
+weighted by a Gaussian kernel of the distance (``edge_weights``). The graph
+is logged per round (``graph/w_i_j``, 0 for absent pairs) and drawn in
+``similarity_graph.png``. A site that skipped the round keeps its column of
+Z as the proximal centre.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from medfed.config import require
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.graph import incidence_matrix, knn_edges
+from medfed.federated.fusion import fusion_threshold, spread_removed
+from medfed.federated.graph import KNN_RULES, EDGE_WEIGHTINGS, SimilarityGraph, connected_components, similarity_graph
 from medfed.federated.network_lasso import AdmmState, solve_network_lasso
-from medfed.federated.sketch import data_sketch
-from medfed.federated.strategies.base import DELIVER, Payload, Strategy, num_samples
+from medfed.federated.sketch import check_sketch_size, data_sketch, feature_sketch
+from medfed.federated.strategies.base import Payload, Strategy, num_samples
 
 P_NORMS = {"1": 1.0, "2": 2.0, "inf": float("inf")}
+GRAPH_SPACES = ("data", "feature", "model")
+LAM_SCALES = ("fusion", "absolute")
 
 
 class PFedNet(Strategy):
@@ -46,18 +85,34 @@ class PFedNet(Strategy):
 
     @dataclass
     class Options:
-        lam: float = 1.0
-        """lambda: strength of the graph penalty (0 = independent personal parts)."""
-        server_lr: float = 0.01
+        lam: float = 0.3
+        """Strength of the graph penalty: a fraction of the fusion threshold (lam_scale=fusion),
+        or lambda in the paper's units (lam_scale=absolute). 0 = independent personal parts."""
+        lam_scale: str = "fusion"
+        """"fusion" (lam relative to the round's fusion threshold) or "absolute"."""
+        server_lr: float = 0.015
         """eta_s: weight 1/(2 eta_s) of the proximal term around the sites' trained z~.
-
-        The paper's step is a gradient step on (1/N) sum_n f_n; a site's local
-        training minimises f_n itself, i.e. takes N times that step, so eta_s is
-        about N x the local learning rate (5 sites x 3e-3 = 0.015 for the U-Net
-        config). lam * eta_s is the per-edge shrinkage in parameter units."""
+        Matters only with lam_scale=absolute (lam * eta_s is the per-edge shrinkage in parameter units)."""
         p: str = "2"
         """Column norm of the penalty: "1", "2" or "inf"."""
-        knn_k: int = 3
+        graph_space: str = "data"
+        """Similarity of sites measured in "data", "feature" or "model" space."""
+        knn_k: int = 2
+        """Neighbours per site (k = 2 at 5 sites leaves 5-8 of the 10 possible edges)."""
+        knn_rule: str = "union"
+        """"union" (i-j if either is among the other's k nearest) or "mutual" (both)."""
+        edge_weights: str = "gaussian"
+        """"gaussian" (exp(-d^2 / 2 sigma^2), sigma = median edge distance) or "uniform" (1)."""
+        graph_standardize: bool = False
+        """z-score sketch features across sites before measuring distances (data/feature spaces)."""
+        graph_refresh_rounds: int = 5
+        """Model space: rebuild the graph every this many rounds (0 = build once, at round 1)."""
+        min_sketch_samples: int = 16
+        """A site with fewer training samples refuses to send a (data/feature) sketch."""
+        kernel_features: int = 256
+        """Random Fourier features of the data-space sketch."""
+        kernel_bandwidth: float | None = None
+        """sigma of the data-space Gaussian kernel; null = sqrt(channels + classes)."""
         rho: float | None = None
         """ADMM penalty; default 1 / server_lr (then adapted by residual balancing)."""
         admm_max_iter: int = 500
@@ -66,21 +121,57 @@ class PFedNet(Strategy):
 
         def __post_init__(self) -> None:
             require(self.lam >= 0, "lam", self.lam, "lambda >= 0")
+            require(self.lam_scale in LAM_SCALES, "lam_scale", self.lam_scale, "one of fusion, absolute")
             require(self.server_lr > 0, "server_lr", self.server_lr, "eta_s > 0")
             require(str(self.p) in P_NORMS, "p", self.p, "one of 1, 2, inf")
+            require(self.graph_space in GRAPH_SPACES, "graph_space", self.graph_space, "one of data, feature, model")
             require(self.knn_k >= 1, "knn_k", self.knn_k, "k >= 1")
+            require(self.knn_rule in KNN_RULES, "knn_rule", self.knn_rule, "one of union, mutual")
+            require(self.edge_weights in EDGE_WEIGHTINGS, "edge_weights", self.edge_weights, "one of gaussian, uniform")
+            require(self.graph_refresh_rounds >= 0, "graph_refresh_rounds", self.graph_refresh_rounds, "an integer >= 0")
+            require(self.min_sketch_samples >= 2, "min_sketch_samples", self.min_sketch_samples, "an integer >= 2")
+            require(self.kernel_features >= 1, "kernel_features", self.kernel_features, "an integer >= 1")
+            require(
+                self.kernel_bandwidth is None or self.kernel_bandwidth > 0,
+                "kernel_bandwidth", self.kernel_bandwidth, "null or sigma > 0",
+            )
             require(self.rho is None or self.rho > 0, "rho", self.rho, "null or rho > 0")
             require(self.admm_max_iter >= 1, "admm_max_iter", self.admm_max_iter, ">= 1")
 
     # ------------------------------------------------------------------ server side
     def server_setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
-        sketches = torch.stack([replies[i]["sketch"] for i in range(self.n_sites)]).to(torch.float64)
-        self.edges = knn_edges(sketches, self.options.knn_k)
         self.shared = initial["shared"].clone()
         self.personal = initial["personal"].reshape(-1, 1).repeat(1, self.n_sites)  # Z: (d2, N)
+        self.graph: SimilarityGraph | None = None
+        self.graph_built_at: list[int] = []  # personal steps (rounds) at which the graph was (re)built
+        if self.options.graph_space != "model":
+            sketches = torch.stack([replies[i]["sketch"] for i in range(self.n_sites)])
+            self._build_graph(sketches, personal_step=0)
+        self.personal_steps = 0
         self.admm_state = None
         self.last_solve: dict[str, float] = {}
         self.sites_holding_shared: set[int] = set()
+
+    def _build_graph(self, points: torch.Tensor, personal_step: int) -> None:
+        """Rebuild the similarity network from ``(N, s)`` points (sketches or personal parts)."""
+        self.graph = similarity_graph(
+            points,
+            self.options.knn_k,
+            rule=self.options.knn_rule,
+            weighting=self.options.edge_weights,
+            standardize=self.options.graph_standardize and self.options.graph_space != "model",
+        )
+        self.graph_built_at.append(personal_step)
+        self.admm_state = None  # the split variable W lives on the edges: a new graph starts cold
+
+    def _graph_due(self) -> bool:
+        """Model space: build at the first personal step, then every ``graph_refresh_rounds``."""
+        if self.options.graph_space != "model":
+            return False
+        if self.graph is None:
+            return True
+        every = self.options.graph_refresh_rounds
+        return every > 0 and (self.personal_steps - self.graph_built_at[-1]) >= every
 
     def server_message(self, phase: str, site_index: int) -> Payload:
         if phase == "personal":
@@ -98,19 +189,25 @@ class PFedNet(Strategy):
         centre = self.personal.clone()
         for index, reply in replies.items():
             centre[:, index] = reply["personal"]
+        self.personal_steps += 1
+        if self._graph_due():
+            self._build_graph(centre.T, self.personal_steps)
         self.personal = self._network_lasso_step(centre)
 
     def _network_lasso_step(self, centre: torch.Tensor) -> torch.Tensor:
         """Solve the server's proximal problem around ``centre`` (d2, N); warm-started."""
         if centre.shape[0] == 0:
             return centre
-        q = incidence_matrix(self.edges, self.n_sites, dtype=centre.dtype)
+        eta = self.options.server_lr
+        p = P_NORMS[str(self.options.p)]
+        threshold = fusion_threshold(centre, self.graph, eta, p)
+        lam = self.options.lam * threshold if self.options.lam_scale == "fusion" else self.options.lam
         result = solve_network_lasso(
             centre,
-            q,
-            lam=self.options.lam,
-            eta=self.options.server_lr,
-            p=P_NORMS[str(self.options.p)],
+            self.graph.incidence(dtype=centre.dtype, device=centre.device),
+            lam=lam,
+            eta=eta,
+            p=p,
             rho=self.options.rho,
             max_iter=self.options.admm_max_iter,
             abs_tol=self.options.admm_abs_tol,
@@ -118,11 +215,14 @@ class PFedNet(Strategy):
             warm_start=self.admm_state,
         )
         self.admm_state = result.state
+        components = connected_components(self.graph.edges, self.n_sites)
         self.last_solve = {
+            "spread_removed": spread_removed(centre, result.Z, components),
+            "lam_effective": float(lam),
+            "fusion_lam": threshold,
             "admm_iterations": float(result.iterations),
             "admm_primal_residual": float(result.primal_residual),
             "admm_dual_residual": float(result.dual_residual),
-            "personal_spread": float((result.Z - result.Z.mean(dim=1, keepdim=True)).norm()),
         }
         return result.Z
 
@@ -133,11 +233,30 @@ class PFedNet(Strategy):
         return payload
 
     def server_metrics(self) -> dict[str, float]:
-        return {"graph_edges": float(len(self.edges)), **self.last_solve}
+        """The last server step (spread_removed, lam_effective, ADMM) and the graph, edge by edge."""
+        metrics = dict(self.last_solve)
+        if self.graph is not None:
+            weight = dict(zip(self.graph.edges, self.graph.weights))
+            metrics["graph_edges"] = float(len(self.graph.edges))
+            for i, j in itertools.combinations(range(self.n_sites), 2):
+                metrics[f"graph/w_{i}_{j}"] = weight.get((i, j), 0.0)
+        return metrics
+
+    def server_figures(self) -> dict[str, Any]:
+        """``similarity_graph``: the network the penalty ran over, as last built."""
+        if self.graph is None:
+            return {}
+        from medfed.viz.plots import plot_similarity_graph
+
+        when = "before training" if self.graph_built_at[-1] == 0 else f"built at round {self.graph_built_at[-1]}"
+        title = f"pFedNet similarity network, {self.options.graph_space} space, k={self.options.knn_k} ({self.options.knn_rule}), {when}"
+        return {"similarity_graph": plot_similarity_graph(self.graph, title)}
 
     def server_state_dict(self) -> dict:
         return {
-            "edges": list(self.edges),
+            "graph": None if self.graph is None else self.graph.to_dict(),
+            "graph_built_at": list(self.graph_built_at),
+            "personal_steps": self.personal_steps,
             "shared": self.shared,
             "personal": self.personal,
             "admm_state": None if self.admm_state is None else dataclasses.asdict(self.admm_state),
@@ -146,7 +265,9 @@ class PFedNet(Strategy):
         }
 
     def load_server_state_dict(self, state: dict) -> None:
-        self.edges = [tuple(edge) for edge in state["edges"]]
+        self.graph = None if state["graph"] is None else SimilarityGraph.from_dict(state["graph"])
+        self.graph_built_at = list(state["graph_built_at"])
+        self.personal_steps = state["personal_steps"]
         self.shared = state["shared"]
         self.personal = state["personal"]
         self.admm_state = None if state["admm_state"] is None else AdmmState(**state["admm_state"])
@@ -155,7 +276,20 @@ class PFedNet(Strategy):
 
     # ------------------------------------------------------------------ site side
     def site_setup(self, site) -> Payload:
-        return {"sketch": data_sketch(site.data.train, site.module.num_classes)}
+        """Data/feature space: the site's sketch of its training split; model space: nothing."""
+        if self.options.graph_space == "model":
+            return {}
+        check_sketch_size(site.data.train, self.options.min_sketch_samples, site.name)
+        if self.options.graph_space == "feature":
+            return {"sketch": feature_sketch(site.data.train)}
+        sketch = data_sketch(
+            site.data.train,
+            site.module.num_classes,
+            features=self.options.kernel_features,
+            bandwidth=self.options.kernel_bandwidth,
+            seed=self.seed,
+        )
+        return {"sketch": sketch}
 
     def site_receive(self, site, phase: str, payload: Payload) -> None:
         for part in ("shared", "personal"):
