@@ -180,6 +180,9 @@ def _split_series(
 ) -> tuple[list[str], list[str]]:
     """Seeded train/test split of one site's series, stratified by whether a series holds a nodule.
 
+    With ``holdout: validation`` the same draw also splits the training series
+    into train and validation (``test_fraction`` is then the validation share).
+
     Args:
         uids: the site's series.
         has_nodule: bool (len(uids),), whether each series has a nodule candidate.
