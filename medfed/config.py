@@ -48,12 +48,25 @@ class LabelRatioConfig:
     spread: float = 1.5
 
 
+HOLDOUTS = ("test", "validation")
+
+
 @dataclass
 class FederationConfig:
-    """How the data set is cut into hospital sites and each site's split."""
+    """How the data set is cut into hospital sites and each site's split.
+
+    ``holdout`` names the split the run evaluates on. ``"test"``: each site's
+    test split. ``"validation"``: each site's test subjects are set aside
+    unused, its training subjects are split again (``validation_fraction`` of
+    them to validation, seeded and stratified like the test split) and every
+    metric is on that validation split, so hyper-parameters can be chosen
+    without looking at the test split.
+    """
 
     n_sites: int = 5
     test_fraction: float = 0.2
+    holdout: str = "test"
+    validation_fraction: float = 0.2
     participation: float = 1.0
     missing_channel: MissingChannelConfig | None = None
     label_ratio: LabelRatioConfig | None = None
@@ -61,6 +74,13 @@ class FederationConfig:
     def __post_init__(self) -> None:
         require(self.n_sites >= 1, "federation.n_sites", self.n_sites, "an integer >= 1")
         require(0.0 < self.test_fraction < 1.0, "federation.test_fraction", self.test_fraction, "a number in (0, 1)")
+        require(self.holdout in HOLDOUTS, "federation.holdout", self.holdout, " or ".join(HOLDOUTS))
+        require(
+            0.0 < self.validation_fraction < 1.0,
+            "federation.validation_fraction",
+            self.validation_fraction,
+            "a number in (0, 1)",
+        )
         require(0.0 < self.participation <= 1.0, "federation.participation", self.participation, "a number in (0, 1]")
 
 

@@ -103,7 +103,7 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
         "strategy": strategy.name,
         "seed": trainer.seed,
         "federation": federation.summary(),
-        **summarise(loop.history, {site.name: site.n_test for site in sites}),
+        **summarise(loop.history, {site.name: site.n_test for site in sites}, federation.holdout),
         "communication": communication_totals(links),
         "timing": _timing(loop.history, time.perf_counter() - started, fabric),
         "config": config,
@@ -111,6 +111,8 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
     }
     write_json_atomic(output_dir / "results.json", results)
     title = f"{strategy.name} on {federation.task}, seed {trainer.seed}; data: {federation.description}"
+    if federation.holdout != "test":
+        title += f"; metrics on the {federation.holdout} split"
     save_figure(plot_learning_curves(loop.history, title), output_dir / "learning_curves.png")
     examples = plot_segmentation_examples(sites, title)
     if examples is not None:

@@ -12,19 +12,21 @@ from typing import Any
 import numpy as np
 
 
-def summarise(history: list[dict[str, Any]], site_sizes: dict[str, int]) -> dict[str, Any]:
+def summarise(history: list[dict[str, Any]], site_sizes: dict[str, int], split: str = "test") -> dict[str, Any]:
     """Final per-site metrics and their mean over sites, from the last round of ``history``.
 
     Args:
         history: the loop's per-round records.
-        site_sizes: ``{site name: n_test}``.
+        site_sizes: ``{site name: samples evaluated}``.
+        split: the split the metrics are on (``federation.holdout``: test or validation).
 
     Returns:
-        ``{"sites": [{"site", <metrics>, "n_test"}], "mean": {<metrics>}}``.
+        ``{"sites": [{"site", <metrics>, "n_<split>"}], "mean": {<metrics>}}``.
     """
     final = history[-1]["metrics"]
     names = list(next(iter(final.values())).keys())
-    rows = [{"site": site, **{n: metrics[n] for n in names}, "n_test": site_sizes[site]} for site, metrics in final.items()]
+    size = f"n_{split}"
+    rows = [{"site": site, **{n: metrics[n] for n in names}, size: site_sizes[site]} for site, metrics in final.items()]
     mean = {n: float(np.mean([row[n] for row in rows])) for n in names}
     return {"sites": rows, "mean": mean}
 
@@ -46,16 +48,24 @@ def communication_totals(links: list) -> dict[str, Any]:
 
 
 def format_table(results: dict[str, Any]) -> str:
-    """Plain-text table: one row per site, then the mean over sites; data provenance on top."""
+    """Plain-text table: one row per site, then the mean over sites; data provenance on top.
+
+    Metrics on a validation split (``federation.holdout``) say so in the title
+    and in the size column's name (``n_validation``).
+    """
+    split = results["federation"].get("holdout", "test")
+    size = f"n_{split}"
     rows = results["sites"]
-    names = [k for k in rows[0] if k not in ("site", "n_test")]
-    header = ["site", *names, "n_test"]
-    body = [[row["site"], *(f"{row[n]:.4f}" for n in names), str(row["n_test"])] for row in rows]
-    body.append(["mean", *(f"{results['mean'][n]:.4f}" for n in names), str(sum(r["n_test"] for r in rows))])
+    names = [k for k in rows[0] if k not in ("site", size)]
+    header = ["site", *names, size]
+    body = [[row["site"], *(f"{row[n]:.4f}" for n in names), str(row[size])] for row in rows]
+    body.append(["mean", *(f"{results['mean'][n]:.4f}" for n in names), str(sum(r[size] for r in rows))])
     widths = [max(len(header[i]), *(len(r[i]) for r in body)) for i in range(len(header))]
     line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     rule = "-" * (sum(widths) + 2 * (len(widths) - 1))
     title = f"{results['strategy']} on {results['federation']['task']}, data: {results['federation']['description']}"
+    if split != "test":
+        title += f"; metrics on the {split.upper()} split (test split set aside)"
     return "\n".join([title, rule, line(header), rule, *map(line, body[:-1]), rule, line(body[-1])])
 
 

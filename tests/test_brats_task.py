@@ -7,6 +7,8 @@ from medfed.config import FederationConfig, MissingChannelConfig
 from medfed.errors import ConfigError
 from medfed.tasks import brats
 
+from holdout_checks import assert_validation_carved_from_training, validation_subjects
+
 
 def _options(root):
     return brats.Options(root=str(root), generate=None, patch_size=32, tumour_patches_per_case=4, background_patches_per_case=2)
@@ -57,3 +59,34 @@ def test_splits_are_by_case_seeded_and_targets_are_whole_tumour(tiny_brats_root)
         assert set(torch.unique(y).tolist()) <= {0, 1}
         tumour_patches = y.flatten(1).any(dim=1)
         assert int(tumour_patches.sum()) == 4 * len(site.info["train_cases"])  # 4 around tumour, 2 tumour-free per case
+
+
+def test_validation_holdout_splits_training_cases_and_never_reads_test_cases(tiny_brats_root, monkeypatch):
+    def build(seed, holdout, validation_fraction=0.5):
+        federation = FederationConfig(n_sites=3, holdout=holdout, validation_fraction=validation_fraction)
+        return brats.build_federation(_options(tiny_brats_root), federation, seed=seed, progress=False)
+
+    on_test = build(0, "test")
+    read = []
+    real_load_case = brats.load_case
+    monkeypatch.setattr(brats, "load_case", lambda case: read.append(case.case_id) or real_load_case(case))
+    on_validation = build(0, "validation")
+    assert_validation_carved_from_training(on_test, on_validation, "cases")
+    test_cases = {case for site in on_validation.sites for case in site.info["test_cases"]}
+    assert test_cases and test_cases.isdisjoint(read)  # set-aside cases are never read
+    for site in on_validation.sites:
+        assert len(site.train) == 6 * len(site.info["train_cases"]) and len(site.test) == 6 * len(site.info["validation_cases"])
+    assert on_validation.summary()["holdout"] == "validation"
+    assert validation_subjects(build(0, "validation"), "cases") == validation_subjects(on_validation, "cases")
+    assert any(validation_subjects(build(s, "validation"), "cases") != validation_subjects(on_validation, "cases") for s in (1, 2))
+
+
+def test_test_holdout_ignores_the_validation_fraction(tiny_brats_root):
+    def build(**keys):
+        return brats.build_federation(_options(tiny_brats_root), FederationConfig(n_sites=3, **keys), seed=0, progress=False)
+
+    default, explicit = build(), build(holdout="test", validation_fraction=0.5)
+    for a, b in zip(default.sites, explicit.sites):
+        assert a.info == b.info and torch.equal(a.test.tensors[0], b.test.tensors[0])
+        assert list(a.info)[:2] == ["train_cases", "test_cases"]
+    assert default.summary()["holdout"] == "test" and "n_test" in default.summary()["sites"][0]

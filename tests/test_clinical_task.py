@@ -10,6 +10,8 @@ from medfed.data.tabular import read_tabular_csv
 from medfed.errors import ConfigError, DataError
 from medfed.tasks.clinical import Options, build_federation
 
+from holdout_checks import assert_validation_carved_from_training, validation_subjects
+
 LABEL_RATIO = LabelRatioConfig(delta=2.0, spread=1.5)
 
 
@@ -144,3 +146,34 @@ def test_the_embedded_table_never_replaces_another_file(tmp_path):
 def test_unknown_embedded_table_is_a_config_error():
     with pytest.raises(ConfigError, match="embedded"):
         Options(embedded="diabetes")
+
+
+def test_validation_holdout_splits_training_records_by_class_and_seeded(breast_cancer):
+    def build(seed, holdout, label_ratio=None):
+        federation = FederationConfig(n_sites=5, label_ratio=label_ratio, holdout=holdout)
+        return build_federation(breast_cancer, federation, seed, progress=False)
+
+    on_test, on_validation = build(0, "test"), build(0, "validation")
+    assert_validation_carved_from_training(on_test, on_validation, "records")
+    for site in on_validation.sites:
+        assert site.info["validation_records"] == sorted(site.info["validation_records"])
+        assert len(site.test) == len(site.info["validation_records"]) and len(site.train) == len(site.info["train_records"])
+        assert set(site.test.tensors[1].tolist()) == {0, 1}  # stratified: both classes in validation
+        # the validation share of each class is round(0.2 * that class's training records)
+        for label, name in ((1, "positive"), (0, "negative")):
+            n_train_of_class = site.info[f"n_train_{name}"] + site.info[f"n_validation_{name}"]
+            assert site.info[f"n_validation_{name}"] == round(0.2 * n_train_of_class)
+    assert validation_subjects(build(0, "validation"), "records") == validation_subjects(on_validation, "records")
+    assert validation_subjects(build(1, "validation"), "records") != validation_subjects(on_validation, "records")
+
+
+def test_validation_records_get_the_label_ratio_and_test_records_stay_out(breast_cancer):
+    federation = FederationConfig(n_sites=5, label_ratio=LABEL_RATIO, holdout="validation")
+    on_validation = build_federation(breast_cancer, federation, 0, progress=False)
+    for site, target in zip(on_validation.sites, site_ratios(LABEL_RATIO.delta, 5, LABEL_RATIO.spread)):
+        y = site.test.tensors[1]
+        n_pos, n_neg = int(y.sum()), int((y == 0).sum())
+        assert n_pos >= 1 and abs(n_neg - target * n_pos) <= 0.5
+        assert site.info["n_validation_positive"] == n_pos and site.info["validation_ratio"] == pytest.approx(n_neg / n_pos)
+        used = set(site.info["train_records"]) | set(site.info["validation_records"])
+        assert used.isdisjoint(site.info["test_records"])

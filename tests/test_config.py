@@ -63,3 +63,23 @@ def test_component_options_are_validated():
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="nope.yaml"):
         load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("federation.holdout=foo", r"config key 'federation\.holdout' = 'foo': expected test or validation"),
+        ("federation.validation_fraction=1.5", r"config key 'federation\.validation_fraction' = 1\.5: expected a number in \(0, 1\)"),
+        ("federation.validation_fraction=0", r"config key 'federation\.validation_fraction' = 0\.0: expected a number in \(0, 1\)"),
+    ],
+)
+def test_bad_holdout_settings_are_one_line_errors_naming_the_key(config_file, override, message):
+    with pytest.raises(ConfigError, match=message) as caught:
+        load_config(config_file, [override])
+    assert "\n" not in str(caught.value)
+
+
+def test_holdout_defaults_to_the_test_split(config_file):
+    federation = load_config(config_file).federation
+    assert federation.holdout == "test" and federation.validation_fraction == 0.2
+    assert load_config(config_file, ["federation.holdout=validation"]).federation.holdout == "validation"

@@ -6,6 +6,7 @@ import pytest
 
 from medfed.cli import main
 from medfed.federated.loop import FederatedLoop
+from medfed.results import format_table
 
 
 def _results(path):
@@ -73,3 +74,16 @@ def test_interrupted_run_resumes_to_the_same_metrics(tiny_run_config, tmp_path, 
     assert resumed["sites"] == uninterrupted["sites"]
     assert [r["metrics"] for r in resumed["history"]] == [r["metrics"] for r in uninterrupted["history"]]
     assert resumed["communication"] == uninterrupted["communication"]
+
+
+def test_validation_holdout_run_reports_metrics_on_validation_and_never_uses_test_cases(tiny_run_config, tmp_path):
+    overrides = ["--quiet", "federation.holdout=validation", "trainer.rounds=1", "strategy.name=local"]
+    assert main(["fit", "--config", str(tiny_run_config), *overrides]) == 0
+    results = _results(tmp_path / "run")
+    assert results["federation"]["holdout"] == "validation"
+    assert "VALIDATION split" in format_table(results).splitlines()[0]
+    for row, site in zip(results["sites"], results["federation"]["sites"]):
+        assert row["n_validation"] == site["n_validation"] > 0 and "n_test" not in row
+        train, validation, test = (set(site[f"{split}_cases"]) for split in ("train", "validation", "test"))
+        assert train and validation and test
+        assert train.isdisjoint(validation) and test.isdisjoint(train | validation)

@@ -1,3 +1,5 @@
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -8,7 +10,10 @@ from medfed.data.luna16 import extract_candidate_patches
 from medfed.data.partition_csv import read_partition_csv
 from medfed.data.phantoms.luna16 import generate_luna16_phantoms
 from medfed.errors import ConfigError, DataError
-from medfed.tasks.luna16 import Options, _split_series, build_federation
+from medfed.data.federation import split_site
+from medfed.tasks.luna16 import Options, _draw_series, _split_series, build_federation
+
+from holdout_checks import assert_validation_carved_from_training, validation_subjects
 
 TINY_PHANTOMS = dict(
     n_sites=3,
@@ -113,3 +118,37 @@ def test_options_are_checked():
         Options(patch_size=0)
     with pytest.raises(ConfigError, match="max_negatives_per_series"):
         Options(max_negatives_per_series=-1)
+
+
+def test_validation_holdout_splits_training_series_stratified_and_seeded(tiny_luna_root):
+    def build(seed, holdout):
+        options = Options(root=str(tiny_luna_root), generate=None)
+        federation = FederationConfig(n_sites=3, label_ratio=LABEL_RATIO, holdout=holdout)
+        return build_federation(options, federation, seed, progress=False)
+
+    on_test, on_validation = build(0, "test"), build(0, "validation")
+    assert_validation_carved_from_training(on_test, on_validation, "series")
+    candidates = extract_candidate_patches(tiny_luna_root, progress=False)
+    targets = site_ratios(LABEL_RATIO.delta, 3, LABEL_RATIO.spread)
+    for site, target in zip(on_validation.sites, targets):
+        # every evaluated patch comes from a validation series; none from a set-aside test series
+        allowed = {p.tobytes() for p in candidates.patches[np.isin(candidates.series_uids, site.info["validation_series"])]}
+        assert all(patch.tobytes() in allowed for patch in site.test.tensors[0][:, 0].numpy())
+        # the label ratio is imposed on validation as it is on test, and recorded under its name
+        y = site.test.tensors[1]
+        n_pos, n_neg = int(y.sum()), int((y == 0).sum())
+        assert n_pos >= 1 and abs(n_neg - target * n_pos) <= 0.5
+        assert (site.info["n_validation_positive"], site.info["n_validation_negative"]) == (n_pos, n_neg)
+        assert "n_test_positive" not in site.info
+    assert validation_subjects(build(0, "validation"), "series") == validation_subjects(on_validation, "series")
+    assert validation_subjects(build(7, "validation"), "series") != validation_subjects(on_validation, "series")
+
+
+def test_validation_draw_is_stratified_by_nodule_presence():
+    uids = [f"s{i}" for i in range(10)]
+    has_nodule = {uid: i < 5 for i, uid in enumerate(uids)}
+    federation = FederationConfig(test_fraction=0.2, holdout="validation", validation_fraction=0.25)
+    split = split_site(uids, partial(_draw_series, has_nodule=has_nodule, site="site0"), federation, seed=0, site_index=0)
+    for subjects in (split.set_aside, split.evaluation):  # test and validation: one series of each stratum
+        assert sorted(has_nodule[uid] for uid in subjects) == [False, True]
+    assert len(split.train) == 6

@@ -32,3 +32,15 @@ def test_results_json_has_no_nan(tmp_path):
     text = (tmp_path / "r.json").read_text()
     assert json.loads(text, parse_constant=lambda constant: pytest.fail(constant)) == {"loss": None, "rows": [{"auroc": None}, 1.5]}
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temporary file left behind
+
+
+def test_metrics_on_a_validation_split_say_so_in_the_title_and_the_size_column():
+    summary = summarise(HISTORY, {"site0": 10, "site1": 30}, "validation")
+    assert [row["n_validation"] for row in summary["sites"]] == [10, 30]
+    assert all("n_test" not in row for row in summary["sites"])
+    results = {**summary, "strategy": "fedavg",
+               "federation": {"task": "brats", "description": "GENERATED BraTS-like data", "holdout": "validation"}}
+    lines = format_table(results).splitlines()
+    assert lines[0] == "fedavg on brats, data: GENERATED BraTS-like data; metrics on the VALIDATION split (test split set aside)"
+    assert lines[2].split() == ["site", "iou", "label_iou", "n_validation"]
+    assert lines[-1].split() == ["mean", "0.7000", "0.5000", "40"]

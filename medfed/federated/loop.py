@@ -6,8 +6,9 @@ calls the strategy's hooks by name (see
 :mod:`medfed.federated.strategies.base` for the life cycle) and knows nothing
 about any particular algorithm. Every payload crosses a
 :class:`~medfed.federated.link.Link`, which turns it into bytes and counts
-them. After each round every site is evaluated on its own test split, the
-metrics go to Fabric's loggers, extra callbacks get ``on_round_end``, and a
+them. After each round every site is evaluated on its own test split (its
+validation split with ``federation.holdout: validation``), the metrics go to
+Fabric's loggers, extra callbacks get ``on_round_end``, and a
 checkpoint is written atomically.
 """
 

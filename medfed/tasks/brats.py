@@ -4,7 +4,9 @@ Cases are read through :mod:`medfed.data.brats` (BraTS 2017-2019,
 2020/2021 and MSD Task01 layouts), placed at sites from a FeTS-style
 ``partitioning.csv`` when the data set has one (the generated default does,
 one partition per simulated scanner) or by a seeded shuffle otherwise, and
-split 80/20 *by case* inside each site with a seeded draw. The federation
+split 80/20 *by case* inside each site with a seeded draw (with
+``federation.holdout: validation`` the test cases are set aside unread and the
+training cases are split again into train and validation). The federation
 "lack k" zero-fills MRI channel k (FLAIR, T1, T1ce, T2 = 0..3) at the
 configured sites, as a hospital without that sequence would deliver it.
 """
@@ -12,6 +14,7 @@ configured sites, as a hospital without that sequence would deliver it.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +25,7 @@ from tqdm.auto import tqdm
 
 from medfed.config import FederationConfig, require
 from medfed.data.brats import MODALITIES, find_cases, load_case
-from medfed.data.federation import Federation, SiteData, assign_subjects_to_sites, site_seed, split_subjects
+from medfed.data.federation import Federation, SiteData, assign_subjects_to_sites, split_site, split_subjects
 from medfed.data.partition_csv import read_partition_csv
 from medfed.data.patches import extract_axial_patches, sample_centres, tumour_free_centres, zscore_over_brain
 from medfed.data.phantoms.brats import generate_brats_phantoms
@@ -83,13 +86,15 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
     site_cases = assign_subjects_to_sites(sorted(cases), federation.n_sites, seed, partition)
     missing_sites, missing_channel = _missing_channel_sites(federation)
 
+    site_splits = [split_site(subjects, _draw_cases, federation, seed, index) for index, subjects in enumerate(site_cases)]
+
     sites = []
-    bar = tqdm(total=len(cases), desc="reading cases", unit="case", disable=not progress, leave=False)
-    for index, subjects in enumerate(site_cases):
-        train_ids, test_ids = split_subjects(subjects, federation.test_fraction, site_seed(seed, index, 1))
+    n_read = sum(len(split.train) + len(split.evaluation) for split in site_splits)  # set-aside cases are never read
+    bar = tqdm(total=n_read, desc="reading cases", unit="case", disable=not progress, leave=False)
+    for index, split in enumerate(site_splits):
         drop = missing_channel if index in missing_sites else None
         splits = {}
-        for split_name, ids in (("train", train_ids), ("test", test_ids)):
+        for split_name, ids in (("train", split.train), ("evaluation", split.evaluation)):
             xs, ys = [], []
             for case_id in ids:
                 rng = np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(case_id.encode())]))
@@ -98,12 +103,8 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
                 ys.append(y)
                 bar.update()
             splits[split_name] = TensorDataset(torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys)))
-        info = {
-            "train_cases": train_ids,
-            "test_cases": test_ids,
-            "missing_channel": None if drop is None else MODALITIES[drop],
-        }
-        sites.append(SiteData(name=f"site{index}", train=splits["train"], test=splits["test"], info=info))
+        info = {**split.info("cases"), "missing_channel": None if drop is None else MODALITIES[drop]}
+        sites.append(SiteData(name=f"site{index}", train=splits["train"], test=splits["evaluation"], info=info))
     bar.close()
 
     generated = describe_generated(root)
@@ -115,7 +116,13 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
         num_classes=2,
         description=description,
         generated=generated is not None,
+        holdout=federation.holdout,
     )
+
+
+def _draw_cases(cases: Sequence[str], fraction: float, seed_of: Callable[[int], int]) -> tuple[list[str], list[str]]:
+    """The BraTS :data:`~medfed.data.federation.SplitDraw`: a seeded draw of ``fraction`` of the cases (one stratum)."""
+    return split_subjects(list(cases), fraction, seed_of(0))
 
 
 def _missing_channel_sites(federation: FederationConfig) -> tuple[set[int], int | None]:

@@ -14,26 +14,33 @@ four seeded steps:
    seeded shuffle of the records dealt round-robin into S sites.
 2. **Train/test by record.** Each site's records are split 80/20 (the
    federation's ``test_fraction``) with a seeded draw per site, stratified by
-   class, so train and test each hold both classes.
+   class, so train and test each hold both classes. With
+   ``federation.holdout: validation`` the test records are set aside and the
+   training records are split again, by the same stratified draw with seeds
+   of their own, into train and validation, which replaces test for the run.
 3. **Label ratio.** Within each split, every site keeps records at its own
    ratio delta_s = n_negative / n_positive around the federation's delta
-   (:mod:`medfed.tasks.label_imbalance`): train and test carry the same ratio.
+   (:mod:`medfed.tasks.label_imbalance`): train and test (or validation)
+   carry the same ratio.
 4. **Scaling to [-1, 1] per site.** Each feature's minimum and maximum are
    fitted on the site's own *training* records only and applied to that
-   site's train and test records (test values beyond the range are clipped).
+   site's train and test (or validation) records (values beyond the range
+   are clipped).
    No statistic of one site's data reaches another site, and no test record
    shapes its own scaling.
 
 Samples: ``x`` float32 (n, f), ``y`` int64 (n,), 1 = the positive value.
-``SiteData.info`` records each site's train and test records (0-based
-positions among the file's records), the ratios and class counts, and the
-scaling's origin.
+``SiteData.info`` records each site's train and test (or validation, plus
+the set-aside test) records (0-based positions among the file's records),
+the ratios and class counts, and the scaling's origin.
 """
 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +48,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from medfed.config import FederationConfig, require
-from medfed.data.federation import Federation, SiteData, site_seed
+from medfed.data.federation import Federation, SiteData, SiteSplit, split_site
 from medfed.data.tabular import (
     BREAST_CANCER_POSITIVE,
     BREAST_CANCER_TARGET,
@@ -98,24 +105,34 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
         exclude_columns=tuple(options.exclude_columns),
     )
     site_of_record, site_names = _sites(data, federation.n_sites, seed, path, options.site_column)
-    in_test = _stratified_test_mask(data.labels, site_of_record, federation.n_sites, federation.test_fraction, seed, path)
+    evaluated = np.zeros(len(data), dtype=bool)
+    set_aside = np.zeros(len(data), dtype=bool)
+    set_aside_of_site = []
+    for index in range(federation.n_sites):
+        draw = partial(_draw_records, labels=data.labels, site=f"site{index}", path=path)
+        split = split_site(np.flatnonzero(site_of_record == index), draw, federation, seed, index)
+        evaluated[split.evaluation] = True
+        set_aside[split.set_aside] = True
+        set_aside_of_site.append(np.asarray(split.set_aside, dtype=np.int64).tolist())
     kept = sites_at_label_ratio(
         data.labels,
         site_of_record,
-        in_test,
+        evaluated,
         n_sites=federation.n_sites,
         label_ratio=federation.label_ratio,
         seed=seed,
         source=str(path),
+        set_aside=set_aside,
+        evaluation_split=federation.holdout,
     )
 
     sites = []
     for index, samples in enumerate(kept):
         lo, hi = fit_minmax(data.features[samples.train])
+        records = SiteSplit(federation.holdout, samples.train.tolist(), samples.test.tolist(), set_aside_of_site[index])
         info = {
             "source_site": site_names[index],
-            "train_records": samples.train.tolist(),
-            "test_records": samples.test.tolist(),
+            **records.info("records"),
             **samples.info,
             "scaling": f"min/max per feature fitted on this site's {len(samples.train)} training records only",
         }
@@ -143,6 +160,7 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
         num_classes=2,
         description=description,
         generated=False,
+        holdout=federation.holdout,
     )
 
 
@@ -183,27 +201,33 @@ def _sites(
     return site_of_record.astype(np.int64), names.tolist()
 
 
-def _stratified_test_mask(
-    labels: np.ndarray, site_of_record: np.ndarray, n_sites: int, test_fraction: float, seed: int, path: Path
-) -> np.ndarray:
-    """bool (n,): the test records, round(test_fraction * k) of each site's k records of each class (>= 1, <= k - 1).
+def _draw_records(
+    records: Sequence[int], fraction: float, seed_of: Callable[[int], int], *, labels: np.ndarray, site: str, path: Path
+) -> tuple[np.ndarray, np.ndarray]:
+    """The clinical :data:`~medfed.data.federation.SplitDraw`: stratified by class, one generator for both classes.
+
+    Draws round(fraction * k) of the site's k records of each class (>= 1, <= k - 1).
+
+    Returns:
+        ``(kept, drawn)``: sorted int64 record positions.
 
     Raises:
-        DataError: a site with fewer than 2 records of a class (one for each split).
+        DataError: fewer than 2 records of a class (one for each side).
     """
-    in_test = np.zeros(len(labels), dtype=bool)
-    for site in range(n_sites):
-        rng = np.random.default_rng(site_seed(seed, site, 1))
-        for label in (0, 1):
-            records = np.flatnonzero((site_of_record == site) & (labels == label))
-            if len(records) < 2:
-                raise DataError(
-                    f"{path}: site{site} has {len(records)} {CLASS_NAMES[label]} record(s); "
-                    "its train/test split needs at least 2 of each class"
-                )
-            n_test = min(max(1, round(test_fraction * len(records))), len(records) - 1)
-            in_test[rng.choice(records, size=n_test, replace=False)] = True
-    return in_test
+    records = np.sort(np.asarray(records, dtype=np.int64))
+    rng = np.random.default_rng(seed_of(0))
+    drawn = []
+    for label in (0, 1):
+        members = records[labels[records] == label]
+        if len(members) < 2:
+            raise DataError(
+                f"{path}: {site} has {len(members)} {CLASS_NAMES[label]} record(s); "
+                "its train/test split needs at least 2 of each class"
+            )
+        n_drawn = min(max(1, round(fraction * len(members))), len(members) - 1)
+        drawn.append(rng.choice(members, size=n_drawn, replace=False))
+    drawn = np.sort(np.concatenate(drawn))
+    return np.setdiff1d(records, drawn), drawn
 
 
 def _dataset(data: TabularData, records: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> TensorDataset:

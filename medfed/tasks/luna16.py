@@ -14,10 +14,14 @@ seeded steps:
    (patient) has candidates in both splits. The draw is stratified: series
    holding a nodule candidate and series without one are split separately, so
    the test split always has nodules (a site needs at least two series with
-   a nodule); a site with a single nodule-free series trains on it.
+   a nodule); a site with a single nodule-free series trains on it. With
+   ``federation.holdout: validation`` the test series are set aside and the
+   training series are split again, by the same stratified draw with seeds
+   of their own, into train and validation, which replaces test for the run.
 3. **Label ratio.** Within each split, every site keeps candidates at its own
    ratio delta_s = n_negative / n_positive around the federation's delta
-   (:mod:`medfed.tasks.label_imbalance`): train and test carry the same ratio.
+   (:mod:`medfed.tasks.label_imbalance`): train and test (or validation)
+   carry the same ratio.
 
 Samples: ``x`` float32 (n, 1, P, P), the axial patch through the candidate with
 HU clipped to [-1000, 400] and scaled to [0, 1]; ``y`` int64 (n,), 1 = nodule.
@@ -28,7 +32,9 @@ ratios and class counts; they end up in results.json.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +42,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from medfed.config import FederationConfig, require
-from medfed.data.federation import Federation, SiteData, assign_subjects_to_sites, site_seed, split_subjects
+from medfed.data.federation import Federation, SiteData, assign_subjects_to_sites, split_site, split_subjects
 from medfed.data.luna16 import NoduleCandidates, extract_candidate_patches
 from medfed.data.partition_csv import read_partition_csv
 from medfed.data.phantoms.luna16 import generate_luna16_phantoms
@@ -117,39 +123,38 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
     site_series = assign_subjects_to_sites(series.tolist(), federation.n_sites, seed, partition)
 
     position = {uid: i for i, uid in enumerate(series.tolist())}
+    has_nodule = dict(zip(series.tolist(), series_has_nodule))
     site_of_series = np.empty(len(series), dtype=np.int64)
-    series_in_test = np.zeros(len(series), dtype=bool)
+    series_evaluated = np.zeros(len(series), dtype=bool)
+    series_set_aside = np.zeros(len(series), dtype=bool)
     splits = []
     for index, uids in enumerate(site_series):
-        rows = np.array([position[uid] for uid in uids], dtype=np.int64)
-        train_uids, test_uids = _split_series(
-            uids,
-            series_has_nodule[rows],
-            federation.test_fraction,
-            (site_seed(seed, index, 1), site_seed(seed, index, 2)),
-            f"site{index}",
-        )
-        site_of_series[rows] = index
-        series_in_test[[position[uid] for uid in test_uids]] = True
-        splits.append((train_uids, test_uids))
+        draw = partial(_draw_series, has_nodule=has_nodule, site=f"site{index}")
+        split = split_site(uids, draw, federation, seed, index)
+        site_of_series[[position[uid] for uid in uids]] = index
+        series_evaluated[[position[uid] for uid in split.evaluation]] = True
+        series_set_aside[[position[uid] for uid in split.set_aside]] = True
+        splits.append(split)
 
     kept = sites_at_label_ratio(
         candidates.labels,
         site_of_series[series_of_candidate],
-        series_in_test[series_of_candidate],
+        series_evaluated[series_of_candidate],
         n_sites=federation.n_sites,
         label_ratio=federation.label_ratio,
         seed=seed,
         source=str(root),
+        set_aside=series_set_aside[series_of_candidate],
+        evaluation_split=federation.holdout,
     )
     sites = [
         SiteData(
             name=f"site{index}",
             train=_dataset(candidates, samples.train),
             test=_dataset(candidates, samples.test),
-            info={"train_series": train_uids, "test_series": test_uids, **samples.info},
+            info={**split.info("series"), **samples.info},
         )
-        for index, (samples, (train_uids, test_uids)) in enumerate(zip(kept, splits))
+        for index, (samples, split) in enumerate(zip(kept, splits))
     ]
     generated = describe_generated(root)
     return Federation(
@@ -159,13 +164,24 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
         num_classes=2,
         description=generated if generated is not None else f"LUNA16 candidates read from {root}",
         generated=generated is not None,
+        holdout=federation.holdout,
     )
+
+
+def _draw_series(
+    uids: Sequence[str], fraction: float, seed_of: Callable[[int], int], *, has_nodule: dict[str, bool], site: str
+) -> tuple[list[str], list[str]]:
+    """The LUNA16 :data:`~medfed.data.federation.SplitDraw`: :func:`_split_series` with strata 0 (nodule) and 1 (none)."""
+    return _split_series(list(uids), np.array([has_nodule[uid] for uid in uids]), fraction, (seed_of(0), seed_of(1)), site)
 
 
 def _split_series(
     uids: list[str], has_nodule: np.ndarray, test_fraction: float, seeds: tuple[int, int], site: str
 ) -> tuple[list[str], list[str]]:
     """Seeded train/test split of one site's series, stratified by whether a series holds a nodule.
+
+    With ``holdout: validation`` the same draw also splits the training series
+    into train and validation (``test_fraction`` is then the validation share).
 
     Args:
         uids: the site's series.
