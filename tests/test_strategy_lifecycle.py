@@ -81,9 +81,9 @@ def test_a_phase_codes_its_messages_before_and_after_all_local_training():
             events.append((direction, site.index))
             return link_send(direction, payload)
 
-        def train(*args, site=site, site_train=site.train):
+        def train(*args, site=site, site_train=site.train, **kwargs):
             events.append(("train", site.index))
-            return site_train(*args)
+            return site_train(*args, **kwargs)
 
         link.send, site.train = send, train
     loop.fit(1)  # setup, round 0's delivery, then round 1 (events from here on)

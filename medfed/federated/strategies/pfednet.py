@@ -63,6 +63,10 @@ class PFedNet(Strategy):
         admm_max_iter: int = 500
         admm_abs_tol: float = 1e-6
         admm_rel_tol: float = 1e-5
+        full_epoch_per_phase: bool = False
+        """True: each phase trains all of trainer.local_epochs (the paper's setting: twice a
+        one-phase baseline's local steps per round); False: each phase takes half of them, so a
+        round takes the local steps a FedAvg round takes."""
 
         def __post_init__(self) -> None:
             require(self.lam >= 0, "lam", self.lam, "lambda >= 0")
@@ -161,6 +165,9 @@ class PFedNet(Strategy):
         for part in ("shared", "personal"):
             if part in payload:
                 site.module.set_vector(part, payload[part])
+
+    def site_epoch_share(self, phase: str) -> float:
+        return 1.0 if self.options.full_epoch_per_phase else 0.5
 
     def site_trainable(self, phase: str) -> str:
         return phase  # "shared" or "personal"
