@@ -19,7 +19,7 @@ def _loop(name, participation):
 
 
 def test_every_strategy_is_tested_here():
-    assert set(STRATEGIES) == {"local", "fedavg", "pfednet", "fedamp", "apple", "pgfed", "pgfedmo"}
+    assert set(STRATEGIES) == {"local", "fedavg", "fedbn", "pfednet", "fedamp", "apple", "pgfed", "pgfedmo"}
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
@@ -42,7 +42,7 @@ def test_sites_that_skip_a_round(name):
                 assert (uploaded == 0) == (name == "local")
             assert 0.0 <= record["metrics"][site.name]["accuracy"] <= 1.0
         skipper = next(site for site in loop.sites if site.name not in taking_part)
-        if name == "fedavg":  # evaluated with the new global model
+        if name in ("fedavg", "fedbn"):  # evaluated with the new global model
             assert torch.equal(skipper.module.get_vector("all"), loop.strategy.global_model)
         if name == "pfednet":  # with the new shared part and its (graph-coupled) personal part
             assert torch.equal(skipper.module.get_vector("shared"), loop.strategy.shared)
