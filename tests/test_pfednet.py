@@ -1,5 +1,5 @@
 """pFedNet's server side on hand-made replies: averaging, the network-lasso limits, the
-relative penalty, the graph in its three spaces, delivery."""
+relative penalty, the graph in its three spaces, delivery; and its phases' local steps."""
 
 import pytest
 import torch
@@ -10,6 +10,8 @@ from medfed.errors import DataError
 from medfed.federated.fusion import between_site_spread
 from medfed.federated.strategies.pfednet import PFedNet
 from medfed.models.split import ParameterSplit
+from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
+from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation
 
 D1, D2, N = 6, 5, 4
 SPLIT = ParameterSplit(shared=("a",), personal=("b",), numels={"a": D1, "b": D2})
@@ -187,3 +189,29 @@ def test_no_sketch_from_too_few_samples():
 def test_unknown_choices_are_refused_by_name(key, value):
     with pytest.raises(ConfigError, match=f"'{key}'"):
         PFedNet.Options(**{key: value})
+
+
+@pytest.mark.parametrize("full_epoch_per_phase", [False, True])
+def test_phases_share_a_rounds_local_steps_unless_each_gets_a_full_epoch(full_epoch_per_phase):
+    # site s has 48 + 8 s training samples: with batches of 16, site 1 has B = 4 batches, site 3 B = 5 and site 5 B = 6
+    federation = two_group_federation(n_sites=6)
+    loop = build_loop(
+        "pfednet", federation, seeded(LinearClassifier, 4, 2), {"full_epoch_per_phase": full_epoch_per_phase}, batch_size=16
+    )
+    steps = {}
+    site_loss = loop.strategy.site_loss
+
+    def counting_loss(site, phase, batch):
+        steps[(site.index, phase)] = steps.get((site.index, phase), 0) + 1
+        return site_loss(site, phase, batch)
+
+    loop.strategy.site_loss = counting_loss
+    loop.fit(1)
+    for site in loop.sites:
+        batches = site.batches_per_epoch
+        if full_epoch_per_phase:
+            assert steps[(site.index, "shared")] == steps[(site.index, "personal")] == batches
+        else:  # half each, the first half rounded up: together one epoch, as a FedAvg round
+            assert steps[(site.index, "shared")] == (batches + 1) // 2
+            assert steps[(site.index, "shared")] + steps[(site.index, "personal")] == batches
+    assert {loop.sites[3].batches_per_epoch, loop.sites[5].batches_per_epoch} == {5, 6}

@@ -8,7 +8,7 @@ from medfed.errors import ConfigError
 from medfed.federated.strategies import strategy_from_config
 from medfed.federated.strategies.pgfed import PGFed, PGFedMo, training_risk
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
-from toy_federation import LinearClassifier, LinearOptions, LinearRegressor, build_loop, regression_federation, seeded, two_group_federation
+from toy_federation import BatchNormClassifier, LinearClassifier, LinearOptions, LinearRegressor, build_loop, regression_federation, seeded, two_group_federation
 
 LR, MU, ALPHA_LR, EPOCHS, ROUNDS = 0.1, 0.5, 0.05, 2, 4
 
@@ -144,3 +144,20 @@ def test_beta_is_reachable_from_the_config_and_validated():
         strategy_from_config({"name": "pgfedmo", "pgfedmo": {"beta": 1.0}})
     with pytest.raises(ConfigError, match="strategy.pgfed.beta"):
         strategy_from_config({"name": "pgfed", "pgfed": {"beta": 0.5}})
+
+
+def test_training_risk_leaves_batchnorm_statistics_alone_and_uses_batch_statistics():
+    loop = build_loop("pgfed", two_group_federation(n_sites=2), seeded(BatchNormClassifier, 4, 2), batch_size=16)
+    site = loop.sites[0]
+    site.train(1, "all", lambda batch: site.module.training_step(batch, 0))  # running statistics away from 0 and 1
+    before = {name: buffer.clone() for name, buffer in site.module.named_buffers()}
+    risk, _ = training_risk(site)
+    for name, buffer in site.module.named_buffers():
+        assert torch.equal(buffer, before[name]), name
+    assert site.module.training  # as local training leaves it
+    # by hand: the sample-weighted mean of the batch losses, each batch normalised with its own statistics
+    x, y = site.data.train.tensors
+    losses = [(len(yb), site.module.training_step((xb, yb), 0).item()) for xb, yb in zip(x.split(16), y.split(16))]
+    for name, buffer in site.module.named_buffers():
+        buffer.copy_(before[name])
+    assert risk == pytest.approx(sum(n * loss for n, loss in losses) / len(y), rel=1e-6)

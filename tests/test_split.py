@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from medfed.errors import ConfigError
+from medfed.models.classification import NoduleClassifier
 from medfed.models.segmentation import UNetSegmenter
 from medfed.models.split import split_parameters
 
@@ -55,3 +56,41 @@ def test_patterns_from_config(unet):
         split_parameters(unet, [r"\.2\."], shared_patterns=[r"model\.0\."])
     with pytest.raises(ConfigError, match="invalid regular expression"):
         split_parameters(unet, [r"("])
+
+
+def test_densenet_buffers_vector_holds_every_float_buffer_in_model_order():
+    torch.manual_seed(0)
+    model = NoduleClassifier(1, 2)
+    split = model.parameter_split
+    floats = [name for name, buffer in model.named_buffers() if buffer.is_floating_point()]
+    assert split.names("buffers") == tuple(floats) and len(floats) == 56  # 28 BatchNorm layers: running mean, var
+    assert all(name.endswith(("running_mean", "running_var")) for name in floats)
+    assert split.size("buffers") == sum(model.get_buffer(name).numel() for name in floats)
+    expected = torch.cat([model.get_buffer(name).reshape(-1) for name in floats])
+    assert torch.equal(model.get_vector("buffers"), expected)
+    values = torch.arange(expected.numel(), dtype=torch.float32)
+    parameters = model.get_vector("all")
+    model.set_vector("buffers", values)
+    assert torch.equal(model.get_vector("buffers"), values)
+    assert torch.equal(model.get_vector("all"), parameters)  # buffers only
+    assert int(model.densenet.features.norm0.num_batches_tracked) == 0  # integer buffers are in no vector
+
+
+def test_batchnorm_free_vectors_leave_out_every_batchnorm_value():
+    torch.manual_seed(0)
+    model = NoduleClassifier(1, 2)
+    split = model.parameter_split
+    batchnorm = {name for name in split.batchnorm if not name.endswith("num_batches_tracked")}
+    assert len(batchnorm) == 4 * 28  # weight, bias, running mean and variance of each layer
+    assert set(split.names("all_except_batchnorm")) == set(split.names("all")) - batchnorm
+    assert split.names("buffers_except_batchnorm") == ()
+    assert split.size("all_except_batchnorm") == split.size("all") - sum(
+        model.get_parameter(n).numel() for n in batchnorm if "running" not in n
+    )
+    unet = UNetSegmenter(4, 2, SMALL)  # instance normalisation only: nothing left out
+    assert unet.parameter_split.names("all_except_batchnorm") == unet.parameter_split.names("all")
+
+
+def test_only_parameter_parts_can_be_trained(unet):
+    with pytest.raises(ValueError, match="can be trained"):
+        unet.set_trainable("buffers")

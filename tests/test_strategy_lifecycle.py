@@ -19,7 +19,7 @@ def _loop(name, participation):
 
 
 def test_every_strategy_is_tested_here():
-    assert set(STRATEGIES) == {"local", "fedavg", "pfednet", "fedamp", "apple", "pgfed", "pgfedmo"}
+    assert set(STRATEGIES) == {"local", "fedavg", "fedbn", "pfednet", "fedamp", "apple", "pgfed", "pgfedmo"}
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
@@ -42,7 +42,7 @@ def test_sites_that_skip_a_round(name):
                 assert (uploaded == 0) == (name == "local")
             assert 0.0 <= record["metrics"][site.name]["accuracy"] <= 1.0
         skipper = next(site for site in loop.sites if site.name not in taking_part)
-        if name == "fedavg":  # evaluated with the new global model
+        if name in ("fedavg", "fedbn"):  # evaluated with the new global model
             assert torch.equal(skipper.module.get_vector("all"), loop.strategy.global_model)
         if name == "pfednet":  # with the new shared part and its (graph-coupled) personal part
             assert torch.equal(skipper.module.get_vector("shared"), loop.strategy.shared)
@@ -81,9 +81,9 @@ def test_a_phase_codes_its_messages_before_and_after_all_local_training():
             events.append((direction, site.index))
             return link_send(direction, payload)
 
-        def train(*args, site=site, site_train=site.train):
+        def train(*args, site=site, site_train=site.train, **kwargs):
             events.append(("train", site.index))
-            return site_train(*args)
+            return site_train(*args, **kwargs)
 
         link.send, site.train = send, train
     loop.fit(1)  # setup, round 0's delivery, then round 1 (events from here on)

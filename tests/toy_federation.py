@@ -7,6 +7,8 @@
 * :class:`LinearClassifier` (softmax regression) and :class:`LinearRegressor`
   (least squares, analytic gradients for hand computations), both trained by
   plain SGD so one step is exactly ``theta - lr * gradient``.
+* :class:`BatchNormClassifier`: a hidden layer with BatchNorm, for what
+  strategies do with normalisation layers and running statistics.
 * :func:`build_loop`: a :class:`FederatedLoop` over a federation, with the
   strategy chosen and configured exactly as the ``strategy`` config group does.
 * :func:`one_torch_thread`: an autouse fixture for the test modules that import
@@ -80,6 +82,29 @@ class LinearClassifier(FederatedModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.options.lr)
+
+
+class BatchNormClassifier(LinearClassifier):
+    """``(B, F) -> Linear(F, H) -> BatchNorm1d(H) -> ReLU -> Linear(H, C)``, SGD; the output bias is personal.
+
+    Its float buffers are the BatchNorm running mean and variance, ``(H,)``
+    each; ``num_batches_tracked`` is its only integer buffer.
+    """
+
+    default_personal_patterns = (r"^output\.bias$",)
+
+    def __init__(self, in_features: int, num_classes: int, options: LinearOptions | None = None, hidden: int = 3) -> None:
+        FederatedModule.__init__(self)
+        self.options = options or LinearOptions()
+        self.num_classes = num_classes
+        self.hidden = nn.Linear(in_features, hidden)
+        self.norm = nn.BatchNorm1d(hidden)
+        self.output = nn.Linear(hidden, num_classes)
+        self.test_metrics = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.configure_split()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(torch.relu(self.norm(self.hidden(x))))
 
 
 class LinearRegressor(FederatedModule):

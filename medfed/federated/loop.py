@@ -38,7 +38,8 @@ class FederatedLoop:
         links: one link per site (same order).
         initial: the initial model as vectors ``{"shared", "personal", "all"}``
             (every site starts from it).
-        local_epochs: local epochs per phase.
+        local_epochs: local epochs per round; a phase trains its
+            ``strategy.site_epoch_share(phase)`` of them (by default all).
         participation: fraction of sites taking part in each round; the
             participants of round r are a seeded draw from (seed, r).
         seed: the run's seed.
@@ -109,7 +110,9 @@ class FederatedLoop:
         participants = self.participants(round_index)
         timing = {"train_s": 0.0, "server_s": 0.0, "eval_s": 0.0}
         train_loss: dict[str, dict[str, float]] = {}
+        epochs_before = 0.0  # epochs of this round's earlier phases
         for phase in self.strategy.phases:
+            epochs = self.local_epochs * self.strategy.site_epoch_share(phase)
             # Sites would train at the same time; simulated one after another,
             # the messages of a phase still cross the links together, before
             # and after all local training: coding them back to back keeps
@@ -124,9 +127,10 @@ class FederatedLoop:
                 self.strategy.site_receive(site, phase, messages[site.index])
                 tic = time.perf_counter()
                 loss = site.train(
-                    self.local_epochs,
+                    epochs,
                     self.strategy.site_trainable(phase),
                     lambda batch, site=site, phase=phase: self.strategy.site_loss(site, phase, batch),
+                    after=epochs_before,
                 )
                 timing["train_s"] += time.perf_counter() - tic
                 if loss is not None:
@@ -136,6 +140,7 @@ class FederatedLoop:
             tic = time.perf_counter()
             self.strategy.server_aggregate(phase, replies)
             timing["server_s"] += time.perf_counter() - tic
+            epochs_before += epochs
         self._deliver()
         tic = time.perf_counter()
         metrics = {site.name: site.evaluate() for site in self.sites}

@@ -8,6 +8,8 @@ exactly where the interrupted one stopped.
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import Any, Callable
 
 import torch
@@ -60,13 +62,47 @@ class Site:
     def n_test(self) -> int:
         return len(self.data.test)
 
-    def train(self, epochs: int, part: str | None, step_loss: Callable[[Any], torch.Tensor]) -> float | None:
-        """Train ``part`` of the module for ``epochs`` passes over the training split.
+    @property
+    def batches_per_epoch(self) -> int:
+        """B: mini-batches in one pass over the training split (the last one may be smaller)."""
+        return len(self.train_loader)
+
+    def steps(self, epochs: float, after: float = 0.0) -> int:
+        """Optimiser steps of ``epochs`` epochs that follow ``after`` epochs of the same round.
+
+        A round's schedule is cut at whole steps::
+
+            steps = max(1, [B (after + epochs)] - [B after]),   [x] = floor(x + 1/2)
+
+        so phases that split a round's epochs between them take together the
+        steps one phase with all of them would take (B = 7, two half epochs:
+        4 + 3 steps, not 4 + 4), and a whole number of epochs is that many full
+        passes.
+        """
+        if epochs <= 0 or after < 0:
+            raise ValueError(f"epochs must be > 0 and after >= 0, got epochs={epochs}, after={after}")
+        batches = self.batches_per_epoch
+        return max(1, math.floor(batches * (after + epochs) + 0.5) - math.floor(batches * after + 0.5))
+
+    def train(
+        self, epochs: float, part: str | None, step_loss: Callable[[Any], torch.Tensor], after: float = 0.0
+    ) -> float | None:
+        """Train ``part`` of the module for ``epochs`` (possibly fractional) passes over the training split.
+
+        The number of optimiser steps is :meth:`steps` ``(epochs, after)``.
+        The batches come from fresh passes of the site's seeded shuffled
+        loader, one after another; the pass in progress when the steps run
+        out is dropped, so the next call starts a new pass (a new permutation).
+        The generator state between calls is therefore all the data order
+        depends on, and it is checkpointed: a resumed run draws the same
+        batches. A whole number of epochs is that many complete passes.
 
         Args:
-            epochs: local epochs.
+            epochs: local epochs, > 0 (e.g. 0.5: half the batches of one pass).
             part: ``"all"``, ``"shared"``, ``"personal"`` or ``None`` (no training).
             step_loss: maps a device batch to the scalar loss of one step.
+            after: epochs the round trained before this call (its earlier
+                phases), which fixes where this call's steps are cut.
 
         Returns:
             Mean training loss over the steps, or ``None`` if nothing was
@@ -75,11 +111,17 @@ class Site:
         """
         if part is None or self.module.parameter_split.size(part) == 0:
             return None
+        remaining = self.steps(epochs, after)
         self.module.set_trainable(part)
         self.module.train()
-        total, steps = 0.0, 0
-        for _ in range(epochs):
-            for batch in self.train_loader:
+        total = 0.0
+        steps = remaining
+        while remaining > 0:
+            # A fresh pass: whole when the steps cover it (run to its end, as a plain epoch loop
+            # does: the sampler draws from the generator once more when it is exhausted),
+            # otherwise only its first `remaining` batches, and the rest of it is dropped.
+            whole = remaining >= self.batches_per_epoch
+            for batch in self.train_loader if whole else itertools.islice(self.train_loader, remaining):
                 batch = self.fabric.to_device(batch)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss = step_loss(batch)
@@ -88,9 +130,9 @@ class Site:
                 self.fabric.backward(loss)
                 self.optimizer.step()
                 total += loss.item()
-                steps += 1
+                remaining -= 1
         self.module.set_trainable("all")
-        return total / max(steps, 1)
+        return total / steps
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Which parameters of a model are shared across sites and which stay personal.
+"""Which parameters of a model are shared across sites and which stay personal, and the model as flat vectors.
 
 pFedNet writes a site's model as x^(n) = M x + N z_n: the *shared* part x is
 the same at every site, the *personal* part z_n is the site's own (see
@@ -9,8 +9,18 @@ model (U-Net: encoder shared, decoder personal). Every strategy reads the
 split from this mixin, so the same code serves FedAvg (everything travels),
 pFedNet (both parts, differently) and local training (nothing travels).
 
-Only parameters are split. Buffers (e.g. BatchNorm running statistics) never
-leave a site: they are local state, as in FedBN.
+Besides the parameters a model holds buffers. The floating-point ones (e.g.
+BatchNorm running means and variances) form the vector ``"buffers"``; they
+stay at their site unless a strategy sends that vector (FedAvg averages them).
+Integer buffers (BatchNorm's ``num_batches_tracked`` step counter) are in no
+vector: they always stay local. Two more vectors leave out everything that
+belongs to a BatchNorm layer (its weight, bias and running statistics), for
+FedBN: ``"all_except_batchnorm"`` and ``"buffers_except_batchnorm"``.
+
+Every vector is a fixed selection of names in model order, so
+``get_vector``/``set_vector`` of the same part line up at every site and on
+the server, which knows the names and sizes (:class:`ParameterSplit`) but no
+values.
 """
 
 from __future__ import annotations
@@ -24,20 +34,32 @@ from torch import nn
 
 from medfed.errors import ConfigError
 
-Part = Literal["shared", "personal", "all"]
-PARTS: tuple[str, ...] = ("shared", "personal", "all")
+Part = Literal["shared", "personal", "all", "buffers", "all_except_batchnorm", "buffers_except_batchnorm"]
+PARTS: tuple[str, ...] = ("shared", "personal", "all", "buffers", "all_except_batchnorm", "buffers_except_batchnorm")
+#: The parts made of parameters only, which local training can train.
+TRAINABLE_PARTS: tuple[str, ...] = ("shared", "personal", "all")
 
 
 @dataclass(frozen=True)
 class ParameterSplit:
-    """Names and sizes of the shared and personal parameters, in ``named_parameters`` order."""
+    """Names and sizes of the model's vectors, in model order.
+
+    Attributes:
+        shared: parameter names of the shared part (``named_parameters`` order).
+        personal: parameter names of the personal part.
+        numels: scalars of every parameter, then of every floating-point buffer.
+        buffers: floating-point buffer names (``named_buffers`` order).
+        batchnorm: names of the parameters and buffers of BatchNorm layers.
+    """
 
     shared: tuple[str, ...]
     personal: tuple[str, ...]
     numels: dict[str, int]
+    buffers: tuple[str, ...] = ()
+    batchnorm: frozenset[str] = frozenset()
 
     def names(self, part: Part) -> tuple[str, ...]:
-        """Parameter names of ``part``; ``"all"`` is every parameter in model order."""
+        """Names in ``part``; ``"all"`` is every parameter in model order, ``"buffers"`` every float buffer."""
         if part == "shared":
             return self.shared
         if part == "personal":
@@ -45,6 +67,12 @@ class ParameterSplit:
         if part == "all":
             order = {name: i for i, name in enumerate(self.numels)}
             return tuple(sorted(self.shared + self.personal, key=order.__getitem__))
+        if part == "buffers":
+            return self.buffers
+        if part == "all_except_batchnorm":
+            return tuple(name for name in self.names("all") if name not in self.batchnorm)
+        if part == "buffers_except_batchnorm":
+            return tuple(name for name in self.buffers if name not in self.batchnorm)
         raise ValueError(f"part must be one of {PARTS}, got {part!r}")
 
     def size(self, part: Part) -> int:
@@ -87,7 +115,30 @@ def split_parameters(
         raise ConfigError(f"parameters matched by both model.personal_patterns and model.shared_patterns: {both[:5]}")
     if neither:
         raise ConfigError(f"parameters matched by neither model.personal_patterns nor model.shared_patterns: {neither[:5]}")
-    return ParameterSplit(shared=tuple(shared), personal=tuple(personal), numels=numels)
+    buffers = []
+    for name, buffer in module.named_buffers():
+        if buffer.is_floating_point():
+            buffers.append(name)
+            numels[name] = buffer.numel()
+    return ParameterSplit(
+        shared=tuple(shared), personal=tuple(personal), numels=numels, buffers=tuple(buffers), batchnorm=batchnorm_names(module)
+    )
+
+
+def batchnorm_names(module: nn.Module) -> frozenset[str]:
+    """Full names of the parameters and buffers that belong to BatchNorm layers of ``module``.
+
+    A BatchNorm layer is any subclass of ``torch.nn.modules.batchnorm._BatchNorm``
+    (BatchNorm1d/2d/3d, their lazy forms, SyncBatchNorm): the base class
+    PyTorch itself tests for; instance and group normalisation keep no
+    statistics across batches and are not included.
+    """
+    names = set()
+    for prefix, layer in module.named_modules():
+        if isinstance(layer, nn.modules.batchnorm._BatchNorm):
+            for name, _ in (*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)):
+                names.add(f"{prefix}.{name}" if prefix else name)
+    return frozenset(names)
 
 
 def _compile(patterns, key: str) -> list[re.Pattern]:
@@ -101,12 +152,13 @@ def _compile(patterns, key: str) -> list[re.Pattern]:
 
 
 class PersonalizationSplit:
-    """Mixin for medfed's LightningModules: shared vs personal parameters as flat vectors.
+    """Mixin for medfed's LightningModules: the parts of :data:`PARTS` as flat vectors.
 
     A subclass sets ``default_personal_patterns`` and calls
-    :meth:`configure_split` at the end of ``__init__``. Vectors are 1-D
-    float32 tensors on the module's device, concatenating the parameters of
-    the part in ``named_parameters`` order (shape ``(size(part),)``).
+    :meth:`configure_split` at the end of ``__init__`` (after creating every
+    layer). Vectors are 1-D tensors on the module's device, in the
+    parameters' (float32) dtype, concatenating the parameters or buffers of
+    the part in model order (shape ``(size(part),)``).
     """
 
     default_personal_patterns: ClassVar[tuple[str, ...]] = ()
@@ -122,31 +174,33 @@ class PersonalizationSplit:
     def parameter_split(self) -> ParameterSplit:
         return self._parameter_split
 
-    def _parameters_of(self, part: Part) -> list[nn.Parameter]:
-        lookup = dict(self.named_parameters())
+    def _tensors_of(self, part: Part) -> list[torch.Tensor]:
+        lookup = {**dict(self.named_parameters()), **dict(self.named_buffers())}
         return [lookup[name] for name in self._parameter_split.names(part)]
 
     def get_vector(self, part: Part) -> torch.Tensor:
-        """A detached copy of ``part``'s parameters, shape ``(size(part),)``."""
-        parameters = self._parameters_of(part)
-        if not parameters:
+        """A detached copy of ``part``'s parameters or buffers, shape ``(size(part),)``."""
+        tensors = self._tensors_of(part)
+        if not tensors:
             return torch.zeros(0, device=self._device_of_parameters())
-        return torch.cat([p.detach().reshape(-1) for p in parameters])
+        return torch.cat([t.detach().reshape(-1) for t in tensors])
 
     def set_vector(self, part: Part, vector: torch.Tensor) -> None:
-        """Overwrite ``part``'s parameters in place from a vector of shape ``(size(part),)``."""
-        parameters = self._parameters_of(part)
-        expected = sum(p.numel() for p in parameters)
+        """Overwrite ``part``'s parameters or buffers in place from a vector of shape ``(size(part),)``."""
+        tensors = self._tensors_of(part)
+        expected = sum(t.numel() for t in tensors)
         if vector.ndim != 1 or vector.numel() != expected:
             raise ValueError(f"{part} vector must have shape ({expected},), got {tuple(vector.shape)}")
         with torch.no_grad():
             offset = 0
-            for p in parameters:
-                p.copy_(vector[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            for t in tensors:
+                t.copy_(vector[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
 
     def set_trainable(self, part: Part | None) -> None:
-        """Let only ``part`` receive gradients (``None`` freezes everything)."""
+        """Let only ``part`` (one of :data:`TRAINABLE_PARTS`) receive gradients (``None`` freezes everything)."""
+        if part is not None and part not in TRAINABLE_PARTS:
+            raise ValueError(f"only {TRAINABLE_PARTS} can be trained, got {part!r}")
         trainable = set() if part is None else set(self._parameter_split.names(part))
         for name, parameter in self.named_parameters():
             parameter.requires_grad_(name in trainable)

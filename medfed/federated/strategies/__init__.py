@@ -23,12 +23,13 @@ from medfed.federated.strategies.apple import APPLE
 from medfed.federated.strategies.base import Strategy
 from medfed.federated.strategies.fedamp import FedAMP
 from medfed.federated.strategies.fedavg import FedAvg
+from medfed.federated.strategies.fedbn import FedBN
 from medfed.federated.strategies.local import Local
 from medfed.federated.strategies.pfednet import PFedNet
 from medfed.federated.strategies.pgfed import PGFed, PGFedMo
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (Local, FedAvg, PFedNet, FedAMP, APPLE, PGFed, PGFedMo)
+    cls.name: cls for cls in (Local, FedAvg, FedBN, PFedNet, FedAMP, APPLE, PGFed, PGFedMo)
 }
 
 

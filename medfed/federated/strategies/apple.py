@@ -48,7 +48,9 @@ fetches all N - 1 every round. Bytes per round therefore scale with M.
 cores (no training) and replies with a 0/1 request vector (N floats; p_i
 stays at the site). Phase "fit": the server sends "core/<j>" for each
 requested j, the site trains and replies "core/<i>". Deliveries carry
-nothing except p_0 after setup.
+nothing except p_0 after setup. Only "fit" trains, so it takes all of
+``trainer.local_epochs`` (the default ``site_epoch_share``), as a FedAvg
+round does.
 
 **What the module holds.** During training it holds w_i^(c), so the loop's
 optimiser (and its moments) act on the core model. The forward pass runs

@@ -24,6 +24,7 @@ One run, as :class:`~medfed.federated.loop.FederatedLoop` calls it::
             for each participating site i:
                 site_receive(site_i, phase, messages[i])
                 site_i trains the part site_trainable(phase) on site_loss(...)
+                    for local_epochs * site_epoch_share(phase) epochs
                 replies[i] = site_reply(site_i, phase)
             server_aggregate(phase, replies)
 
@@ -125,6 +126,19 @@ class Strategy(ABC):
 
     def site_receive(self, site: Site, phase: str, payload: Payload) -> None:
         """Load what the server sent into the site's module (phase ``"deliver"`` included)."""
+
+    def site_epoch_share(self, phase: str) -> float:
+        """The share of the round's ``trainer.local_epochs`` a site trains in ``phase`` (> 0).
+
+        The default 1.0 trains every phase for all of them. A strategy with
+        several training phases returns shares summing to 1 to take, over the
+        round, the local steps a one-phase strategy takes (fair compute):
+        phase k then trains local_epochs * share_k epochs, i.e.
+        :meth:`~medfed.federated.site.Site.steps` of them after the epochs of
+        the phases before it. Phases that train nothing (``site_trainable``
+        ``None``) are not affected.
+        """
+        return 1.0
 
     def site_trainable(self, phase: str) -> str | None:
         """Which part trains in ``phase``: ``"all"``, ``"shared"``, ``"personal"`` or ``None``."""

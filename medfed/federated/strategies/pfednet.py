@@ -19,6 +19,11 @@ alternates two phases:
 
    and delivers z_{t+1,n}, so site n is evaluated with M x_{t+1} + N z_{t+1,n}.
 
+**Fair compute.** By default each phase trains half of ``trainer.local_epochs``
+(``site_epoch_share`` = 0.5), so a round takes the local steps a one-phase
+baseline's round takes; ``full_epoch_per_phase`` gives each phase all of
+them (the paper's setting).
+
 **The server step and the paper.** The paper's Algorithm 4 solves the same
 proximal problem around Z_t after one linearised step, with h(Z) =
 <(1/N) grad, Z> + 1/(2 eta_t) ||Z - Z_t||^2: the 1/N of the objective sits
@@ -118,6 +123,10 @@ class PFedNet(Strategy):
         admm_max_iter: int = 500
         admm_abs_tol: float = 1e-6
         admm_rel_tol: float = 1e-5
+        full_epoch_per_phase: bool = False
+        """True: each phase trains all of trainer.local_epochs (the paper's setting: twice a
+        one-phase baseline's local steps per round); False: each phase takes half of them, so a
+        round takes the local steps a FedAvg round takes."""
 
         def __post_init__(self) -> None:
             require(self.lam >= 0, "lam", self.lam, "lambda >= 0")
@@ -295,6 +304,9 @@ class PFedNet(Strategy):
         for part in ("shared", "personal"):
             if part in payload:
                 site.module.set_vector(part, payload[part])
+
+    def site_epoch_share(self, phase: str) -> float:
+        return 1.0 if self.options.full_epoch_per_phase else 0.5
 
     def site_trainable(self, phase: str) -> str:
         return phase  # "shared" or "personal"

@@ -74,6 +74,14 @@ def training_risk(site) -> tuple[float, torch.Tensor]:
     shuffling generator untouched), grad f the same mean of the batch
     gradients (zero for a parameter the loss does not use).
 
+    The module runs in train mode, as in local training: BatchNorm normalises
+    each batch with its own statistics, so f and grad f are those of the
+    objective the local steps descend (eq. 5's f_j; eval mode would
+    differentiate another function, the network normalised by its running
+    statistics). Train mode also updates the running statistics, a side
+    effect the estimate must not have: every buffer is restored afterwards,
+    so the site keeps (and is evaluated with) the model it trained.
+
     Returns:
         ``(f, gradient)``: a float and a float32 vector of shape
         ``(size("all"),)`` on the module's device.
@@ -82,6 +90,8 @@ def training_risk(site) -> tuple[float, torch.Tensor]:
     loader = DataLoader(site.data.train, batch_size=site.train_loader.batch_size, shuffle=False)
     risk = 0.0
     gradient = torch.zeros(sum(p.numel() for p in parameters), dtype=torch.float64, device=parameters[0].device)
+    buffers = [(buffer, buffer.clone()) for buffer in site.module.buffers()]
+    site.module.train()
     for batch in loader:
         batch = site.fabric.to_device(batch)
         share = batch[0].shape[0] / site.n_train
@@ -89,6 +99,9 @@ def training_risk(site) -> tuple[float, torch.Tensor]:
         batch_gradients = torch.autograd.grad(loss, parameters, allow_unused=True, materialize_grads=True)
         gradient += share * torch.cat([g.reshape(-1) for g in batch_gradients]).to(torch.float64)
         risk += share * loss.item()
+    with torch.no_grad():
+        for buffer, saved in buffers:
+            buffer.copy_(saved)
     return risk, gradient.to(parameters[0].dtype)
 
 

@@ -1,0 +1,100 @@
+"""Site.train: fractional epochs as optimiser steps cut from the round's schedule, drawn from fresh seeded passes."""
+
+import pytest
+import torch
+
+from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
+from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation
+
+
+def _site(n_train=96, batch_size=16):
+    """A site of a 2-site toy federation; site 0 has n_train samples (B = ceil(n_train / batch_size))."""
+    loop = build_loop("local", two_group_federation(n_sites=2, n_train=n_train), seeded(LinearClassifier, 4, 2), batch_size=batch_size)
+    return loop.sites[0]
+
+
+def _recording_loss(site, seen):
+    """A step loss that records the sample indices of each batch (inputs identify samples) and counts steps."""
+    inputs = site.data.train.tensors[0]
+
+    def step_loss(batch):
+        x, _ = batch
+        seen.append([int(torch.nonzero((inputs == row).all(dim=1))[0]) for row in x])
+        return site.module.training_step(batch, 0)
+
+    return step_loss
+
+
+@pytest.mark.parametrize(
+    ("n_train", "epochs", "after", "expected"),
+    [
+        (96, 1.0, 0.0, 6),  # B = 6
+        (96, 2.0, 0.0, 12),
+        (112, 0.5, 0.0, 4),  # B = 7: 3.5 rounds up ...
+        (112, 0.5, 0.5, 3),  # ... so the second half takes the rest, 7 - 4
+        (112, 1 / 3, 0.0, 2),  # 7/3 -> 2
+        (112, 1 / 3, 1 / 3, 3),  # 14/3 -> 5, 5 - 2
+        (112, 1 / 3, 2 / 3, 2),  # 7 - 5
+        (16, 0.25, 0.0, 1),  # B = 1: at least one step
+    ],
+)
+def test_steps_cut_the_rounds_schedule_at_whole_steps(n_train, epochs, after, expected):
+    assert _site(n_train).steps(epochs, after) == expected
+
+
+def test_steps_reject_a_non_positive_number_of_epochs():
+    with pytest.raises(ValueError, match="epochs must be > 0"):
+        _site().steps(0.0)
+
+
+def test_train_takes_exactly_the_steps_and_a_half_epoch_is_the_start_of_a_fresh_pass():
+    half, full = _site(112), _site(112)  # identical sites: same data, same seeded generator
+    seen_half, seen_full = [], []
+    half.train(0.5, "all", _recording_loss(half, seen_half))
+    full.train(1.0, "all", _recording_loss(full, seen_full))
+    assert len(seen_half) == 4 and len(seen_full) == 7
+    assert seen_half == seen_full[:4]  # the first 4 batches of the same permutation
+    assert sorted(i for batch in seen_full for i in batch) == list(range(112))  # a whole pass: every sample once
+
+
+def test_the_next_call_starts_a_new_pass_whose_order_depends_only_on_the_generator():
+    site = _site(112)
+    seen = []
+    site.train(0.5, "all", _recording_loss(site, seen))
+    state = site.generator.get_state()
+    seen_second = []
+    site.train(0.5, "all", _recording_loss(site, seen_second), after=0.5)
+    assert len(seen_second) == 3 and seen_second != seen[:3]  # a new permutation, not the rest of the dropped pass
+    site.generator.set_state(state)  # as a resumed run restores it from the checkpoint
+    seen_again = []
+    site.train(0.5, "all", _recording_loss(site, seen_again), after=0.5)
+    assert seen_again == seen_second
+
+
+def test_whole_epochs_are_complete_passes_one_call_or_several():
+    once, twice = _site(112), _site(112)
+    seen_once, seen_twice = [], []
+    once.train(2.0, "all", _recording_loss(once, seen_once))
+    twice.train(1.0, "all", _recording_loss(twice, seen_twice))
+    twice.train(1.0, "all", _recording_loss(twice, seen_twice), after=1.0)
+    assert seen_once == seen_twice and len(seen_once) == 14
+    assert torch.equal(once.generator.get_state(), twice.generator.get_state())
+    assert torch.equal(once.module.get_vector("all"), twice.module.get_vector("all"))
+    plain = _site(112)
+    for _ in range(2):
+        for _ in plain.train_loader:  # what a plain epoch loop draws from the generator
+            pass
+    assert torch.equal(plain.generator.get_state(), once.generator.get_state())
+
+
+def test_train_returns_the_mean_step_loss_or_none_when_nothing_trains():
+    site = _site(112)
+    losses = []
+
+    def step_loss(batch):
+        loss = site.module.training_step(batch, 0)
+        losses.append(loss.item())
+        return loss
+
+    assert site.train(0.5, "all", step_loss) == pytest.approx(sum(losses) / 4)
+    assert site.train(0.5, None, step_loss) is None and len(losses) == 4
