@@ -1,31 +1,39 @@
-"""Time pFedNet's server step (network lasso by ADMM) at U-Net scale.
+"""Time pFedNet's server step (network lasso) at U-Net scale across lambda, optionally against another solver.
 
 Synthetic personal parameters for N sites: a common part, a part shared by a
 cluster of sites, and site noise (standard deviations 0.05, 0.01, 0.003). The
-graph is the symmetric k-NN graph of random site sketches. For each penalty
-norm p the script solves round 1 cold, then round 2 (centres = round 1's
-solution plus a local update of standard deviation 0.002) both cold and
-warm-started from round 1's state, and prints iterations, wall time and the
-process's CPU time (less sensitive to other load on the machine).
+graph is the symmetric k-NN graph of random site sketches (k = 3 on 5 sites
+gives 8-9 edges). For each penalty norm p and each lambda of a grid, the
+script solves round 1 cold, then round 2 (centres = round 1's solution plus a
+local update of standard deviation 0.002) warm-started from round 1's state,
+and prints iterations, wall time and the process's CPU time (all threads;
+less sensitive to other load on the machine than wall time).
 
-``lam`` is ``--lam-fraction`` times a fusion scale: the mean over sites of the
-dual norm of each site's deviation from the mean of all sites, over eta. (N
-times that scale is a proven upper bound above which every connected
-component fuses; see tests/test_network_lasso.py.)
+lambda is a multiple (``--fractions``) of the fusion bound: the largest over
+connected components of ``sum_n ||z~_n - component mean||_q / eta`` (q the dual
+norm of p), above which every component is proven to fuse (see
+tests/test_network_lasso.py).
 
-Run from the repository root:  python -m benchmarks.bench_network_lasso [--d 800000] [--sites 5] [--k 3]
+``--compare FILE`` also times the ``solve_network_lasso`` of another copy of
+the module, side by side, e.g. the previous commit's:
+
+    git show HEAD~1:medfed/federated/network_lasso.py > /tmp/old_lasso.py
+    python -m benchmarks.bench_network_lasso --compare /tmp/old_lasso.py
+
+Run from the repository root:  python -m benchmarks.bench_network_lasso [--d 316495] [--sites 5] [--k 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import time
 
 import torch
 
-from medfed.federated.graph import incidence_matrix, knn_edges
-from medfed.federated.network_lasso import NetworkLassoResult, solve_network_lasso
+from medfed.federated.graph import connected_components, incidence_matrix, knn_edges
+from medfed.federated.network_lasso import solve_network_lasso
 
 DUAL_NORM = {1: math.inf, 2: 2, math.inf: 1}
 
@@ -39,53 +47,70 @@ def synthetic_centres(d: int, n_sites: int, generator: torch.Generator) -> torch
     return common + cluster + site
 
 
-def timed_solve(**kwargs) -> tuple[NetworkLassoResult, float, float]:
-    """The result, wall seconds, and CPU seconds of this process (all threads; robust to other load)."""
+def fusion_bound(Z_tilde: torch.Tensor, edges, eta: float, p: float) -> float:
+    """The lambda above which every connected component is proven to fuse to its mean."""
+    bound = 0.0
+    for component in connected_components(edges, Z_tilde.shape[1]):
+        deviations = Z_tilde[:, component] - Z_tilde[:, component].mean(dim=1, keepdim=True)
+        bound = max(bound, torch.linalg.vector_norm(deviations, ord=DUAL_NORM[p], dim=0).sum().item() / eta)
+    return bound
+
+
+def load_solver(path: str):
+    """``solve_network_lasso`` of the module file at ``path``."""
+    spec = importlib.util.spec_from_file_location("compared_network_lasso", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.solve_network_lasso
+
+
+def timed(solver, **kwargs) -> tuple[object, str]:
+    """The result and a cell ``iterations, wall s (CPU s)``; '!' marks a solve that hit max_iter."""
     wall, cpu = time.perf_counter(), time.process_time()
-    result = solve_network_lasso(**kwargs)
-    return result, time.perf_counter() - wall, time.process_time() - cpu
+    result = solver(**kwargs)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return result, f"{result.iterations:4d} it {wall:6.2f} s ({cpu:6.2f} s){'' if result.converged else '!'}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--d", type=int, default=800_000, help="personal parameters per site")
+    parser.add_argument("--d", type=int, default=316_495, help="personal parameters per site (U-Net d2)")
     parser.add_argument("--sites", type=int, default=5)
     parser.add_argument("--k", type=int, default=3, help="neighbours per site in the k-NN graph")
     parser.add_argument("--eta", type=float, default=0.5, help="server step")
-    parser.add_argument("--lam-fraction", type=float, default=0.3)
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.001, 0.01, 0.03, 0.1, 0.3, 1.0, 10.0])
+    parser.add_argument("--norms", nargs="+", default=["1", "2", "inf"])
+    parser.add_argument("--max-iter", type=int, default=500, help="pFedNet's default admm_max_iter")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    parser.add_argument("--compare", metavar="FILE", help="another network_lasso.py to time side by side")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
     generator = torch.Generator().manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
-    sketches = torch.randn(args.sites, 8, generator=generator)
-    edges = knn_edges(sketches, args.k)
+    edges = knn_edges(torch.randn(args.sites, 8, generator=generator), args.k)
     Q = incidence_matrix(edges, args.sites, dtype=dtype)
     round_1 = synthetic_centres(args.d, args.sites, generator)
     local_update = 0.002 * torch.randn(args.d, args.sites, generator=generator, dtype=torch.float64)
+    solvers = {"this": solve_network_lasso} | ({"compared": load_solver(args.compare)} if args.compare else {})
     print(
         f"d={args.d} N={args.sites} M={len(edges)} (k={args.k}) {args.dtype} eta={args.eta} "
-        f"lam={args.lam_fraction} x fusion scale, torch threads={torch.get_num_threads()}"
+        f"max_iter={args.max_iter}, torch threads={torch.get_num_threads()}"
     )
     print("per solve: iterations, wall seconds (CPU seconds of this process, all threads)")
-    header = " | ".join(f"{name:>26}" for name in ("round 1 cold", "round 2 cold", "round 2 warm"))
-    print(f"{'p':>4} {'lam':>10} | {header} | wall s/iter")
-    for p in (1, 2, math.inf):
-        deviations = round_1 - round_1.mean(dim=1, keepdim=True)
-        lam = args.lam_fraction * torch.linalg.vector_norm(deviations, ord=DUAL_NORM[p], dim=0).mean().item() / args.eta
-        problem = dict(Q=Q, lam=lam, eta=args.eta, p=p)
-        first = timed_solve(Z_tilde=round_1.to(dtype), **problem)
-        round_2 = (first[0].Z.double() + local_update).to(dtype)
-        cold = timed_solve(Z_tilde=round_2, **problem)
-        warm = timed_solve(Z_tilde=round_2, warm_start=first[0].state, **problem)
-        solves = (first, cold, warm)
-        cells = [
-            f"{r.iterations:4d} it {wall:6.2f} s ({cpu:6.2f} s){'' if r.converged else '!'}"
-            for r, wall, cpu in solves
-        ]
-        per_iteration = sum(wall for _, wall, _ in solves) / sum(r.iterations for r, _, _ in solves)
-        print(f"{p:>4} {lam:10.4g} | " + " | ".join(cells) + f" | {per_iteration:.3f}")
+    columns = [f"{name} {kind}" for name in solvers for kind in ("round 1 cold", "round 2 warm")]
+    print(f"{'p':>4} {'x bound':>8} {'lam':>10} | " + " | ".join(f"{c:>27}" for c in columns))
+    for p in (float(norm) for norm in args.norms):
+        bound = fusion_bound(round_1, edges, args.eta, p)
+        for fraction in args.fractions:
+            problem = dict(Q=Q, lam=fraction * bound, eta=args.eta, p=p, max_iter=args.max_iter)
+            cells = []
+            for solver in solvers.values():
+                first, cell_1 = timed(solver, Z_tilde=round_1.to(dtype), **problem)
+                round_2 = (first.Z.double() + local_update).to(dtype)
+                _, cell_2 = timed(solver, Z_tilde=round_2, warm_start=first.state, **problem)
+                cells += [cell_1, cell_2]
+            print(f"{p:>4} {fraction:8.3g} {fraction * bound:10.4g} | " + " | ".join(f"{c:>27}" for c in cells), flush=True)
     print("'!' marks a solve that hit max_iter without converging.")
 
 

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 import torch
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float64)
+# The norm dual to the penalty's: its ball is the subdifferential of ||.||_p at 0.
+_DUAL_NORM = {1.0: math.inf, 2.0: 2.0, math.inf: 1.0}
 # Residual balancing (Boyd sec. 3.4.1): rescale rho by _RHO_FACTOR when one
 # residual exceeds _RHO_IMBALANCE times the other (checked every iteration,
 # only during the first _RHO_ADAPT_ITERATIONS so that convergence is kept).
@@ -158,39 +160,13 @@ def solve_network_lasso(
             converged=True,
         )
 
-    centre = Z_tilde.T.contiguous() / eta  # (N, d): the proximal centre of every Z-step
-    cholesky = _z_step_cholesky(Q, eta=eta, rho=rho)
-    primal_scale = math.sqrt(d * n_edges) * abs_tol  # Boyd's sqrt(p) * eps_abs
-    dual_scale = math.sqrt(d * n_sites) * abs_tol  # Boyd's sqrt(n) * eps_abs
-    converged = False
-    for iteration in range(1, max_iter + 1):
-        z = _cholesky_solve(centre + rho * (Q @ (w - u)), cholesky)  # (N, d)
-        zq = Q.T @ z  # (M, d): z_i - z_j per edge
-        v = zq + u
-        w_previous = w
-        w = prox_sum_of_norms(v, lam / rho, p, dim=1)
-        u = v - w
-        primal = _norm(zq - w)
-        dual = rho * _norm(Q @ (w - w_previous))
-        primal_tol = primal_scale + rel_tol * max(_norm(zq), _norm(w))
-        dual_tol = dual_scale + rel_tol * rho * _norm(Q @ u)
-        if primal <= primal_tol and dual <= dual_tol:
-            converged = True
-            break
-        if adapt_rho and iteration <= _RHO_ADAPT_ITERATIONS:
-            factor = _rho_rescale_factor(primal, dual)
-            if factor != 1.0:
-                rho *= factor
-                u = u / factor  # u is the multiplier divided by rho
-                cholesky = _z_step_cholesky(Q, eta=eta, rho=rho)
-    return NetworkLassoResult(
-        Z=z.T,
-        state=AdmmState(W=w.T, U=u.T, rho=rho),
-        iterations=iteration,
-        primal_residual=primal,
-        dual_residual=dual,
-        converged=converged,
-    )
+    fused = _fused_solution(Z_tilde, Q, lam=lam, p=p, eta=eta, rho=rho)
+    if fused is not None:
+        return fused
+    settings = dict(lam=lam, eta=eta, p=p, max_iter=max_iter, abs_tol=abs_tol, rel_tol=rel_tol, adapt_rho=adapt_rho)
+    if p == 2 and d > n_sites:
+        return _solve_l2_in_the_span_of_the_centres(Z_tilde, Q, w, u, rho, **settings)
+    return _admm(Z_tilde, Q, w, u, rho, **settings)
 
 
 @torch.no_grad()
@@ -315,6 +291,151 @@ def _duchi_threshold(magnitudes: torch.Tensor, radius: float, dim: int, n_candid
     n_active = (active * ranks).amax(dim=dim, keepdim=True).clamp(min=1)
     threshold = (partial_sums.gather(dim, n_active.long() - 1) - radius) / n_active
     return threshold.clamp(min=0)
+
+
+def _fused_solution(
+    Z_tilde: torch.Tensor, Q: torch.Tensor, *, lam: float, p: float, eta: float, rho: float
+) -> NetworkLassoResult | None:
+    """The exact answer when ``lam`` provably fuses every connected component, else ``None``.
+
+    ``Z`` is optimal iff ``Z = Z_tilde - eta Lambda Q^T`` for some ``Lambda``
+    ``(d, M)`` whose column ``m`` is ``lam`` times a subgradient of
+    ``||.||_p`` at ``(Z Q)[:, m]`` (the optimality condition of the problem).
+    Let ``Zbar`` be ``Z_tilde`` with each component's columns replaced by
+    their mean. ``Zbar Q = 0``, where the subdifferential is the whole unit
+    ball of the dual norm ``q`` (inf for p = 1, 2 for p = 2, 1 for p = inf),
+    so ``Zbar`` is optimal iff ``Lambda Q^T = (Z_tilde - Zbar) / eta`` has a
+    solution with every column in the ball of radius ``lam``. The rows of
+    ``Z_tilde - Zbar`` are those of ``Z_tilde`` projected onto the range of
+    ``Q`` (the vectors summing to zero on every component), i.e.
+    ``Z_tilde - Zbar = Z_tilde Q (Q^T Q)^+ Q^T``, so
+
+        Lambda_0 = Z_tilde Q (Q^T Q)^+ / eta        (d, M)
+
+    is a solution, the one of least Frobenius norm; every other one adds a
+    circulation around the graph's cycles. If ``Lambda_0``'s columns are in the
+    ball the answer is ``Zbar``, exactly: the test costs one ``(M, N) x (N, d)``
+    product and the column norms. On a forest ``Lambda_0`` is the only solution
+    and the test is exact; on a graph with cycles a fusion that needs a
+    circulation is left to the iteration.
+
+    The returned state is ADMM's fixed point: ``W = Zbar Q = 0`` and
+    ``U = Lambda_0 / rho`` (the multiplier is ``Lambda``).
+    """
+    Q64 = Q.double()
+    coefficients = torch.linalg.pinv(Q64.T @ Q64, hermitian=True) @ Q64.T  # (M, N): (Q^T Q)^+ Q^T
+    averaging = torch.eye(Q.shape[0], dtype=torch.float64, device=Q.device) - Q64 @ coefficients  # (N, N)
+    multiplier = (coefficients.to(Z_tilde.dtype) @ Z_tilde.T) / eta  # (M, d): Lambda_0^T
+    dual_norms = torch.linalg.vector_norm(multiplier, ord=_DUAL_NORM[p], dim=1)
+    if dual_norms.max().item() > lam:
+        return None
+    z = averaging.to(Z_tilde.dtype) @ Z_tilde.T  # (N, d): each site's component mean (averaging is symmetric)
+    return NetworkLassoResult(
+        Z=z.T,
+        state=AdmmState(W=torch.zeros_like(multiplier).T, U=(multiplier / rho).T, rho=rho),
+        iterations=0,
+        primal_residual=0.0,
+        dual_residual=0.0,
+        converged=True,
+    )
+
+
+def _solve_l2_in_the_span_of_the_centres(
+    Z_tilde: torch.Tensor, Q: torch.Tensor, w: torch.Tensor, u: torch.Tensor, rho: float, *, abs_tol: float, **settings
+) -> NetworkLassoResult:
+    """p = 2 solved on an ``(N, N)`` problem: the minimiser lies in the span of the centres.
+
+    Factor ``Z_tilde = B R`` (thin QR: ``B`` ``(d, N)`` with orthonormal
+    columns, ``R`` ``(N, N)``). Any ``Z`` is ``B Y + V`` with ``B^T V = 0``; then
+    ``||Z - Z_tilde||_F^2 = ||Y - R||_F^2 + ||V||_F^2`` and, column by column,
+    ``||(Z Q)[:, m]||_2^2 = ||(Y Q)[:, m]||_2^2 + ||(V Q)[:, m]||_2^2``. Both
+    terms only grow with ``V``, so ``V = 0`` at the minimiser and ``Y`` solves
+    the same problem with centre ``R``. ADMM from a state in the span of ``B``
+    stays there, and ``B`` maps the ``(N, .)`` iterates isometrically onto the
+    ``(d, .)`` ones: the reduced run *is* the full run (same residuals, same
+    iterations), started from the warm state projected onto the span, at
+    ``O(N^2 M)`` instead of ``O(d N M)`` per iteration. ``abs_tol`` is scaled
+    by ``sqrt(d / N)`` so the absolute thresholds (Boyd's ``sqrt(d M) abs_tol``)
+    are the full problem's. The reduced run is in float64 (it is tiny); the
+    costs are the QR and two ``(d, N)`` products.
+    """
+    d, n_sites = Z_tilde.shape
+    basis, coordinates = torch.linalg.qr(Z_tilde)  # (d, N), (N, N)
+    reduced = _admm(
+        coordinates.double(),
+        Q.double(),
+        (w @ basis).double(),  # (M, N): the warm state's coordinates in the basis
+        (u @ basis).double(),
+        rho,
+        abs_tol=abs_tol * math.sqrt(d / n_sites),
+        **settings,
+    )
+
+    def in_full(rows: torch.Tensor) -> torch.Tensor:
+        """``(k, N)`` rows of coordinates in the basis -> ``(k, d)`` rows, in Z_tilde's dtype."""
+        return rows.to(Z_tilde.dtype) @ basis.T
+
+    return NetworkLassoResult(
+        Z=in_full(reduced.Z.T).T,
+        state=AdmmState(W=in_full(reduced.state.W.T).T, U=in_full(reduced.state.U.T).T, rho=reduced.state.rho),
+        iterations=reduced.iterations,
+        primal_residual=reduced.primal_residual,
+        dual_residual=reduced.dual_residual,
+        converged=reduced.converged,
+    )
+
+
+def _admm(
+    Z_tilde: torch.Tensor,
+    Q: torch.Tensor,
+    w: torch.Tensor,
+    u: torch.Tensor,
+    rho: float,
+    *,
+    lam: float,
+    eta: float,
+    p: float,
+    max_iter: int,
+    abs_tol: float,
+    rel_tol: float,
+    adapt_rho: bool,
+) -> NetworkLassoResult:
+    """The ADMM iteration of the module docstring from ``(W^T, U^T, rho)``; ``w, u`` are ``(M, d)``, ``Q`` is on Z_tilde's dtype and device."""
+    d, n_sites = Z_tilde.shape
+    n_edges = Q.shape[1]
+    centre = Z_tilde.T.contiguous() / eta  # (N, d): the proximal centre of every Z-step
+    cholesky = _z_step_cholesky(Q, eta=eta, rho=rho)
+    primal_scale = math.sqrt(d * n_edges) * abs_tol  # Boyd's sqrt(p) * eps_abs
+    dual_scale = math.sqrt(d * n_sites) * abs_tol  # Boyd's sqrt(n) * eps_abs
+    converged = False
+    for iteration in range(1, max_iter + 1):
+        z = _cholesky_solve(centre + rho * (Q @ (w - u)), cholesky)  # (N, d)
+        zq = Q.T @ z  # (M, d): z_i - z_j per edge
+        v = zq + u
+        w_previous = w
+        w = prox_sum_of_norms(v, lam / rho, p, dim=1)
+        u = v - w
+        primal = _norm(zq - w)
+        dual = rho * _norm(Q @ (w - w_previous))
+        primal_tol = primal_scale + rel_tol * max(_norm(zq), _norm(w))
+        dual_tol = dual_scale + rel_tol * rho * _norm(Q @ u)
+        if primal <= primal_tol and dual <= dual_tol:
+            converged = True
+            break
+        if adapt_rho and iteration <= _RHO_ADAPT_ITERATIONS:
+            factor = _rho_rescale_factor(primal, dual)
+            if factor != 1.0:
+                rho *= factor
+                u = u / factor  # u is the multiplier divided by rho
+                cholesky = _z_step_cholesky(Q, eta=eta, rho=rho)
+    return NetworkLassoResult(
+        Z=z.T,
+        state=AdmmState(W=w.T, U=u.T, rho=rho),
+        iterations=iteration,
+        primal_residual=primal,
+        dual_residual=dual,
+        converged=converged,
+    )
 
 
 def _z_step_cholesky(Q: torch.Tensor, *, eta: float, rho: float) -> torch.Tensor:
