@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import sys
 import time
 
 import torch
@@ -60,6 +61,7 @@ def load_solver(path: str):
     """``solve_network_lasso`` of the module file at ``path``."""
     spec = importlib.util.spec_from_file_location("compared_network_lasso", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module.solve_network_lasso
 
@@ -83,8 +85,11 @@ def main() -> None:
     parser.add_argument("--max-iter", type=int, default=500, help="pFedNet's default admm_max_iter")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--compare", metavar="FILE", help="another network_lasso.py to time side by side")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     generator = torch.Generator().manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)

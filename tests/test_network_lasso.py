@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import medfed.federated.network_lasso as network_lasso
-from medfed.federated.graph import connected_components, incidence_matrix
+from medfed.federated.graph import connected_components, incidence_matrix, knn_edges
 from medfed.federated.network_lasso import (
     AdmmState,
     network_lasso_objective,
@@ -99,6 +99,62 @@ def test_matches_cvxpy(seed, connected, p):
     value_at_cvxpy = network_lasso_objective(torch.tensor(expected_Z), torch.tensor(Z_tilde), Q, **problem)
     assert value == pytest.approx(value_at_cvxpy, rel=1e-7)
     assert value_at_cvxpy == pytest.approx(expected_value, rel=1e-7)  # the objective agrees with cvxpy's
+
+
+GRAPHS = ["connected", "disconnected", "empty"]
+
+
+def graph_of_kind(kind: str, n_sites: int, rng: np.random.Generator) -> list[tuple[int, int]]:
+    return [] if kind == "empty" else random_graph(n_sites, rng, connected=kind == "connected")
+
+
+@pytest.mark.parametrize("p", NORMS)
+@pytest.mark.parametrize("graph", GRAPHS)
+@pytest.mark.parametrize("fraction", [1e-3, 0.1, 10.0])
+def test_matches_cvxpy_from_tiny_to_fusing_lam(fraction, graph, p):
+    """d = 30 > N, so p = 2 takes the reduced (span of the centres) path; 10x the bound takes the fusion test."""
+    rng = np.random.default_rng([14, GRAPHS.index(graph), NORMS.index(p)])
+    n_sites = int(rng.integers(5, 9))
+    Z_tilde = rng.normal(size=(30, 1)) + 0.5 * rng.normal(size=(30, n_sites))
+    edges = graph_of_kind(graph, n_sites, rng)
+    eta = 0.7
+    lam = fraction * fusion_lam(Z_tilde, edges, eta, p) if edges else 1.0
+    Q = incidence_matrix(edges, n_sites)
+    expected_Z, expected_value = cvxpy_network_lasso(Z_tilde, Q.numpy(), lam, eta, p)
+
+    result = solve_network_lasso(torch.tensor(Z_tilde), Q, lam=lam, eta=eta, p=p, **TIGHT)
+
+    assert result.converged
+    assert relative_difference(result.Z.numpy(), expected_Z) < 1e-6
+    value = network_lasso_objective(result.Z, torch.tensor(Z_tilde), Q, lam=lam, eta=eta, p=p)
+    assert value == pytest.approx(expected_value, rel=1e-7)
+    if fraction > 1 and edges:
+        assert result.iterations == 0
+
+
+@pytest.mark.parametrize("p", NORMS)
+def test_fusing_lam_returns_the_means_at_once_and_mid_lam_converges(p):
+    """At 10x the fusion bound the answer comes without iterating, (for p = inf this was the audit case)."""
+    generator = torch.Generator().manual_seed(15)
+    n_sites, d, eta = 5, 4_000, 0.5
+    Z_tilde = 0.05 * torch.randn(d, 1, generator=generator, dtype=torch.float64) + 0.01 * torch.randn(
+        d, n_sites, generator=generator, dtype=torch.float64
+    )
+    edges = knn_edges(torch.randn(n_sites, 8, generator=generator), 3)
+    Q = incidence_matrix(edges, n_sites)
+    bound = fusion_lam(Z_tilde.numpy(), edges, eta, p)
+
+    fused = solve_network_lasso(Z_tilde, Q, lam=10 * bound, eta=eta, p=p, max_iter=500)
+    assert fused.converged and fused.iterations == 0
+    torch.testing.assert_close(fused.Z, Z_tilde.mean(dim=1, keepdim=True).expand(d, n_sites), rtol=0, atol=1e-15)
+    # The state is ADMM's fixed point: warm-starting from it stays there.
+    again = solve_network_lasso(Z_tilde, Q, lam=0.9 * bound, eta=eta, p=p, max_iter=500, warm_start=fused.state)
+    assert again.converged
+
+    mid = solve_network_lasso(Z_tilde, Q, lam=0.03 * bound, eta=eta, p=p, max_iter=500)
+    assert mid.converged and mid.iterations < 100
+    fit_only = network_lasso_objective(Z_tilde, Z_tilde, Q, lam=0.03 * bound, eta=eta, p=p)
+    assert network_lasso_objective(mid.Z, Z_tilde, Q, lam=0.03 * bound, eta=eta, p=p) < fit_only
 
 
 def test_objective_by_hand():

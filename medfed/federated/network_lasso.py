@@ -31,6 +31,13 @@ rescaling ``rho`` (Boyd sec. 3.4.1), which cut iterations by up to 5x and
 made them insensitive to the starting ``rho`` in our measurements. ``W``,
 ``U`` and ``rho`` are returned so the next round can warm-start from them.
 
+Before iterating, two exact shortcuts: when the least-norm multiplier
+``Z_tilde Q (Q^T Q)^+ / eta`` lies in the dual-norm balls, ``lam`` fuses every
+connected component and the component means are returned at 0 iterations
+(:func:`_fused_solution`); for p = 2 the minimiser lies in the span of the
+centres, so ADMM runs on the ``(N, N)`` coordinates of a thin QR
+(:func:`_solve_l2_in_the_span_of_the_centres`).
+
 The API uses the paper's shapes (``Z`` is d x N); internally the solver keeps
 the transposes (one contiguous row per site and per edge), where the per-edge
 norms run about 5x faster on CPU. Returned tensors are transposed views of
