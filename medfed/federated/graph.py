@@ -72,7 +72,7 @@ class SimilarityGraph:
             n_sites=int(state["n_sites"]),
             edges=[tuple(edge) for edge in state["edges"]],
             weights=[float(w) for w in state["weights"]],
-            distances=torch.tensor(state["distances"], dtype=torch.float64),
+            distances=torch.tensor(state["distances"], dtype=torch.float64, device="cpu"),
         )
 
 
@@ -158,7 +158,7 @@ def gaussian_edge_weights(distances: torch.Tensor, edges: Sequence[Edge]) -> lis
     """
     if not edges:
         return []
-    lengths = torch.tensor([float(distances[i, j]) for i, j in edges], dtype=torch.float64)
+    lengths = torch.tensor([float(distances[i, j]) for i, j in edges], dtype=torch.float64, device="cpu")
     sigma = float(lengths.median())
     if sigma == 0.0:
         return [1.0] * len(edges)

@@ -101,10 +101,11 @@ def data_sketch(
     x_obs, y_obs = observations(dataset, num_classes)
     dim = x_obs.shape[1] + y_obs.shape[1]
     sigma = math.sqrt(dim) if bandwidth is None else float(bandwidth)
-    generator = torch.Generator().manual_seed(seed)
-    frequencies = torch.randn(dim, features, generator=generator, dtype=torch.float64) / sigma
-    phases = 2 * math.pi * torch.rand(features, generator=generator, dtype=torch.float64)
-    total = torch.zeros(features, dtype=torch.float64)
+    # Drawn on the CPU (the same numbers on every site's hardware), then moved to the data.
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    frequencies = torch.randn(dim, features, generator=generator, dtype=torch.float64, device="cpu").to(x_obs.device) / sigma
+    phases = 2 * math.pi * torch.rand(features, generator=generator, dtype=torch.float64, device="cpu").to(x_obs.device)
+    total = torch.zeros(features, dtype=torch.float64, device=x_obs.device)
     for start in range(0, x_obs.shape[0], _CHUNK):
         v = torch.cat([x_obs[start : start + _CHUNK], y_obs[start : start + _CHUNK]], dim=1)
         total += torch.cos(v @ frequencies + phases).sum(dim=0)

@@ -86,7 +86,7 @@ def plot_similarity_graph(graph, title: str) -> plt.Figure:
         title: figure title.
     """
     n = graph.n_sites
-    angle = 2 * math.pi * torch.arange(n, dtype=torch.float64) / n
+    angle = 2 * math.pi * torch.arange(n, dtype=torch.float64, device="cpu") / n
     xy = torch.stack([torch.sin(angle), torch.cos(angle)], dim=1).tolist()
     figure, axis = plt.subplots(figsize=(4.8, 4.8))
     for (i, j), weight in zip(graph.edges, graph.weights):
