@@ -37,6 +37,11 @@ def test_cli_run_writes_results(tiny_run_config, tmp_path, strategy):
         assert bytes_up > 0 and results["communication"]["compression_ratio_up"] == pytest.approx(1.0, rel=0.01)
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
     assert list((tmp_path / "run" / "csv").rglob("metrics.csv"))
+    assert (tmp_path / "run" / "similarity_graph.png").is_file() == (strategy == "pfednet")
+    if strategy == "pfednet":  # the server step's effect and the graph, every round
+        for record in results["history"]:
+            assert 0.0 <= record["server"]["spread_removed"] <= 1.0
+            assert record["server"]["graph_edges"] >= 1
 
 
 def test_unknown_key_and_existing_output_are_refused(tiny_run_config, tmp_path, capsys):
