@@ -8,26 +8,52 @@ included — and the byte counts are the lengths of real encoded streams.
 Model vectors (the payload keys a strategy lists in ``coded_keys``, by
 default ``all``/``shared``/``personal``) go through the direction's
 configured codec. A lossless codec sends the values as they are. A lossy
-codec works on *streams*: each (direction, key) pair, e.g. ("up", "shared")
-and ("down", "shared"), is a stream of its own with one piece of state, the
-receiver's copy R, shape (d,) float32. Message t of a stream, carrying the
-sender's target T_t, is
+codec C sends changes, and the link keeps its error feedback, defined here
+once for every lossy codec (the codecs keep no state). Per payload key, with
+T the sender's target and C(x) what the receiver decodes from the bytes of x:
 
-    data_t = codec(T_t - R_{t-1}),     R_t = R_{t-1} + decode(data_t).
+    K   the known value: what the receiver of the key's last message holds,
+        in either direction (both ends compute it from the bytes alone);
+    A   the site's residual: after an up message, what it still owes;
+    O   what the site owed when the server's last message on the key came
+        (0 before one came).
 
-Both ends compute R_t from the bytes alone, so they hold the same copy, and
-the receiver's strategy gets R_t. Error feedback is defined here, once, for
-every lossy codec; the codecs themselves keep no state. Invariant: the part
-of the target not yet sent is A_t = T_t - R_t (Sattler's STC residual), and
-each message codes A_{t-1} + (T_t - T_{t-1}) = T_t - R_{t-1}, the change of
-the sender's own target plus what it still owes. Nothing is counted twice,
-so on a fixed target R converges: STC's error norm never grows, and CER
-leaves |T - R| <= 2 gamma entrywise after every message however T moves
-(``tests/test_link.py`` checks both, for both directions).
+    down:  x = T - K,          K <- K + C(x)
+    up:    x = T - K + O,      K <- K + C(x),   A <- x - C(x)
+    and at every down message O <- A.
 
-Before a stream's first message R_0 is the seeded initial model, which both
-ends hold (every site builds it from the run's seed), or zero for keys
-declared against ``"zeros"`` (gradients). Every other entry (sample counts,
+Invariant: after an up message A = T + O - K, the part of the site's own
+changes (and of what it owed before) that the server has not received. The
+receiver gets K.
+
+*Why up and down differ.* A site trains from what it received (K after a
+down message), so its target is K + its training change; the part of that
+change an up message leaves out is lost unless the site sends it later. It
+keeps A across the server's reply and adds it to its next change: Sattler
+et al.'s (2019) STC client residual, so over the rounds the server receives
+the sum of the site's changes in full. A down message's deficit comes back
+by itself: the server's next target is computed from the sites' decoded
+replies, which start from what each site actually received; adding it again
+would count it twice (the server keeps no residual). Between two messages in
+the same direction nothing resets K, so K already holds what was sent and the
+unsent part T - K (+ O, still owed) is coded again: on a fixed target K
+converges in either direction, STC's error norm never grows, and CER leaves
+|T + O - K| <= 2 gamma entrywise after every message (``tests/test_link.py``).
+
+*Traffic of the strategies.* FedAvg, FedBN, FedAMP, PGFed ("all") and
+pFedNet ("shared", "personal") alternate: the server sends a model, the site
+trains from it and replies (a site that skips a round receives two down
+messages in a row, and its A waits in O). APPLE sends "core/i" only up from
+site i and every other "core/j" only down to it, and PGFed's gradients
+("gradient" up, "aux_gradient" and "mean_gradient" down) travel one way:
+O stays 0 and each message codes T - K, the error feedback of a one-way
+stream. For APPLE's own core model that is the client residual too: site i
+trains from its own core model, not from K, so T - K is its change plus
+what it still owes.
+
+Before a key's first message K is the seeded initial model, which both ends
+hold (every site builds it from the run's seed), or zero for keys declared
+against ``"zeros"`` (gradients). Every other entry (sample counts,
 sketches, mixing weights) travels as dense float32.
 """
 
@@ -54,14 +80,17 @@ class Link:
         down: codec name and options for server -> site.
         coded_keys: ``{key prefix: initial vector}``: payload keys equal to a
             prefix or starting with ``prefix + "/"`` carry model-sized vectors
-            (coded by the codecs); a stream's first reference R_0 is
+            (coded by the codecs); a key's first known value K is
             ``initial[vector]``, or zero when the vector is ``"zeros"``.
         initial: the initial model vectors ``{"shared", "personal", "all"}``.
         device: where received tensors are placed (the run's device).
 
     Attributes:
-        copies: ``{(direction, key): R}``, the receiver's copy of every lossy
-            stream that has carried a message, (d,) float32 on the CPU.
+        known: ``{key: K}``, the known value of every key a lossy codec has
+            carried, (d,) float32 on the CPU (see the module docstring).
+        residuals: ``{key: A}``, the site's residual after its last up message.
+        owed: ``{key: O}``, the residual the site held when the server's last
+            message on the key came.
 
     Raises:
         ValueError: an unknown codec name or option (from ``make_codec``).
@@ -80,7 +109,9 @@ class Link:
         self.device = device
         self._codecs = {direction: _make(spec) for direction, spec in (("up", up), ("down", down))}
         self._small = make_codec("dense")
-        self.copies: dict[tuple[str, str], torch.Tensor] = {}
+        self.known: dict[str, torch.Tensor] = {}
+        self.residuals: dict[str, torch.Tensor] = {}
+        self.owed: dict[str, torch.Tensor] = {}
         self.bytes_sent = {"up": 0, "down": 0}
         self.dense_bytes = {"up": 0, "down": 0}
         self.codec_seconds = 0.0
@@ -92,7 +123,7 @@ class Link:
 
         Raises:
             ValueError: an unknown direction, or a coded vector whose length
-                differs from its stream's earlier messages.
+                differs from its key's earlier messages.
         """
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
@@ -109,34 +140,40 @@ class Link:
                 data = codec.encode(flat)
                 decoded = codec.decode(data)
             else:
-                data, decoded = self._send_on_stream(codec, (direction, key), reference_name, flat)
+                data, decoded = self._send_change(codec, direction, key, reference_name, flat)
             self.bytes_sent[direction] += len(data)
             self.dense_bytes[direction] += 4 * flat.numel()
             received[key] = decoded.reshape(value.shape).to(self.device)
         self.codec_seconds += time.perf_counter() - started
         return received
 
-    def _send_on_stream(
-        self, codec: Codec, stream: tuple[str, str], reference_name: str, target: torch.Tensor
+    def _send_change(
+        self, codec: Codec, direction: str, key: str, reference_name: str, target: torch.Tensor
     ) -> tuple[bytes, torch.Tensor]:
-        """Code ``target - R`` ((d,) float32) on ``stream``, add what was sent to R; return (bytes, new R).
+        """Code ``target`` ((d,) float32) against K (+ O up), update K, A and O; return (bytes, new K).
 
-        R is replaced, never written to, so the tensor handed to the receiver is its own.
+        K is replaced, never written to, so the tensor handed to the receiver is its own.
         """
-        copy = self.copies.get(stream)
-        if copy is None:
-            copy = torch.zeros_like(target) if reference_name == ZEROS else self.initial[reference_name]
-        if copy.shape != target.shape:
-            raise ValueError(
-                f"payload {stream[1]!r}: expected shape {tuple(copy.shape)} like its stream's reference, got {tuple(target.shape)}"
-            )
+        known = self.known.get(key)
+        if known is None:
+            known = torch.zeros_like(target) if reference_name == ZEROS else self.initial[reference_name]
+        if known.shape != target.shape:
+            raise ValueError(f"payload {key!r}: expected shape {tuple(known.shape)} like its earlier messages, got {tuple(target.shape)}")
         # NumPy, not torch, for the arithmetic next to the codec: a torch
         # operation wakes PyTorch's OpenMP workers, which then spin for
         # milliseconds on the core CER's two-core solver is about to use.
-        data = codec.encode(torch.from_numpy(np.subtract(target.numpy(), copy.numpy())))
-        copy = torch.from_numpy(np.add(copy.numpy(), codec.decode(data).numpy()))
-        self.copies[stream] = copy
-        return data, copy
+        change = np.subtract(target.numpy(), known.numpy())
+        if direction == "up" and key in self.owed:
+            change += self.owed[key].numpy()
+        data = codec.encode(torch.from_numpy(change))
+        sent = codec.decode(data).numpy()
+        known = torch.from_numpy(np.add(known.numpy(), sent))
+        self.known[key] = known
+        if direction == "up":
+            self.residuals[key] = torch.from_numpy(np.subtract(change, sent))
+        elif key in self.residuals:
+            self.owed[key] = self.residuals[key]
+        return data, known
 
     def _reference_name(self, key: str) -> str | None:
         """The initial vector a coded key starts from, or None if the key is not a model vector."""
@@ -146,9 +183,11 @@ class Link:
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        """The streams' copies (``{"direction/key": R}``), byte counters and codec time."""
+        """Known values, residuals and owed residuals (``{key: vector}``), byte counters and codec time."""
         return {
-            "copies": {f"{direction}/{key}": copy for (direction, key), copy in self.copies.items()},
+            "known": dict(self.known),
+            "residuals": dict(self.residuals),
+            "owed": dict(self.owed),
             "bytes_sent": dict(self.bytes_sent),
             "dense_bytes": dict(self.dense_bytes),
             "codec_seconds": self.codec_seconds,
@@ -158,12 +197,14 @@ class Link:
         """Restore what ``state_dict`` returned.
 
         Raises:
-            ValueError: ``state`` has other keys (e.g. a checkpoint written before streams had copies).
+            ValueError: ``state`` has other keys (e.g. a checkpoint of an earlier link design).
         """
-        expected = {"copies", "bytes_sent", "dense_bytes", "codec_seconds"}
+        expected = {"known", "residuals", "owed", "bytes_sent", "dense_bytes", "codec_seconds"}
         if set(state) != expected:
             raise ValueError(f"link state: expected the keys {sorted(expected)}, got {sorted(state)}")
-        self.copies = {tuple(name.split("/", 1)): copy for name, copy in state["copies"].items()}
+        self.known = dict(state["known"])
+        self.residuals = dict(state["residuals"])
+        self.owed = dict(state["owed"])
         self.bytes_sent = dict(state["bytes_sent"])
         self.dense_bytes = dict(state["dense_bytes"])
         self.codec_seconds = state["codec_seconds"]
