@@ -73,7 +73,7 @@ def test_what_each_codec_sends():
 
 @pytest.mark.parametrize("key", list(CODEC_OPTIONS))
 def test_a_message_depends_only_on_its_input(key):
-    # error feedback lives in the link (target - receiver's copy); a codec remembering its inputs would count it twice
+    # error feedback lives in the link (target - known value); a codec remembering its inputs would count it twice
     codec, x = _make(key), _noise(9, 1_000)
     first = codec.encode(x)
     for seed in range(3):

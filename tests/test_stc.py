@@ -86,7 +86,7 @@ def test_kept_count_is_ceil_of_sparsity_times_d():
 def test_one_message_removes_k_mu_squared_from_the_squared_error():
     # A - sent differs from A only on the kept entries, where |A_i| becomes ||A_i| - mu|; with mu the
     # mean of the kept |A_i|: ||A - sent||^2 = ||A||^2 - k mu^2. This is why the link's error feedback
-    # (it codes A = target - receiver's copy) never moves the copy away from a fixed target.
+    # (it codes A = target - known value) never moves the known value away from a fixed target.
     rng = np.random.default_rng(1)
     accumulated = rng.standard_t(3, 5_000).astype(np.float32)
     update = select_top_k(accumulated, 25)

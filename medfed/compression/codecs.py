@@ -22,7 +22,8 @@ Codecs (``make_codec(name, **options)``):
 Codecs keep no state: a message depends only on the vector encoded, and any
 codec object of the same kind decodes it. Error feedback (what a lossy codec
 has not sent yet) is kept by :mod:`medfed.federated.link`, which encodes the
-difference between the sender's target and the receiver's copy.
+difference between the sender's target and the value both ends last agreed
+on, plus the residual a site still owes.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class Codec(abc.ABC):
     codec_id: int
     lossless: bool = False
     """True if decoding returns the input exactly, so coding absolute values costs nothing extra;
-    lossy codecs are meant for updates (the link codes target - receiver's copy, see ``medfed.federated.link``)."""
+    lossy codecs are meant for updates (the link codes target - known value, see ``medfed.federated.link``)."""
 
     def encode(self, x: torch.Tensor) -> bytes:
         """The bytes for update ``x`` ((d,) float32).

@@ -10,7 +10,8 @@ One message of STC ternarises a (d,) float32 vector A:
 STC.) Exact zeros of A are never kept, so fewer than k entries are sent when
 A has fewer than k non-zeros. Sattler's residual accumulation (A is what the
 sender has not sent yet) is not kept here: :mod:`medfed.federated.link`
-hands the codec A = target - receiver's copy, which is that residual.
+hands the codec A = target - known value (+ the site's residual), which is
+that residual.
 
 Stream (``write_ternary``): the kept entries as runs of consecutive
 positions with one sign, each run given by the number of zeros before it, its
