@@ -31,14 +31,17 @@ down message), so its target is K + its training change; the part of that
 change an up message leaves out is lost unless the site sends it later. It
 keeps A across the server's reply and adds it to its next change: Sattler
 et al.'s (2019) STC client residual, so over the rounds the server receives
-the sum of the site's changes in full. A down message's deficit comes back
-by itself: the server's next target is computed from the sites' decoded
-replies, which start from what each site actually received; adding it again
-would count it twice (the server keeps no residual). Between two messages in
+the sum of the site's changes in full. A down message's deficit is not
+owed that way: the server's next target is computed from the sites' decoded
+replies, and the sites whose changes make up the deficit still hold them, so
+the next target minus K carries them again; adding the deficit as well would
+count it twice (the server keeps no residual). Only the part of the deficit
+common to every site is not brought back (a plain average forgets it); the
+README gives the measured cost against the old link. Between two messages in
 the same direction nothing resets K, so K already holds what was sent and the
 unsent part T - K (+ O, still owed) is coded again: on a fixed target K
 converges in either direction, STC's error norm never grows, and CER leaves
-|T + O - K| <= 2 gamma entrywise after every message (``tests/test_link.py``).
+|x - C(x)| <= 2 gamma entrywise unsent after every message (``tests/test_link.py``).
 
 *Traffic of the strategies.* FedAvg, FedBN, FedAMP, PGFed ("all") and
 pFedNet ("shared", "personal") alternate: the server sends a model, the site
