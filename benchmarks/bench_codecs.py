@@ -7,8 +7,7 @@ thread. CER is timed on one core (``cores=1``) and on two (``cores=2``, both
 ends of the chain at once), side by side; the codecs use what ``cer`` picks by
 default (two cores when the process has them). numba's compile time is
 excluded by a warm-up call. Times are the minimum and median of ``--repeats``
-runs; stateful codecs start from a fresh residual on every run (a first
-message).
+runs.
 
     python benchmarks/bench_codecs.py [--d 1600000] [--gamma 0.01] [--repeats 5] [--update file.npy]
 """

@@ -1,7 +1,7 @@
 """Checkpoints written atomically at the end of every round.
 
 The loop's whole state (every site's module, optimiser and RNG, the
-strategy's server state, the links' codec residuals and byte counters, the
+strategy's server state, the links' known values, residuals and byte counters, the
 history) goes to a temporary file through Fabric and is renamed over
 ``last.ckpt`` only once complete, so an interruption at any moment leaves
 either the previous checkpoint or the new one, never a torn file.

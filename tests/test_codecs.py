@@ -1,4 +1,4 @@
-"""Codecs: byte-exact round trips, sender state, compression ratios and stream validation."""
+"""Codecs: byte-exact round trips, no sender state, compression ratios and stream validation."""
 
 import struct
 import zlib
@@ -71,36 +71,15 @@ def test_what_each_codec_sends():
     assert u.abs()[cer_stc_sent != 0].min() >= u.abs()[cer_stc_sent == 0].max()
 
 
-@pytest.mark.parametrize("name", ["stc", "cer+stc"])
-def test_sent_plus_residual_adds_up_to_the_inputs(name):
-    codec = make_codec(name, **({"gamma": 0.2} if name == "cer+stc" else {}), sparsity=0.02)
-    inputs = [_noise(seed, 1_000) for seed in range(5)]
-    total_sent = sum(codec.encode_with_sent(x).sent.double() for x in inputs)
-    transformed = [cer(x, 0.2) if name == "cer+stc" else x for x in inputs]
-    total_in = sum(x.double() for x in transformed)
-    torch.testing.assert_close(total_sent + codec.state_dict()["residual"].double(), total_in, rtol=0, atol=1e-5)
-
-
-def test_state_dict_round_trip_continues_the_same_stream():
-    original = make_codec("stc", sparsity=0.01)
-    assert original.state_dict()["residual"].numel() == 0
-    for seed in range(2):
-        original.encode(_noise(seed, 1_000))
-    restored = make_codec("stc", sparsity=0.01)
-    restored.load_state_dict(original.state_dict())
-    assert torch.equal(restored.state_dict()["residual"], original.state_dict()["residual"])
-    third = _noise(9, 1_000)
-    expected = original.encode(third)
-    assert restored.encode(third) == expected
-    assert make_codec("stc", sparsity=0.01).encode(third) != expected  # the residual matters
-
-    with pytest.raises(ValueError, match="residual"):
-        restored.load_state_dict({"residue": torch.zeros(3)})
-    with pytest.raises(ValueError, match="float32"):
-        restored.load_state_dict({"residual": torch.zeros(3, dtype=torch.float64)})
-    with pytest.raises(ValueError, match="no state"):
-        make_codec("dense").load_state_dict({"residual": torch.zeros(3)})
-    make_codec("cer", gamma=1.0).load_state_dict(make_codec("cer", gamma=1.0).state_dict())
+@pytest.mark.parametrize("key", list(CODEC_OPTIONS))
+def test_a_message_depends_only_on_its_input(key):
+    # error feedback lives in the link (target - known value); a codec remembering its inputs would count it twice
+    codec, x = _make(key), _noise(9, 1_000)
+    first = codec.encode(x)
+    for seed in range(3):
+        codec.encode(_noise(seed, 1_000))
+    assert codec.encode(x) == first == _make(key).encode(x)
+    assert codec.encode(_noise(0, 1_001)) == _make(key).encode(_noise(0, 1_001))  # no d remembered either
 
 
 def test_stc_compresses_more_than_100_times_at_p_1_over_400():
@@ -164,6 +143,7 @@ def test_streams_of_another_codec_are_rejected():
         ("cer", {"gamma": 1.0, "quant_bits": 0}, "quant_bits"),
         ("cer", {"gamma": 1.0, "quant_bits": 2.5}, "quant_bits"),
         ("stc", {"sparsity": 1.5}, "sparsity"),
+        ("stc", {"sparsity": 0.0}, "sparsity"),
         ("cer+stc", {"gamma": "1"}, "gamma"),
     ],
 )
@@ -185,10 +165,3 @@ def test_make_codec_rejects_bad_names_and_options(name, options, message):
 def test_encode_rejects_bad_updates(x, message):
     with pytest.raises(ValueError, match=message):
         make_codec("stc").encode(x)
-
-
-def test_stc_sender_rejects_a_change_of_d():
-    codec = make_codec("stc")
-    codec.encode(_noise(0, 100))
-    with pytest.raises(ValueError, match="shape"):
-        codec.encode(_noise(0, 101))

@@ -1,10 +1,10 @@
-"""Sparse ternary compression: selection, residual bookkeeping and its bit stream."""
+"""Sparse ternary compression: selection, what one message leaves unsent, and its bit stream."""
 
 import numpy as np
 import pytest
 
 from medfed.compression.bitstream import BitReader, BitWriter, rice_parameter
-from medfed.compression.stc import SparseTernaryCompressor, TernaryUpdate, read_ternary, select_top_k, write_ternary
+from medfed.compression.stc import TernaryUpdate, kept_count, read_ternary, select_top_k, write_ternary
 
 
 def _round_trip(update: TernaryUpdate) -> tuple[TernaryUpdate, int]:
@@ -80,28 +80,21 @@ def test_all_zero_input_sends_nothing():
 
 
 def test_kept_count_is_ceil_of_sparsity_times_d():
-    compressor = SparseTernaryCompressor(1 / 400)
-    assert [compressor.kept_count(d) for d in (1, 400, 401, 1_600_000)] == [1, 1, 2, 4000]
-    with pytest.raises(ValueError, match="sparsity"):
-        SparseTernaryCompressor(0.0)
+    assert [kept_count(1 / 400, d) for d in (1, 400, 401, 1_600_000)] == [1, 1, 2, 4000]
 
 
-def test_residual_bookkeeping_over_rounds():
+def test_one_message_removes_k_mu_squared_from_the_squared_error():
+    # A - sent differs from A only on the kept entries, where |A_i| becomes ||A_i| - mu|; with mu the
+    # mean of the kept |A_i|: ||A - sent||^2 = ||A||^2 - k mu^2. This is why the link's error feedback
+    # (it codes A = target - known value) never moves the known value away from a fixed target.
     rng = np.random.default_rng(1)
-    compressor = SparseTernaryCompressor(0.05)
-    inputs = [rng.standard_normal(500).astype(np.float32) for _ in range(6)]
-    sent = []
-    for delta in inputs:
-        update = compressor.compress(delta)
-        assert update.positions.size == 25
-        magnitudes_before = np.abs(compressor.residual[update.positions] + update.to_dense()[update.positions])
-        assert update.magnitude == pytest.approx(magnitudes_before.mean(), rel=1e-6)
-        sent.append(update.to_dense())
-    total_in = np.sum(inputs, axis=0, dtype=np.float64)
-    total_out = np.sum(sent, axis=0, dtype=np.float64) + compressor.residual
-    np.testing.assert_allclose(total_out, total_in, rtol=0, atol=1e-5)
-    with pytest.raises(ValueError, match="shape"):
-        compressor.compress(np.zeros(499, dtype=np.float32))
+    accumulated = rng.standard_t(3, 5_000).astype(np.float32)
+    update = select_top_k(accumulated, 25)
+    assert update.positions.size == 25
+    left = accumulated.astype(np.float64) - update.to_dense()
+    expected = np.sum(accumulated.astype(np.float64) ** 2) - 25 * float(update.magnitude) ** 2
+    assert np.sum(left**2) == pytest.approx(expected, rel=1e-6)
+    assert np.sum(left**2) < np.sum(accumulated.astype(np.float64) ** 2)
 
 
 def test_scattered_positions_cost_what_sattler_predicts():
@@ -109,7 +102,7 @@ def test_scattered_positions_cost_what_sattler_predicts():
     # 1 + b* + E[gap >> b*] bits, plus one sign bit.
     rng = np.random.default_rng(2)
     d, p = 400_000, 1 / 400
-    update = SparseTernaryCompressor(p).compress(rng.standard_normal(d).astype(np.float32))
+    update = select_top_k(rng.standard_normal(d).astype(np.float32), kept_count(p, d))
     decoded, size = _round_trip(update)
     _assert_same(decoded, update)
     b = rice_parameter(p)

@@ -2,7 +2,7 @@
 
 - ``tv.cer``: pFedNet's communication-efficient regulariser, exact in O(d).
 - ``bitstream``: bit writer/reader and Golomb-Rice coding.
-- ``stc``: sparse ternary compression with residual accumulation.
+- ``stc``: sparse ternary compression (top-k ternarisation) and its bit stream.
 - ``piecewise``: run coding of piecewise-constant vectors.
 - ``codecs``: ``make_codec(name, **options)`` -> ``Codec`` returning real bytes.
 """

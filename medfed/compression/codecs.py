@@ -11,18 +11,19 @@ Every stream starts with an 18-byte header, then the codec's payload:
 Codecs (``make_codec(name, **options)``):
 
     "dense"    raw little-endian float32 values (4 d bytes).
-    "stc"      sparse ternary compression with residual accumulation
-               (options: sparsity=1/400), see ``stc``.
+    "stc"      sparse ternary compression: the top p d entries as one
+               magnitude and their signs (options: sparsity=1/400), see ``stc``.
     "cer"      exact CER (options: gamma, the weight w = eta * gamma of
                ``tv.cer``), then the run coder of ``piecewise``
                (options: quant_bits=None for exact float32 runs, or 1..16).
     "cer+stc"  CER then STC, the pFedNet paper's composition (options:
-               gamma, sparsity=1/400); the STC residual accumulates CER's
-               outputs.
+               gamma, sparsity=1/400).
 
-``encode`` is stateful on the sender's side (STC's residual: use one codec
-object per sender and direction); ``decode`` needs only the bytes, so any
-codec object of the same kind decodes them.
+Codecs keep no state: a message depends only on the vector encoded, and any
+codec object of the same kind decodes it. Error feedback (what a lossy codec
+has not sent yet) is kept by :mod:`medfed.federated.link`, which encodes the
+difference between the sender's target and the value both ends last agreed
+on, plus the residual a site still owes.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 
 from medfed.compression.bitstream import BitReader, BitWriter
 from medfed.compression.piecewise import MAX_QUANT_BITS, read_piecewise, write_piecewise
-from medfed.compression.stc import SparseTernaryCompressor, read_ternary, write_ternary
+from medfed.compression.stc import kept_count, read_ternary, select_top_k, write_ternary
 from medfed.compression.tv import cer
 
 __all__ = ["CODEC_NAMES", "CERCodec", "CERSTCCodec", "Codec", "DenseCodec", "Encoding", "STCCodec", "codec_options", "make_codec"]
@@ -78,16 +79,13 @@ def _check_gamma(gamma: float) -> float:
 
 
 class Codec(abc.ABC):
-    """Encodes a flat float32 update crossing the site boundary in one direction.
-
-    encode is stateful on the sender side (e.g. STC residual); decode needs only the bytes.
-    """
+    """Encodes a flat float32 update crossing the site boundary; stateless, decode needs only the bytes."""
 
     name: str
     codec_id: int
     lossless: bool = False
     """True if decoding returns the input exactly, so coding absolute values costs nothing extra;
-    lossy codecs are meant for updates (the sender codes a change, see ``medfed.federated.link``)."""
+    lossy codecs are meant for updates (the link codes target - known value, see ``medfed.federated.link``)."""
 
     def encode(self, x: torch.Tensor) -> bytes:
         """The bytes for update ``x`` ((d,) float32).
@@ -136,15 +134,6 @@ class Codec(abc.ABC):
             raise ValueError(f"{self.name} stream: empty vector (d = 0)")
         return torch.from_numpy(self._decode_payload(payload, size))
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Sender-side state to checkpoint; empty for stateless codecs."""
-        return {}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore what ``state_dict`` returned."""
-        if state:
-            raise ValueError(f"{self.name} codec: has no state, got keys {sorted(state)}")
-
     @abc.abstractmethod
     def _encode_payload(self, x: np.ndarray) -> tuple[bytes, Callable[[], np.ndarray]]:
         """Payload for ``x`` ((d,) float32) and a function returning the (d,) float32 vector it decodes to.
@@ -175,7 +164,7 @@ class DenseCodec(Codec):
 
 
 class STCCodec(Codec):
-    """Sparse ternary compression with residual accumulation (Sattler et al. 2019).
+    """Sparse ternary compression (Sattler et al. 2019) of one vector: its top p d entries as mu * sign.
 
     Args:
         sparsity: p in (0, 1], the fraction of entries sent per message.
@@ -185,16 +174,16 @@ class STCCodec(Codec):
     codec_id = 1
 
     def __init__(self, sparsity: float = 1.0 / 400.0) -> None:
-        if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real):
-            raise ValueError(f"sparsity: expected a number in (0, 1], got {sparsity!r}")
-        self._compressor = SparseTernaryCompressor(float(sparsity))
+        if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real) or not 0.0 < sparsity <= 1.0:
+            raise ValueError(f"sparsity: expected a fraction in (0, 1], got {sparsity!r}")
+        self.sparsity = float(sparsity)
 
-    def _compressor_input(self, x: np.ndarray) -> np.ndarray:
-        """What is added to the residual; STC alone adds the update itself."""
+    def _ternarised(self, x: np.ndarray) -> np.ndarray:
+        """What is ternarised; STC alone takes the update itself."""
         return x
 
     def _encode_payload(self, x: np.ndarray) -> tuple[bytes, Callable[[], np.ndarray]]:
-        update = self._compressor.compress(self._compressor_input(x))
+        update = select_top_k(self._ternarised(x), kept_count(self.sparsity, x.size))
         writer = BitWriter()
         write_ternary(writer, update)
         return writer.to_bytes(), update.to_dense
@@ -204,21 +193,6 @@ class STCCodec(Codec):
         update = read_ternary(reader, size)
         reader.finish()
         return update.to_dense()
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """{"residual": (d,) float32}, or an empty (0,) tensor before the first message."""
-        residual = self._compressor.residual
-        if residual is None:
-            return {"residual": torch.zeros(0, dtype=torch.float32)}
-        return {"residual": torch.from_numpy(residual.copy())}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if set(state) != {"residual"}:
-            raise ValueError(f"{self.name} codec: expected the state key 'residual', got {sorted(state)}")
-        residual = state["residual"]
-        if not isinstance(residual, torch.Tensor) or residual.dim() != 1 or residual.dtype != torch.float32:
-            raise ValueError(f"{self.name} codec: 'residual' must be a (d,) float32 tensor")
-        self._compressor.residual = residual.detach().cpu().numpy().copy() if residual.numel() else None
 
 
 class CERSTCCodec(STCCodec):
@@ -236,7 +210,7 @@ class CERSTCCodec(STCCodec):
         super().__init__(sparsity)
         self.gamma = _check_gamma(gamma)
 
-    def _compressor_input(self, x: np.ndarray) -> np.ndarray:
+    def _ternarised(self, x: np.ndarray) -> np.ndarray:
         return cer(x, self.gamma)
 
 
@@ -288,7 +262,7 @@ def codec_options(name: str) -> dict[str, inspect.Parameter]:
 
 
 def make_codec(name: str, **options) -> Codec:
-    """A new codec (fresh sender state) by name: "dense", "stc", "cer" or "cer+stc".
+    """A new codec by name: "dense", "stc", "cer" or "cer+stc".
 
     Raises:
         ValueError: unknown name, unknown or missing option, or an option out of range.

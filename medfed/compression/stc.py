@@ -1,18 +1,17 @@
 """Sparse ternary compression (STC, Sattler et al. 2019) and its bit stream.
 
-One ``SparseTernaryCompressor`` serves one sender in one direction (site to
-server, or server to site): it owns that direction's residual A, shape (d,)
-float32. Per message:
+One message of STC ternarises a (d,) float32 vector A:
 
-    A <- A + delta
     keep the k = ceil(p * d) entries of largest |A|   (ties: lowest index)
     mu <- mean of |A| over the kept entries            (ONE magnitude)
     send mu * sign(A) on the kept entries, 0 elsewhere
-    A <- A - sent
 
 (The pFedNet reference code sends two magnitudes, one per sign; that is not
 STC.) Exact zeros of A are never kept, so fewer than k entries are sent when
-A has fewer than k non-zeros.
+A has fewer than k non-zeros. Sattler's residual accumulation (A is what the
+sender has not sent yet) is not kept here: :mod:`medfed.federated.link`
+hands the codec A = target - known value (+ the site's residual), which is
+that residual.
 
 Stream (``write_ternary``): the kept entries as runs of consecutive
 positions with one sign, each run given by the number of zeros before it, its
@@ -39,7 +38,7 @@ import numpy as np
 
 from medfed.compression.bitstream import BitReader, BitWriter, rice_code_length, rice_parameter_for_mean
 
-__all__ = ["SparseTernaryCompressor", "TernaryUpdate", "read_ternary", "select_top_k", "write_ternary"]
+__all__ = ["TernaryUpdate", "kept_count", "read_ternary", "select_top_k", "write_ternary"]
 
 _RICE_PARAMETER_BITS = 6  # Rice parameters are 0..62
 _COUNT_BITS = 64
@@ -117,41 +116,12 @@ def _candidates_above_sampled_bound(magnitudes: np.ndarray, count: int) -> np.nd
     return candidates if candidates.size >= count else None
 
 
-class SparseTernaryCompressor:
-    """STC with residual accumulation for one sender and one direction.
+def kept_count(sparsity: float, size: int) -> int:
+    """k = ceil(p d) for p = ``sparsity`` in (0, 1] and d = ``size``, at least 1.
 
-    Attributes:
-        sparsity: p in (0, 1], the fraction of entries kept per message.
-        residual: A, (d,) float32, what has been added but not yet sent;
-            None until the first message fixes d.
+    The tolerance absorbs p's binary rounding (p = 1/400, d = 400 n gives n).
     """
-
-    def __init__(self, sparsity: float = 1.0 / 400.0) -> None:
-        if not 0.0 < sparsity <= 1.0:
-            raise ValueError(f"sparsity: expected a fraction in (0, 1], got {sparsity}")
-        self.sparsity = float(sparsity)
-        self.residual: np.ndarray | None = None
-
-    def kept_count(self, size: int) -> int:
-        """k = ceil(p * d); the tolerance absorbs p's binary rounding (p = 1/400, d = 400 n gives n)."""
-        return max(1, math.ceil(self.sparsity * size - 1e-9))
-
-    def compress(self, delta: np.ndarray) -> TernaryUpdate:
-        """Add ``delta`` ((d,) float32) to the residual and send its ternarised top entries.
-
-        Raises:
-            ValueError: delta's length differs from the residual's.
-        """
-        if self.residual is None:
-            self.residual = np.zeros(delta.size, dtype=np.float32)
-        if delta.shape != self.residual.shape:
-            raise ValueError(
-                f"delta: expected shape {self.residual.shape} like the earlier messages, got {delta.shape}"
-            )
-        self.residual += delta
-        update = select_top_k(self.residual, self.kept_count(delta.size))
-        self.residual[update.positions] -= np.where(update.negative, -update.magnitude, update.magnitude)
-        return update
+    return max(1, math.ceil(sparsity * size - 1e-9))
 
 
 def _sign_runs(update: TernaryUpdate) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -7,17 +7,57 @@ included — and the byte counts are the lengths of real encoded streams.
 
 Model vectors (the payload keys a strategy lists in ``coded_keys``, by
 default ``all``/``shared``/``personal``) go through the direction's
-configured codec. A lossy (update) codec codes the *change* of a vector
-relative to the last value both ends agreed on for that payload key
-(``known``): the site's reply "shared" is coded relative to the "shared"
-vector it received, the server's next "shared" relative to the site's reply,
-and so on. Both ends update ``known`` with the decoded value, so they never
-drift apart. Before a key's first message the reference is the seeded
-initial model, which both ends hold (every site builds it from the run's
-seed), or zero for keys declared against ``"zeros"`` (gradients). Only
-lossy codecs need ``known``; a lossless codec sends values as they are.
-Every other entry (sample counts, sketches, mixing weights) travels as
-dense float32.
+configured codec. A lossless codec sends the values as they are. A lossy
+codec C sends changes, and the link keeps its error feedback, defined here
+once for every lossy codec (the codecs keep no state). Per payload key, with
+T the sender's target and C(x) what the receiver decodes from the bytes of x:
+
+    K   the known value: what the receiver of the key's last message holds,
+        in either direction (both ends compute it from the bytes alone);
+    A   the site's residual: after an up message, what it still owes;
+    O   what the site owed when the server's last message on the key came
+        (0 before one came).
+
+    down:  x = T - K,          K <- K + C(x)
+    up:    x = T - K + O,      K <- K + C(x),   A <- x - C(x)
+    and at every down message O <- A.
+
+Invariant: after an up message A = T + O - K, the part of the site's own
+changes (and of what it owed before) that the server has not received. The
+receiver gets K.
+
+*Why up and down differ.* A site trains from what it received (K after a
+down message), so its target is K + its training change; the part of that
+change an up message leaves out is lost unless the site sends it later. It
+keeps A across the server's reply and adds it to its next change: Sattler
+et al.'s (2019) STC client residual, so over the rounds the server receives
+the sum of the site's changes in full. A down message's deficit is not
+owed that way: the server's next target is computed from the sites' decoded
+replies, and the sites whose changes make up the deficit still hold them, so
+the next target minus K carries them again; adding the deficit as well would
+count it twice (the server keeps no residual). Only the part of the deficit
+common to every site is not brought back (a plain average forgets it); the
+README gives the measured cost against the old link. Between two messages in
+the same direction nothing resets K, so K already holds what was sent and the
+unsent part T - K (+ O, still owed) is coded again: on a fixed target K
+converges in either direction, STC's error norm never grows, and CER leaves
+|x - C(x)| <= 2 gamma entrywise unsent after every message (``tests/test_link.py``).
+
+*Traffic of the strategies.* FedAvg, FedBN, FedAMP, PGFed ("all") and
+pFedNet ("shared", "personal") alternate: the server sends a model, the site
+trains from it and replies (a site that skips a round receives two down
+messages in a row, and its A waits in O). APPLE sends "core/i" only up from
+site i and every other "core/j" only down to it, and PGFed's gradients
+("gradient" up, "aux_gradient" and "mean_gradient" down) travel one way:
+O stays 0 and each message codes T - K, the error feedback of a one-way
+stream. For APPLE's own core model that is the client residual too: site i
+trains from its own core model, not from K, so T - K is its change plus
+what it still owes.
+
+Before a key's first message K is the seeded initial model, which both ends
+hold (every site builds it from the run's seed), or zero for keys declared
+against ``"zeros"`` (gradients). Every other entry (sample counts,
+sketches, mixing weights) travels as dense float32.
 """
 
 from __future__ import annotations
@@ -43,10 +83,20 @@ class Link:
         down: codec name and options for server -> site.
         coded_keys: ``{key prefix: initial vector}``: payload keys equal to a
             prefix or starting with ``prefix + "/"`` carry model-sized vectors
-            (coded by the codecs); their first reference is
+            (coded by the codecs); a key's first known value K is
             ``initial[vector]``, or zero when the vector is ``"zeros"``.
         initial: the initial model vectors ``{"shared", "personal", "all"}``.
         device: where received tensors are placed (the run's device).
+
+    Attributes:
+        known: ``{key: K}``, the known value of every key a lossy codec has
+            carried, (d,) float32 on the CPU (see the module docstring).
+        residuals: ``{key: A}``, the site's residual after its last up message.
+        owed: ``{key: O}``, the residual the site held when the server's last
+            message on the key came.
+
+    Raises:
+        ValueError: an unknown codec name or option (from ``make_codec``).
     """
 
     def __init__(
@@ -60,10 +110,11 @@ class Link:
         self.coded_keys = coded_keys
         self.initial = {name: vector.detach().reshape(-1).to(torch.float32).cpu() for name, vector in initial.items()}
         self.device = device
-        self._specs = {"up": dict(up), "down": dict(down)}
-        self._codecs: dict[tuple[str, str], Codec] = {}
+        self._codecs = {direction: _make(spec) for direction, spec in (("up", up), ("down", down))}
         self._small = make_codec("dense")
         self.known: dict[str, torch.Tensor] = {}
+        self.residuals: dict[str, torch.Tensor] = {}
+        self.owed: dict[str, torch.Tensor] = {}
         self.bytes_sent = {"up": 0, "down": 0}
         self.dense_bytes = {"up": 0, "down": 0}
         self.codec_seconds = 0.0
@@ -72,6 +123,10 @@ class Link:
         """Encode ``payload`` in ``direction``, count the bytes, return what the receiver decodes.
 
         The time spent encoding and decoding accumulates in ``codec_seconds``.
+
+        Raises:
+            ValueError: an unknown direction, or a coded vector whose length
+                differs from its key's earlier messages.
         """
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
@@ -83,32 +138,45 @@ class Link:
                 received[key] = value.to(self.device)
                 continue
             reference_name = self._reference_name(key)
-            if reference_name is None:
-                data = self._small.encode(flat)
-                decoded = self._small.decode(data)
+            codec = self._small if reference_name is None else self._codecs[direction]
+            if codec.lossless:
+                data = codec.encode(flat)
+                decoded = codec.decode(data)
             else:
-                codec = self._codec(direction, key)
-                if codec.lossless:
-                    data = codec.encode(flat)
-                    decoded = codec.decode(data)
-                else:
-                    reference = self.known.get(key)
-                    if reference is None:
-                        reference = torch.zeros_like(flat) if reference_name == ZEROS else self.initial[reference_name]
-                    if reference.shape != flat.shape:
-                        raise ValueError(f"payload {key!r}: shape {tuple(flat.shape)} differs from its reference {tuple(reference.shape)}")
-                    # NumPy, not torch, for the arithmetic next to the codec: a torch
-                    # operation wakes PyTorch's OpenMP workers, which then spin for
-                    # milliseconds on the core CER's two-core solver is about to use.
-                    change = torch.from_numpy(np.subtract(flat.numpy(), reference.numpy()))
-                    data = codec.encode(change)
-                    decoded = torch.from_numpy(np.add(reference.numpy(), codec.decode(data).numpy()))
-                    self.known[key] = decoded
+                data, decoded = self._send_change(codec, direction, key, reference_name, flat)
             self.bytes_sent[direction] += len(data)
             self.dense_bytes[direction] += 4 * flat.numel()
             received[key] = decoded.reshape(value.shape).to(self.device)
         self.codec_seconds += time.perf_counter() - started
         return received
+
+    def _send_change(
+        self, codec: Codec, direction: str, key: str, reference_name: str, target: torch.Tensor
+    ) -> tuple[bytes, torch.Tensor]:
+        """Code ``target`` ((d,) float32) against K (+ O up), update K, A and O; return (bytes, new K).
+
+        K is replaced, never written to, so the tensor handed to the receiver is its own.
+        """
+        known = self.known.get(key)
+        if known is None:
+            known = torch.zeros_like(target) if reference_name == ZEROS else self.initial[reference_name]
+        if known.shape != target.shape:
+            raise ValueError(f"payload {key!r}: expected shape {tuple(known.shape)} like its earlier messages, got {tuple(target.shape)}")
+        # NumPy, not torch, for the arithmetic next to the codec: a torch
+        # operation wakes PyTorch's OpenMP workers, which then spin for
+        # milliseconds on the core CER's two-core solver is about to use.
+        change = np.subtract(target.numpy(), known.numpy())
+        if direction == "up" and key in self.owed:
+            change += self.owed[key].numpy()
+        data = codec.encode(torch.from_numpy(change))
+        sent = codec.decode(data).numpy()
+        known = torch.from_numpy(np.add(known.numpy(), sent))
+        self.known[key] = known
+        if direction == "up":
+            self.residuals[key] = torch.from_numpy(np.subtract(change, sent))
+        elif key in self.residuals:
+            self.owed[key] = self.residuals[key]
+        return data, known
 
     def _reference_name(self, key: str) -> str | None:
         """The initial vector a coded key starts from, or None if the key is not a model vector."""
@@ -117,26 +185,35 @@ class Link:
                 return name
         return None
 
-    def _codec(self, direction: str, key: str) -> Codec:
-        if (direction, key) not in self._codecs:
-            spec = dict(self._specs[direction])
-            self._codecs[(direction, key)] = make_codec(spec.pop("name"), **spec)
-        return self._codecs[(direction, key)]
-
     def state_dict(self) -> dict[str, Any]:
+        """Known values, residuals and owed residuals (``{key: vector}``), byte counters and codec time."""
         return {
-            "codecs": {f"{d}/{k}": c.state_dict() for (d, k), c in self._codecs.items()},
             "known": dict(self.known),
+            "residuals": dict(self.residuals),
+            "owed": dict(self.owed),
             "bytes_sent": dict(self.bytes_sent),
             "dense_bytes": dict(self.dense_bytes),
             "codec_seconds": self.codec_seconds,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for name, codec_state in state["codecs"].items():
-            direction, key = name.split("/", 1)
-            self._codec(direction, key).load_state_dict(codec_state)
+        """Restore what ``state_dict`` returned.
+
+        Raises:
+            ValueError: ``state`` has other keys (e.g. a checkpoint of an earlier link design).
+        """
+        expected = {"known", "residuals", "owed", "bytes_sent", "dense_bytes", "codec_seconds"}
+        if set(state) != expected:
+            raise ValueError(f"link state: expected the keys {sorted(expected)}, got {sorted(state)}")
         self.known = dict(state["known"])
+        self.residuals = dict(state["residuals"])
+        self.owed = dict(state["owed"])
         self.bytes_sent = dict(state["bytes_sent"])
         self.dense_bytes = dict(state["dense_bytes"])
         self.codec_seconds = state["codec_seconds"]
+
+
+def _make(spec: dict[str, Any]) -> Codec:
+    """The codec ``{"name": ..., **options}`` describes."""
+    options = dict(spec)
+    return make_codec(options.pop("name"), **options)
