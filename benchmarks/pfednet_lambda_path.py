@@ -15,6 +15,12 @@ default is not fitted to it) and records
 It writes ``lambda_path.csv`` and ``lambda_path.png`` (two panels against
 lam, one line per p) under ``--out``. Results on generated data say so.
 
+The server step alone is cheap to trace on a fine grid: with ``--static``
+the script also takes the lam = 0 run's last checkpoint, whose personal
+matrix is the sites' trained Z~ of the last round (at lam = 0 the server
+step returns its centre), solves one server step per (p, lam) on it and
+draws the fraction of spread removed as lines (``lambda_path_static.csv``).
+
 Run from the repository root::
 
     python -m benchmarks.pfednet_lambda_path --config configs/brats_lack0.yaml --rounds 15
@@ -79,7 +85,31 @@ def run_path(config: Path, lams: list[float], norms: list[str], rounds: int, see
     return rows
 
 
-def plot_path(rows: list[dict]) -> plt.Figure:
+def static_path(checkpoint: Path, lams: list[float], norms: list[str]) -> list[dict]:
+    """One server step on the stored Z~ for each (p, lam): the fraction of spread it removes."""
+    import torch
+
+    from medfed.federated.fusion import fusion_threshold, spread_removed
+    from medfed.federated.graph import SimilarityGraph, connected_components
+    from medfed.federated.network_lasso import solve_network_lasso
+
+    server = torch.load(checkpoint, map_location="cpu", weights_only=True)["server"]
+    centre = server["personal"].to(torch.float64)
+    graph = SimilarityGraph.from_dict(server["graph"])
+    components = connected_components(graph.edges, graph.n_sites)
+    rows = []
+    for p in norms:
+        norm = float(p)
+        threshold = fusion_threshold(centre, graph, 1.0, norm)
+        for lam in lams:
+            result = solve_network_lasso(centre, graph.incidence(), lam=lam * threshold, eta=1.0, p=norm, max_iter=2000)
+            removed = spread_removed(centre, result.Z, components)
+            rows.append({"p": p, "lam": lam, "spread_removed": removed, "iterations": result.iterations})
+            print(f"static p={p:>3} lam={lam:<8g} spread_removed={removed:.3f} ({result.iterations} ADMM iterations)", flush=True)
+    return rows
+
+
+def plot_path(rows: list[dict], static: list[dict] | None = None) -> plt.Figure:
     """Two panels against lam: the spread removed, and the validation metric; one line per p."""
     figure, (spread_axis, metric_axis) = plt.subplots(1, 2, figsize=(10, 3.8))
     positive = sorted({float(r["lam"]) for r in rows if float(r["lam"]) > 0})
@@ -89,6 +119,11 @@ def plot_path(rows: list[dict]) -> plt.Figure:
         lam = [float(r["lam"]) or zero_at for r in mine]
         spread_axis.plot(lam, [float(r["spread_removed"]) for r in mine], "o-", label=f"p = {p}")
         metric_axis.plot(lam, [float(r["value"]) for r in mine], "o-", label=f"p = {p}")
+    for p in sorted({r["p"] for r in static or []}, key=str):
+        mine = sorted((r for r in static if r["p"] == p), key=lambda r: float(r["lam"]))
+        spread_axis.plot([float(r["lam"]) for r in mine], [float(r["spread_removed"]) for r in mine], "--",
+                         label=f"p = {p}, one step on the trained Z~")
+    spread_axis.legend(fontsize=7)
     for axis in (spread_axis, metric_axis):
         axis.set_xscale("log")
         axis.set_xlabel("lam (fraction of the fusion threshold; leftmost point: lam = 0)")
@@ -116,6 +151,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("outputs/benchmarks/lambda_path"))
     parser.add_argument("--plot-only", action="store_true", help="redraw the figure from an existing CSV")
+    parser.add_argument("--static", action="store_true", help="also trace one server step on the lam = 0 run's trained Z~")
+    parser.add_argument("--static-lams", type=float, nargs="+", default=[0.001, 0.003, 0.01, 0.03, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0])
     parser.add_argument("overrides", nargs="*", help="extra config overrides, e.g. strategy.pfednet.graph_space=model")
     args = parser.parse_args()
     csv_path = args.out / "lambda_path.csv"
@@ -129,7 +166,18 @@ def main() -> None:
             writer = csv.DictWriter(handle, fieldnames=COLUMNS)
             writer.writeheader()
             writer.writerows(rows)
-    figure = plot_path(rows)
+    static = None
+    static_csv = args.out / "lambda_path_static.csv"
+    if args.static:
+        static = static_path(args.out / "runs" / f"p{rows[0]['p']}_lam0.0" / "checkpoints" / "last.ckpt", args.static_lams, args.norms)
+        with static_csv.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=["p", "lam", "spread_removed", "iterations"])
+            writer.writeheader()
+            writer.writerows(static)
+    elif static_csv.is_file():
+        with static_csv.open() as handle:
+            static = list(csv.DictReader(handle))
+    figure = plot_path(rows, static)
     figure.savefig(args.out / "lambda_path.png", dpi=120)
     print(f"wrote {csv_path} and {args.out / 'lambda_path.png'}")
 
