@@ -24,6 +24,12 @@ direction method of multipliers", sec. 3):
   (:func:`prox_sum_of_norms`).
 - dual step: ``U = U + Z Q - W``.
 
+The iteration is over-relaxed (Boyd sec. 3.4.3, ``alpha = 1.6``) and, since
+only ``Z Q`` feeds the W-step, the Z-step is applied in edge space as one
+``(M, M)`` product (:class:`_EdgeSpaceZStep`). For p = inf the l1-ball
+thresholds of the W-step are found by Newton's method on the threshold started
+from the previous iteration's (:func:`_l1_ball_threshold`), no sort.
+
 It stops when the primal residual ``||Z Q - W||_F`` and the dual residual
 ``rho ||(W_k - W_{k-1}) Q^T||_F`` are both within absolute plus relative
 tolerances (Boyd sec. 3.3.1), and by default balances the two residuals by
