@@ -479,3 +479,46 @@ def test_mid_lam_converges_within_a_small_cap_at_moderate_d(p):
         assert seconds < 5.0
         fit_only = network_lasso_objective(Z_tilde, Z_tilde, Q, lam=lam, eta=eta, p=p)
         assert network_lasso_objective(result.Z, Z_tilde, Q, lam=lam, eta=eta, p=p) < fit_only
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("max_passes", [1, 30])
+def test_inf_norm_w_step_kernel_matches_the_torch_path(monkeypatch, dtype, max_passes):
+    """The CPU numba W-step and the torch one (used on CUDA) agree, cold and warm; with
+    one pass allowed every row is left to the torch path (Duchi's sort), which must then finish it."""
+    rng = np.random.default_rng(24)
+    V = torch.tensor(rng.normal(size=(6, 2_000)) * rng.uniform(0.01, 1, size=(6, 1)), dtype=dtype)
+    V[2] *= 1e-4  # inside the ball
+    tau = 15.0
+    monkeypatch.setattr(network_lasso, "_MICHELOT_MAX_PASSES", max_passes)
+    for start in (None, torch.full((6, 1), 0.3, dtype=dtype)):
+        results = {}
+        for numba_on in (True, False):
+            monkeypatch.setattr(network_lasso, "_NUMBA_ON_CPU", numba_on)
+            v = V.clone()
+            w, t = network_lasso._prox_inf_rows_in_place(v, tau, start)
+            results[numba_on] = (w, t, v)
+        atol = 1e-5 if dtype == torch.float32 else 1e-12
+        for kernel, torch_path in zip(results[True], results[False]):
+            torch.testing.assert_close(kernel, torch_path, rtol=0, atol=atol)
+        w, t, u = results[True]
+        torch.testing.assert_close(w + u, V, rtol=0, atol=0)
+        torch.testing.assert_close(t, network_lasso._duchi_threshold(V.abs(), tau, 1, V.shape[1]), rtol=1e-5, atol=atol)
+
+
+@pytest.mark.parametrize("connected", [True, False])
+def test_inf_norm_matches_cvxpy_on_the_torch_path(monkeypatch, connected):
+    """The CUDA path of the p = inf W-step, exercised on CPU: the solve still agrees with cvxpy."""
+    monkeypatch.setattr(network_lasso, "_NUMBA_ON_CPU", False)
+    test_matches_cvxpy(seed=3, connected=connected, p=math.inf)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("p", NORMS)
+def test_solves_on_cuda_like_on_cpu(p):
+    Z_tilde, edges, eta, lam = random_instance(seed=25, p=p, connected=True)
+    Q = incidence_matrix(edges, Z_tilde.shape[1])
+    on_cpu = solve_network_lasso(torch.tensor(Z_tilde), Q, lam=lam, eta=eta, p=p, **TIGHT)
+    on_cuda = solve_network_lasso(torch.tensor(Z_tilde, device="cuda"), Q.cuda(), lam=lam, eta=eta, p=p, **TIGHT)
+    assert on_cuda.Z.device.type == on_cuda.state.W.device.type == "cuda"
+    torch.testing.assert_close(on_cuda.Z.cpu(), on_cpu.Z, rtol=0, atol=1e-8)

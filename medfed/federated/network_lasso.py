@@ -28,7 +28,9 @@ The iteration is over-relaxed (Boyd sec. 3.4.3, ``alpha = 1.6``) and, since
 only ``Z Q`` feeds the W-step, the Z-step is applied in edge space as one
 ``(M, M)`` product (:class:`_EdgeSpaceZStep`). For p = inf the l1-ball
 thresholds of the W-step are found by Newton's method on the threshold started
-from the previous iteration's (:func:`_l1_ball_threshold`), no sort.
+from the previous iteration's (:func:`_l1_ball_threshold`), no sort; on CPU
+a numba kernel runs those passes and the clip fused per row, with the torch
+reductions as the path for other devices (:func:`_prox_inf_rows_in_place`).
 
 It stops when the primal residual ``||Z Q - W||_F`` and the dual residual
 ``rho ||(W_k - W_{k-1}) Q^T||_F`` are both within absolute plus relative
@@ -55,6 +57,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numba
+import numpy as np
 import torch
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float64)
@@ -72,6 +76,10 @@ _RHO_ADAPT_ITERATIONS = 100
 # Passes of Michelot's algorithm for the l1-ball threshold before falling back
 # to a sort of the surviving entries (see _l1_ball_threshold).
 _MICHELOT_MAX_PASSES = 30
+# p = inf W-step on CPU by the numba kernel (False: the torch path everywhere).
+# The first call in a process costs ~0.65 s of numba start-up (compiled code
+# is cached in __pycache__; a fresh checkout compiles once, ~1 s per dtype).
+_NUMBA_ON_CPU = True
 # Over-relaxation (Boyd sec. 3.4.3): the W- and U-steps see alpha Z Q + (1 - alpha) W_k.
 _OVER_RELAXATION = 1.6
 
@@ -332,6 +340,94 @@ def _l1_ball_threshold(
     return _duchi_threshold(magnitudes, radius, dim=dim, n_candidates=max(n_candidates, 1))
 
 
+def _prox_inf_rows_in_place(v: torch.Tensor, tau: float, start: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ADMM's p = inf W-step on ``(M, d)`` rows: ``W = clamp(v, -t, t)`` per row, and ``v`` becomes ``U = v - W``.
+
+    ``t`` is :func:`_l1_ball_threshold` of ``|v|`` with radius ``tau`` (the prox
+    of ``tau ||.||_inf`` is ``v`` minus the projection onto the l1 ball),
+    started from ``start`` (the previous iteration's thresholds, ``(M, 1)``).
+
+    On CPU a numba kernel does the same Newton passes per row, each one fused
+    loop over the row (abs, excess, count in registers), and the final clip
+    and subtraction in one more loop: about 3x fewer memory passes than the
+    torch reductions, which measured ~30 of the ~65 ms of an iteration at
+    d = 316k, M = 9. Other devices (CUDA) and rows the kernel could not
+    settle within ``_MICHELOT_MAX_PASSES`` take the torch path, which gives the
+    same thresholds (up to summation order: the kernel sums in float64).
+
+    Returns:
+        ``(W, t)``: ``W`` like ``v``, ``t`` ``(M, 1)``; ``v`` now holds ``U``.
+    """
+    if _NUMBA_ON_CPU and v.device.type == "cpu" and v.is_contiguous():
+        values = v.numpy()
+        clipped = np.empty_like(values)
+        thresholds = np.empty(values.shape[0], dtype=values.dtype)
+        first_guess = np.zeros(0, dtype=values.dtype) if start is None else start.reshape(-1).numpy()
+        unsettled = _prox_inf_rows_kernel(values, float(tau), first_guess, _MICHELOT_MAX_PASSES, clipped, thresholds)
+        w, t = torch.from_numpy(clipped), torch.from_numpy(thresholds).reshape(-1, 1)
+        rows = torch.from_numpy(unsettled).nonzero().reshape(-1) if unsettled.any() else None
+        if rows is None:
+            return w, t
+        t[rows] = _l1_ball_threshold(v[rows].abs(), tau, dim=1)  # those rows of v are untouched
+        w[rows] = torch.minimum(torch.maximum(v[rows], -t[rows]), t[rows])
+        v[rows] -= w[rows]
+        return w, t
+    t = _l1_ball_threshold(v.abs(), tau, dim=1, start=start)
+    w = torch.minimum(torch.maximum(v, -t), t)
+    v.sub_(w)
+    return w, t
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _prox_inf_rows_kernel(values, radius, first_guess, max_passes, clipped, thresholds):  # pragma: no cover (compiled)
+    """Numba body of :func:`_prox_inf_rows_in_place`; returns a bool per row, true where it gave up (row untouched).
+
+    The loops are branch-free so that LLVM vectorises them (``fastmath`` lets
+    it reorder the float64 sums): a branchy loop measured 12x slower.
+    """
+    n_rows, length = values.shape
+    zero = values.dtype.type(0)
+    unsettled = np.zeros(n_rows, dtype=np.bool_)
+    for m in range(n_rows):
+        row = values[m]
+        total = 0.0
+        for i in range(length):
+            total += abs(row[i])
+        cold = max((total - radius) / length, 0.0)
+        t = max(float(first_guess[m]), 0.0) if first_guess.shape[0] else cold
+        n_before = length + 1
+        settled = False
+        for passes in range(max_passes):
+            level = values.dtype.type(t)
+            excess = 0.0
+            n_above = 0
+            for i in range(length):
+                e = max(abs(row[i]) - level, zero)
+                excess += e
+                n_above += e > zero
+            value = excess - radius
+            if passes == 0:
+                n_next = n_above if value >= 0 else length + 1
+            else:
+                if n_above >= n_before:
+                    settled = True
+                    break
+                n_next = n_above
+            t = max(t + value / n_above, 0.0) if n_above > 0 else cold
+            n_before = n_next
+        if not settled:
+            unsettled[m] = True
+            continue
+        thresholds[m] = t
+        bound = values.dtype.type(t)
+        for i in range(length):
+            x = row[i]
+            c = min(max(x, -bound), bound)
+            clipped[m, i] = c
+            row[i] = x - c
+    return unsettled
+
+
 def _duchi_threshold(magnitudes: torch.Tensor, radius: float, dim: int, n_candidates: int) -> torch.Tensor:
     """:func:`_l1_ball_threshold` by sorting, given that at most ``n_candidates`` entries per slice exceed ``t``."""
     largest = torch.topk(magnitudes, n_candidates, dim=dim, sorted=True).values
@@ -483,13 +579,14 @@ def _admm(
         v = torch.lerp(w, zq, _OVER_RELAXATION).add_(u)  # alpha Z Q + (1 - alpha) W_k + U_k
         w_previous = w
         if p == math.inf:
-            thresholds = _l1_ball_threshold(v.abs(), lam / rho, dim=1, start=thresholds)
-            w = torch.minimum(torch.maximum(v, -thresholds), thresholds)
+            w, thresholds = _prox_inf_rows_in_place(v, lam / rho, start=thresholds)
         elif p == 1:
             w = torch.nn.functional.softshrink(v, lam / rho)
+            v.sub_(w)
         else:
             w = prox_sum_of_norms(v, lam / rho, p, dim=1)
-        u = v.sub_(w)
+            v.sub_(w)
+        u = v  # v - W
         primal = _norm(zq - w)
         dual = rho * _norm(Q @ (w - w_previous))
         if primal <= primal_scale + rel_tol * max(_norm(zq), _norm(w)) and dual <= (
