@@ -484,10 +484,10 @@ def test_mid_lam_converges_within_a_small_cap_at_moderate_d(p):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("max_passes", [1, 30])
 def test_inf_norm_w_step_kernel_matches_the_torch_path(monkeypatch, dtype, max_passes):
-    """The CPU numba W-step and the torch one (used on CUDA) agree, cold and warm; with
-    one pass allowed every row is left to the torch path (Duchi's sort), which must then finish it."""
+    """The CPU numba W-step and the torch one (used on CUDA) agree, cold and warm, thresholds and
+    residual sums; with one pass allowed every row is left to the torch path (Duchi's sort) to finish."""
     rng = np.random.default_rng(24)
-    V = torch.tensor(rng.normal(size=(6, 2_000)) * rng.uniform(0.01, 1, size=(6, 1)), dtype=dtype)
+    V, ZQ, W_previous = (torch.tensor(rng.normal(size=(6, 2_000)) * rng.uniform(0.01, 1, size=(6, 1)), dtype=dtype) for _ in range(3))
     V[2] *= 1e-4  # inside the ball
     tau = 15.0
     monkeypatch.setattr(network_lasso, "_MICHELOT_MAX_PASSES", max_passes)
@@ -496,14 +496,18 @@ def test_inf_norm_w_step_kernel_matches_the_torch_path(monkeypatch, dtype, max_p
         for numba_on in (True, False):
             monkeypatch.setattr(network_lasso, "_NUMBA_ON_CPU", numba_on)
             v = V.clone()
-            w, t = network_lasso._prox_inf_rows_in_place(v, tau, start)
-            results[numba_on] = (w, t, v)
+            results[numba_on] = (network_lasso._inf_norm_w_step(v, ZQ, W_previous, tau, start), v)
+        (kernel, u), (torch_path, u_by_torch) = results[True], results[False]
         atol = 1e-5 if dtype == torch.float32 else 1e-12
-        for kernel, torch_path in zip(results[True], results[False]):
-            torch.testing.assert_close(kernel, torch_path, rtol=0, atol=atol)
-        w, t, u = results[True]
-        torch.testing.assert_close(w + u, V, rtol=0, atol=0)
-        torch.testing.assert_close(t, network_lasso._duchi_threshold(V.abs(), tau, 1, V.shape[1]), rtol=1e-5, atol=atol)
+        for name in ("w", "step", "thresholds"):
+            torch.testing.assert_close(getattr(kernel, name), getattr(torch_path, name), rtol=0, atol=atol)
+        torch.testing.assert_close(u, u_by_torch, rtol=0, atol=atol)
+        for name in ("primal", "zq_norm", "w_norm"):
+            assert getattr(kernel, name) == pytest.approx(getattr(torch_path, name), rel=1e-5)
+        torch.testing.assert_close(kernel.w + u, V, rtol=0, atol=0)
+        torch.testing.assert_close(kernel.step, kernel.w - W_previous, rtol=0, atol=0)
+        exact = network_lasso._duchi_threshold(V.abs(), tau, 1, V.shape[1])
+        torch.testing.assert_close(kernel.thresholds, exact, rtol=1e-5, atol=atol)
 
 
 @pytest.mark.parametrize("connected", [True, False])

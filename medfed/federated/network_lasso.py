@@ -30,7 +30,7 @@ only ``Z Q`` feeds the W-step, the Z-step is applied in edge space as one
 thresholds of the W-step are found by Newton's method on the threshold started
 from the previous iteration's (:func:`_l1_ball_threshold`), no sort; on CPU
 a numba kernel runs those passes and the clip fused per row, with the torch
-reductions as the path for other devices (:func:`_prox_inf_rows_in_place`).
+reductions as the path for other devices (:func:`_inf_norm_w_step`).
 
 It stops when the primal residual ``||Z Q - W||_F`` and the dual residual
 ``rho ||(W_k - W_{k-1}) Q^T||_F`` are both within absolute plus relative
@@ -314,11 +314,13 @@ def _l1_ball_threshold(
     length = magnitudes.shape[dim]
     cold = ((magnitudes.sum(dim=dim, keepdim=True) - radius) / length).clamp(min=0)
     threshold = cold if start is None else start.to(dtype=magnitudes.dtype).clamp(min=0)
-    beyond_any_count = torch.full_like(threshold, length + 1.0)
+    # Counts are sums of signs: exact in float32 below 2^24 entries per slice, beyond that summed in float64.
+    count_dtype = magnitudes.dtype if length < 2**24 else torch.float64
+    beyond_any_count = torch.full_like(threshold, length + 1.0, dtype=count_dtype)
     n_above_before = beyond_any_count
     for passes in range(_MICHELOT_MAX_PASSES):
         excess = (magnitudes - threshold).clamp_(min=0)
-        n_above = torch.sign(excess).sum(dim=dim, keepdim=True)  # counts, exact in float below 2^24
+        n_above = torch.sign(excess).sum(dim=dim, keepdim=True, dtype=count_dtype)
         value = excess.sum(dim=dim, keepdim=True) - radius  # f(t)
         if passes == 0:
             # Every slice steps once. A start at or below the root (f >= 0) is
@@ -340,47 +342,77 @@ def _l1_ball_threshold(
     return _duchi_threshold(magnitudes, radius, dim=dim, n_candidates=max(n_candidates, 1))
 
 
-def _prox_inf_rows_in_place(v: torch.Tensor, tau: float, start: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """ADMM's p = inf W-step on ``(M, d)`` rows: ``W = clamp(v, -t, t)`` per row, and ``v`` becomes ``U = v - W``.
+@dataclass
+class _WStep:
+    """ADMM's W-step and what the stopping rule needs from it, all ``(M, d)`` rows except the floats.
+
+    ``step`` is ``W_{k+1} - W_k``; ``primal`` is ``||Z Q - W_{k+1}||_F``;
+    ``zq_norm`` and ``w_norm`` are ``||Z Q||_F`` and ``||W_{k+1}||_F``.
+    """
+
+    w: torch.Tensor
+    step: torch.Tensor
+    primal: float
+    zq_norm: float
+    w_norm: float
+    thresholds: torch.Tensor | None = None
+
+
+def _w_step_statistics(zq: torch.Tensor, w: torch.Tensor, w_previous: torch.Tensor, **kwargs) -> _WStep:
+    """:class:`_WStep` of a W-step computed elsewhere, by torch reductions."""
+    return _WStep(w=w, step=w - w_previous, primal=_norm(zq - w), zq_norm=_norm(zq), w_norm=_norm(w), **kwargs)
+
+
+def _inf_norm_w_step(
+    v: torch.Tensor, zq: torch.Tensor, w_previous: torch.Tensor, tau: float, start: torch.Tensor | None
+) -> _WStep:
+    """ADMM's p = inf W-step on ``(M, d)`` rows: ``W = clamp(v, -t, t)`` per row; ``v`` becomes ``U = v - W``.
 
     ``t`` is :func:`_l1_ball_threshold` of ``|v|`` with radius ``tau`` (the prox
     of ``tau ||.||_inf`` is ``v`` minus the projection onto the l1 ball),
     started from ``start`` (the previous iteration's thresholds, ``(M, 1)``).
 
     On CPU a numba kernel does the same Newton passes per row, each one fused
-    loop over the row (abs, excess, count in registers), and the final clip
-    and subtraction in one more loop: about 3x fewer memory passes than the
-    torch reductions, which measured ~30 of the ~65 ms of an iteration at
-    d = 316k, M = 9. Other devices (CUDA) and rows the kernel could not
-    settle within ``_MICHELOT_MAX_PASSES`` take the torch path, which gives the
-    same thresholds (up to summation order: the kernel sums in float64).
-
-    Returns:
-        ``(W, t)``: ``W`` like ``v``, ``t`` ``(M, 1)``; ``v`` now holds ``U``.
+    loop over the row (abs, excess, count in registers), then the clip,
+    ``U``, ``W_{k+1} - W_k`` and the stopping rule's sums of squares in one
+    more loop: the torch reductions it replaces took ~45 of the ~65 ms of an
+    iteration at d = 316k, M = 9, the kernel ~10 ms. Other devices (CUDA)
+    and rows the kernel could not settle within ``_MICHELOT_MAX_PASSES`` take
+    the torch path, which gives the same thresholds (up to summation order:
+    the kernel sums in float64).
     """
-    if _NUMBA_ON_CPU and v.device.type == "cpu" and v.is_contiguous():
-        values = v.numpy()
-        clipped = np.empty_like(values)
-        thresholds = np.empty(values.shape[0], dtype=values.dtype)
-        first_guess = np.zeros(0, dtype=values.dtype) if start is None else start.reshape(-1).numpy()
-        unsettled = _prox_inf_rows_kernel(values, float(tau), first_guess, _MICHELOT_MAX_PASSES, clipped, thresholds)
-        w, t = torch.from_numpy(clipped), torch.from_numpy(thresholds).reshape(-1, 1)
-        rows = torch.from_numpy(unsettled).nonzero().reshape(-1) if unsettled.any() else None
-        if rows is None:
-            return w, t
-        t[rows] = _l1_ball_threshold(v[rows].abs(), tau, dim=1)  # those rows of v are untouched
+    if not (_NUMBA_ON_CPU and v.device.type == "cpu" and v.is_contiguous() and zq.is_contiguous()):
+        t = _l1_ball_threshold(v.abs(), tau, dim=1, start=start)
+        w = torch.minimum(torch.maximum(v, -t), t)
+        v.sub_(w)
+        return _w_step_statistics(zq, w, w_previous.contiguous(), thresholds=t)
+    values = v.numpy()
+    clipped, step = np.empty_like(values), np.empty_like(values)
+    thresholds = np.empty(values.shape[0], dtype=values.dtype)
+    squares = np.zeros((values.shape[0], 3))  # per row: (zq - w)^2, zq^2, w^2
+    first_guess = np.zeros(0, dtype=values.dtype) if start is None else start.reshape(-1).numpy()
+    unsettled = _inf_norm_w_step_kernel(
+        values, zq.numpy(), w_previous.contiguous().numpy(), float(tau), first_guess, _MICHELOT_MAX_PASSES,
+        clipped, step, thresholds, squares,
+    )  # fmt: skip
+    w, t, step = torch.from_numpy(clipped), torch.from_numpy(thresholds).reshape(-1, 1), torch.from_numpy(step)
+    if unsettled.any():  # those rows of v are untouched: finish them with torch
+        rows = torch.from_numpy(unsettled).nonzero().reshape(-1)
+        t[rows] = _l1_ball_threshold(v[rows].abs(), tau, dim=1)
         w[rows] = torch.minimum(torch.maximum(v[rows], -t[rows]), t[rows])
         v[rows] -= w[rows]
-        return w, t
-    t = _l1_ball_threshold(v.abs(), tau, dim=1, start=start)
-    w = torch.minimum(torch.maximum(v, -t), t)
-    v.sub_(w)
-    return w, t
+        step[rows] = w[rows] - w_previous[rows]
+        for column, rows_squared in enumerate(((zq[rows] - w[rows]) ** 2, zq[rows] ** 2, w[rows] ** 2)):
+            squares[unsettled, column] = rows_squared.double().sum(dim=1).numpy()
+    primal, zq_norm, w_norm = np.sqrt(squares.sum(axis=0)).tolist()
+    return _WStep(w=w, step=step, primal=primal, zq_norm=zq_norm, w_norm=w_norm, thresholds=t)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _prox_inf_rows_kernel(values, radius, first_guess, max_passes, clipped, thresholds):  # pragma: no cover (compiled)
-    """Numba body of :func:`_prox_inf_rows_in_place`; returns a bool per row, true where it gave up (row untouched).
+def _inf_norm_w_step_kernel(
+    values, zq, w_previous, radius, first_guess, max_passes, clipped, step, thresholds, squares
+):  # pragma: no cover (compiled)
+    """Numba body of :func:`_inf_norm_w_step`; returns a bool per row, true where it gave up (row untouched).
 
     The loops are branch-free so that LLVM vectorises them (``fastmath`` lets
     it reorder the float64 sums): a branchy loop measured 12x slower.
@@ -420,11 +452,20 @@ def _prox_inf_rows_kernel(values, radius, first_guess, max_passes, clipped, thre
             continue
         thresholds[m] = t
         bound = values.dtype.type(t)
+        residual_squared, zq_squared, w_squared = 0.0, 0.0, 0.0
         for i in range(length):
             x = row[i]
             c = min(max(x, -bound), bound)
             clipped[m, i] = c
             row[i] = x - c
+            step[m, i] = c - w_previous[m, i]
+            r = zq[m, i] - c
+            residual_squared += r * r
+            zq_squared += zq[m, i] * zq[m, i]
+            w_squared += c * c
+        squares[m, 0] = residual_squared
+        squares[m, 1] = zq_squared
+        squares[m, 2] = w_squared
     return unsettled
 
 
@@ -577,19 +618,16 @@ def _admm(
         difference = w - u  # W_k - U_k, the Z-step's only input
         zq = z_step.edges(difference)  # (M, d): Z_{k+1} Q, z_i - z_j per edge
         v = torch.lerp(w, zq, _OVER_RELAXATION).add_(u)  # alpha Z Q + (1 - alpha) W_k + U_k
-        w_previous = w
         if p == math.inf:
-            w, thresholds = _prox_inf_rows_in_place(v, lam / rho, start=thresholds)
-        elif p == 1:
-            w = torch.nn.functional.softshrink(v, lam / rho)
-            v.sub_(w)
+            w_step = _inf_norm_w_step(v, zq, w, lam / rho, start=thresholds)
+            thresholds = w_step.thresholds
         else:
-            w = prox_sum_of_norms(v, lam / rho, p, dim=1)
-            v.sub_(w)
-        u = v  # v - W
-        primal = _norm(zq - w)
-        dual = rho * _norm(Q @ (w - w_previous))
-        if primal <= primal_scale + rel_tol * max(_norm(zq), _norm(w)) and dual <= (
+            w_next = torch.nn.functional.softshrink(v, lam / rho) if p == 1 else prox_sum_of_norms(v, lam / rho, p, dim=1)
+            v.sub_(w_next)
+            w_step = _w_step_statistics(zq, w_next, w)
+        w, u = w_step.w, v  # v - W_{k+1}
+        primal, dual = w_step.primal, rho * _norm(Q @ w_step.step)
+        if primal <= primal_scale + rel_tol * max(w_step.zq_norm, w_step.w_norm) and dual <= (
             dual_scale + rel_tol * rho * _norm(Q @ u)
         ):
             converged = True
