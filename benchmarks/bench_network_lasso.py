@@ -7,7 +7,9 @@ gives 8-9 edges). For each penalty norm p and each lambda of a grid, the
 script solves round 1 cold, then round 2 (centres = round 1's solution plus a
 local update of standard deviation 0.002) warm-started from round 1's state,
 and prints iterations, wall time and the process's CPU time (all threads;
-less sensitive to other load on the machine than wall time).
+less sensitive to other load on the machine than wall time). Each solver first
+runs once on a 64-row slice, so one-off start-up (numba's, ~0.65 s per
+process) is left out of the table.
 
 lambda is a multiple (``--fractions``) of the fusion bound: the largest over
 connected components of ``sum_n ||z~_n - component mean||_q / eta`` (q the dual
@@ -98,6 +100,9 @@ def main() -> None:
     round_1 = synthetic_centres(args.d, args.sites, generator)
     local_update = 0.002 * torch.randn(args.d, args.sites, generator=generator, dtype=torch.float64)
     solvers = {"this": solve_network_lasso} | ({"compared": load_solver(args.compare)} if args.compare else {})
+    for solver in solvers.values():  # one-off start-up (numba's ~0.65 s per process) is not a round's cost
+        for p in (float(norm) for norm in args.norms):
+            solver(Z_tilde=round_1[:64].to(dtype), Q=Q, lam=1e-3, eta=args.eta, p=p, max_iter=5)
     print(
         f"d={args.d} N={args.sites} M={len(edges)} (k={args.k}) {args.dtype} eta={args.eta} "
         f"max_iter={args.max_iter}, torch threads={torch.get_num_threads()}"

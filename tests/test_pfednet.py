@@ -105,7 +105,10 @@ def test_spread_removed_grows_with_lambda_from_nothing_to_everything(p):
     replies = _personal_replies()
     removed = [_spread_removed(_strategy(lam, p=p, knn_k=2), replies) for lam in (0.0, 0.1, 0.3, 0.6, 1.0, 3.0)]
     assert removed[0] == 0.0
-    assert removed[-2] == pytest.approx(1.0, abs=1e-5) and removed[-1] == pytest.approx(1.0, abs=1e-5)
+    # Fused up to ADMM's stopping rule (default tolerances): at lam = 1 the graph has a cycle, so the
+    # exact fusion shortcut does not apply; the over-relaxed solver stops with 2e-5 of the spread
+    # left (primal residual 2e-6, W = 0), the unrelaxed one stopped with 4e-6.
+    assert removed[-2] == pytest.approx(1.0, abs=1e-4) and removed[-1] == pytest.approx(1.0, abs=1e-4)
     assert all(a < b for a, b in zip(removed[:4], removed[1:5])), removed
 
 
