@@ -19,8 +19,8 @@ tests/test_network_lasso.py).
 ``--compare FILE`` also times the ``solve_network_lasso`` of another copy of
 the module, side by side, e.g. the previous commit's:
 
-    git show HEAD~1:medfed/federated/network_lasso.py > /tmp/old_lasso.py
-    python -m benchmarks.bench_network_lasso --compare /tmp/old_lasso.py
+    git show HEAD~1:medfed/federated/network_lasso.py > outputs/old_network_lasso.py
+    python -m benchmarks.bench_network_lasso --compare outputs/old_network_lasso.py
 
 Run from the repository root:  python -m benchmarks.bench_network_lasso [--d 316495] [--sites 5] [--k 3]
 """
