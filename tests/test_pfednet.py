@@ -150,12 +150,18 @@ def test_model_space_graph_is_built_from_trained_personal_parts_and_refreshed():
     base = torch.randn(D2, 2, generator=torch.Generator().manual_seed(3))
     replies = {i: {"personal": base[:, i % 2] + 0.01 * i} for i in range(N)}
     strategy.server_aggregate("personal", replies)
-    assert strategy.graph.edges == [(0, 2), (1, 3)] and strategy.graph_built_at == [1]
+    assert strategy.graph.edges == [(0, 2), (1, 3)] and [at for at, _ in strategy.graph_history] == [1]
     swapped = {i: {"personal": base[:, int(i >= 2)] + 0.01 * i} for i in range(N)}
     strategy.server_aggregate("personal", swapped)  # round 2: not yet due
     assert strategy.graph.edges == [(0, 2), (1, 3)]
     strategy.server_aggregate("personal", swapped)  # round 3: refreshed
-    assert strategy.graph.edges == [(0, 1), (2, 3)] and strategy.graph_built_at == [1, 3]
+    assert strategy.graph.edges == [(0, 1), (2, 3)] and [at for at, _ in strategy.graph_history] == [1, 3]
+    figure = strategy.server_figures()["similarity_graph"]
+    assert [axis.get_title() for axis in figure.axes] == ["built at round 1: 2 edges", "built at round 3: 2 edges"]
+    restored = PFedNet(strategy.options, SPLIT, N, seed=0)
+    restored.load_server_state_dict(strategy.server_state_dict())
+    assert [(at, g.edges) for at, g in restored.graph_history] == [(1, [(0, 2), (1, 3)]), (3, [(0, 1), (2, 3)])]
+    assert restored.graph.edges == [(0, 1), (2, 3)]
 
 
 class _Site:

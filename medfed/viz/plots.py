@@ -78,30 +78,32 @@ def plot_segmentation_examples(sites: list, title: str, per_site: int = 4, chann
     return figure
 
 
-def plot_similarity_graph(graph, title: str) -> plt.Figure:
-    """The sites on a circle, each edge drawn with width and label by its weight.
+def plot_similarity_graphs(panels: list[tuple[str, Any]], title: str) -> plt.Figure:
+    """One panel per graph: the sites on a circle, each edge drawn with width and label by its weight.
 
     Args:
-        graph: a :class:`~medfed.federated.graph.SimilarityGraph`.
+        panels: ``(label, SimilarityGraph)`` pairs, e.g. one per rebuild of the graph.
         title: figure title.
     """
-    n = graph.n_sites
-    angle = 2 * math.pi * torch.arange(n, dtype=torch.float64, device="cpu") / n
-    xy = torch.stack([torch.sin(angle), torch.cos(angle)], dim=1).tolist()
-    figure, axis = plt.subplots(figsize=(4.8, 4.8))
-    for (i, j), weight in zip(graph.edges, graph.weights):
-        (x0, y0), (x1, y1) = xy[i], xy[j]
-        axis.plot([x0, x1], [y0, y1], "-", color="tab:blue", lw=0.5 + 4.5 * weight, alpha=0.4 + 0.6 * weight, zorder=1)
-        axis.text((x0 + x1) / 2, (y0 + y1) / 2, f"{weight:.2f}", fontsize=8, ha="center", va="center",
-                  bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8}, zorder=3)
-    for index, (x, y) in enumerate(xy):
-        axis.scatter([x], [y], s=600, color="white", edgecolors="black", zorder=2)
-        axis.text(x, y, f"site{index}", fontsize=8, ha="center", va="center", zorder=4)
-    axis.set_xlim(-1.35, 1.35)
-    axis.set_ylim(-1.35, 1.35)
-    axis.set_aspect("equal")
-    axis.axis("off")
-    axis.set_title(textwrap.fill(f"{title}; {len(graph.edges)} edges, labels = edge weights", 60), fontsize=9)
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.6), squeeze=False)
+    for axis, (label, graph) in zip(axes[0], panels):
+        n = graph.n_sites
+        angle = 2 * math.pi * torch.arange(n, dtype=torch.float64, device="cpu") / n
+        xy = torch.stack([torch.sin(angle), torch.cos(angle)], dim=1).tolist()
+        for (i, j), weight in zip(graph.edges, graph.weights):
+            (x0, y0), (x1, y1) = xy[i], xy[j]
+            axis.plot([x0, x1], [y0, y1], "-", color="tab:blue", lw=0.5 + 4.5 * weight, alpha=0.4 + 0.6 * weight, zorder=1)
+            axis.text((x0 + x1) / 2, (y0 + y1) / 2, f"{weight:.2f}", fontsize=8, ha="center", va="center",
+                      bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8}, zorder=3)
+        for index, (x, y) in enumerate(xy):
+            axis.scatter([x], [y], s=600, color="white", edgecolors="black", zorder=2)
+            axis.text(x, y, f"site{index}", fontsize=8, ha="center", va="center", zorder=4)
+        axis.set_xlim(-1.35, 1.35)
+        axis.set_ylim(-1.35, 1.35)
+        axis.set_aspect("equal")
+        axis.axis("off")
+        axis.set_title(f"{label}: {len(graph.edges)} edges", fontsize=9)
+    figure.suptitle(textwrap.fill(f"{title}; edge labels = weights", 110), fontsize=9)
     figure.tight_layout()
     return figure
 

@@ -58,7 +58,7 @@ fused), with ``lam_effective`` (lam_t in the paper's units) and
 Edges: each site's ``knn_k`` nearest sites (``knn_rule`` union or mutual),
 weighted by a Gaussian kernel of the distance (``edge_weights``). The graph
 is logged per round (``graph/w_i_j``, 0 for absent pairs) and drawn in
-``similarity_graph.png``. A site that skipped the round keeps its column of
+``similarity_graph.png``, one panel per (re)build. A site that skipped the round keeps its column of
 Z as the proximal centre.
 """
 
@@ -154,7 +154,7 @@ class PFedNet(Strategy):
         self.shared = initial["shared"].clone()
         self.personal = initial["personal"].reshape(-1, 1).repeat(1, self.n_sites)  # Z: (d2, N)
         self.graph: SimilarityGraph | None = None
-        self.graph_built_at: list[int] = []  # personal steps (rounds) at which the graph was (re)built
+        self.graph_history: list[tuple[int, SimilarityGraph]] = []  # (round it was built at, graph); 0 = before training
         if self.options.graph_space != "model":
             sketches = torch.stack([replies[i]["sketch"] for i in range(self.n_sites)])
             self._build_graph(sketches, personal_step=0)
@@ -172,7 +172,7 @@ class PFedNet(Strategy):
             weighting=self.options.edge_weights,
             standardize=self.options.graph_standardize and self.options.graph_space != "model",
         )
-        self.graph_built_at.append(personal_step)
+        self.graph_history.append((personal_step, self.graph))
         self.admm_state = None  # the split variable W lives on the edges: a new graph starts cold
 
     def _graph_due(self) -> bool:
@@ -182,7 +182,7 @@ class PFedNet(Strategy):
         if self.graph is None:
             return True
         every = self.options.graph_refresh_rounds
-        return every > 0 and (self.personal_steps - self.graph_built_at[-1]) >= every
+        return every > 0 and (self.personal_steps - self.graph_history[-1][0]) >= every
 
     def server_message(self, phase: str, site_index: int) -> Payload:
         if phase == "personal":
@@ -254,19 +254,18 @@ class PFedNet(Strategy):
         return metrics
 
     def server_figures(self) -> dict[str, Any]:
-        """``similarity_graph``: the network the penalty ran over, as last built."""
-        if self.graph is None:
+        """``similarity_graph``: the network the penalty ran over, one panel per (re)build."""
+        if not self.graph_history:
             return {}
-        from medfed.viz.plots import plot_similarity_graph
+        from medfed.viz.plots import plot_similarity_graphs
 
-        when = "before training" if self.graph_built_at[-1] == 0 else f"built at round {self.graph_built_at[-1]}"
-        title = f"pFedNet similarity network, {self.options.graph_space} space, k={self.options.knn_k} ({self.options.knn_rule}), {when}"
-        return {"similarity_graph": plot_similarity_graph(self.graph, title)}
+        panels = [("before training" if at == 0 else f"built at round {at}", graph) for at, graph in self.graph_history]
+        title = f"pFedNet similarity network, {self.options.graph_space} space, k={self.options.knn_k} ({self.options.knn_rule})"
+        return {"similarity_graph": plot_similarity_graphs(panels, title)}
 
     def server_state_dict(self) -> dict:
         return {
-            "graph": None if self.graph is None else self.graph.to_dict(),
-            "graph_built_at": list(self.graph_built_at),
+            "graph_history": [(at, graph.to_dict()) for at, graph in self.graph_history],
             "personal_steps": self.personal_steps,
             "shared": self.shared,
             "personal": self.personal,
@@ -276,8 +275,8 @@ class PFedNet(Strategy):
         }
 
     def load_server_state_dict(self, state: dict) -> None:
-        self.graph = None if state["graph"] is None else SimilarityGraph.from_dict(state["graph"])
-        self.graph_built_at = list(state["graph_built_at"])
+        self.graph_history = [(at, SimilarityGraph.from_dict(graph)) for at, graph in state["graph_history"]]
+        self.graph = self.graph_history[-1][1] if self.graph_history else None
         self.personal_steps = state["personal_steps"]
         self.shared = state["shared"]
         self.personal = state["personal"]
