@@ -2,7 +2,12 @@
 
 Every message names the offending file or configuration key and says what was
 expected, so a user can fix the input without reading medfed's source.
+Input that is legal but probably not what the user meant is reported with
+:func:`warn`: one line on stderr (``medfed: warning: ...``) through the
+``medfed`` logger, which the command line configures.
 """
+
+import logging
 
 
 class DataError(ValueError):
@@ -11,3 +16,8 @@ class DataError(ValueError):
 
 class ConfigError(ValueError):
     """A configuration key is unknown, missing, or has an impossible value."""
+
+
+def warn(message: str) -> None:
+    """Report legal but suspicious input as one line, e.g. a label ratio that drops most of a site's records."""
+    logging.getLogger("medfed").warning(message)
