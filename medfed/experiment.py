@@ -20,31 +20,29 @@ from typing import Any
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 import medfed
 from medfed.checkpoint import CHECKPOINT_NAME, config_differences, load_checkpoint, save_atomic
-from medfed.config import RunConfig, parse_options, to_plain_dict
+from medfed.components import resolve
+from medfed.config import RunConfig
 from medfed.errors import ConfigError
 from medfed.federated.link import Link
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.site import Site
-from medfed.federated.strategies import strategy_from_config
 from medfed.data.federation import Federation
-from medfed.models import model_class
 from medfed.models.base import FederatedModule
 from medfed.models.split import PARTS
 from medfed.results import communication_totals, format_table, summarise, write_json_atomic
-from medfed.tasks import get_task
 from medfed.viz.plots import plot_learning_curves, plot_segmentation_examples, save_figure
 
 
 def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
     """Train and evaluate one configured run; returns the results written to results.json."""
     started = time.perf_counter()
-    config = to_plain_dict(cfg)
-    run_cfg: RunConfig = OmegaConf.to_object(cfg)
+    resolved = resolve(cfg)  # every config key checked before any file is read or written
+    config, run_cfg = resolved.config, resolved.run
     trainer = run_cfg.trainer
     output_dir = Path(run_cfg.output_dir)
     checkpoint_path = output_dir / "checkpoints" / CHECKPOINT_NAME
@@ -52,18 +50,11 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
     if trainer.num_threads is not None:
         torch.set_num_threads(trainer.num_threads)
 
-    task = get_task(_required(config["data"], "task", "data"))
-    data_options = parse_options(task.Options, config["data"], "data", ignore=("task",))
-    federation = task.build_federation(data_options, run_cfg.federation, trainer.seed, progress=progress)
-
-    model_cls = model_class(config["model"].get("name", task.default_model))
-    model_options = parse_options(model_cls.Options, config["model"], "model", ignore=("name",))
+    federation = resolved.task.build_federation(resolved.data_options, run_cfg.federation, trainer.seed, progress=progress)
     with torch.random.fork_rng():
         torch.manual_seed(trainer.seed)
-        prototype = model_cls(federation.input_shape[0], federation.num_classes, model_options)
-
-    strategy_cls, strategy_options = strategy_from_config(config["strategy"])
-    strategy = strategy_cls(strategy_options, prototype.parameter_split, len(federation.sites), trainer.seed)
+        prototype = resolved.model_cls(federation.input_shape[0], federation.num_classes, resolved.model_options)
+    strategy = resolved.strategy_cls(resolved.strategy_options, prototype.parameter_split, len(federation.sites), trainer.seed)
 
     fabric = Fabric(accelerator=trainer.device, devices=1, loggers=_loggers(run_cfg, output_dir), callbacks=[strategy])
     sites = build_sites(fabric, federation, prototype, trainer.batch_size, trainer.seed)
@@ -137,12 +128,6 @@ def build_sites(fabric: Fabric, federation: Federation, prototype: FederatedModu
 def initial_vectors(prototype: FederatedModule, device: torch.device) -> dict[str, torch.Tensor]:
     """The initial model as ``{"shared", "personal", "all"}`` vectors (every site starts from it)."""
     return {part: prototype.get_vector(part).to(device) for part in PARTS}
-
-
-def _required(group: dict[str, Any], key: str, name: str) -> Any:
-    if key not in group or group[key] in (None, ""):
-        raise ConfigError(f"config key '{name}.{key}' is required")
-    return group[key]
 
 
 def _check_output_dir(output_dir: Path, checkpoint_path: Path, resume: bool, overwrite: bool) -> None:

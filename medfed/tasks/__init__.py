@@ -21,10 +21,12 @@ class Task:
     build_federation: Callable[..., Federation]
     """``build_federation(options, federation: FederationConfig, seed, progress=True) -> Federation``"""
     default_model: str
+    models: tuple[str, ...]
+    """The model names whose input the task's samples fit (``default_model`` first)."""
 
 
 TASKS: dict[str, Task] = {
-    module.NAME: Task(module.NAME, module.Options, module.build_federation, module.DEFAULT_MODEL)
+    module.NAME: Task(module.NAME, module.Options, module.build_federation, module.DEFAULT_MODEL, (module.DEFAULT_MODEL,))
     for module in (brats, luna16, clinical)
 }
 

@@ -38,6 +38,13 @@ def strategy_from_config(group: dict[str, Any]) -> tuple[type[Strategy], Any]:
     name = group.get("name")
     if name not in STRATEGIES:
         raise ConfigError(f"config key 'strategy.name' = {name!r}: expected one of {', '.join(sorted(STRATEGIES))}")
+    options = strategy_subgroups(group)
+    chosen = STRATEGIES[name]
+    return chosen, options.get(name, chosen.Options())
+
+
+def strategy_subgroups(group: dict[str, Any]) -> dict[str, Any]:
+    """Every options subgroup the ``strategy`` group holds, validated: ``{strategy name: its Options}``."""
     options = {}
     for key, values in group.items():
         if key == "name":
@@ -47,5 +54,4 @@ def strategy_from_config(group: dict[str, Any]) -> tuple[type[Strategy], Any]:
                 f"unknown config key 'strategy.{key}' (expected 'name' or a strategy's options: {', '.join(sorted(STRATEGIES))})"
             )
         options[key] = parse_options(STRATEGIES[key].Options, values or {}, f"strategy.{key}")
-    chosen = STRATEGIES[name]
-    return chosen, options.get(name, chosen.Options())
+    return options
