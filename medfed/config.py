@@ -7,15 +7,27 @@ choice (``data`` on ``data.task``, ``model`` on ``model.name``, ``strategy``
 on ``strategy.name``) are validated against the options dataclass that the
 chosen component registers. Any key that no dataclass declares is rejected
 with its full dotted name, so a typo never silently falls back to a default.
+
+YAML is read with YAML 1.2 booleans: only ``true``/``false`` are booleans, so
+``positive: Yes`` or ``data.positive=no`` stay the strings they look like
+(YAML 1.1, PyYAML's and OmegaConf's default, would turn them into True and
+False); a typed boolean option still accepts ``yes``/``no``. Duplicate keys
+and syntax errors are one-line errors naming the file, line and column.
+
+``--config`` takes a path or the name of a config shipped inside the package
+(``brats_lack0`` finds ``medfed/configs/brats_lack0.yaml``), so an installed
+medfed runs without a clone of the repository.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -84,6 +96,9 @@ class FederationConfig:
         require(0.0 < self.participation <= 1.0, "federation.participation", self.participation, "a number in (0, 1]")
 
 
+DEVICES = ("cpu", "cuda", "gpu", "mps", "auto")
+
+
 @dataclass
 class TrainerConfig:
     """The federated loop: rounds, local work per round, seed and device."""
@@ -93,13 +108,14 @@ class TrainerConfig:
     batch_size: int = 16
     seed: int = 0
     device: str = "cpu"
+    """``cpu``, ``cuda`` (Lightning's alias ``gpu``), ``mps`` or ``auto``; checked against the machine before any data is read."""
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
         require(self.rounds >= 1, "trainer.rounds", self.rounds, "an integer >= 1")
         require(self.local_epochs >= 1, "trainer.local_epochs", self.local_epochs, "an integer >= 1")
         require(self.batch_size >= 1, "trainer.batch_size", self.batch_size, "an integer >= 1")
-        require(self.device in ("cpu", "cuda", "mps", "auto"), "trainer.device", self.device, "one of cpu, cuda, mps, auto")
+        require(self.device in DEVICES, "trainer.device", self.device, f"one of {', '.join(DEVICES)}")
         require(self.num_threads is None or self.num_threads >= 1, "trainer.num_threads", self.num_threads, "null or >= 1")
 
 
@@ -168,29 +184,53 @@ def require(ok: bool, key: str, value: Any, expected: str) -> None:
         raise ConfigError(f"config key '{key}' = {value!r}: expected {expected}")
 
 
+BUNDLED_CONFIGS = Path(__file__).parent / "configs"
+"""The configs shipped inside the package (``configs/`` in the repository points here)."""
+
+
+def find_config(name: str | Path) -> Path:
+    """The config file ``name`` names: a path, or a bundled config's name with or without ``.yaml``.
+
+    Raises:
+        ConfigError: neither a file nor a bundled config (the message lists the bundled ones).
+    """
+    path = Path(name)
+    if path.is_file():
+        return path
+    if len(path.parts) == 1:
+        for candidate in (BUNDLED_CONFIGS / path.name, BUNDLED_CONFIGS / f"{path.name}.yaml"):
+            if candidate.is_file():
+                return candidate
+    bundled = ", ".join(sorted(p.stem for p in BUNDLED_CONFIGS.glob("*.yaml")))
+    raise ConfigError(f"config file {path} not found (nor a bundled config of that name: {bundled})")
+
+
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     """Read a YAML config, apply dot-list overrides, and check it against :class:`RunConfig`.
 
     Args:
-        path: YAML file.
+        path: YAML file, or the name of a bundled config (:func:`find_config`).
         overrides: ``["trainer.rounds=3", "strategy.lam=0.1", ...]``.
 
     Returns:
         The merged config (a DictConfig, interpolations resolved). The
-        component groups are validated later by :func:`parse_options`.
+        component groups are validated by :func:`medfed.components.resolve`.
 
     Raises:
-        ConfigError: missing file, YAML error, unknown key (named in full), or
-            a value of the wrong type.
+        ConfigError: missing file, YAML error, a file that is not a mapping,
+            unknown key (named in full), or a value of the wrong type.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} not found")
-    try:
-        file_cfg = OmegaConf.load(path)
-        cli_cfg = OmegaConf.from_dotlist(list(overrides))
-    except (OmegaConfBaseException, ValueError) as error:
-        raise ConfigError(f"{path}: cannot parse the config or its overrides: {error}") from None
+    path = find_config(path)
+    file_cfg = OmegaConf.create(read_yaml_mapping(path.read_text(encoding="utf-8", errors="replace"), str(path)))
+    cli_cfg = OmegaConf.create()
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if not key.strip():
+            raise ConfigError(f"override {override!r}: expected key=value, e.g. trainer.rounds=3")
+        try:
+            OmegaConf.update(cli_cfg, key.strip(), _read_yaml(value, f"override {override!r}"), force_add=True)
+        except OmegaConfBaseException as error:
+            raise ConfigError(f"override {override!r}: {_first_line(error)}") from None
     schema = OmegaConf.structured(RunConfig)
     try:
         merged = OmegaConf.merge(schema, file_cfg, cli_cfg)
@@ -201,6 +241,67 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     except OmegaConfBaseException as error:
         raise ConfigError(f"{path}: config key '{_full_key(error)}': {_first_line(error)}") from None
     return merged
+
+
+def read_yaml_mapping(text: str, source: str) -> dict[str, Any]:
+    """Parse a YAML document that must be a mapping of config groups (empty = ``{}``).
+
+    Raises:
+        ConfigError: a YAML error (with line and column), a duplicate key, or
+            a document that is a list or a scalar.
+    """
+    document = _read_yaml(text, source)
+    if document is None:
+        return {}
+    if not isinstance(document, dict):
+        raise ConfigError(
+            f"{source}: expected a mapping of config groups (data:, federation:, model:, strategy:, trainer: ...), "
+            f"got a {type(document).__name__}"
+        )
+    return document
+
+
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 booleans and floats, no timestamps, duplicate keys refused."""
+
+    yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:timestamp")]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+_Yaml12Loader.add_implicit_resolver(  # 1e-3 and 1.0e+5 are floats (YAML 1.1 wants a dot and a signed exponent)
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)?(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def _read_yaml(text: str, source: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a safe loader
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or _first_line(error)
+        raise ConfigError(f"{source}: not valid YAML{where}: {problem}") from None
+
+
+def to_yaml(config: dict[str, Any]) -> str:
+    """``config`` as YAML that :func:`load_config` reads back to the same values."""
+    return OmegaConf.to_yaml(OmegaConf.create(config))
 
 
 def parse_options(options_cls: type, values: dict[str, Any] | DictConfig, group: str, ignore: tuple[str, ...] = ()) -> Any:

@@ -1,6 +1,6 @@
 import pytest
 
-from medfed.config import load_config, parse_options
+from medfed.config import BUNDLED_CONFIGS, find_config, load_config, parse_options
 from medfed.errors import ConfigError
 from medfed.federated.strategies.pfednet import PFedNet
 
@@ -83,3 +83,39 @@ def test_holdout_defaults_to_the_test_split(config_file):
     federation = load_config(config_file).federation
     assert federation.holdout == "test" and federation.validation_fraction == 0.2
     assert load_config(config_file, ["federation.holdout=validation"]).federation.holdout == "validation"
+
+
+@pytest.mark.parametrize("text, value", [("Yes", "Yes"), ("no", "no"), ("on", "on"), ("'true'", "true"), ("true", True), ("False", False)])
+def test_yaml_12_booleans_keep_yes_and_no_as_strings(config_file, text, value):
+    config_file.write_text(BASE.replace("data: {task: brats}", f"data: {{task: clinical, positive: {text}}}"))
+    assert load_config(config_file).data.positive == value
+    assert load_config(config_file, [f"data.positive={text}"]).data.positive == value
+
+
+def test_typed_booleans_and_exponent_floats_still_parse(config_file):
+    cfg = load_config(config_file, ["strategy.pfednet.graph_standardize=yes", "strategy.pfednet.server_lr=1e-3"])
+    assert cfg.strategy.pfednet.server_lr == 0.001  # YAML 1.1 would have kept '1e-3' a string
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("data: [brats\n", r"run\.yaml: not valid YAML at line 2, column 1"),
+        ("data: {task: brats}\ndata: {task: luna16}\n", r"run\.yaml: not valid YAML at line 2, column 1: duplicate key 'data'"),
+        ("- data\n- trainer\n", r"run\.yaml: expected a mapping of config groups .* got a list"),
+        ("just a string\n", r"run\.yaml: expected a mapping of config groups .* got a str"),
+    ],
+)
+def test_yaml_errors_and_non_mappings_are_one_line_errors_naming_the_file(config_file, text, message):
+    config_file.write_text(text)
+    with pytest.raises(ConfigError, match=message) as error:
+        load_config(config_file)
+    assert "\n" not in str(error.value)
+
+
+def test_a_bundled_config_is_found_by_name_from_anywhere(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no configs/ folder here
+    assert find_config("brats_lack0") == find_config("brats_lack0.yaml") == BUNDLED_CONFIGS / "brats_lack0.yaml"
+    assert load_config("luna16_delta4").data.task == "luna16"
+    with pytest.raises(ConfigError, match=r"config file brats_lack9 not found \(nor a bundled config of that name: brats_lack0, "):
+        find_config("brats_lack9")
