@@ -1,27 +1,42 @@
 """Command line: ``python -m medfed fit --config configs/brats_lack0.yaml [key=value ...]``.
 
 Overrides use OmegaConf's dot-list syntax (``trainer.rounds=3
-strategy.lam=0.1``); unknown keys are rejected with the key named. Bad input
-(config or data) ends with a one-line error naming the key or file and exit
-status 2, never a traceback.
+strategy.pfednet.lam=0.1``); unknown keys are rejected with the key named.
+``--config`` takes a path or the name of a config shipped with medfed
+(``--config brats_lack0``). ``--print-config`` prints the full resolved config
+(every component default filled in, as ``config.json`` stores it) and exits.
+
+Bad input (config or data) ends with a one-line error naming the key or file
+and exit status 2, never a traceback; the whole config is checked before any
+data is read. Ctrl-C ends with one line saying how to resume (exit status 130).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import shlex
 import sys
+from pathlib import Path
 
 from medfed.errors import ConfigError, DataError
+
+INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="medfed", description="Personalised federated learning for medical imaging.")
     commands = parser.add_subparsers(dest="command", required=True)
     fit = commands.add_parser("fit", help="train and evaluate one federated run")
-    fit.add_argument("--config", required=True, help="YAML run config, e.g. configs/brats_lack0.yaml")
+    fit.add_argument(
+        "--config", required=True, help="YAML run config: a path, or a bundled config's name (e.g. brats_lack0, luna16_delta4)"
+    )
     fit.add_argument("--resume", action="store_true", help="continue the interrupted run in output_dir from its checkpoint")
     fit.add_argument("--overwrite", action="store_true", help="replace an earlier run in output_dir")
     fit.add_argument("--quiet", action="store_true", help="no progress bars or final table")
+    fit.add_argument(
+        "--print-config", action="store_true", help="print the full resolved config (every default) and exit without running"
+    )
     fit.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. trainer.rounds=3")
     return parser
 
@@ -33,13 +48,49 @@ def main(argv: list[str] | None = None) -> int:
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     overrides = [*args.overrides, *extra]
-    from medfed.config import load_config
+    _show_warnings()
+    from medfed.components import resolve
+    from medfed.config import load_config, to_yaml
     from medfed.experiment import run
 
+    output_dir = None
     try:
         cfg = load_config(args.config, overrides)
+        output_dir = Path(cfg.output_dir)
+        if args.print_config:
+            print(to_yaml(resolve(cfg).config), end="")
+            return 0
         run(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
     except (ConfigError, DataError) as error:
         print(f"medfed: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"medfed: interrupted; {_how_to_resume(args.config, overrides, output_dir)}", file=sys.stderr)
+        return INTERRUPTED
     return 0
+
+
+def _how_to_resume(config: str, overrides: list[str], output_dir: Path | None) -> str:
+    """What an interrupted user can do next, in one line."""
+    from medfed.checkpoint import CHECKPOINT_NAME
+
+    checkpoint = None if output_dir is None else output_dir / "checkpoints" / CHECKPOINT_NAME
+    if checkpoint is None or not checkpoint.is_file():
+        return "no round had finished, so there is nothing to resume; run the same command again"
+    command = shlex.join(["python", "-m", "medfed", "fit", "--config", config, *overrides, "--resume"])
+    return f"every finished round is checkpointed in {checkpoint}; continue with: {command}"
+
+
+def _show_warnings() -> None:
+    """Send the ``medfed`` logger's records to stderr as ``medfed: warning: ...`` (``info``, ...) lines."""
+    logger = logging.getLogger("medfed")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(_OneLineFormatter())
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
+class _OneLineFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"medfed: {record.levelname.lower()}: {record.getMessage()}"
