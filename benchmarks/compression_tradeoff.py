@@ -30,10 +30,7 @@ import platform
 import sys
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 from medfed.config import load_config
 from medfed.experiment import run
@@ -88,7 +85,8 @@ def run_setting(config: Path, setting: dict, out: Path, extra: list[str]) -> dic
 def plot(rows: list[dict], path: Path) -> None:
     """Per config: ratio vs gamma, metric vs gamma, metric per round (the shape of Figs 8/10), codec share vs gamma."""
     configs = sorted({row["config"] for row in rows})
-    figure, axes = plt.subplots(len(configs), 4, figsize=(20, 4 * len(configs)), squeeze=False)
+    figure = Figure(figsize=(20, 4 * len(configs)))
+    axes = figure.subplots(len(configs), 4, squeeze=False)
     for (ratio_axis, metric_axis, curve_axis, share_axis), config in zip(axes, configs):
         mine = [row for row in rows if row["config"] == config]
         metric = _headline_metric(mine[0])

@@ -33,11 +33,8 @@ import argparse
 import csv
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.figure import Figure
 
 from medfed.config import load_config
 from medfed.experiment import run
@@ -109,9 +106,10 @@ def static_path(checkpoint: Path, lams: list[float], norms: list[str]) -> list[d
     return rows
 
 
-def plot_path(rows: list[dict], static: list[dict] | None = None) -> plt.Figure:
+def plot_path(rows: list[dict], static: list[dict] | None = None) -> Figure:
     """Two panels against lam: the spread removed, and the validation metric; one line per p."""
-    figure, (spread_axis, metric_axis) = plt.subplots(1, 2, figsize=(10, 3.8))
+    figure = Figure(figsize=(10, 3.8))
+    spread_axis, metric_axis = figure.subplots(1, 2)
     positive = sorted({float(r["lam"]) for r in rows if float(r["lam"]) > 0})
     zero_at = positive[0] / 3 if positive else 1e-3  # lam = 0 drawn left of the smallest positive lam
     for p in sorted({r["p"] for r in rows}, key=str):

@@ -1,7 +1,12 @@
-"""Figures a run writes next to its results: learning curves and segmentation overlays.
+"""Figures a run writes next to its results: learning curves, segmentation overlays, similarity graphs.
 
-Both carry the data's provenance in their title, so a figure made from
+Each carries the data's provenance in its title, so a figure made from
 generated data says so wherever it is shown.
+
+Every function builds a :class:`matplotlib.figure.Figure` directly rather
+than through pyplot: no backend is chosen or switched, so files are written
+on machines without a display, and the same figure shows inline when a
+notebook cell returns it (pyplot is left to whoever imports medfed).
 """
 
 from __future__ import annotations
@@ -11,14 +16,11 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only; no display on servers or in CI
-import matplotlib.pyplot as plt
 import torch
+from matplotlib.figure import Figure
 
 
-def plot_learning_curves(history: list[dict[str, Any]], title: str) -> plt.Figure:
+def plot_learning_curves(history: list[dict[str, Any]], title: str) -> Figure:
     """One panel per metric: every site's test metric per round, and the mean over sites.
 
     Args:
@@ -27,7 +29,8 @@ def plot_learning_curves(history: list[dict[str, Any]], title: str) -> plt.Figur
     """
     names = list(next(iter(history[0]["metrics"].values())).keys())
     rounds = [record["round"] for record in history]
-    figure, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 3.6), squeeze=False)
+    figure = Figure(figsize=(4.5 * len(names), 3.6))
+    axes = figure.subplots(1, len(names), squeeze=False)
     for axis, name in zip(axes[0], names):
         for site in history[0]["metrics"]:
             axis.plot(rounds, [r["metrics"][site][name] for r in history], lw=1, alpha=0.7, label=site)
@@ -42,7 +45,7 @@ def plot_learning_curves(history: list[dict[str, Any]], title: str) -> plt.Figur
 
 
 @torch.no_grad()
-def plot_segmentation_examples(sites: list, title: str, per_site: int = 4, channel: int = 0) -> plt.Figure | None:
+def plot_segmentation_examples(sites: list, title: str, per_site: int = 4, channel: int = 0) -> Figure | None:
     """Test patches of every site with the true (red) and predicted (cyan) tumour outlines.
 
     Args:
@@ -59,7 +62,8 @@ def plot_segmentation_examples(sites: list, title: str, per_site: int = 4, chann
     x, y = sites[0].data.test.tensors
     if y.ndim != 3:
         return None
-    figure, axes = plt.subplots(len(sites), per_site, figsize=(2.1 * per_site, 2.2 * len(sites)), squeeze=False)
+    figure = Figure(figsize=(2.1 * per_site, 2.2 * len(sites)))
+    axes = figure.subplots(len(sites), per_site, squeeze=False)
     for row, site in zip(axes, sites):
         x, y = (t[:per_site] for t in site.data.test.tensors)
         site.module.eval()
@@ -78,14 +82,15 @@ def plot_segmentation_examples(sites: list, title: str, per_site: int = 4, chann
     return figure
 
 
-def plot_similarity_graphs(panels: list[tuple[str, Any]], title: str) -> plt.Figure:
+def plot_similarity_graphs(panels: list[tuple[str, Any]], title: str) -> Figure:
     """One panel per graph: the sites on a circle, each edge drawn with width and label by its weight.
 
     Args:
         panels: ``(label, SimilarityGraph)`` pairs, e.g. one per rebuild of the graph.
         title: figure title.
     """
-    figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.6), squeeze=False)
+    figure = Figure(figsize=(4.2 * len(panels), 4.6))
+    axes = figure.subplots(1, len(panels), squeeze=False)
     for axis, (label, graph) in zip(axes[0], panels):
         n = graph.n_sites
         angle = 2 * math.pi * torch.arange(n, dtype=torch.float64, device="cpu") / n
@@ -108,11 +113,10 @@ def plot_similarity_graphs(panels: list[tuple[str, Any]], title: str) -> plt.Fig
     return figure
 
 
-def save_figure(figure: plt.Figure, path: Path) -> None:
-    """Write ``figure`` as PNG via a temporary file and close it."""
+def save_figure(figure: Figure, path: Path) -> None:
+    """Write ``figure`` as PNG via a temporary file (renamed into place, so no half-written file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.png")
     figure.savefig(tmp, dpi=110)
-    plt.close(figure)
     tmp.replace(path)
 
