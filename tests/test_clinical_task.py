@@ -206,3 +206,17 @@ def test_an_unquoted_yes_in_the_config_reaches_the_reader_as_a_boolean_and_the_e
         federation_of(options, n_sites=1, label_ratio=None)
     quoted = federation_of(parse_options(Options, {**values, "positive": "Yes"}, "data"), n_sites=1, label_ratio=None)
     assert quoted.sites[0].info["n_train_positive"] + quoted.sites[0].info["n_test_positive"] == 4
+
+
+def test_records_dropped_by_the_label_ratio_are_counted_and_a_site_losing_most_is_named(tmp_path, caplog):
+    # hospital A: 4 positives in 40 records (natural ratio 9); delta 1 keeps 1 negative per positive
+    rows = [[hospital, "yes" if i % 10 == 0 else "no", i, -i] for hospital in ("A", "B") for i in range(40)]
+    path = write_records(tmp_path / "records.csv", rows)
+    options = Options(csv=str(path), embedded=None, target="event", positive="yes", site_column="hospital")
+    federation = federation_of(options, n_sites=2, label_ratio=LabelRatioConfig(delta=1.0, spread=1.0))
+    for site in federation.sites:  # train 3 + 29 -> 3 + 3 kept; test 1 + 7 -> 1 + 1 kept
+        assert (len(site.train), site.info["n_train_dropped"], len(site.test), site.info["n_test_dropped"]) == (6, 26, 2, 6)
+    assert caplog.messages[-1].startswith(
+        "federation.label_ratio (delta 1, spread 1) drops more than half of the records of site0 (32 of 40 dropped, "
+        "its own ratio 9), site1 (32 of 40 dropped, its own ratio 9)"
+    )

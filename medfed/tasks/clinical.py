@@ -33,9 +33,10 @@ four seeded steps:
 Samples: ``x`` float32 (n, f), ``y`` int64 (n,), 1 = the positive value.
 ``SiteData.info`` records each site's train and test (or validation, plus
 the set-aside test) records (0-based positions among the file's records),
-the ratios and class counts, and the scaling's origin. ``Federation.features``
-(in results.json) lists the feature names, the categorical columns with their
-levels, and the missing cells per column.
+the ratios, class counts and records the label ratio dropped, and the
+scaling's origin. ``Federation.features`` (in results.json) lists the
+feature names, the categorical columns with their levels, and the missing
+cells per column.
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
         source=str(path),
         set_aside=set_aside,
         evaluation_split=federation.holdout,
+        noun="records",
     )
 
     sites = []
