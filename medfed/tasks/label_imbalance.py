@@ -164,8 +164,8 @@ def _report_drops(
     kept = [[len(site.train), len(site.test)] for site in sites]
     dropped = [[site.info[f"n_{split}_dropped"] for split in splits] for site in sites]
     per_site = "; ".join(
-        f"site{index} " + ", ".join(f"{split} {k} of {k + d}" for split, k, d in zip(splits, kept[index], dropped[index]))
-        for index in range(len(sites))
+        f"site{index} " + ", ".join(f"{split} {k} of {k + d}" for split, k, d in zip(splits, counts, lost))
+        for index, (counts, lost) in enumerate(zip(kept, dropped))
     )
     n_kept, n_dropped = sum(map(sum, kept)), sum(map(sum, dropped))
     logger.info(f"{setting} kept {n_kept} of {n_kept + n_dropped} {noun}: {per_site}")
