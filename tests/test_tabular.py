@@ -174,8 +174,8 @@ def test_a_boolean_positive_value_says_the_config_read_a_boolean_and_to_quote_it
         read_tabular_csv(path, target="outcome", positive=positive)
     assert str(info.value) == (
         f"{path}: column 'outcome' must hold the positive value '{positive}' and exactly one other class, "
-        f"found ['No', 'Yes']; the config read the positive value as the boolean {positive} (YAML reads unquoted "
-        f'yes/no/on/off/true/false as booleans): quote it, e.g. data.positive: "{spelled}"'
+        f"found ['No', 'Yes']; the config read the positive value as the boolean {positive} (YAML reads an unquoted "
+        f'true/false, and YAML 1.1 also yes/no/on/off, as booleans): quote it, e.g. data.positive: "{spelled}"'
     )
 
 

@@ -332,8 +332,8 @@ def _boolean_hint(positive: str | int | bool, classes: list[str]) -> str:
     spelled = [value for value in classes if value.lower() in YAML_BOOLEANS[positive]]
     example = spelled[0] if len(spelled) == 1 else ("yes" if positive else "no")
     return (
-        f"; the config read the positive value as the boolean {positive} (YAML reads unquoted "
-        f"yes/no/on/off/true/false as booleans): quote it, e.g. data.positive: \"{example}\""
+        f"; the config read the positive value as the boolean {positive} (YAML reads an unquoted true/false, "
+        f"and YAML 1.1 also yes/no/on/off, as booleans): quote it, e.g. data.positive: \"{example}\""
     )
 
 

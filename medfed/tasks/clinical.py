@@ -82,7 +82,7 @@ class Options:
     an error, never overwritten); null reads your own ``csv``."""
     target: str = BREAST_CANCER_TARGET
     positive: str | int | bool = BREAST_CANCER_POSITIVE
-    """The target value meaning the event (label 1), compared as text; a bool (an unquoted YAML ``Yes``)
+    """The target value meaning the event (label 1), compared as text; a bool (an unquoted YAML ``true``)
     matching no cell is an error that says to quote it."""
     site_column: str | None = None
     exclude_columns: list[str] = field(default_factory=list)
