@@ -3,7 +3,6 @@
 import gzip
 import json
 
-import nibabel as nib
 import numpy as np
 import pytest
 
@@ -19,21 +18,10 @@ from medfed.data.brats import (
 )
 from medfed.errors import DataError
 
-SHAPE = (8, 8, 6)
-AFFINE = np.array([[-1.0, 0, 0, 90], [0, -1.0, 0, 126], [0, 0, 1.0, -72], [0, 0, 0, 1]])
+from brats_files import AFFINE, REAL_MSD_LABELS, REAL_MSD_MODALITY, SHAPE, random_images, write_msd, write_nifti
+
 BRATS_VALUES = np.array([0, 1, 2, 4], dtype=np.uint8)
 BRATS_TO_OURS = {0: 0, 1: 1, 2: 2, 4: 3}
-
-
-def write_nifti(path, data, affine=AFFINE):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    nib.save(nib.Nifti1Image(data, affine), path)
-    return path
-
-
-def random_images(rng, shape=SHAPE):
-    """int16 (4, X, Y, Z), each modality in its own intensity range so a mix-up shows."""
-    return np.stack([rng.integers(1000 * m, 1000 * m + 500, size=shape, dtype=np.int16) for m in range(4)])
 
 
 def random_brats_seg(rng, shape=SHAPE):
@@ -119,45 +107,6 @@ def test_brats_validation_folders_without_any_seg_are_unlabelled_cases_only(tmp_
     assert str(tmp_path) in str(info.value)
 
 
-MSD_NAMES = {"flair": "FLAIR", "t1": "T1w", "t1ce": "t1gd", "t2": "T2w"}  # as in the real dataset.json
-REAL_MSD_MODALITY = {str(channel): MSD_NAMES[m] for channel, m in enumerate(MODALITIES)}
-REAL_MSD_LABELS = {"0": "background", "1": "edema", "2": "non-enhancing tumor", "3": "enhancing tumour"}
-
-
-def write_msd(root, rng, *, disk_order=MODALITIES):
-    """Two training cases and one test case, channels stored in ``disk_order``.
-
-    Returns {case_id: (images in MODALITIES order, raw MSD label)}.
-    """
-    written = {}
-    training = []
-    for number in (2, 1, 3):
-        case_id = f"BRATS_{number:03d}"
-        images = random_images(rng).astype(np.float32)
-        on_disk = np.stack([images[MODALITIES.index(m)] for m in disk_order], axis=-1)
-        label = rng.integers(0, 4, size=SHAPE, dtype=np.uint8)
-        folder = "imagesTs" if number == 3 else "imagesTr"
-        write_nifti(root / folder / f"{case_id}.nii.gz", on_disk)
-        (root / folder / f"._{case_id}.nii.gz").write_bytes(b"\x00\x05\x16\x07")
-        if number != 3:
-            write_nifti(root / "labelsTr" / f"{case_id}.nii.gz", label)
-            (root / "labelsTr" / f"._{case_id}.nii.gz").write_bytes(b"\x00\x05\x16\x07")
-            training.append({"image": f"./imagesTr/{case_id}.nii.gz", "label": f"./labelsTr/{case_id}.nii.gz"})
-        written[case_id] = (images, label)
-    spec = {
-        "name": "BRATS",
-        "tensorImageSize": "4D",
-        "modality": {str(channel): MSD_NAMES[m] for channel, m in enumerate(disk_order)},
-        "labels": REAL_MSD_LABELS,
-        "numTraining": 2,
-        "numTest": 1,
-        "training": training,
-        "test": ["./imagesTs/BRATS_003.nii.gz"],
-    }
-    (root / "dataset.json").write_text(json.dumps(spec))
-    return written
-
-
 @pytest.mark.parametrize("disk_order", [MODALITIES, ("t2", "t1ce", "flair", "t1")], ids=["real", "permuted"])
 def test_msd_layout_maps_channels_and_labels_by_name(tmp_path, disk_order):
     written = write_msd(tmp_path, np.random.default_rng(3), disk_order=disk_order)
@@ -183,7 +132,7 @@ BRATS2023_KEYS = ("t2f", "t1n", "t1c", "t2w")  # FLAIR, T1, T1ce, T2: MODALITIES
 
 
 def write_brats2023_case(folder, label, *, keys=BRATS2023_KEYS):
-    """``folder/<case>-<key>.nii.gz``, modality k (MODALITIES order) constant k + 1, and ``<case>-seg.nii.gz``."""
+    """``folder/<case>-<key>.nii.gz`` for ``keys``, modality k (MODALITIES order) constant 10 (k + 1), and ``<case>-seg.nii.gz``."""
     for k, key in enumerate(BRATS2023_KEYS):
         if key in keys:
             write_nifti(folder / f"{folder.name}-{key}.nii.gz", np.full(SHAPE, 10 * (k + 1), dtype=np.int16))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -219,3 +220,42 @@ def split_site(
     except DataError as error:
         raise DataError(f"federation.holdout=validation splits site{site_index}'s training subjects again: {error}") from None
     return SiteSplit("validation", train, validation, set_aside=test)
+
+
+def split_sites(
+    site_subjects: Sequence[Sequence[Any]],
+    draw: SplitDraw,
+    federation: FederationConfig,
+    seed: int,
+    *,
+    noun: str,
+    partition_file: Path | None,
+) -> list[SiteSplit]:
+    """:func:`split_site` for every site: the whole split plan, checked before any data is read.
+
+    Args:
+        site_subjects: each site's subjects, from :func:`assign_subjects_to_sites`.
+        draw, federation, seed: as for :func:`split_site`.
+        noun: what the subjects are (``"cases"``, ``"series"``), for messages.
+        partition_file: the partition file that placed the subjects, or None
+            when they were shuffled onto ``federation.n_sites`` sites.
+
+    Raises:
+        ConfigError: naming ``federation.n_sites`` and how many subjects were
+            found, when a shuffled site is too small for its draws.
+        DataError: naming the partition file, when one of its partitions is.
+    """
+    n_found = sum(len(subjects) for subjects in site_subjects)
+    splits = []
+    for index, subjects in enumerate(site_subjects):
+        try:
+            splits.append(split_site(subjects, draw, federation, seed, index))
+        except DataError as error:
+            site = f"site{index} gets {len(subjects)} of the {n_found} {noun}"
+            if partition_file is not None:
+                raise DataError(f"{partition_file}: {site}, too few: {error}") from None
+            raise ConfigError(
+                f"config key 'federation.n_sites' = {federation.n_sites}: too many sites for the {n_found} {noun} found "
+                f"({site}): {error}"
+            ) from None
+    return splits

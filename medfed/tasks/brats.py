@@ -1,14 +1,16 @@
 """The BraTS task: federated whole-tumour segmentation on 64x64 axial patches.
 
 Cases are read through :mod:`medfed.data.brats` (BraTS 2017-2019,
-2020/2021 and MSD Task01 layouts), placed at sites from a FeTS-style
-``partitioning.csv`` when the data set has one (the generated default does,
-one partition per simulated scanner) or by a seeded shuffle otherwise, and
-split 80/20 *by case* inside each site with a seeded draw (with
-``federation.holdout: validation`` the test cases are set aside unread and the
-training cases are split again into train and validation). The federation
-"lack k" zero-fills MRI channel k (FLAIR, T1, T1ce, T2 = 0..3) at the
-configured sites, as a hospital without that sequence would deliver it.
+2020/2021, 2023 and MSD Task01 layouts, labelled cases only), placed at sites
+from a FeTS-style ``partitioning.csv`` when the data set has one (the
+generated default does, one partition per simulated scanner) or by a seeded
+shuffle otherwise, and split 80/20 *by case* inside each site with a seeded
+draw (with ``federation.holdout: validation`` the test cases are set aside
+unread and the training cases are split again into train and validation).
+This plan is made, and checked against the federation config, from the file
+names alone, before any volume is opened. The federation "lack k" zero-fills
+MRI channel k (FLAIR, T1, T1ce, T2 = 0..3) at the configured sites, as a
+hospital without that sequence would deliver it.
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ from torch.utils.data import TensorDataset
 from tqdm.auto import tqdm
 
 from medfed.config import FederationConfig, require
-from medfed.data.brats import MODALITIES, find_cases, load_case
-from medfed.data.federation import Federation, SiteData, assign_subjects_to_sites, split_site, split_subjects
-from medfed.data.partition_csv import read_partition_csv
+from medfed.data.brats import MODALITIES, BratsCase, BratsVolume, find_cases, load_case
+from medfed.data.federation import Federation, SiteData, SiteSplit, assign_subjects_to_sites, split_sites, split_subjects
+from medfed.data.partition_csv import find_partition_csv, read_partition_csv
 from medfed.data.patches import extract_axial_patches, sample_centres, tumour_free_centres, zscore_over_brain
 from medfed.data.phantoms.brats import generate_brats_phantoms
 from medfed.data.phantoms.store import describe_generated
-from medfed.errors import ConfigError, DataError
+from medfed.errors import ConfigError, DataError, warn
 
 NAME = "brats"
 DEFAULT_MODEL = "unet"
@@ -69,7 +71,14 @@ class Options:
 
 
 def build_federation(options: Options, federation: FederationConfig, seed: int, progress: bool = True) -> Federation:
-    """Read (or generate) the data, place cases at sites, split, cut patches, drop channels."""
+    """Generate the data if asked, plan sites and splits from the file names, then read every case and cut its patches.
+
+    Raises:
+        ConfigError: the federation config does not fit the cases found (too
+            many sites, a bad missing channel), before any volume is read.
+        DataError: bad data (see :mod:`medfed.data.brats`), or a site whose
+            cases hold no tumour voxel.
+    """
     root = Path(options.root)
     if options.generate is not None:
         generate_brats_phantoms(
@@ -81,43 +90,72 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
             progress=progress,
         )
     cases = {case.case_id: case for case in find_cases(root)}
-    partition_file = Path(options.partition_csv) if options.partition_csv else root / "partitioning.csv"
-    partition = read_partition_csv(partition_file) if partition_file.is_file() else None
+    partition_file = find_partition_csv(options.partition_csv or None, root)
+    partition = read_partition_csv(partition_file) if partition_file is not None else None
     site_cases = assign_subjects_to_sites(sorted(cases), federation.n_sites, seed, partition)
+    site_splits = split_sites(site_cases, _draw_cases, federation, seed, noun="cases", partition_file=partition_file)
     missing_sites, missing_channel = _missing_channel_sites(federation)
+    drops = [missing_channel if index in missing_sites else None for index in range(federation.n_sites)]
+    return _read_federation(root, cases, site_splits, drops, options, federation, seed, progress)
 
-    site_splits = [split_site(subjects, _draw_cases, federation, seed, index) for index, subjects in enumerate(site_cases)]
 
+def _read_federation(
+    root: Path,
+    cases: dict[str, BratsCase],
+    site_splits: list[SiteSplit],
+    drops: list[int | None],
+    options: Options,
+    federation: FederationConfig,
+    seed: int,
+    progress: bool,
+) -> Federation:
+    """Read every train and evaluation case of the plan and cut its patches (set-aside cases are never read)."""
     sites = []
-    n_read = sum(len(split.train) + len(split.evaluation) for split in site_splits)  # set-aside cases are never read
+    n_read = sum(len(split.train) + len(split.evaluation) for split in site_splits)
     bar = tqdm(total=n_read, desc="reading cases", unit="case", disable=not progress, leave=False)
-    for index, split in enumerate(site_splits):
-        drop = missing_channel if index in missing_sites else None
-        splits = {}
+    for index, (split, drop) in enumerate(zip(site_splits, drops)):
+        splits, tumour_voxels = {}, {}
         for split_name, ids in (("train", split.train), ("evaluation", split.evaluation)):
             xs, ys = [], []
+            tumour_voxels[split_name] = 0
             for case_id in ids:
+                volume = load_case(cases[case_id])  # labelled: find_cases lists only labelled cases
                 rng = np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(case_id.encode())]))
-                x, y = _case_patches(cases[case_id], options, rng, drop)
+                x, y = _case_patches(volume, options, rng, drop)
                 xs.append(x)
                 ys.append(y)
+                tumour_voxels[split_name] += int(np.count_nonzero(volume.label))
                 bar.update()
             splits[split_name] = TensorDataset(torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys)))
+        _check_tumour(root, f"site{index}", split, tumour_voxels)
         info = {**split.info("cases"), "missing_channel": None if drop is None else MODALITIES[drop]}
         sites.append(SiteData(name=f"site{index}", train=splits["train"], test=splits["evaluation"], info=info))
     bar.close()
 
     generated = describe_generated(root)
-    description = generated if generated is not None else f"BraTS data read from {root}"
     return Federation(
         task=NAME,
         sites=sites,
         input_shape=(len(MODALITIES), options.patch_size, options.patch_size),
         num_classes=2,
-        description=description,
+        description=generated if generated is not None else f"BraTS data read from {root}",
         generated=generated is not None,
         holdout=federation.holdout,
     )
+
+
+def _check_tumour(root: Path, site: str, split: SiteSplit, tumour_voxels: dict[str, int]) -> None:
+    """A site without any tumour voxel is an error (its label IoU would be 0); a split without one is a warning."""
+    if not any(tumour_voxels.values()):
+        n_cases = len(split.train) + len(split.evaluation)
+        raise DataError(
+            f"{root}: {site}: none of its {n_cases} cases has a tumour voxel (all segmentations are background); "
+            "whole-tumour segmentation needs tumour at every site"
+        )
+    names = {"train": "train", "evaluation": split.holdout}
+    for split_name, count in tumour_voxels.items():
+        if count == 0:
+            warn(f"{root}: {site}: its {names[split_name]} cases have no tumour voxel; its tumour metrics there will be 0")
 
 
 def _draw_cases(cases: Sequence[str], fraction: float, seed_of: Callable[[int], int]) -> tuple[list[str], list[str]]:
@@ -142,11 +180,8 @@ def _missing_channel_sites(federation: FederationConfig) -> tuple[set[int], int 
     return set(sites), lack.channel
 
 
-def _case_patches(case, options: Options, rng: np.random.Generator, drop_channel: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """Patches of one case: ``x`` float32 (n, 4, P, P), ``y`` int64 (n, P, P) whole tumour vs background."""
-    volume = load_case(case)
-    if volume.label is None:
-        raise DataError(f"case {case.case_id} has no segmentation; training and testing need labelled cases")
+def _case_patches(volume: BratsVolume, options: Options, rng: np.random.Generator, drop_channel: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Patches of one labelled case: ``x`` float32 (n, 4, P, P), ``y`` int64 (n, P, P) whole tumour vs background."""
     image = zscore_over_brain(volume.image)
     if drop_channel is not None:
         image[drop_channel] = 0.0
