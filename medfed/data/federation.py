@@ -62,6 +62,10 @@ class Federation:
             ``"test"`` or ``"validation"`` (``federation.holdout``).
         features: JSON-serialisable account of how a tabular task made its
             input features from the data (names, encoding); None for images.
+        cache: where the preprocessed tensors came from
+            (:mod:`medfed.data.cache`): ``{"key", "file", "hit"}``, ``hit``
+            True when they were read from the cache file; None when the task
+            was built without the cache.
     """
 
     task: str
@@ -72,6 +76,7 @@ class Federation:
     generated: bool
     holdout: str = "test"
     features: dict[str, Any] | None = None
+    cache: dict[str, Any] | None = None
 
     def summary(self) -> dict[str, Any]:
         """JSON-serialisable description for results.json."""
@@ -83,6 +88,7 @@ class Federation:
             "input_shape": list(self.input_shape),
             "num_classes": self.num_classes,
             "features": self.features,
+            "cache": self.cache,
             "sites": [
                 {"name": s.name, "n_train": len(s.train), f"n_{self.holdout}": len(s.test), **s.info} for s in self.sites
             ],

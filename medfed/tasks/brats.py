@@ -11,6 +11,10 @@ This plan is made, and checked against the federation config, from the file
 names alone, before any volume is opened. The federation "lack k" zero-fills
 MRI channel k (FLAIR, T1, T1ce, T2 = 0..3) at the configured sites, as a
 hospital without that sequence would deliver it.
+
+The patches of every site and split are kept in the preprocessed-data cache
+(:mod:`medfed.data.cache`, ``data.cache``): a second run on the same files
+with the same options, federation and seed reads no volume.
 """
 
 from __future__ import annotations
@@ -27,15 +31,18 @@ from tqdm.auto import tqdm
 
 from medfed.config import FederationConfig, require
 from medfed.data.brats import MODALITIES, BratsCase, BratsVolume, find_cases, load_case
+from medfed.data.cache import cache_key, key_settings, load_or_build
 from medfed.data.federation import Federation, SiteData, SiteSplit, assign_subjects_to_sites, split_sites, split_subjects
 from medfed.data.partition_csv import find_partition_csv, read_partition_csv
 from medfed.data.patches import extract_axial_patches, sample_centres, tumour_free_centres, zscore_over_brain
 from medfed.data.phantoms.brats import generate_brats_phantoms
-from medfed.data.phantoms.store import describe_generated
+from medfed.data.phantoms.store import MARKER, describe_generated
 from medfed.errors import ConfigError, DataError, warn
 
 NAME = "brats"
 DEFAULT_MODEL = "unet"
+PREPROCESSING_VERSION = 1
+"""Part of the cache key: bump it when a change here changes the tensors a federation holds."""
 
 
 @dataclass
@@ -57,6 +64,10 @@ class Options:
     patch_size: int = 64
     tumour_patches_per_case: int = 12
     background_patches_per_case: int = 4
+    cache: bool = True
+    """Keep the built patches in the preprocessed-data cache and reuse them (:mod:`medfed.data.cache`)."""
+    cache_dir: str | None = None
+    """The cache folder; null: ``$XDG_CACHE_HOME/medfed``, else ``~/.cache/medfed``."""
 
     def __post_init__(self) -> None:
         require(self.patch_size >= 8 and self.patch_size % 2 == 0, "patch_size", self.patch_size, "an even number >= 8")
@@ -71,7 +82,7 @@ class Options:
 
 
 def build_federation(options: Options, federation: FederationConfig, seed: int, progress: bool = True) -> Federation:
-    """Generate the data if asked, plan sites and splits from the file names, then read every case and cut its patches.
+    """Generate the data if asked, plan sites and splits from the file names, then read and cut (or take the cache's) patches.
 
     Raises:
         ConfigError: the federation config does not fit the cases found (too
@@ -96,7 +107,17 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
     site_splits = split_sites(site_cases, _draw_cases, federation, seed, noun="cases", partition_file=partition_file)
     missing_sites, missing_channel = _missing_channel_sites(federation)
     drops = [missing_channel if index in missing_sites else None for index in range(federation.n_sites)]
-    return _read_federation(root, cases, site_splits, drops, options, federation, seed, progress)
+
+    input_files = [path for case in cases.values() for path in (*case.image_files, case.label_file)]
+    input_files += [path for path in (partition_file, root / MARKER) if path is not None and path.is_file()]
+    key = cache_key(NAME, PREPROCESSING_VERSION, root, input_files, key_settings(options, federation, seed))
+    return load_or_build(
+        key,
+        lambda: _read_federation(root, cases, site_splits, drops, options, federation, seed, progress),
+        task=NAME,
+        enabled=options.cache,
+        cache_dir=options.cache_dir,
+    )
 
 
 def _read_federation(
