@@ -151,6 +151,15 @@ _LAYOUTS_LOOKED_FOR = (
 )
 
 
+REGIONS = ("wt", "tc", "et")
+"""The BraTS evaluation regions: whole tumour, tumour core, enhancing tumour."""
+
+
+def tumour_regions(label: np.ndarray) -> np.ndarray:
+    """uint8 ``(3, *label.shape)``: the WT, TC and ET masks of a :class:`TumourLabel` array (nested: ET in TC in WT)."""
+    return np.stack([whole_tumour(label), tumour_core(label), enhancing_tumour(label)]).astype(np.uint8)
+
+
 def whole_tumour(label: np.ndarray) -> np.ndarray:
     """Whole-tumour mask (necrotic core, oedema and enhancing): bool, same shape as ``label``."""
     return np.isin(label, WHOLE_TUMOUR)
