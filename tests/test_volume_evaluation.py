@@ -1,11 +1,16 @@
 """Whole-volume evaluation against hand computations and a brute-force Hausdorff reference."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 from scipy.ndimage import binary_erosion
 from scipy.spatial.distance import cdist
 
+from medfed.data.brats import TumourLabel
+from medfed.data.federation import EvaluationVolume
+from medfed.evaluation.rounds import VolumeEvaluation
 from medfed.evaluation.volume import mean_over_patients, region_scores, segment_volume
 
 
@@ -59,3 +64,44 @@ def test_segment_volume_tiles_slices_larger_than_the_patch_exactly():
 def test_per_site_scores_are_the_mean_over_patients():
     assert mean_over_patients([{"dice": 1.0, "hd95": 0.0}, {"dice": 0.5, "hd95": 4.0}]) == {"dice": 0.75, "hd95": 2.0}
     assert mean_over_patients([]) == {}
+
+
+class _ChannelZeroModule(torch.nn.Module):
+    """A 'model' whose whole-tumour logit is channel 0 of its input."""
+
+    region_names = ("wt",)
+
+    def forward(self, x):
+        return torch.cat([-x[:, :1], x[:, :1]], dim=1)
+
+    def region_masks(self, output):
+        return (output.argmax(dim=1) == 1).unsqueeze(1)
+
+
+class _Volumes:
+    """One patient whose channel 0 is the whole tumour moved ``shift`` voxels along x (what the 'model' will predict)."""
+
+    def __init__(self, label, shift=0):
+        self.label, self.shift = label, shift
+
+    def site_volumes(self, site):
+        predicted = np.roll(self.label > 0, self.shift, axis=0)
+        image = np.stack([np.where(predicted, 5.0, -5.0), np.zeros(self.label.shape)]).astype(np.float32)
+        yield EvaluationVolume("case", image, self.label, (1.0, 1.0, 2.0))
+
+
+def _site(module):
+    return SimpleNamespace(index=0, name="site0", module=module, fabric=SimpleNamespace(device=torch.device("cpu")))
+
+
+def test_the_round_evaluation_scores_a_perfect_and_a_shifted_model_on_a_whole_volume():
+    label = np.zeros((40, 36, 6), dtype=np.uint8)
+    label[10:20, 8:18, 1:5] = TumourLabel.OEDEMA
+    label[12:16, 10:14, 2:4] = TumourLabel.ENHANCING
+    evaluation = VolumeEvaluation(_Volumes(label), patch_size=16, every=2, last_round=5, batch_size=4)
+    assert evaluation.evaluate_site(_site(_ChannelZeroModule())) == {"dice_wt": 1.0, "iou_wt": 1.0, "hd95_wt": 0.0}
+    shifted = VolumeEvaluation(_Volumes(label, shift=3), patch_size=16, every=2, last_round=5, batch_size=4)
+    scores = shifted.evaluate_site(_site(_ChannelZeroModule()))
+    assert scores["dice_wt"] == pytest.approx(7 / 10)  # a 10-voxel extent moved 3 voxels: 7 / 10 of it overlaps
+    assert scores["hd95_wt"] == pytest.approx(_brute_force_hd95(np.roll(label > 0, 3, axis=0), label > 0, (1.0, 1.0, 2.0)), rel=1e-5)
+    assert [evaluation.due(r) for r in range(1, 6)] == [False, True, False, True, True]
