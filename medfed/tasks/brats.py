@@ -109,7 +109,7 @@ def build_federation(
     partition = read_partition_csv(partition_file) if partition_file is not None else None
     site_cases = assign_subjects_to_sites(sorted(cases), federation.n_sites, seed, partition)
     site_splits = split_sites(site_cases, _draw_cases, federation, seed, noun="cases", partition_file=partition_file)
-    missing_sites, missing_channel = _missing_channel_sites(federation)
+    missing_sites, missing_channel = missing_channel_sites(federation)
     drops = [missing_channel if index in missing_sites else None for index in range(federation.n_sites)]
 
     input_files = [path for case in cases.values() for path in (*case.image_files, case.label_file)]
@@ -215,8 +215,8 @@ def _draw_cases(cases: Sequence[str], fraction: float, seed_of: Callable[[int], 
     return split_subjects(list(cases), fraction, seed_of(0))
 
 
-def _missing_channel_sites(federation: FederationConfig) -> tuple[set[int], int | None]:
-    """Sites lacking a channel and which channel (``(set(), None)`` without "lack k")."""
+def missing_channel_sites(federation: FederationConfig) -> tuple[set[int], int | None]:
+    """Sites lacking a channel and which channel (``(set(), None)`` without "lack k"); ``predict`` zeroes it too."""
     lack = federation.missing_channel
     if lack is None:
         return set(), None
