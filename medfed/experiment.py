@@ -28,6 +28,7 @@ from medfed.checkpoint import CHECKPOINT_NAME, config_differences, load_checkpoi
 from medfed.components import resolve
 from medfed.config import RunConfig
 from medfed.errors import ConfigError
+from medfed.evaluation.rounds import VolumeEvaluation
 from medfed.federated.link import Link
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.site import Site
@@ -50,13 +51,16 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
     if trainer.num_threads is not None:
         torch.set_num_threads(trainer.num_threads)
 
-    federation = resolved.task.build_federation(resolved.data_options, run_cfg.federation, trainer.seed, progress=progress)
+    federation = resolved.task.build_federation(
+        resolved.data_options, run_cfg.federation, trainer.seed, progress=progress, **resolved.task_inputs
+    )
     with torch.random.fork_rng():
         torch.manual_seed(trainer.seed)
         prototype = resolved.model_cls(federation.input_shape[0], federation.num_classes, resolved.model_options)
     strategy = resolved.strategy_cls(resolved.strategy_options, prototype.parameter_split, len(federation.sites), trainer.seed)
 
-    fabric = Fabric(accelerator=trainer.device, devices=1, loggers=_loggers(run_cfg, output_dir), callbacks=[strategy])
+    callbacks = [strategy, *_volume_evaluation(federation, run_cfg)]
+    fabric = Fabric(accelerator=trainer.device, devices=1, loggers=_loggers(run_cfg, output_dir), callbacks=callbacks)
     sites = build_sites(fabric, federation, prototype, trainer.batch_size, trainer.seed)
     initial = initial_vectors(prototype, fabric.device)
     links = [Link(run_cfg.codec.spec("up"), run_cfg.codec.spec("down"), strategy.coded_keys, initial, fabric.device) for _ in sites]
@@ -138,6 +142,15 @@ def _check_output_dir(output_dir: Path, checkpoint_path: Path, resume: bool, ove
             f"config key 'output_dir' = {str(output_dir)!r} already holds a run ({earlier[0].name}); "
             "pass --resume to continue it, --overwrite to replace it, or choose another output_dir"
         )
+
+
+def _volume_evaluation(federation: Federation, run_cfg: RunConfig) -> list[VolumeEvaluation]:
+    """The whole-volume evaluation callback, where the task has volumes and ``evaluation.volume_every`` is not null."""
+    every = run_cfg.evaluation.volume_every
+    if federation.volumes is None or every is None:
+        return []
+    patch_size = federation.input_shape[-1]
+    return [VolumeEvaluation(federation.volumes, patch_size, every, run_cfg.trainer.rounds, run_cfg.evaluation.volume_batch_size)]
 
 
 def _loggers(run_cfg: RunConfig, output_dir: Path) -> list:

@@ -3,6 +3,7 @@
 import gzip
 import json
 
+import nibabel as nib
 import numpy as np
 import pytest
 
@@ -14,6 +15,7 @@ from medfed.data.brats import (
     find_unlabelled_cases,
     load_case,
     tumour_core,
+    tumour_regions,
     whole_tumour,
 )
 from medfed.errors import DataError
@@ -185,6 +187,27 @@ def test_brats2023_missing_sequence_names_the_case_folder_and_the_file(tmp_path)
     with pytest.raises(DataError, match=r"missing the t1c \(t1ce\) image") as info:
         find_cases(tmp_path)
     assert str(folder / "BraTS-GLI-00000-000-t1c.nii.gz") in str(info.value)
+
+
+# Regions each raw label value belongs to (WT, TC, ET), written out by hand from the conventions.
+BRATS_RAW_REGIONS = {0: (0, 0, 0), 1: (1, 1, 0), 2: (1, 0, 0), 4: (1, 1, 1)}  # NCR/NET, oedema, enhancing
+MSD_RAW_REGIONS = {0: (0, 0, 0), 1: (1, 0, 0), 2: (1, 1, 0), 3: (1, 1, 1)}  # edema, non-enhancing, enhancing
+
+
+def _expected_regions(raw, table):
+    return np.stack([np.vectorize(lambda v: table[int(v)][r])(raw) for r in range(3)]).astype(np.uint8)
+
+
+def test_regions_of_brats_and_msd_labels_follow_each_convention(tmp_path):
+    rng = np.random.default_rng(7)
+    write_brats_case(tmp_path / "brats" / "BraTS20_Training_001", rng)
+    (case,) = find_cases(tmp_path / "brats")
+    raw = np.asarray(nib.load(case.label_file).dataobj)
+    np.testing.assert_array_equal(tumour_regions(load_case(case).label), _expected_regions(raw, BRATS_RAW_REGIONS))
+    write_msd(tmp_path / "msd", rng)
+    for case in find_cases(tmp_path / "msd"):
+        raw = np.asarray(nib.load(case.label_file).dataobj)
+        np.testing.assert_array_equal(tumour_regions(load_case(case).label), _expected_regions(raw, MSD_RAW_REGIONS))
 
 
 def test_region_masks():

@@ -158,3 +158,30 @@ def test_sites_without_any_tumour_voxel_are_named(tiny_brats_root, tmp_path, emp
         f"{root}: {site}: none of its 3 cases has a tumour voxel (all segmentations are background); "
         "whole-tumour segmentation needs tumour at every site"
     )
+
+
+def test_region_targets_are_nested_masks_whose_whole_tumour_is_the_wt_target(tiny_brats_root):
+    federation_config = FederationConfig(n_sites=3)
+    wt = brats.build_federation(_options(tiny_brats_root), federation_config, seed=0, progress=False)
+    regions = brats.build_federation(_options(tiny_brats_root), federation_config, seed=0, progress=False, target="regions")
+    assert (wt.num_classes, regions.num_classes) == (2, 3)
+    for a, b in zip(wt.sites, regions.sites):
+        y = b.train.tensors[1]
+        assert y.dtype == torch.uint8 and y.shape == (len(b.train), 3, 32, 32)
+        torch.testing.assert_close(a.train.tensors[0], b.train.tensors[0])  # the same patches
+        assert torch.equal(y[:, 0].long(), a.train.tensors[1])  # WT channel = the wt target
+        assert bool((y[:, 1] <= y[:, 0]).all() and (y[:, 2] <= y[:, 1]).all())  # ET in TC in WT
+    assert any(site.train.tensors[1][:, 2].any() for site in regions.sites)  # the phantoms do have enhancing tumour
+
+
+def test_evaluation_volumes_are_the_evaluation_cases_prepared_like_the_patches(tiny_brats_root):
+    federation = brats.build_federation(
+        _options(tiny_brats_root), FederationConfig(n_sites=3, missing_channel=MissingChannelConfig(channel=2, sites=[1])), seed=0, progress=False
+    )
+    for index, site in enumerate(federation.sites):
+        volumes = list(federation.volumes.site_volumes(index))
+        assert [v.case_id for v in volumes] == site.info["test_cases"]
+        for volume in volumes:
+            assert volume.image.shape[0] == 4 and volume.image.shape[1:] == volume.label.shape
+            assert volume.spacing_mm == pytest.approx((4.0, 4.0, 4.0))
+            assert (not volume.image[2].any()) == (index == 1)  # the missing channel is zero there, as in training

@@ -151,6 +151,15 @@ _LAYOUTS_LOOKED_FOR = (
 )
 
 
+REGIONS = ("wt", "tc", "et")
+"""The BraTS evaluation regions: whole tumour, tumour core, enhancing tumour."""
+
+
+def tumour_regions(label: np.ndarray) -> np.ndarray:
+    """uint8 ``(3, *label.shape)``: the WT, TC and ET masks of a :class:`TumourLabel` array (nested: ET in TC in WT)."""
+    return np.stack([whole_tumour(label), tumour_core(label), enhancing_tumour(label)]).astype(np.uint8)
+
+
 def whole_tumour(label: np.ndarray) -> np.ndarray:
     """Whole-tumour mask (necrotic core, oedema and enhancing): bool, same shape as ``label``."""
     return np.isin(label, WHOLE_TUMOUR)
@@ -172,7 +181,7 @@ class BratsCase:
 
     Attributes:
         case_id: the case folder name (BraTS) or file name without suffix (MSD).
-        layout: ``"brats2017"``, ``"brats2020"``, ``"brats2023"`` or ``"msd"``.
+        layout: ``"brats2017"``, ``"brats2020"``, ``"brats2023"``, ``"msd"`` or ``"files"`` (four files given one by one).
         image_files: four files in :data:`MODALITIES` order, or one 4-D file (MSD).
         label_file: the segmentation, or None where the data set has no labels
             (e.g. MSD ``imagesTs``, BraTS validation releases).
@@ -242,6 +251,29 @@ def find_unlabelled_cases(root: str | Path) -> list[BratsCase]:
             unlabelled cases gives an empty list.
     """
     return [case for case in _find_all_cases(Path(root)) if case.label_file is None]
+
+
+def case_from_paths(paths: list[Path]) -> BratsCase:
+    """One case given as its folder (BraTS 2017-2021 or 2023 naming) or as four files in :data:`MODALITIES` order.
+
+    Used to read a new scan (``medfed predict``); a segmentation in the folder is listed but not needed.
+
+    Raises:
+        DataError: a path is missing, the folder holds no BraTS case files, or
+            neither one folder nor four files were given.
+    """
+    paths = [Path(path) for path in paths]
+    missing = [path for path in paths if not path.exists()]
+    if missing:
+        raise DataError(f"{missing[0]}: not found")
+    if len(paths) == 1 and paths[0].is_dir():
+        return _case_from_folder(paths[0], ("brats2020", "brats2023"), None)
+    if len(paths) == len(MODALITIES) and all(path.is_file() for path in paths):
+        case_id = paths[0].name.split(".nii")[0]
+        return BratsCase(case_id=case_id, layout="files", image_files=tuple(paths), label_file=None, grade=None)
+    raise DataError(
+        f"{', '.join(map(str, paths))}: expected one case folder or four NIfTI files in the order {', '.join(MODALITIES)}"
+    )
 
 
 def load_case(case: BratsCase) -> BratsVolume:

@@ -15,10 +15,10 @@ validation split then takes the place of the test split for the whole run.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from torch.utils.data import TensorDataset
@@ -46,6 +46,31 @@ class SiteData:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+class VolumeSource(Protocol):
+    """A site's evaluation volumes, read on demand (whole-volume evaluation, :mod:`medfed.evaluation.volume`)."""
+
+    def site_volumes(self, site: int) -> Iterator[EvaluationVolume]:
+        """The volumes of site ``site``'s evaluation split (test, or validation), in case order."""
+        ...
+
+
+@dataclass(frozen=True)
+class EvaluationVolume:
+    """One patient's whole volume, prepared exactly as the site's training patches were.
+
+    Attributes:
+        case_id: the patient.
+        image: float32 ``(C, X, Y, Z)``, normalised (and a missing channel zeroed) as in training.
+        label: ``(X, Y, Z)`` integer class labels (e.g. :class:`~medfed.data.brats.TumourLabel`).
+        spacing_mm: voxel size along X, Y, Z.
+    """
+
+    case_id: str
+    image: np.ndarray
+    label: np.ndarray
+    spacing_mm: tuple[float, float, float]
+
+
 @dataclass
 class Federation:
     """All sites of one task.
@@ -66,6 +91,9 @@ class Federation:
             (:mod:`medfed.data.cache`): ``{"key", "file", "hit"}``, ``hit``
             True when they were read from the cache file; None when the task
             was built without the cache.
+        volumes: the whole evaluation volumes of each site, for tasks whose
+            samples are cut from volumes (:class:`VolumeSource`); None otherwise.
+            Not cached: the volumes are read when evaluated.
     """
 
     task: str
@@ -77,6 +105,7 @@ class Federation:
     holdout: str = "test"
     features: dict[str, Any] | None = None
     cache: dict[str, Any] | None = None
+    volumes: VolumeSource | None = None
 
     def summary(self) -> dict[str, Any]:
         """JSON-serialisable description for results.json."""

@@ -20,7 +20,7 @@ with the same options, federation and seed reads no volume.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,9 +30,9 @@ from torch.utils.data import TensorDataset
 from tqdm.auto import tqdm
 
 from medfed.config import FederationConfig, require
-from medfed.data.brats import MODALITIES, BratsCase, BratsVolume, find_cases, load_case
+from medfed.data.brats import MODALITIES, REGIONS, BratsCase, BratsVolume, find_cases, load_case, tumour_regions
 from medfed.data.cache import cache_key, key_settings, load_or_build
-from medfed.data.federation import Federation, SiteData, SiteSplit, assign_subjects_to_sites, split_sites, split_subjects
+from medfed.data.federation import EvaluationVolume, Federation, SiteData, SiteSplit, assign_subjects_to_sites, split_sites, split_subjects
 from medfed.data.partition_csv import find_partition_csv, read_partition_csv
 from medfed.data.patches import extract_axial_patches, sample_centres, tumour_free_centres, zscore_over_brain
 from medfed.data.phantoms.brats import generate_brats_phantoms
@@ -41,6 +41,8 @@ from medfed.errors import ConfigError, DataError, warn
 
 NAME = "brats"
 DEFAULT_MODEL = "unet"
+TARGETS = ("wt", "regions")
+"""What the model may learn (``model.target``): whole tumour, or the WT/TC/ET regions."""
 PREPROCESSING_VERSION = 1
 """Part of the cache key: bump it when a change here changes the tensors a federation holds."""
 
@@ -81,7 +83,9 @@ class Options:
         )
 
 
-def build_federation(options: Options, federation: FederationConfig, seed: int, progress: bool = True) -> Federation:
+def build_federation(
+    options: Options, federation: FederationConfig, seed: int, progress: bool = True, target: str = "wt"
+) -> Federation:
     """Generate the data if asked, plan sites and splits from the file names, then read and cut (or take the cache's) patches.
 
     Raises:
@@ -105,19 +109,45 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
     partition = read_partition_csv(partition_file) if partition_file is not None else None
     site_cases = assign_subjects_to_sites(sorted(cases), federation.n_sites, seed, partition)
     site_splits = split_sites(site_cases, _draw_cases, federation, seed, noun="cases", partition_file=partition_file)
-    missing_sites, missing_channel = _missing_channel_sites(federation)
+    missing_sites, missing_channel = missing_channel_sites(federation)
     drops = [missing_channel if index in missing_sites else None for index in range(federation.n_sites)]
 
     input_files = [path for case in cases.values() for path in (*case.image_files, case.label_file)]
     input_files += [path for path in (partition_file, root / MARKER) if path is not None and path.is_file()]
-    key = cache_key(NAME, PREPROCESSING_VERSION, root, input_files, key_settings(options, federation, seed))
-    return load_or_build(
+    settings = {**key_settings(options, federation, seed), "target": target}
+    key = cache_key(NAME, PREPROCESSING_VERSION, root, input_files, settings)
+    built = load_or_build(
         key,
-        lambda: _read_federation(root, cases, site_splits, drops, options, federation, seed, progress),
+        lambda: _read_federation(root, cases, site_splits, drops, options, federation, seed, progress, target),
         task=NAME,
         enabled=options.cache,
         cache_dir=options.cache_dir,
     )
+    built.volumes = BratsVolumes(cases, [split.evaluation for split in site_splits], drops)
+    return built
+
+
+@dataclass(frozen=True)
+class BratsVolumes:
+    """Each site's evaluation cases as whole volumes (:class:`~medfed.data.federation.VolumeSource`).
+
+    A volume is read when evaluated, z-scored over the brain and its missing
+    channel zeroed exactly as the site's training patches were; labels are
+    :class:`~medfed.data.brats.TumourLabel` values.
+    """
+
+    cases: dict[str, BratsCase]
+    evaluation_cases: list[list[str]]
+    drops: list[int | None]
+
+    def site_volumes(self, site: int) -> Iterator[EvaluationVolume]:
+        for case_id in self.evaluation_cases[site]:
+            volume = load_case(self.cases[case_id])
+            image = zscore_over_brain(volume.image)
+            if self.drops[site] is not None:
+                image[self.drops[site]] = 0.0
+            spacing = tuple(float(s) for s in np.linalg.norm(volume.affine[:3, :3], axis=0))
+            yield EvaluationVolume(case_id, image, volume.label, spacing)
 
 
 def _read_federation(
@@ -129,6 +159,7 @@ def _read_federation(
     federation: FederationConfig,
     seed: int,
     progress: bool,
+    target: str,
 ) -> Federation:
     """Read every train and evaluation case of the plan and cut its patches (set-aside cases are never read)."""
     sites = []
@@ -142,7 +173,7 @@ def _read_federation(
             for case_id in ids:
                 volume = load_case(cases[case_id])  # labelled: find_cases lists only labelled cases
                 rng = np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(case_id.encode())]))
-                x, y = _case_patches(volume, options, rng, drop)
+                x, y = _case_patches(volume, options, rng, drop, target)
                 xs.append(x)
                 ys.append(y)
                 tumour_voxels[split_name] += int(np.count_nonzero(volume.label))
@@ -158,7 +189,7 @@ def _read_federation(
         task=NAME,
         sites=sites,
         input_shape=(len(MODALITIES), options.patch_size, options.patch_size),
-        num_classes=2,
+        num_classes=2 if target == "wt" else len(REGIONS),
         description=generated if generated is not None else f"BraTS data read from {root}",
         generated=generated is not None,
         holdout=federation.holdout,
@@ -184,8 +215,8 @@ def _draw_cases(cases: Sequence[str], fraction: float, seed_of: Callable[[int], 
     return split_subjects(list(cases), fraction, seed_of(0))
 
 
-def _missing_channel_sites(federation: FederationConfig) -> tuple[set[int], int | None]:
-    """Sites lacking a channel and which channel (``(set(), None)`` without "lack k")."""
+def missing_channel_sites(federation: FederationConfig) -> tuple[set[int], int | None]:
+    """Sites lacking a channel and which channel (``(set(), None)`` without "lack k"); ``predict`` zeroes it too."""
     lack = federation.missing_channel
     if lack is None:
         return set(), None
@@ -201,8 +232,14 @@ def _missing_channel_sites(federation: FederationConfig) -> tuple[set[int], int 
     return set(sites), lack.channel
 
 
-def _case_patches(volume: BratsVolume, options: Options, rng: np.random.Generator, drop_channel: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """Patches of one labelled case: ``x`` float32 (n, 4, P, P), ``y`` int64 (n, P, P) whole tumour vs background."""
+def _case_patches(
+    volume: BratsVolume, options: Options, rng: np.random.Generator, drop_channel: int | None, target: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Patches of one labelled case: ``x`` float32 (n, 4, P, P) and its targets.
+
+    Targets: ``wt``: int64 (n, P, P), 1 = whole tumour; ``regions``: uint8
+    (n, 3, P, P) masks of WT, TC, ET (:func:`~medfed.data.brats.tumour_regions`).
+    """
     image = zscore_over_brain(volume.image)
     if drop_channel is not None:
         image[drop_channel] = 0.0
@@ -214,4 +251,7 @@ def _case_patches(volume: BratsVolume, options: Options, rng: np.random.Generato
             sample_centres(tumour_free_centres(brain, tumour, options.patch_size), options.background_patches_per_case, rng),
         ]
     )
-    return extract_axial_patches(image, tumour.astype(np.int64), centres, options.patch_size)
+    if target == "wt":
+        return extract_axial_patches(image, tumour.astype(np.int64), centres, options.patch_size)
+    x, labels = extract_axial_patches(image, volume.label.astype(np.int64), centres, options.patch_size)
+    return x, np.moveaxis(tumour_regions(labels), 0, 1)
