@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 from lightning.fabric import Fabric
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler
 
 from medfed.data.federation import SiteData
 from medfed.models.base import FederatedModule
@@ -52,7 +52,9 @@ class Site:
         self.optimizer = optimizer
         self.fabric = fabric
         self.generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
-        self.train_loader = DataLoader(data.train, batch_size=batch_size, shuffle=True, generator=self.generator)
+        # A training set that draws fresh samples (random crops) brings its own sampler; it draws from the same generator.
+        sampler = data.train.sampler(self.generator) if hasattr(data.train, "sampler") else RandomSampler(data.train, generator=self.generator)
+        self.train_loader = DataLoader(data.train, batch_size=batch_size, sampler=sampler, generator=self.generator)
         self.test_loader = DataLoader(data.test, batch_size=batch_size * 4, shuffle=False)
         self.strategy_state: dict[str, Any] = {}
 
