@@ -41,7 +41,7 @@ from torch.utils.data import TensorDataset
 from medfed.data.federation import Federation, SiteData
 from medfed.errors import DataError, warn
 
-FORMAT = 1
+FORMAT = 2
 """Version of the entry layout; part of every key."""
 
 
@@ -82,15 +82,17 @@ def cache_key(task: str, version: int, root: str | Path, files: Iterable[Path], 
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
-def key_settings(options: Any, federation: Any, seed: int) -> dict[str, Any]:
-    """The ``settings`` of :func:`cache_key`: every task option but ``cache`` and ``cache_dir``, the federation config, the seed.
+def key_settings(options: Any, federation: Any, seed: int, not_stored: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The ``settings`` of :func:`cache_key`: every task option but ``cache``, ``cache_dir`` and ``not_stored``, the federation config, the seed.
 
     Args:
         options: the task's options dataclass.
         federation: the :class:`~medfed.config.FederationConfig`.
         seed: the run's seed.
+        not_stored: options that act only after the cache (e.g. augmentation
+            of drawn samples), so that changing them reuses the entry.
     """
-    task_options = {name: value for name, value in asdict(options).items() if name not in ("cache", "cache_dir")}
+    task_options = {name: value for name, value in asdict(options).items() if name not in ("cache", "cache_dir", *not_stored)}
     return {"options": task_options, "federation": asdict(federation), "seed": seed}
 
 
@@ -158,7 +160,10 @@ def _write(path: Path, key: str, federation: Federation) -> None:
 
 
 def _encode(federation: Federation) -> dict[str, Any]:
-    """Plain containers and tensors; ``info`` and ``features`` as JSON text (they go to results.json, so they serialise)."""
+    """Plain containers and tensors; ``info`` and ``features`` as JSON text (they go to results.json, so they serialise).
+
+    A site's ``train_volumes`` (None, or a list of dicts of tensors) are stored as they are.
+    """
     return {
         "task": federation.task,
         "input_shape": list(federation.input_shape),
@@ -168,7 +173,13 @@ def _encode(federation: Federation) -> dict[str, Any]:
         "holdout": federation.holdout,
         "features": json.dumps(federation.features),
         "sites": [
-            {"name": site.name, "train": list(site.train.tensors), "test": list(site.test.tensors), "info": json.dumps(site.info)}
+            {
+                "name": site.name,
+                "train": list(site.train.tensors),
+                "test": list(site.test.tensors),
+                "info": json.dumps(site.info),
+                "train_volumes": site.train_volumes,
+            }
             for site in federation.sites
         ],
     }
@@ -176,7 +187,13 @@ def _encode(federation: Federation) -> dict[str, Any]:
 
 def _decode(encoded: dict[str, Any]) -> Federation:
     sites = [
-        SiteData(name=site["name"], train=TensorDataset(*site["train"]), test=TensorDataset(*site["test"]), info=json.loads(site["info"]))
+        SiteData(
+            name=site["name"],
+            train=TensorDataset(*site["train"]),
+            test=TensorDataset(*site["test"]),
+            info=json.loads(site["info"]),
+            train_volumes=site["train_volumes"],
+        )
         for site in encoded["sites"]
     ]
     return Federation(

@@ -33,17 +33,24 @@ class SiteData:
 
     Attributes:
         name: display name (``site0``, ``site1``, ...).
-        train: ``TensorDataset`` of ``(x, y)`` training samples.
+        train: ``TensorDataset`` of ``(x, y)`` training samples; a subclass
+            that draws fresh samples every epoch (BraTS ``random_crops``,
+            :class:`~medfed.data.crops.RandomCrops`) brings a ``sampler`` of
+            its own and keeps a fixed reference set in ``tensors``.
         test: ``TensorDataset`` of ``(x, y)`` samples the run evaluates on:
             the test split, or the validation split with ``holdout: validation``.
         info: JSON-serialisable facts about the site (subjects per split,
             missing channel, label ratio ...), written to results.json.
+        train_volumes: the training volumes kept in memory to draw fresh
+            samples from (plain tensors, cached with the patches); None for
+            a fixed training set.
     """
 
     name: str
     train: TensorDataset
     test: TensorDataset
     info: dict[str, Any] = field(default_factory=dict)
+    train_volumes: list[dict[str, Any]] | None = None
 
 
 class VolumeSource(Protocol):

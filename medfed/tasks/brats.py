@@ -12,9 +12,17 @@ names alone, before any volume is opened. The federation "lack k" zero-fills
 MRI channel k (FLAIR, T1, T1ce, T2 = 0..3) at the configured sites, as a
 hospital without that sequence would deliver it.
 
-The patches of every site and split are kept in the preprocessed-data cache
-(:mod:`medfed.data.cache`, ``data.cache``): a second run on the same files
-with the same options, federation and seed reads no volume.
+``data.train_sampling`` chooses the training samples: ``fixed`` (the
+paper's protocol, the default) trains on the patches cut once; ``random_crops``
+keeps each site's training volumes in memory and cuts fresh, augmented crops
+every epoch (:class:`~medfed.data.crops.RandomCrops`, ``data.augment``). The
+evaluation split is the fixed patch set in both.
+
+The patches of every site and split, and with ``random_crops`` the training
+volumes, are kept in the preprocessed-data cache (:mod:`medfed.data.cache`,
+``data.cache``): a second run on the same files with the same options,
+federation and seed reads no volume. ``data.augment`` acts on each drawn crop,
+not on what is stored, so it is not part of the cache key.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from tqdm.auto import tqdm
 from medfed.config import FederationConfig, require
 from medfed.data.brats import MODALITIES, REGIONS, BratsCase, BratsVolume, find_cases, load_case, tumour_regions
 from medfed.data.cache import cache_key, key_settings, load_or_build
+from medfed.data.crops import Augmentation, RandomCrops, training_volume
 from medfed.data.federation import EvaluationVolume, Federation, SiteData, SiteSplit, assign_subjects_to_sites, split_sites, split_subjects
 from medfed.data.partition_csv import find_partition_csv, read_partition_csv
 from medfed.data.patches import extract_axial_patches, sample_centres, tumour_free_centres, zscore_over_brain
@@ -43,6 +52,8 @@ NAME = "brats"
 DEFAULT_MODEL = "unet"
 TARGETS = ("wt", "regions")
 """What the model may learn (``model.target``): whole tumour, or the WT/TC/ET regions."""
+TRAIN_SAMPLING = ("fixed", "random_crops")
+"""``data.train_sampling``: the patches cut once, or fresh augmented crops every epoch."""
 PREPROCESSING_VERSION = 1
 """Part of the cache key: bump it when a change here changes the tensors a federation holds."""
 
@@ -66,6 +77,10 @@ class Options:
     patch_size: int = 64
     tumour_patches_per_case: int = 12
     background_patches_per_case: int = 4
+    train_sampling: str = "fixed"
+    """``fixed``: train on the patches cut once; ``random_crops``: fresh crops every epoch, as many and as balanced (:mod:`medfed.data.crops`)."""
+    augment: Augmentation = field(default_factory=Augmentation)
+    """Flips and intensity changes of each crop (``random_crops`` only)."""
     cache: bool = True
     """Keep the built patches in the preprocessed-data cache and reuse them (:mod:`medfed.data.cache`)."""
     cache_dir: str | None = None
@@ -81,6 +96,7 @@ class Options:
             self.tumour_patches_per_case,
             "at least one patch per case in total",
         )
+        require(self.train_sampling in TRAIN_SAMPLING, "train_sampling", self.train_sampling, " or ".join(TRAIN_SAMPLING))
 
 
 def build_federation(
@@ -114,7 +130,7 @@ def build_federation(
 
     input_files = [path for case in cases.values() for path in (*case.image_files, case.label_file)]
     input_files += [path for path in (partition_file, root / MARKER) if path is not None and path.is_file()]
-    settings = {**key_settings(options, federation, seed), "target": target}
+    settings = {**key_settings(options, federation, seed, not_stored=("augment",)), "target": target}
     key = cache_key(NAME, PREPROCESSING_VERSION, root, input_files, settings)
     built = load_or_build(
         key,
@@ -124,6 +140,17 @@ def build_federation(
         cache_dir=options.cache_dir,
     )
     built.volumes = BratsVolumes(cases, [split.evaluation for split in site_splits], drops)
+    if options.train_sampling == "random_crops":
+        for site in built.sites:
+            site.train = RandomCrops(
+                site.train.tensors,
+                site.train_volumes,
+                options.tumour_patches_per_case,
+                options.background_patches_per_case,
+                options.patch_size,
+                target,
+                options.augment,
+            )
     return built
 
 
@@ -143,9 +170,7 @@ class BratsVolumes:
     def site_volumes(self, site: int) -> Iterator[EvaluationVolume]:
         for case_id in self.evaluation_cases[site]:
             volume = load_case(self.cases[case_id])
-            image = zscore_over_brain(volume.image)
-            if self.drops[site] is not None:
-                image[self.drops[site]] = 0.0
+            image = _normalised(volume, self.drops[site])
             spacing = tuple(float(s) for s in np.linalg.norm(volume.affine[:3, :3], axis=0))
             yield EvaluationVolume(case_id, image, volume.label, spacing)
 
@@ -161,27 +186,44 @@ def _read_federation(
     progress: bool,
     target: str,
 ) -> Federation:
-    """Read every train and evaluation case of the plan and cut its patches (set-aside cases are never read)."""
+    """Read every train and evaluation case of the plan and cut its patches (set-aside cases are never read).
+
+    With ``train_sampling: random_crops`` each site's training cases are also
+    kept, as :func:`~medfed.data.crops.training_volume` records, in ``SiteData.train_volumes``.
+    """
     sites = []
     n_read = sum(len(split.train) + len(split.evaluation) for split in site_splits)
     bar = tqdm(total=n_read, desc="reading cases", unit="case", disable=not progress, leave=False)
     for index, (split, drop) in enumerate(zip(site_splits, drops)):
-        splits, tumour_voxels = {}, {}
+        splits, tumour_voxels, train_volumes = {}, {}, []
         for split_name, ids in (("train", split.train), ("evaluation", split.evaluation)):
             xs, ys = [], []
             tumour_voxels[split_name] = 0
             for case_id in ids:
                 volume = load_case(cases[case_id])  # labelled: find_cases lists only labelled cases
                 rng = np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(case_id.encode())]))
-                x, y = _case_patches(volume, options, rng, drop, target)
+                image = _normalised(volume, drop)
+                tumour = volume.label > 0
+                background = tumour_free_centres((volume.image != 0).any(axis=0), tumour, options.patch_size)
+                x, y = _case_patches(image, volume.label, tumour, background, options, rng, target)
                 xs.append(x)
                 ys.append(y)
+                if split_name == "train" and options.train_sampling == "random_crops":
+                    train_volumes.append(training_volume(image, volume.label, tumour, background))
                 tumour_voxels[split_name] += int(np.count_nonzero(volume.label))
                 bar.update()
             splits[split_name] = TensorDataset(torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys)))
         _check_tumour(root, f"site{index}", split, tumour_voxels)
         info = {**split.info("cases"), "missing_channel": None if drop is None else MODALITIES[drop]}
-        sites.append(SiteData(name=f"site{index}", train=splits["train"], test=splits["evaluation"], info=info))
+        sites.append(
+            SiteData(
+                name=f"site{index}",
+                train=splits["train"],
+                test=splits["evaluation"],
+                info=info,
+                train_volumes=train_volumes if options.train_sampling == "random_crops" else None,
+            )
+        )
     bar.close()
 
     generated = describe_generated(root)
@@ -232,26 +274,38 @@ def missing_channel_sites(federation: FederationConfig) -> tuple[set[int], int |
     return set(sites), lack.channel
 
 
-def _case_patches(
-    volume: BratsVolume, options: Options, rng: np.random.Generator, drop_channel: int | None, target: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """Patches of one labelled case: ``x`` float32 (n, 4, P, P) and its targets.
-
-    Targets: ``wt``: int64 (n, P, P), 1 = whole tumour; ``regions``: uint8
-    (n, 3, P, P) masks of WT, TC, ET (:func:`~medfed.data.brats.tumour_regions`).
-    """
+def _normalised(volume: BratsVolume, drop_channel: int | None) -> np.ndarray:
+    """float32 ``(4, X, Y, Z)``: the case z-scored over its brain, channel ``drop_channel`` zeroed ("lack k")."""
     image = zscore_over_brain(volume.image)
     if drop_channel is not None:
         image[drop_channel] = 0.0
-    tumour = volume.label > 0
-    brain = (volume.image != 0).any(axis=0)
+    return image
+
+
+def _case_patches(
+    image: np.ndarray,
+    label: np.ndarray,
+    tumour: np.ndarray,
+    background: np.ndarray,
+    options: Options,
+    rng: np.random.Generator,
+    target: str,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Patches of one labelled case: ``x`` float32 (n, 4, P, P) and its targets.
+
+    ``tumour_patches_per_case`` centres drawn from the ``tumour`` mask, then
+    ``background_patches_per_case`` from the ``background`` mask (tumour-free
+    crops), none of a kind whose mask is empty. Targets: ``wt``: int64
+    (n, P, P), 1 = whole tumour; ``regions``: uint8 (n, 3, P, P) masks of WT,
+    TC, ET (:func:`~medfed.data.brats.tumour_regions`).
+    """
     centres = np.concatenate(
         [
             sample_centres(tumour, options.tumour_patches_per_case, rng),
-            sample_centres(tumour_free_centres(brain, tumour, options.patch_size), options.background_patches_per_case, rng),
+            sample_centres(background, options.background_patches_per_case, rng),
         ]
     )
     if target == "wt":
         return extract_axial_patches(image, tumour.astype(np.int64), centres, options.patch_size)
-    x, labels = extract_axial_patches(image, volume.label.astype(np.int64), centres, options.patch_size)
+    x, labels = extract_axial_patches(image, label.astype(np.int64), centres, options.patch_size)
     return x, np.moveaxis(tumour_regions(labels), 0, 1)
