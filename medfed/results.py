@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from medfed.atomic import atomic_write
 
 
 def summarise(history: list[dict[str, Any]], site_sizes: dict[str, int], split: str = "test") -> dict[str, Any]:
@@ -70,18 +70,13 @@ def format_table(results: dict[str, Any]) -> str:
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:
-    """Write JSON to a temporary file next to ``path`` and rename it into place.
+    """Write JSON to a temporary file next to ``path`` and rename it into place (:func:`~medfed.atomic.atomic_write`).
 
     Non-finite floats (NaN, inf) become ``null``: standard JSON has no such values.
     """
-    path = Path(path)
     obj = _finite_or_null(obj)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False) as handle:
+    with atomic_write(path) as handle:
         json.dump(obj, handle, indent=2, default=_json_default)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(handle.name, path)
 
 
 def _finite_or_null(value: Any) -> Any:
