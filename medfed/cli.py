@@ -72,13 +72,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _how_to_resume(config: str, overrides: list[str], output_dir: Path | None) -> str:
     """What an interrupted user can do next, in one line."""
-    from medfed.checkpoint import CHECKPOINT_NAME
+    from medfed.checkpoint import FOLDER, checkpoints
 
-    checkpoint = None if output_dir is None else output_dir / "checkpoints" / CHECKPOINT_NAME
-    if checkpoint is None or not checkpoint.is_file():
+    found = [] if output_dir is None else checkpoints(output_dir / FOLDER)
+    if not found:
         return "no round had finished, so there is nothing to resume; run the same command again"
     command = shlex.join(["python", "-m", "medfed", "fit", "--config", config, *overrides, "--resume"])
-    return f"every finished round is checkpointed in {checkpoint}; continue with: {command}"
+    return f"every finished round is checkpointed in {found[-1].parent} (newest {found[-1].name}); continue with: {command}"
 
 
 def _show_warnings() -> None:

@@ -110,6 +110,8 @@ class TrainerConfig:
     device: str = "cpu"
     """``cpu``, ``cuda`` (Lightning's alias ``gpu``), ``mps`` or ``auto``; checked against the machine before any data is read."""
     num_threads: int | None = None
+    keep_checkpoints: int = 2
+    """How many of the newest round checkpoints stay in ``<output_dir>/checkpoints`` (the one before the newest in case that is damaged)."""
 
     def __post_init__(self) -> None:
         require(self.rounds >= 1, "trainer.rounds", self.rounds, "an integer >= 1")
@@ -117,6 +119,7 @@ class TrainerConfig:
         require(self.batch_size >= 1, "trainer.batch_size", self.batch_size, "an integer >= 1")
         require(self.device in DEVICES, "trainer.device", self.device, f"one of {', '.join(DEVICES)}")
         require(self.num_threads is None or self.num_threads >= 1, "trainer.num_threads", self.num_threads, "null or >= 1")
+        require(self.keep_checkpoints >= 1, "trainer.keep_checkpoints", self.keep_checkpoints, "an integer >= 1")
 
 
 @dataclass

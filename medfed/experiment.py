@@ -3,10 +3,11 @@
 ``run(cfg)`` is what ``python -m medfed fit`` calls: it builds the
 federation of the chosen task, one model per site (all initialised from the
 same seeded prototype), the strategy, the links and the loop; trains for
-``trainer.rounds`` rounds with a progress bar, checkpointing atomically after
-each; and writes ``<output_dir>/results.json`` (per-site metrics and their
-mean, the resolved config, the seed, the splits, bytes on the wire, timings)
-next to the CSV and W&B logs.
+``trainer.rounds`` rounds with a progress bar, checkpointing after each
+(:mod:`medfed.checkpoint`); and writes ``<output_dir>/results.json``
+(per-site metrics and their mean, the resolved config, the seed, the splits,
+bytes on the wire, timings) next to the CSV and W&B logs. With ``--resume``
+the checkpoint is checked before any data is read.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 import medfed
-from medfed.checkpoint import CHECKPOINT_NAME, config_differences, load_checkpoint, save_atomic
+from medfed.checkpoint import FOLDER, checkpoints, resume_state, save_checkpoint
 from medfed.components import resolve
 from medfed.config import RunConfig
 from medfed.errors import ConfigError
@@ -45,8 +46,8 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
     config, run_cfg = resolved.config, resolved.run
     trainer = run_cfg.trainer
     output_dir = Path(run_cfg.output_dir)
-    checkpoint_path = output_dir / "checkpoints" / CHECKPOINT_NAME
-    _check_output_dir(output_dir, checkpoint_path, resume, overwrite)
+    _check_output_dir(output_dir, resume, overwrite)
+    resumed = resume_state(output_dir, config) if resume else None  # checked before any data is read
     if trainer.num_threads is not None:
         torch.set_num_threads(trainer.num_threads)
 
@@ -69,14 +70,11 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
         local_epochs=trainer.local_epochs,
         participation=run_cfg.federation.participation,
         seed=trainer.seed,
-        save_checkpoint=lambda state: save_atomic(fabric, checkpoint_path, {**state, "config": config}),
+        save_checkpoint=lambda state: save_checkpoint(output_dir / FOLDER, {**state, "config": config}, trainer.keep_checkpoints),
     )
-    if resume:
-        state = load_checkpoint(fabric, checkpoint_path)
-        changed = config_differences(state["config"], config)
-        if changed:
-            raise ConfigError(f"--resume: the config differs from the checkpoint's at {', '.join(changed)}")
-        loop.load_state_dict(state)
+    if resumed is not None:
+        loop.load_state_dict(resumed)
+        del resumed  # the sites hold copies now: free the checkpoint's tensors
     else:
         write_json_atomic(output_dir / "config.json", config)
         for logger in fabric.loggers:
@@ -130,9 +128,9 @@ def initial_vectors(prototype: FederatedModule, device: torch.device) -> dict[st
     return {part: prototype.get_vector(part).to(device) for part in PARTS}
 
 
-def _check_output_dir(output_dir: Path, checkpoint_path: Path, resume: bool, overwrite: bool) -> None:
+def _check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
     """Refuse to clobber an earlier run unless asked to resume it or to overwrite it."""
-    earlier = [p for p in (output_dir / "results.json", checkpoint_path) if p.exists()]
+    earlier = [p for p in (output_dir / "results.json", *checkpoints(output_dir / FOLDER)) if p.exists()]
     if earlier and not (resume or overwrite):
         raise ConfigError(
             f"config key 'output_dir' = {str(output_dir)!r} already holds a run ({earlier[0].name}); "

@@ -35,7 +35,7 @@ def test_cli_run_writes_results(tiny_run_config, tmp_path, strategy):
         assert bytes_up == 0
     else:
         assert bytes_up > 0 and results["communication"]["compression_ratio_up"] == pytest.approx(1.0, rel=0.01)
-    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["round-2.ckpt", "round-3.ckpt"]  # the newest 2
     assert list((tmp_path / "run" / "csv").rglob("metrics.csv"))
     assert (tmp_path / "run" / "similarity_graph.png").is_file() == (strategy == "pfednet")
     if strategy == "pfednet":  # the server step's effect and the graph, every round
