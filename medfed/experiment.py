@@ -6,8 +6,9 @@ same seeded prototype), the strategy, the links and the loop; trains for
 ``trainer.rounds`` rounds with a progress bar, checkpointing after each
 (:mod:`medfed.checkpoint`); and writes ``<output_dir>/results.json``
 (per-site metrics and their mean, the resolved config, the seed, the splits,
-bytes on the wire, timings) next to the CSV and W&B logs. With ``--resume``
-the checkpoint is checked before any data is read.
+bytes on the wire, timings) next to the CSV and W&B logs. The output folder
+and, with ``--resume``, the checkpoint are checked before any data is read
+(:mod:`medfed.output_dir`).
 """
 
 from __future__ import annotations
@@ -25,16 +26,16 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 import medfed
-from medfed.checkpoint import FOLDER, checkpoints, resume_state, save_checkpoint
+from medfed.checkpoint import FOLDER, resume_state, save_checkpoint
 from medfed.components import resolve
 from medfed.config import RunConfig
-from medfed.errors import ConfigError
 from medfed.federated.link import Link
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.site import Site
 from medfed.data.federation import Federation
 from medfed.models.base import FederatedModule
 from medfed.models.split import PARTS
+from medfed.output_dir import check_output_dir, finish_run, start_run
 from medfed.results import communication_totals, format_table, summarise, write_json_atomic
 from medfed.viz.plots import plot_learning_curves, plot_segmentation_examples, save_figure
 
@@ -46,7 +47,7 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
     config, run_cfg = resolved.config, resolved.run
     trainer = run_cfg.trainer
     output_dir = Path(run_cfg.output_dir)
-    _check_output_dir(output_dir, resume, overwrite)
+    check_output_dir(output_dir, resume=resume, overwrite=overwrite)
     resumed = resume_state(output_dir, config) if resume else None  # checked before any data is read
     if trainer.num_threads is not None:
         torch.set_num_threads(trainer.num_threads)
@@ -76,6 +77,7 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
         loop.load_state_dict(resumed)
         del resumed  # the sites hold copies now: free the checkpoint's tensors
     else:
+        start_run(output_dir, overwrite)
         write_json_atomic(output_dir / "config.json", config)
         for logger in fabric.loggers:
             if not isinstance(logger, CSVLogger):  # the CSV logger has no hyper-parameters: config.json holds them
@@ -108,6 +110,8 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
         save_figure(examples, output_dir / "examples.png")
     for name, figure in strategy.server_figures().items():
         save_figure(figure, output_dir / f"{name}.png")
+    if resume or overwrite:
+        finish_run(output_dir)
     if progress:
         print(format_table(results))
     return results
@@ -126,16 +130,6 @@ def build_sites(fabric: Fabric, federation: Federation, prototype: FederatedModu
 def initial_vectors(prototype: FederatedModule, device: torch.device) -> dict[str, torch.Tensor]:
     """The initial model as ``{"shared", "personal", "all"}`` vectors (every site starts from it)."""
     return {part: prototype.get_vector(part).to(device) for part in PARTS}
-
-
-def _check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse to clobber an earlier run unless asked to resume it or to overwrite it."""
-    earlier = [p for p in (output_dir / "results.json", *checkpoints(output_dir / FOLDER)) if p.exists()]
-    if earlier and not (resume or overwrite):
-        raise ConfigError(
-            f"config key 'output_dir' = {str(output_dir)!r} already holds a run ({earlier[0].name}); "
-            "pass --resume to continue it, --overwrite to replace it, or choose another output_dir"
-        )
 
 
 def _loggers(run_cfg: RunConfig, output_dir: Path) -> list:

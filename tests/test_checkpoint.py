@@ -87,9 +87,9 @@ def test_following_the_advice_resumes_from_the_previous_checkpoint(tiny_run_conf
 
     shutil.copy(finished_tiny_run / FOLDER / "round-1.ckpt", run / FOLDER)
     newest.rename(tmp_path / "round-2.ckpt.damaged")
-    assert main(["fit", "--config", str(tiny_run_config), "--quiet", "--resume"]) == 0
+    assert main(["fit", "--config", str(tiny_run_config), "--quiet", "--resume", "trainer.rounds=2"]) == 0
     history = json.loads((run / "results.json").read_text())["history"]
-    assert [record["round"] for record in history] == [1, 2, 3]
+    assert [record["round"] for record in history] == [1, 2]
 
 
 class _RunsCode:
