@@ -78,6 +78,6 @@ def reading_forbidden(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("data were read before the config was checked")
 
-    for name in ("find_cases", "load_case", "generate_brats_phantoms"):
+    for name in ("find_cases", "load_case", "brats_phantoms"):
         monkeypatch.setattr(medfed.tasks.brats, name, forbidden)
     monkeypatch.setattr(nibabel, "load", forbidden)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from medfed.data.brats import MODALITIES, find_cases, load_case
 from medfed.data.federation import Federation, SiteData, assign_subjects_to_sites, split_site, split_subjects
 from medfed.data.partition_csv import read_partition_csv
 from medfed.data.patches import extract_axial_patches, sample_centres, tumour_free_centres, zscore_over_brain
-from medfed.data.phantoms.brats import generate_brats_phantoms
+from medfed.data.phantoms.brats import brats_phantoms
 from medfed.data.phantoms.store import describe_generated
 from medfed.errors import ConfigError, DataError
 
@@ -71,15 +72,23 @@ class Options:
 def build_federation(options: Options, federation: FederationConfig, seed: int, progress: bool = True) -> Federation:
     """Read (or generate) the data, place cases at sites, split, cut patches, drop channels."""
     root = Path(options.root)
-    if options.generate is not None:
-        generate_brats_phantoms(
-            root,
-            n_sites=federation.n_sites,
-            cases_per_site=options.generate.cases_per_site,
-            seed=options.generate.seed,
-            resolution_mm=options.generate.resolution_mm,
-            progress=progress,
-        )
+    with ExitStack() as held:  # a generated data set stays as it is while it is read, whatever other runs generate
+        if options.generate is not None:
+            held.enter_context(
+                brats_phantoms(
+                    root,
+                    n_sites=federation.n_sites,
+                    cases_per_site=options.generate.cases_per_site,
+                    seed=options.generate.seed,
+                    resolution_mm=options.generate.resolution_mm,
+                    progress=progress,
+                )
+            )
+        return _read_federation(root, options, federation, seed, progress)
+
+
+def _read_federation(root: Path, options: Options, federation: FederationConfig, seed: int, progress: bool) -> Federation:
+    """:func:`build_federation` once the data set at ``root`` is there."""
     cases = {case.case_id: case for case in find_cases(root)}
     partition_file = Path(options.partition_csv) if options.partition_csv else root / "partitioning.csv"
     partition = read_partition_csv(partition_file) if partition_file.is_file() else None

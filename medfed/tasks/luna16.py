@@ -33,6 +33,7 @@ ratios and class counts; they end up in results.json.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -45,7 +46,7 @@ from medfed.config import FederationConfig, require
 from medfed.data.federation import Federation, SiteData, assign_subjects_to_sites, split_site, split_subjects
 from medfed.data.luna16 import NoduleCandidates, extract_candidate_patches
 from medfed.data.partition_csv import read_partition_csv
-from medfed.data.phantoms.luna16 import generate_luna16_phantoms
+from medfed.data.phantoms.luna16 import luna16_phantoms
 from medfed.data.phantoms.store import describe_generated
 from medfed.errors import ConfigError, DataError
 from medfed.tasks.label_imbalance import sites_at_label_ratio
@@ -58,7 +59,7 @@ DEFAULT_MODEL = "densenet"
 class GeneratedLuna16:
     """Settings of the generated default data set (one acquisition site per site of the federation).
 
-    The keys are those of :func:`~medfed.data.phantoms.luna16.generate_luna16_phantoms`, which checks them.
+    The keys are those of :func:`~medfed.data.phantoms.luna16.luna16_phantoms`, which checks them.
     """
 
     series_per_site: int = 10
@@ -102,11 +103,17 @@ class Options:
 def build_federation(options: Options, federation: FederationConfig, seed: int, progress: bool = True) -> Federation:
     """Read (or generate) the candidates, place series at sites, split by series, impose the label ratios."""
     root = Path(options.root)
-    if options.generate is not None:
-        try:
-            generate_luna16_phantoms(root, n_sites=federation.n_sites, progress=progress, **asdict(options.generate))
-        except ValueError as error:  # the generator names the impossible parameter
-            raise ConfigError(f"config key 'data.generate': {error}") from None
+    with ExitStack() as held:  # a generated data set stays as it is while it is read, whatever other runs generate
+        if options.generate is not None:
+            try:
+                held.enter_context(luna16_phantoms(root, n_sites=federation.n_sites, progress=progress, **asdict(options.generate)))
+            except ValueError as error:  # the generator names the impossible parameter
+                raise ConfigError(f"config key 'data.generate': {error}") from None
+        return _read_federation(root, options, federation, seed, progress)
+
+
+def _read_federation(root: Path, options: Options, federation: FederationConfig, seed: int, progress: bool) -> Federation:
+    """:func:`build_federation` once the data set at ``root`` is there."""
     candidates = extract_candidate_patches(
         root,
         candidates_csv=options.candidates_csv,
