@@ -24,7 +24,7 @@ import os
 import shutil
 from pathlib import Path
 
-from medfed.atomic import TEMPORARY_SUFFIX
+from medfed.atomic import TEMPORARY_SUFFIX, remove_stale_temporaries
 from medfed.checkpoint import FOLDER, checkpoints
 from medfed.errors import ConfigError
 
@@ -76,11 +76,16 @@ def check_output_dir(output_dir: Path, *, resume: bool, overwrite: bool) -> None
 
 
 def start_run(output_dir: Path, overwrite: bool) -> None:
-    """Before a new run writes its first file: with ``overwrite``, rename an earlier run to :func:`previous_run`."""
+    """Before a new run writes its first file: with ``overwrite``, rename an earlier run to :func:`previous_run`.
+
+    Temporary files a killed run left (before its first checkpoint) are deleted.
+    """
     if overwrite and holds_run(output_dir):
         previous = previous_run(output_dir)
         os.rename(output_dir, previous)
         logging.getLogger("medfed").info(f"moved the earlier run in {output_dir} to {previous}; it is deleted when this run finishes")
+    for folder in (output_dir, output_dir / FOLDER):
+        remove_stale_temporaries(folder)
 
 
 def finish_run(output_dir: Path) -> None:

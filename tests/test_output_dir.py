@@ -53,6 +53,7 @@ def test_overwrite_replaces_a_run_but_moves_no_other_files(tiny_run_config, tmp_
     assert "pass only one" in capsys.readouterr().err
 
     (run / "notes.txt").unlink()
+    (run / "checkpoints" / ".round-3.ckpt.4242-0a1b2c3d.tmp").write_bytes(b"a killed save")
     assert _fit(tiny_run_config, "--overwrite", "trainer.rounds=1") == 0
     assert len(json.loads((run / "results.json").read_text())["history"]) == 1
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["round-1.ckpt"]
