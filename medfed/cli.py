@@ -3,7 +3,8 @@
 Overrides use OmegaConf's dot-list syntax (``trainer.rounds=3
 strategy.pfednet.lam=0.1``); unknown keys are rejected with the key named.
 ``--config`` takes a path or the name of a config shipped with medfed
-(``--config brats_lack0``). ``--print-config`` prints the full resolved config
+(``--config brats_lack0``). ``predict`` applies one site's model of a
+finished run to a new scan (:mod:`medfed.predict`). ``--print-config`` prints the full resolved config
 (every component default filled in, as ``config.json`` stores it) and exits.
 
 Bad input (config or data) ends with a one-line error naming the key or file
@@ -38,43 +39,59 @@ def build_parser() -> argparse.ArgumentParser:
         "--print-config", action="store_true", help="print the full resolved config (every default) and exit without running"
     )
     fit.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. trainer.rounds=3")
+    predict = commands.add_parser("predict", help="segment a new scan with one site's personalised model from a run")
+    predict.add_argument("--run", required=True, type=Path, help="the run's output_dir (config.json and checkpoints/)")
+    predict.add_argument("--site", required=True, help="whose model, e.g. site3")
+    predict.add_argument(
+        "--input", required=True, nargs="+", type=Path, help="a case folder, or four NIfTI files in the order FLAIR T1 T1ce T2"
+    )
+    predict.add_argument("--out", required=True, type=Path, help="the segmentation to write, e.g. pred.nii.gz")
+    predict.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)  # overrides may come before or after the flags
-    stray = [arg for arg in extra if arg.startswith("-") or "=" not in arg]
+    args, extra = parser.parse_known_args(argv)  # fit's overrides may come before or after the flags
+    stray = [arg for arg in extra if arg.startswith("-") or "=" not in arg or args.command != "fit"]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    overrides = [*args.overrides, *extra]
     _show_warnings()
+    try:
+        if args.command == "predict":
+            from medfed.predict import predict
+
+            written = predict(args.run, args.site, args.input, args.out, overwrite=args.overwrite)
+            print(f"medfed: wrote {written}", file=sys.stderr)
+            return 0
+        return _fit(args, [*args.overrides, *extra])
+    except (ConfigError, DataError) as error:
+        print(f"medfed: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _fit(args: argparse.Namespace, overrides: list[str]) -> int:
     from medfed.components import resolve
     from medfed.config import load_config, to_yaml
     from medfed.experiment import run
 
-    output_dir = None
+    cfg = load_config(args.config, overrides)
+    if args.print_config:
+        print(to_yaml(resolve(cfg).config), end="")
+        return 0
     try:
-        cfg = load_config(args.config, overrides)
-        output_dir = Path(cfg.output_dir)
-        if args.print_config:
-            print(to_yaml(resolve(cfg).config), end="")
-            return 0
         run(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
-    except (ConfigError, DataError) as error:
-        print(f"medfed: error: {error}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
-        print(f"medfed: interrupted; {_how_to_resume(args.config, overrides, output_dir)}", file=sys.stderr)
+        print(f"medfed: interrupted; {_how_to_resume(args.config, overrides, Path(cfg.output_dir))}", file=sys.stderr)
         return INTERRUPTED
     return 0
 
 
-def _how_to_resume(config: str, overrides: list[str], output_dir: Path | None) -> str:
+def _how_to_resume(config: str, overrides: list[str], output_dir: Path) -> str:
     """What an interrupted user can do next, in one line."""
     from medfed.checkpoint import FOLDER, checkpoints
 
-    found = [] if output_dir is None else checkpoints(output_dir / FOLDER)
+    found = checkpoints(output_dir / FOLDER)
     if not found:
         return "no round had finished, so there is nothing to resume; run the same command again"
     command = shlex.join(["python", "-m", "medfed", "fit", "--config", config, *overrides, "--resume"])

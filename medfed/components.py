@@ -58,6 +58,11 @@ class ResolvedRun:
     strategy_cls: type
     strategy_options: Any
 
+    @property
+    def task_inputs(self) -> dict[str, Any]:
+        """Keyword arguments of ``task.build_federation`` that the model decides (``target`` where the task offers a choice)."""
+        return {"target": self.model_options.target} if self.task.targets else {}
+
 
 def resolve(cfg: DictConfig) -> ResolvedRun:
     """Validate every component group of ``cfg`` and the device; fill in every default.
@@ -78,6 +83,9 @@ def resolve(cfg: DictConfig) -> ResolvedRun:
             f"config key 'model.name' = {model_name!r}: the {task.name} task's samples fit {', '.join(task.models)} only"
         )
     model_options = parse_options(model_cls.Options, config["model"], "model", ignore=("name",))
+    target = getattr(model_options, "target", None)
+    if target is not None and target not in task.targets:
+        raise ConfigError(f"config key 'model.target' = {target!r}: the {task.name} task labels samples for {', '.join(task.targets) or 'no target choice'}")
     strategy_cls, strategy_options = strategy_from_config(config["strategy"])
     given_strategy_options = strategy_subgroups(config["strategy"])
     check_device(run.trainer.device)

@@ -123,6 +123,23 @@ class TrainerConfig:
 
 
 @dataclass
+class EvaluationConfig:
+    """Whole-volume evaluation, for tasks whose samples are cut from volumes (BraTS).
+
+    ``volume_every``: evaluate every site's model on its whole evaluation
+    volumes every k rounds and at the last round (0: at the last round only;
+    null: never). ``volume_batch_size``: sliding windows per forward pass.
+    """
+
+    volume_every: int | None = 10
+    volume_batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        require(self.volume_every is None or self.volume_every >= 0, "evaluation.volume_every", self.volume_every, "null or an integer >= 0")
+        require(self.volume_batch_size >= 1, "evaluation.volume_batch_size", self.volume_batch_size, "an integer >= 1")
+
+
+@dataclass
 class LoggerConfig:
     """Experiment tracking. CSV logs are always written; W&B runs offline by default."""
 
@@ -176,6 +193,7 @@ class RunConfig:
     model: dict[str, Any] = field(default_factory=dict)
     strategy: dict[str, Any] = field(default_factory=dict)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
     output_dir: str = "outputs/run"

@@ -29,6 +29,7 @@ import medfed
 from medfed.checkpoint import FOLDER, resume_state, save_checkpoint
 from medfed.components import resolve
 from medfed.config import RunConfig
+from medfed.evaluation.rounds import VolumeEvaluation
 from medfed.federated.link import Link
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.site import Site
@@ -52,13 +53,16 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
     if trainer.num_threads is not None:
         torch.set_num_threads(trainer.num_threads)
 
-    federation = resolved.task.build_federation(resolved.data_options, run_cfg.federation, trainer.seed, progress=progress)
+    federation = resolved.task.build_federation(
+        resolved.data_options, run_cfg.federation, trainer.seed, progress=progress, **resolved.task_inputs
+    )
     with torch.random.fork_rng():
         torch.manual_seed(trainer.seed)
         prototype = resolved.model_cls(federation.input_shape[0], federation.num_classes, resolved.model_options)
     strategy = resolved.strategy_cls(resolved.strategy_options, prototype.parameter_split, len(federation.sites), trainer.seed)
 
-    fabric = Fabric(accelerator=trainer.device, devices=1, loggers=_loggers(run_cfg, output_dir), callbacks=[strategy])
+    callbacks = [strategy, *_volume_evaluation(federation, run_cfg)]
+    fabric = Fabric(accelerator=trainer.device, devices=1, loggers=_loggers(run_cfg, output_dir), callbacks=callbacks)
     sites = build_sites(fabric, federation, prototype, trainer.batch_size, trainer.seed)
     initial = initial_vectors(prototype, fabric.device)
     links = [Link(run_cfg.codec.spec("up"), run_cfg.codec.spec("down"), strategy.coded_keys, initial, fabric.device) for _ in sites]
@@ -130,6 +134,15 @@ def build_sites(fabric: Fabric, federation: Federation, prototype: FederatedModu
 def initial_vectors(prototype: FederatedModule, device: torch.device) -> dict[str, torch.Tensor]:
     """The initial model as ``{"shared", "personal", "all"}`` vectors (every site starts from it)."""
     return {part: prototype.get_vector(part).to(device) for part in PARTS}
+
+
+def _volume_evaluation(federation: Federation, run_cfg: RunConfig) -> list[VolumeEvaluation]:
+    """The whole-volume evaluation callback, where the task has volumes and ``evaluation.volume_every`` is not null."""
+    every = run_cfg.evaluation.volume_every
+    if federation.volumes is None or every is None:
+        return []
+    patch_size = federation.input_shape[-1]
+    return [VolumeEvaluation(federation.volumes, patch_size, every, run_cfg.trainer.rounds, run_cfg.evaluation.volume_batch_size)]
 
 
 def _loggers(run_cfg: RunConfig, output_dir: Path) -> list:

@@ -1,8 +1,9 @@
-"""Shared fixtures: a tiny generated BraTS data set, a tiny run config on it, a finished run, no data reading."""
+"""Shared fixtures: a private preprocessed-data cache, a tiny generated BraTS data set, a tiny run config on it, a finished run, no data reading."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import nibabel
@@ -40,6 +41,23 @@ logger:
   wandb: disabled
 output_dir: {output}
 """
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_home(tmp_path_factory) -> Iterator[Path]:
+    """XDG_CACHE_HOME in a temporary folder for the whole session (inherited by CLI subprocesses).
+
+    The preprocessed-data cache (``medfed.data.cache``) then never writes to
+    the home folder.
+    """
+    cache_home = tmp_path_factory.mktemp("xdg_cache")
+    previous = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(cache_home)
+    yield cache_home
+    if previous is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = previous
 
 
 @pytest.fixture(scope="session")

@@ -12,27 +12,18 @@ from medfed.data.brats import (
     TumourLabel,
     enhancing_tumour,
     find_cases,
+    find_unlabelled_cases,
     load_case,
     tumour_core,
+    tumour_regions,
     whole_tumour,
 )
 from medfed.errors import DataError
 
-SHAPE = (8, 8, 6)
-AFFINE = np.array([[-1.0, 0, 0, 90], [0, -1.0, 0, 126], [0, 0, 1.0, -72], [0, 0, 0, 1]])
+from brats_files import AFFINE, REAL_MSD_LABELS, REAL_MSD_MODALITY, SHAPE, random_images, write_msd, write_nifti
+
 BRATS_VALUES = np.array([0, 1, 2, 4], dtype=np.uint8)
 BRATS_TO_OURS = {0: 0, 1: 1, 2: 2, 4: 3}
-
-
-def write_nifti(path, data, affine=AFFINE):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    nib.save(nib.Nifti1Image(data, affine), path)
-    return path
-
-
-def random_images(rng, shape=SHAPE):
-    """int16 (4, X, Y, Z), each modality in its own intensity range so a mix-up shows."""
-    return np.stack([rng.integers(1000 * m, 1000 * m + 500, size=shape, dtype=np.int16) for m in range(4)])
 
 
 def random_brats_seg(rng, shape=SHAPE):
@@ -105,60 +96,24 @@ def test_brats2020_layout_uncompressed_with_misnamed_seg_and_stray_files(tmp_pat
         np.testing.assert_array_equal(volume.label, ours(seg))
 
 
-def test_brats_validation_folders_without_any_seg_have_no_label(tmp_path):
+def test_brats_validation_folders_without_any_seg_are_unlabelled_cases_only(tmp_path):
     rng = np.random.default_rng(2)
     images, _ = write_brats_case(tmp_path / "BraTS20_Validation_001", rng, with_seg=False)
-    case = only_case(tmp_path)
+    (case,) = find_unlabelled_cases(tmp_path)
     assert case.label_file is None
     volume = load_case(case)
     assert volume.label is None
     np.testing.assert_array_equal(volume.image, images.astype(np.float32))
-
-
-MSD_NAMES = {"flair": "FLAIR", "t1": "T1w", "t1ce": "t1gd", "t2": "T2w"}  # as in the real dataset.json
-REAL_MSD_MODALITY = {str(channel): MSD_NAMES[m] for channel, m in enumerate(MODALITIES)}
-REAL_MSD_LABELS = {"0": "background", "1": "edema", "2": "non-enhancing tumor", "3": "enhancing tumour"}
-
-
-def write_msd(root, rng, *, disk_order=MODALITIES):
-    """Two training cases and one test case, channels stored in ``disk_order``.
-
-    Returns {case_id: (images in MODALITIES order, raw MSD label)}.
-    """
-    written = {}
-    training = []
-    for number in (2, 1, 3):
-        case_id = f"BRATS_{number:03d}"
-        images = random_images(rng).astype(np.float32)
-        on_disk = np.stack([images[MODALITIES.index(m)] for m in disk_order], axis=-1)
-        label = rng.integers(0, 4, size=SHAPE, dtype=np.uint8)
-        folder = "imagesTs" if number == 3 else "imagesTr"
-        write_nifti(root / folder / f"{case_id}.nii.gz", on_disk)
-        (root / folder / f"._{case_id}.nii.gz").write_bytes(b"\x00\x05\x16\x07")
-        if number != 3:
-            write_nifti(root / "labelsTr" / f"{case_id}.nii.gz", label)
-            (root / "labelsTr" / f"._{case_id}.nii.gz").write_bytes(b"\x00\x05\x16\x07")
-            training.append({"image": f"./imagesTr/{case_id}.nii.gz", "label": f"./labelsTr/{case_id}.nii.gz"})
-        written[case_id] = (images, label)
-    spec = {
-        "name": "BRATS",
-        "tensorImageSize": "4D",
-        "modality": {str(channel): MSD_NAMES[m] for channel, m in enumerate(disk_order)},
-        "labels": REAL_MSD_LABELS,
-        "numTraining": 2,
-        "numTest": 1,
-        "training": training,
-        "test": ["./imagesTs/BRATS_003.nii.gz"],
-    }
-    (root / "dataset.json").write_text(json.dumps(spec))
-    return written
+    with pytest.raises(DataError, match="none of its 1 cases has a segmentation") as info:
+        find_cases(tmp_path)
+    assert str(tmp_path) in str(info.value)
 
 
 @pytest.mark.parametrize("disk_order", [MODALITIES, ("t2", "t1ce", "flair", "t1")], ids=["real", "permuted"])
 def test_msd_layout_maps_channels_and_labels_by_name(tmp_path, disk_order):
     written = write_msd(tmp_path, np.random.default_rng(3), disk_order=disk_order)
     cases = find_cases(tmp_path)
-    assert [case.case_id for case in cases] == ["BRATS_001", "BRATS_002", "BRATS_003"]
+    assert [case.case_id for case in cases] == ["BRATS_001", "BRATS_002"]  # imagesTs (unlabelled) is not among them
     msd_to_ours = np.array(  # MSD values 0 background, 1 edema, 2 non-enhancing tumour, 3 enhancing
         [TumourLabel.BACKGROUND, TumourLabel.OEDEMA, TumourLabel.NECROTIC_CORE, TumourLabel.ENHANCING]
     )
@@ -167,10 +122,92 @@ def test_msd_layout_maps_channels_and_labels_by_name(tmp_path, disk_order):
         volume = load_case(case)
         assert case.layout == "msd"
         np.testing.assert_array_equal(volume.image, images)
-        if case.case_id == "BRATS_003":
-            assert case.label_file is None and volume.label is None
-        else:
-            np.testing.assert_array_equal(volume.label, msd_to_ours[label])
+        np.testing.assert_array_equal(volume.label, msd_to_ours[label])
+    (test_case,) = find_unlabelled_cases(tmp_path)
+    assert test_case.case_id == "BRATS_003" and test_case.image_files == (tmp_path / "imagesTs" / "BRATS_003.nii.gz",)
+    volume = load_case(test_case)
+    assert volume.label is None
+    np.testing.assert_array_equal(volume.image, written["BRATS_003"][0])
+
+
+BRATS2023_KEYS = ("t2f", "t1n", "t1c", "t2w")  # FLAIR, T1, T1ce, T2: MODALITIES order
+
+
+def write_brats2023_case(folder, label, *, keys=BRATS2023_KEYS):
+    """``folder/<case>-<key>.nii.gz`` for ``keys``, modality k (MODALITIES order) constant 10 (k + 1), and ``<case>-seg.nii.gz``."""
+    for k, key in enumerate(BRATS2023_KEYS):
+        if key in keys:
+            write_nifti(folder / f"{folder.name}-{key}.nii.gz", np.full(SHAPE, 10 * (k + 1), dtype=np.int16))
+    write_nifti(folder / f"{folder.name}-seg.nii.gz", label)
+
+
+def test_brats2023_layout_orders_channels_by_sequence_name_and_keeps_labels_1_to_3(tmp_path):
+    label = np.zeros(SHAPE, dtype=np.uint8)
+    label[1, :3, 0] = [1, 2, 3]  # NCR/NETC, ED/SNFH, ET
+    for case_id in ("BraTS-GLI-00000-000", "BraTS-MEN-00004-000", "BraTS-MET-00001-000", "BraTS-SSA-00002-000"):
+        write_brats2023_case(tmp_path / case_id, label)
+    (tmp_path / "name_mapping.csv").write_text("BraTS2023,BraTS2021\n")
+    cases = find_cases(tmp_path)
+    assert [case.case_id for case in cases] == ["BraTS-GLI-00000-000", "BraTS-MEN-00004-000", "BraTS-MET-00001-000", "BraTS-SSA-00002-000"]
+    for case in cases:
+        assert case.layout == "brats2023"
+        assert case.image_files == tuple(tmp_path / case.case_id / f"{case.case_id}-{key}.nii.gz" for key in BRATS2023_KEYS)
+        volume = load_case(case)
+        assert volume.image[:, 0, 0, 0].tolist() == [10.0, 20.0, 30.0, 40.0]  # flair, t1, t1ce, t2
+        assert volume.label[1, :4, 0].tolist() == [TumourLabel.NECROTIC_CORE, TumourLabel.OEDEMA, TumourLabel.ENHANCING, 0]
+        assert np.count_nonzero(volume.label) == 3
+
+
+def test_brats2023_label_4_is_rejected(tmp_path):
+    label = np.zeros(SHAPE, dtype=np.uint8)
+    label[0, 0, 0] = 4  # enhancing before 2023; resection cavity in the 2024 post-treatment set
+    write_brats2023_case(tmp_path / "BraTS-GLI-00001-000", label)
+    with pytest.raises(DataError, match=r"label values 4 are not allowed; expected only 0 \(background\), 1 \(necrotic_core\), 2 \(oedema\), 3 \(enhancing\)") as info:
+        load_case(only_case(tmp_path))
+    assert "BraTS-GLI-00001-000-seg.nii.gz" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "case_id, message",
+    [
+        ("BraTS-PED-00002-000", "label convention of BraTS-PED is unsupported: the 2023 paediatric release"),
+        ("Patient-7", "does not say which challenge set"),
+    ],
+)
+def test_brats2023_sets_of_unconfirmed_label_convention_are_rejected(tmp_path, case_id, message):
+    write_brats2023_case(tmp_path / case_id, np.zeros(SHAPE, dtype=np.uint8))
+    with pytest.raises(DataError, match=message) as info:
+        find_cases(tmp_path)
+    assert str(tmp_path / case_id) in str(info.value)
+
+
+def test_brats2023_missing_sequence_names_the_case_folder_and_the_file(tmp_path):
+    folder = tmp_path / "BraTS-GLI-00000-000"
+    write_brats2023_case(folder, np.zeros(SHAPE, dtype=np.uint8), keys=("t2f", "t1n", "t2w"))
+    with pytest.raises(DataError, match=r"missing the t1c \(t1ce\) image") as info:
+        find_cases(tmp_path)
+    assert str(folder / "BraTS-GLI-00000-000-t1c.nii.gz") in str(info.value)
+
+
+# Regions each raw label value belongs to (WT, TC, ET), written out by hand from the conventions.
+BRATS_RAW_REGIONS = {0: (0, 0, 0), 1: (1, 1, 0), 2: (1, 0, 0), 4: (1, 1, 1)}  # NCR/NET, oedema, enhancing
+MSD_RAW_REGIONS = {0: (0, 0, 0), 1: (1, 0, 0), 2: (1, 1, 0), 3: (1, 1, 1)}  # edema, non-enhancing, enhancing
+
+
+def _expected_regions(raw, table):
+    return np.stack([np.vectorize(lambda v: table[int(v)][r])(raw) for r in range(3)]).astype(np.uint8)
+
+
+def test_regions_of_brats_and_msd_labels_follow_each_convention(tmp_path):
+    rng = np.random.default_rng(7)
+    write_brats_case(tmp_path / "brats" / "BraTS20_Training_001", rng)
+    (case,) = find_cases(tmp_path / "brats")
+    raw = np.asarray(nib.load(case.label_file).dataobj)
+    np.testing.assert_array_equal(tumour_regions(load_case(case).label), _expected_regions(raw, BRATS_RAW_REGIONS))
+    write_msd(tmp_path / "msd", rng)
+    for case in find_cases(tmp_path / "msd"):
+        raw = np.asarray(nib.load(case.label_file).dataobj)
+        np.testing.assert_array_equal(tumour_regions(load_case(case).label), _expected_regions(raw, MSD_RAW_REGIONS))
 
 
 def test_region_masks():
@@ -204,6 +241,31 @@ def test_missing_modality_names_the_modality_and_expected_path(tmp_path):
     with pytest.raises(DataError, match="missing the t1ce image") as info:
         find_cases(tmp_path)
     assert str(folder / "Brats17_A_1_t1ce.nii.gz") in str(info.value)
+
+
+@pytest.mark.parametrize("content", [None, "notes.txt"], ids=["empty", "no-nifti"])
+def test_case_folder_without_case_files_is_named(tmp_path, content):
+    rng = np.random.default_rng(16)
+    write_brats_case(tmp_path / "BraTS20_Training_001", rng)
+    (tmp_path / ".hidden_folder").mkdir()  # hidden names stay ignored
+    folder = tmp_path / "BraTS20_Training_002"
+    folder.mkdir()
+    if content:
+        (folder / content).write_text("not an image")
+    with pytest.raises(DataError, match="holds no BraTS case files; expected") as info:
+        find_cases(tmp_path)
+    message = str(info.value)
+    assert message.startswith(f"{folder}: ")
+    assert "BraTS20_Training_002_{flair,t1,t1ce,t2,seg}.nii[.gz]" in message
+    assert "BraTS20_Training_002-{t2f,t1n,t1c,t2w,seg}.nii[.gz]" in message
+
+
+def test_empty_case_folder_under_hgg_is_named(tmp_path):
+    write_brats_case(tmp_path / "HGG" / "Brats17_A_1", np.random.default_rng(17))
+    (tmp_path / "LGG" / "Brats17_B_1").mkdir(parents=True)
+    with pytest.raises(DataError, match="holds no BraTS case files; expected Brats17_B_1_{flair,t1,t1ce,t2,seg}") as info:
+        find_cases(tmp_path)
+    assert str(tmp_path / "LGG" / "Brats17_B_1") in str(info.value)
 
 
 def test_some_cases_without_seg(tmp_path):

@@ -1,12 +1,19 @@
-"""The BraTS federation: "lack k" channel dropping, patient-level seeded splits, patch targets."""
+"""The BraTS federation: "lack k" channel dropping, patient-level seeded splits, patch targets, checks before reading."""
 
+import shutil
+
+import nibabel as nib
+import numpy as np
 import pytest
 import torch
 
 from medfed.config import FederationConfig, MissingChannelConfig
-from medfed.errors import ConfigError
+from medfed.data.brats import find_cases
+from medfed.data.partition_csv import read_partition_csv, write_partition_csv
+from medfed.errors import ConfigError, DataError
 from medfed.tasks import brats
 
+from brats_files import write_msd
 from holdout_checks import assert_validation_carved_from_training, validation_subjects
 
 
@@ -90,3 +97,91 @@ def test_test_holdout_ignores_the_validation_fraction(tiny_brats_root):
         assert a.info == b.info and torch.equal(a.test.tensors[0], b.test.tensors[0])
         assert list(a.info)[:2] == ["train_cases", "test_cases"]
     assert default.summary()["holdout"] == "test" and "n_test" in default.summary()["sites"][0]
+
+
+def test_msd_as_downloaded_gives_a_federation_of_its_training_cases_only(tmp_path):
+    write_msd(tmp_path, np.random.default_rng(0))  # BRATS_001, BRATS_002 in imagesTr/labelsTr; BRATS_003 in imagesTs
+    options = brats.Options(root=str(tmp_path), generate=None, patch_size=8, tumour_patches_per_case=3, background_patches_per_case=0)
+    federation = brats.build_federation(options, FederationConfig(n_sites=1), seed=0, progress=False)
+    (site,) = federation.sites
+    assert sorted(site.info["train_cases"] + site.info["test_cases"]) == ["BRATS_001", "BRATS_002"]
+    assert (len(site.train), len(site.test)) == (3, 3)
+
+
+def copy_without_partition(root, destination):
+    return shutil.copytree(root, destination, ignore=shutil.ignore_patterns("partitioning.csv"))
+
+
+def fail_on_read(case):
+    raise AssertionError(f"read {case.case_id} before the federation config was checked")
+
+
+@pytest.mark.parametrize("n_sites, holdout, too_small", [(5, "test", "site4 gets 1 of the 9 cases"), (4, "validation", "site1 gets 2 of the 9 cases")])
+def test_too_many_sites_for_the_cases_found_is_a_config_error_before_any_volume_is_read(tiny_brats_root, tmp_path, monkeypatch, n_sites, holdout, too_small):
+    root = copy_without_partition(tiny_brats_root, tmp_path / "brats")  # 9 cases shuffled onto sites
+    monkeypatch.setattr(brats, "load_case", fail_on_read)
+    with pytest.raises(ConfigError) as info:
+        brats.build_federation(_options(root), FederationConfig(n_sites=n_sites, holdout=holdout), seed=0, progress=False)
+    message = str(info.value)
+    assert message.startswith(f"config key 'federation.n_sites' = {n_sites}: too many sites for the 9 cases found ({too_small}): ")
+
+
+def test_a_partition_too_small_to_split_names_the_partition_file(tiny_brats_root, tmp_path, monkeypatch):
+    cases = sorted(case.case_id for case in find_cases(tiny_brats_root))
+    partition = tmp_path / "sites.csv"
+    write_partition_csv(partition, {case: 1 if case == cases[0] else 2 for case in cases})
+    monkeypatch.setattr(brats, "load_case", fail_on_read)
+    options = _options(tiny_brats_root)
+    options.partition_csv = str(partition)
+    with pytest.raises(DataError, match=rf"^{partition}: site0 gets 1 of the 9 cases, too few: "):
+        brats.build_federation(options, FederationConfig(n_sites=2), seed=0, progress=False)
+    options.partition_csv = str(tmp_path / "missing.csv")
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'missing.csv'}: partition file not found$"):
+        brats.build_federation(options, FederationConfig(n_sites=2), seed=0, progress=False)
+
+
+def erase_tumours(root, case_ids):
+    for case in find_cases(root):
+        if case.case_id in case_ids:
+            image = nib.load(case.label_file)
+            nib.save(nib.Nifti1Image(np.zeros(image.shape, dtype=np.uint8), image.affine), case.label_file)
+
+
+@pytest.mark.parametrize("empty_partitions, site", [({1, 2, 3}, "site0"), ({2}, "site1")], ids=["data-set", "one-site"])
+def test_sites_without_any_tumour_voxel_are_named(tiny_brats_root, tmp_path, empty_partitions, site):
+    root = shutil.copytree(tiny_brats_root, tmp_path / "brats")
+    partition = read_partition_csv(root / "partitioning.csv")
+    erase_tumours(root, {case for case, partition_id in partition.items() if partition_id in empty_partitions})
+    with pytest.raises(DataError) as info:
+        brats.build_federation(_options(root), FederationConfig(n_sites=3), seed=0, progress=False)
+    assert str(info.value) == (
+        f"{root}: {site}: none of its 3 cases has a tumour voxel (all segmentations are background); "
+        "whole-tumour segmentation needs tumour at every site"
+    )
+
+
+def test_region_targets_are_nested_masks_whose_whole_tumour_is_the_wt_target(tiny_brats_root):
+    federation_config = FederationConfig(n_sites=3)
+    wt = brats.build_federation(_options(tiny_brats_root), federation_config, seed=0, progress=False)
+    regions = brats.build_federation(_options(tiny_brats_root), federation_config, seed=0, progress=False, target="regions")
+    assert (wt.num_classes, regions.num_classes) == (2, 3)
+    for a, b in zip(wt.sites, regions.sites):
+        y = b.train.tensors[1]
+        assert y.dtype == torch.uint8 and y.shape == (len(b.train), 3, 32, 32)
+        torch.testing.assert_close(a.train.tensors[0], b.train.tensors[0])  # the same patches
+        assert torch.equal(y[:, 0].long(), a.train.tensors[1])  # WT channel = the wt target
+        assert bool((y[:, 1] <= y[:, 0]).all() and (y[:, 2] <= y[:, 1]).all())  # ET in TC in WT
+    assert any(site.train.tensors[1][:, 2].any() for site in regions.sites)  # the phantoms do have enhancing tumour
+
+
+def test_evaluation_volumes_are_the_evaluation_cases_prepared_like_the_patches(tiny_brats_root):
+    federation = brats.build_federation(
+        _options(tiny_brats_root), FederationConfig(n_sites=3, missing_channel=MissingChannelConfig(channel=2, sites=[1])), seed=0, progress=False
+    )
+    for index, site in enumerate(federation.sites):
+        volumes = list(federation.volumes.site_volumes(index))
+        assert [v.case_id for v in volumes] == site.info["test_cases"]
+        for volume in volumes:
+            assert volume.image.shape[0] == 4 and volume.image.shape[1:] == volume.label.shape
+            assert volume.spacing_mm == pytest.approx((4.0, 4.0, 4.0))
+            assert (not volume.image[2].any()) == (index == 1)  # the missing channel is zero there, as in training

@@ -1,9 +1,17 @@
+import dataclasses
 import itertools
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.fabric import Fabric
+from torch.utils.data import TensorDataset
 
+from medfed.config import parse_options
+from medfed.data.federation import SiteData
+from medfed.errors import ConfigError, DataError
+from medfed.federated.site import Site
 from medfed.models.classification import NoduleClassifier
 from medfed.models.tabular import LogisticRegression
 
@@ -122,3 +130,73 @@ def test_two_class_models_refuse_other_class_counts():
         LogisticRegression(3, 3)
     with pytest.raises(ValueError, match="two-class"):
         NoduleClassifier(1, 5, TINY_DENSENET)
+
+
+def site_data(train_labels, name="site3"):
+    """A site whose training labels are ``train_labels`` (features all zero; only the labels matter here)."""
+    labels = torch.tensor(train_labels)
+    return SiteData(name, TensorDataset(torch.zeros(len(labels), 1), labels), TensorDataset(torch.zeros(1, 1), labels[:1]))
+
+
+def test_balanced_weights_come_from_the_sites_training_labels_and_weigh_the_loss_as_by_hand():
+    model = LogisticRegression(1, 2, LogisticRegression.Options(class_weight="balanced"))
+    model.set_vector("all", torch.tensor([1.0, 0.0]))  # log-odds = x
+    model.prepare_for_site(site_data([0] * 6 + [1] * 2))
+    assert model.class_weights == (8 / 12, 8 / 4)  # n / (2 n_c): 8 / (2 * 6), 8 / (2 * 2)
+    x, y = torch.tensor([[0.5], [-1.0], [2.0], [0.3]]), torch.tensor([0, 1, 0, 1])
+    # by hand: a negative with log-odds z costs log(1 + e^z), a positive log(1 + e^-z)
+    by_hand = (2 / 3 * math.log(1 + math.exp(0.5)) + 2 * math.log(1 + math.exp(1.0))
+               + 2 / 3 * math.log(1 + math.exp(2.0)) + 2 * math.log(1 + math.exp(-0.3))) / 4
+    assert model.training_step((x, y), 0).item() == pytest.approx(by_hand, rel=1e-6)
+
+    unweighted = identity_logistic_regression()
+    unweighted.prepare_for_site(site_data([0] * 6 + [1] * 2))
+    assert unweighted.class_weights is None
+    by_hand = (math.log(1 + math.exp(0.5)) + math.log(1 + math.exp(1.0))
+               + math.log(1 + math.exp(2.0)) + math.log(1 + math.exp(-0.3))) / 4
+    assert unweighted.training_step((x, y), 0).item() == pytest.approx(by_hand, rel=1e-6)
+
+
+def test_densenet_balanced_loss_is_the_class_weighted_two_class_cross_entropy():
+    torch.manual_seed(0)
+    densenet = NoduleClassifier(1, 2, dataclasses.replace(TINY_DENSENET, class_weight="balanced")).eval()
+    densenet.prepare_for_site(site_data([0, 0, 0, 1]))  # weights 4/6 and 4/2
+    x, y = torch.randn(3, 1, 32, 32), torch.tensor([0, 1, 1])
+    by_hand = (F.cross_entropy(densenet(x), y, reduction="none") * torch.tensor([2 / 3, 2.0, 2.0])).mean()
+    assert densenet.training_step((x, y), 0).item() == pytest.approx(by_hand.item(), rel=1e-5)
+
+
+def test_class_weight_values_and_a_single_class_training_split_are_refused_by_name():
+    assert parse_options(LogisticRegression.Options, {"class_weight": None}, "model").class_weight is None
+    with pytest.raises(ConfigError, match="config key 'model.class_weight' = 'inverse': expected null or balanced"):
+        parse_options(LogisticRegression.Options, {"class_weight": "inverse"}, "model")
+    model = LogisticRegression(1, 2, LogisticRegression.Options(class_weight="balanced"))
+    with pytest.raises(DataError, match="^site3: model.class_weight=balanced needs training samples of both classes, "
+                                        "found 5 negative and 0 positive$"):
+        model.prepare_for_site(site_data([0] * 5))
+
+
+def imbalanced_split(n, seed):
+    """n records, about 6% positive, two features; positives shifted by 1 standard deviation."""
+    generator = torch.Generator().manual_seed(seed)
+    y = (torch.rand(n, generator=generator) < 0.06).long()
+    return TensorDataset(torch.randn(n, 2, generator=generator) + y[:, None].float(), y)
+
+
+@pytest.mark.parametrize("class_weight", [None, "balanced"])
+def test_balanced_weights_stop_a_site_with_6_percent_positives_calling_everything_negative(class_weight):
+    data = SiteData("site0", imbalanced_split(400, 0), imbalanced_split(400, 1))
+    assert int(data.train.tensors[1].sum()) == 22 and int(data.test.tensors[1].sum()) == 18
+    torch.manual_seed(0)
+    model = LogisticRegression(2, 2, LogisticRegression.Options(class_weight=class_weight))
+    fabric = Fabric(accelerator="cpu", devices=1)
+    module, optimizer = fabric.setup(model, model.configure_optimizers())
+    site = Site(0, data, module, optimizer, fabric, batch_size=16, seed=0)  # the site hands its data to the model
+    site.train(3.0, "all", lambda batch: module.training_step(batch, 0))
+    results = site.evaluate()
+    if class_weight is None:  # every test record called negative: the accuracy is the share of negatives
+        assert model.class_weights is None
+        assert results["balanced_accuracy"] == 0.5 and results["accuracy"] == pytest.approx(382 / 400)
+    else:
+        assert model.class_weights == pytest.approx((400 / (2 * 378), 400 / (2 * 22)))
+        assert results["balanced_accuracy"] > 0.75

@@ -2,10 +2,13 @@
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import nibabel
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -101,3 +104,41 @@ def test_a_non_editable_install_runs_a_bundled_config_without_the_repository(tmp
     )
     assert fit.returncode == 0, fit.stderr
     assert (elsewhere / "out" / "results.json").is_file()
+
+
+def _broken_copy(tiny_brats_root, tmp_path, damage):
+    root = tmp_path / "broken"
+    shutil.copytree(tiny_brats_root, root)
+    damage(root)
+    return root
+
+
+def _empty_case_folder(root):
+    (root / "HGG" / "Brats17_EMPTY_1").mkdir()
+
+
+def _no_tumour_anywhere(root):
+    for segmentation in root.rglob("*_seg.nii.gz"):
+        image = nibabel.load(segmentation)
+        nibabel.save(nibabel.Nifti1Image(np.zeros(image.shape, dtype=np.uint8), image.affine), segmentation)
+
+
+@pytest.mark.parametrize(
+    "damage, overrides, named",
+    [
+        (_empty_case_folder, [], "Brats17_EMPTY_1"),
+        (_no_tumour_anywhere, [], "site0"),
+        (lambda root: None, ["federation.n_sites=9"], "'federation.n_sites'"),
+    ],
+)
+def test_broken_data_fails_with_one_line_and_leaves_no_output_and_no_cache(
+    tiny_run_config, tiny_brats_root, tmp_path, capsys, damage, overrides, named
+):
+    root = _broken_copy(tiny_brats_root, tmp_path, damage)
+    cache = tmp_path / "cache"
+    arguments = ["fit", "--config", str(tiny_run_config), "--quiet", "data.generate=null", f"data.root={root}", f"data.cache_dir={cache}"]
+    assert main([*arguments, *overrides]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("medfed: error: ") and error.count("\n") == 1 and named in error
+    assert not (tmp_path / "run").exists()
+    assert not cache.exists() or not any(path.is_file() for path in cache.rglob("*"))

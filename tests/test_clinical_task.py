@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from medfed.config import FederationConfig, LabelRatioConfig
+from medfed.config import FederationConfig, LabelRatioConfig, parse_options
 from medfed.data.label_ratio import site_ratios
 from medfed.data.tabular import read_tabular_csv
 from medfed.errors import ConfigError, DataError
@@ -111,10 +111,10 @@ def test_missing_target_column_names_file_and_column(tmp_path):
         federation_of(Options(csv=str(path), embedded=None, target="outcome", positive="yes"), label_ratio=None)
 
 
-def test_non_numeric_feature_names_file_and_column(tmp_path):
+def test_a_column_mixing_numbers_and_text_names_file_and_column(tmp_path):
     rows = [["A", "yes" if i % 2 else "no", i, "high" if i == 5 else i] for i in range(10)]
     path = write_records(tmp_path / "records.csv", rows)
-    with pytest.raises(DataError, match=r"records\.csv: column 'b' must be numeric, found 'high'"):
+    with pytest.raises(DataError, match=r"records\.csv: column 'b' mixes numbers and text: 1 of 10 .* 'high'"):
         federation_of(Options(csv=str(path), embedded=None, target="event", positive="yes",
                               exclude_columns=["hospital"]), n_sites=1)
 
@@ -177,3 +177,46 @@ def test_validation_records_get_the_label_ratio_and_test_records_stay_out(breast
         assert site.info["n_validation_positive"] == n_pos and site.info["validation_ratio"] == pytest.approx(n_neg / n_pos)
         used = set(site.info["train_records"]) | set(site.info["validation_records"])
         assert used.isdisjoint(site.info["test_records"])
+
+
+def test_a_text_column_is_one_hot_encoded_and_its_levels_reach_the_summary(tmp_path):
+    rows = [["A" if i < 10 else "B", "yes" if i % 3 == 0 else "no", i, ["female", "male", ""][i % 3]] for i in range(20)]
+    path = write_records(tmp_path / "records.csv", rows, header=("hospital", "event", "age", "gender"))
+    options = Options(csv=str(path), embedded=None, target="event", positive="yes", site_column="hospital")
+    federation = federation_of(options, n_sites=2, label_ratio=None)
+    assert federation.input_shape == (3,)
+    assert federation.summary()["features"] == {
+        "names": ["age", "gender=female", "gender=male"],
+        "categorical": {"gender": ["female", "male"]},
+        "missing_per_column": {"age": 0, "gender": 6},
+    }
+    assert "3 features, 1 categorical column(s) one-hot encoded, 6 missing cells" in federation.description
+    site = federation.sites[0]  # hospital A, records 0 .. 9; scaled per site: indicator 0 -> -1, 1 -> 1
+    expected = [[1.0, -1.0] if i % 3 == 0 else [-1.0, 1.0] if i % 3 == 1 else [-1.0, -1.0] for i in site.info["train_records"]]
+    np.testing.assert_array_equal(site.train.tensors[0][:, 1:].numpy(), expected)
+
+
+def test_an_unquoted_yes_in_the_config_reaches_the_reader_as_a_boolean_and_the_error_says_to_quote_it(tmp_path):
+    rows = [["A", "Yes" if i % 3 == 0 else "No", i, i] for i in range(12)]
+    path = write_records(tmp_path / "records.csv", rows)
+    values = {"csv": str(path), "embedded": None, "target": "event", "positive": True, "exclude_columns": ["hospital"]}
+    options = parse_options(Options, values, "data")  # what YAML 1.1 makes of `positive: Yes`
+    assert options.positive is True
+    with pytest.raises(DataError, match=r"read the positive value as the boolean True .* data\.positive: \"Yes\""):
+        federation_of(options, n_sites=1, label_ratio=None)
+    quoted = federation_of(parse_options(Options, {**values, "positive": "Yes"}, "data"), n_sites=1, label_ratio=None)
+    assert quoted.sites[0].info["n_train_positive"] + quoted.sites[0].info["n_test_positive"] == 4
+
+
+def test_records_dropped_by_the_label_ratio_are_counted_and_a_site_losing_most_is_named(tmp_path, caplog):
+    # hospital A: 4 positives in 40 records (natural ratio 9); delta 1 keeps 1 negative per positive
+    rows = [[hospital, "yes" if i % 10 == 0 else "no", i, -i] for hospital in ("A", "B") for i in range(40)]
+    path = write_records(tmp_path / "records.csv", rows)
+    options = Options(csv=str(path), embedded=None, target="event", positive="yes", site_column="hospital")
+    federation = federation_of(options, n_sites=2, label_ratio=LabelRatioConfig(delta=1.0, spread=1.0))
+    for site in federation.sites:  # train 3 + 29 -> 3 + 3 kept; test 1 + 7 -> 1 + 1 kept
+        assert (len(site.train), site.info["n_train_dropped"], len(site.test), site.info["n_test_dropped"]) == (6, 26, 2, 6)
+    assert caplog.messages[-1].startswith(
+        "federation.label_ratio (delta 1, spread 1) drops more than half of the records of site0 (32 of 40 dropped, "
+        "its own ratio 9), site1 (32 of 40 dropped, its own ratio 9)"
+    )

@@ -23,6 +23,9 @@ def test_cli_run_writes_results(tiny_run_config, tmp_path, strategy):
     for row in results["sites"]:
         assert 0.0 <= row["label_iou"] <= 1.0 and 0.0 <= row["iou"] <= 1.0
         assert row["n_test"] > 0
+        assert 0.0 <= row["dice_wt"] <= 1.0 and 0.0 <= row["iou_wt"] <= row["dice_wt"] and row["hd95_wt"] >= 0.0
+    # whole-volume scores: evaluation.volume_every (10) exceeds the 3 rounds, so on the last round only
+    assert "dice_wt" not in results["history"][0]["mean"] and "dice_wt" in results["history"][-1]["mean"]
     mean_iou = sum(row["iou"] for row in results["sites"]) / 3
     assert results["mean"]["iou"] == pytest.approx(mean_iou)
     assert len(results["history"]) == 3 and results["config"]["strategy"]["name"] == strategy

@@ -1,8 +1,11 @@
+import shutil
 from functools import partial
 
 import numpy as np
 import pytest
 import torch
+
+import medfed.data.luna16
 
 from medfed.config import FederationConfig, LabelRatioConfig
 from medfed.data.label_ratio import site_ratios
@@ -34,9 +37,9 @@ def tiny_luna_root(tmp_path_factory):
     return generate_luna16_phantoms(tmp_path_factory.mktemp("luna") / "luna16", seed=1, **TINY_PHANTOMS)
 
 
-def federation_of(root, seed=0, label_ratio=LABEL_RATIO):
+def federation_of(root, seed=0, label_ratio=LABEL_RATIO, n_sites=3):
     options = Options(root=str(root), generate=None)
-    return build_federation(options, FederationConfig(n_sites=3, label_ratio=label_ratio), seed, progress=False)
+    return build_federation(options, FederationConfig(n_sites=n_sites, label_ratio=label_ratio), seed, progress=False)
 
 
 def test_samples_are_single_channel_patches_of_binary_labels(tiny_luna_root):
@@ -94,7 +97,12 @@ def test_without_a_label_ratio_every_candidate_is_kept(tiny_luna_root):
     assert all(s.info["target_ratio"] is None for s in federation.sites)
 
 
-def test_a_ratio_the_test_split_cannot_meet_names_the_split(tiny_luna_root):
+def fail_on_read(mhd_path):
+    raise AssertionError(f"read {mhd_path} before the federation was planned")
+
+
+def test_a_ratio_the_test_split_cannot_meet_names_the_split(tiny_luna_root, monkeypatch):
+    monkeypatch.setattr(medfed.data.luna16, "_read_axial_image", fail_on_read)
     with pytest.raises(DataError, match="test split"):
         federation_of(tiny_luna_root, label_ratio=LabelRatioConfig(delta=20.0, spread=1.0))
 
@@ -102,15 +110,15 @@ def test_a_ratio_the_test_split_cannot_meet_names_the_split(tiny_luna_root):
 def test_series_split_is_stratified_by_nodule_presence():
     uids = [f"s{i}" for i in range(10)]
     has_nodule = np.array([True] * 5 + [False] * 5)
-    train, test = _split_series(uids, has_nodule, 0.2, (3, 4), "site0")
+    train, test = _split_series(uids, has_nodule, 0.2, (3, 4))
     assert sorted(train + test) == uids and set(train).isdisjoint(test)
     assert sum(u in test for u in uids[:5]) == 1 and sum(u in test for u in uids[5:]) == 1
-    train, test = _split_series(uids[:3], has_nodule[:3], 0.2, (3, 4), "site0")
+    train, test = _split_series(uids[:3], has_nodule[:3], 0.2, (3, 4))
     assert len(test) == 1
-    train, test = _split_series(uids[:3] + ["lone"], np.array([True, True, True, False]), 0.2, (3, 4), "site0")
+    train, test = _split_series(uids[:3] + ["lone"], np.array([True, True, True, False]), 0.2, (3, 4))
     assert "lone" in train  # a single nodule-free series trains
-    with pytest.raises(DataError, match="site0: needs at least 2 series with a nodule"):
-        _split_series(uids[4:], has_nodule[4:], 0.2, (3, 4), "site0")
+    with pytest.raises(DataError, match="a site needs at least 2 series with a nodule"):
+        _split_series(uids[4:], has_nodule[4:], 0.2, (3, 4))
 
 
 def test_options_are_checked():
@@ -148,7 +156,36 @@ def test_validation_draw_is_stratified_by_nodule_presence():
     uids = [f"s{i}" for i in range(10)]
     has_nodule = {uid: i < 5 for i, uid in enumerate(uids)}
     federation = FederationConfig(test_fraction=0.2, holdout="validation", validation_fraction=0.25)
-    split = split_site(uids, partial(_draw_series, has_nodule=has_nodule, site="site0"), federation, seed=0, site_index=0)
+    split = split_site(uids, partial(_draw_series, has_nodule=has_nodule), federation, seed=0, site_index=0)
     for subjects in (split.set_aside, split.evaluation):  # test and validation: one series of each stratum
         assert sorted(has_nodule[uid] for uid in subjects) == [False, True]
     assert len(split.train) == 6
+
+
+@pytest.mark.parametrize("n_sites", [4, 7])
+def test_too_many_sites_is_a_config_error_before_any_volume_is_read(tiny_luna_root, tmp_path, monkeypatch, n_sites):
+    monkeypatch.setattr(medfed.data.luna16, "_read_axial_image", fail_on_read)
+    with pytest.raises(ConfigError, match=rf"^config key 'federation.n_sites' = {n_sites}: the partition file has 3 partitions"):
+        federation_of(tiny_luna_root, n_sites=n_sites)
+    shuffled = shutil.copytree(tiny_luna_root, tmp_path / "luna16", ignore=shutil.ignore_patterns("partitioning.csv"))
+    if n_sites == 7:  # 12 series shuffled onto 7 sites: five sites get 2 series, but site5 and site6 get 1
+        with pytest.raises(ConfigError) as info:
+            federation_of(shuffled, n_sites=n_sites)
+        assert str(info.value) == (
+            "config key 'federation.n_sites' = 7: too many sites for the 12 series found (site5 gets 1 of the 12 series): "
+            "a site needs at least 2 series with a nodule candidate (one for each split), found 1"
+        )
+
+
+def test_second_build_reads_no_volume_and_gives_the_same_tensors(tiny_luna_root, tmp_path, monkeypatch):
+    def build():
+        options = Options(root=str(tiny_luna_root), generate=None, cache_dir=str(tmp_path))
+        return build_federation(options, FederationConfig(n_sites=3, label_ratio=LABEL_RATIO), 0, progress=False)
+
+    first = build()
+    monkeypatch.setattr(medfed.data.luna16, "_read_axial_image", fail_on_read)
+    second = build()
+    assert (first.cache["hit"], second.cache["hit"]) == (False, True) and first.cache["key"] == second.cache["key"]
+    assert first.summary()["sites"] == second.summary()["sites"]
+    for a, b in zip(first.sites, second.sites, strict=True):
+        assert torch.equal(a.train.tensors[0], b.train.tensors[0]) and torch.equal(a.test.tensors[1], b.test.tensors[1])

@@ -141,19 +141,29 @@ def test_a_generation_with_other_parameters_waits_until_a_reader_is_done(tmp_pat
 
 def test_a_task_holds_its_generated_data_set_while_it_reads_it(tiny_run_config, tiny_brats_root, monkeypatch):
     lock = tiny_brats_root.with_name(f".{tiny_brats_root.name}.lock")
+
+    def held():
+        with open(lock) as other_run:  # try another run's exclusive lock, as a generator would take it
+            try:
+                fcntl.flock(other_run, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            return False
+
     original = medfed.tasks.brats.load_case
     checked = []
 
     def load_case(case):
-        with open(lock) as other_run:  # another run's exclusive lock, as a generator would take it
-            with pytest.raises(BlockingIOError):
-                fcntl.flock(other_run, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        checked.append(case)
+        checked.append(held())
         return original(case)
 
     monkeypatch.setattr(medfed.tasks.brats, "load_case", load_case)
-    resolved = resolve(load_config(tiny_run_config))
-    resolved.task.build_federation(resolved.data_options, resolved.run.federation, seed=0, progress=False)
-    assert checked
-    with open(lock) as other_run:  # released once the data are read
-        fcntl.flock(other_run, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    resolved = resolve(load_config(tiny_run_config, ["data.cache=false"]))
+    federation = resolved.task.build_federation(resolved.data_options, resolved.run.federation, seed=0, progress=False)
+    assert checked and all(checked)  # while the federation is built
+    assert not held()
+    volumes = federation.volumes.site_volumes(0)
+    next(volumes)
+    assert held()  # while whole volumes are evaluated
+    volumes.close()
+    assert not held()

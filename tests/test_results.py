@@ -44,3 +44,14 @@ def test_metrics_on_a_validation_split_say_so_in_the_title_and_the_size_column()
     assert lines[0] == "fedavg on brats, data: GENERATED BraTS-like data; metrics on the VALIDATION split (test split set aside)"
     assert lines[2].split() == ["site", "iou", "label_iou", "n_validation"]
     assert lines[-1].split() == ["mean", "0.7000", "0.5000", "40"]
+
+
+def test_classification_table_shows_balanced_accuracy_and_auroc_beside_accuracy():
+    history = [{"metrics": {"site0": {"accuracy": 0.955, "balanced_accuracy": 0.5, "auroc": 0.9},
+                            "site1": {"accuracy": 0.8, "balanced_accuracy": 0.75, "auroc": 0.7}}}]
+    results = {**summarise(history, {"site0": 200, "site1": 100}), "strategy": "pfednet",
+               "federation": {"task": "clinical", "description": "clinical records"}}
+    lines = format_table(results).splitlines()
+    assert lines[2].split() == ["site", "accuracy", "balanced_accuracy", "auroc", "n_test"]
+    assert lines[4].split() == ["site0", "0.9550", "0.5000", "0.9000", "200"]  # all-negative: accuracy alone misleads
+    assert lines[-1].split() == ["mean", "0.8775", "0.6250", "0.8000", "300"]

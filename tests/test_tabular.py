@@ -42,7 +42,7 @@ def test_round_trip_with_missing_values_filled_with_zero(tmp_path):
     )
     np.testing.assert_array_equal(data.labels, [1, 0, 0, 1, 0])
     assert data.sites.tolist() == ["A", "A", "B", "B", "A"]
-    np.testing.assert_array_equal(data.missing_per_feature, [1, 3])
+    assert data.missing_per_column == {"age": 1, "creatinine": 3} and data.categories == {}
     assert data.n_missing == 4 and len(data) == 5
 
 
@@ -102,9 +102,16 @@ def test_breast_cancer_table_matches_scikit_learn_and_is_cached(tmp_path):
     [
         ("a,b\n1,yes\n", dict(target="y", positive="yes"), "column 'y' not found"),
         ("a,y\n1,yes\n2,no\n", dict(target="y", positive="yes", site_column="site"), "column 'site' not found"),
-        ("a,c,y\n1,2,yes\n2,x7,no\n", dict(target="y", positive="yes"),
-         "column 'c' must be numeric, found 'x7' on line 3"),
-        ("a,y\ninf,yes\n2,no\n", dict(target="y", positive="yes"), "column 'a' must be numeric, found 'inf'"),
+        ("a,c,y\n1,2,yes\n2,x7,no\n3,4,no\n", dict(target="y", positive="yes"),
+         "column 'c' mixes numbers and text: 1 of 3 values are not finite numbers, first 'x7' on line 3"),
+        ("a,y\ninf,yes\n2,no\n", dict(target="y", positive="yes"),
+         "column 'a' mixes numbers and text: 1 of 2 values are not finite numbers, first 'inf' on line 2"),
+        ("a,c,y\n1,low,yes\n2,high,no\n3,7,no\n", dict(target="y", positive="yes"),
+         "column 'c' mixes numbers and text: 1 of 3 values are numbers among text, first '7' on line 4"),
+        ("a,id,y\n1,p1,yes\n2,p2,no\n3,,no\n", dict(target="y", positive="yes"),
+         r"column 'id' is text with 2 distinct values \(a different one in every record\).*data\.exclude_columns"),
+        ("a,c,y\n" + "".join(f"{i},v{i % 51},{'yes' if i % 2 else 'no'}\n" for i in range(102)),
+         dict(target="y", positive="yes"), r"column 'c' is text with 51 distinct values, too many .*at most 50"),
         ("a,y\n1,yes\n2,no\n3,maybe\n", dict(target="y", positive="yes"), "exactly one other class"),
         ("a,y\n1,no\n2,no\n", dict(target="y", positive="yes"), "exactly one other class"),
         ("a,y\n1,yes\n2,\n", dict(target="y", positive="yes"), "column 'y' has 1 missing value"),
@@ -133,3 +140,45 @@ def test_sites_need_both_classes():
     with pytest.raises(DataError, match="records.csv: .*B: 2 positive, 0 negative; C: 0 positive, 2 negative"):
         check_sites_have_both_classes(labels, sites, source="records.csv")
     check_sites_have_both_classes(labels[:2], sites[:2])  # site A alone has both: no error
+
+
+def test_text_column_becomes_sorted_level_indicators_and_a_missing_cell_all_zeros(tmp_path):
+    path = write(tmp_path, "age,gender,y,smoker\n50,female,1,no\n61,male,0,NA\n47,female,0,yes\n70,,1,no\n")
+    data = read_tabular_csv(path, target="y", positive=1)
+    assert data.feature_names == ("age", "gender=female", "gender=male", "smoker=no", "smoker=yes")
+    assert data.categories == {"gender": ("female", "male"), "smoker": ("no", "yes")}
+    assert data.missing_per_column == {"age": 0, "gender": 1, "smoker": 1} and data.n_missing == 2
+    np.testing.assert_array_equal(
+        data.features,
+        np.array([[50, 1, 0, 1, 0], [61, 0, 1, 0, 0], [47, 1, 0, 0, 1], [70, 0, 0, 1, 0]], dtype=np.float32),
+    )
+
+
+def test_levels_are_sorted_as_text_whatever_the_order_of_the_file(tmp_path):
+    path = write(tmp_path, "stage,y\nIIb,1\nI,0\nIIa,0\nI,1\nIIb,0\n")
+    data = read_tabular_csv(path, target="y", positive=1)
+    assert data.categories == {"stage": ("I", "IIa", "IIb")}
+    np.testing.assert_array_equal(data.features.argmax(axis=1), [2, 0, 1, 0, 2])
+
+
+def test_yes_no_target_matches_the_positive_value_as_text(tmp_path):
+    path = write(tmp_path, "a,outcome\n1,Yes\n2,No\n3,No\n")
+    np.testing.assert_array_equal(read_tabular_csv(path, target="outcome", positive="Yes").labels, [1, 0, 0])
+    np.testing.assert_array_equal(read_tabular_csv(path, target="outcome", positive="No").labels, [0, 1, 1])
+
+
+@pytest.mark.parametrize("positive, spelled", [(True, "Yes"), (False, "No")])
+def test_a_boolean_positive_value_says_the_config_read_a_boolean_and_to_quote_it(tmp_path, positive, spelled):
+    path = write(tmp_path, "a,outcome\n1,Yes\n2,No\n3,No\n")
+    with pytest.raises(DataError) as info:
+        read_tabular_csv(path, target="outcome", positive=positive)
+    assert str(info.value) == (
+        f"{path}: column 'outcome' must hold the positive value '{positive}' and exactly one other class, "
+        f"found ['No', 'Yes']; the config read the positive value as the boolean {positive} (YAML reads an unquoted "
+        f'true/false, and YAML 1.1 also yes/no/on/off, as booleans): quote it, e.g. data.positive: "{spelled}"'
+    )
+
+
+def test_a_boolean_positive_value_matches_a_column_of_true_and_false(tmp_path):
+    path = write(tmp_path, "a,event\n1,True\n2,False\n")
+    np.testing.assert_array_equal(read_tabular_csv(path, target="event", positive=True).labels, [1, 0])

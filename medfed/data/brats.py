@@ -1,6 +1,6 @@
 """Reader for BraTS brain-tumour MRI in the layouts users download.
 
-Three on-disk layouts are recognised (checked in this order):
+Four on-disk layouts are recognised (checked in this order):
 
 ``msd``
     Medical Segmentation Decathlon ``Task01_BrainTumour``: ``root/dataset.json``
@@ -11,16 +11,33 @@ Three on-disk layouts are recognised (checked in this order):
 ``brats2017``
     BraTS 2017-2019: ``root/HGG|LGG/<case>/<case>_{flair,t1,t1ce,t2,seg}.nii.gz``.
 ``brats2020``
-    BraTS 2020/2021: ``root/<case>/<case>_{flair,t1,t1ce,t2,seg}.nii[.gz]``
-    (files at ``root`` such as ``name_mapping.csv`` are ignored).
+    BraTS 2020/2021: ``root/<case>/<case>_{flair,t1,t1ce,t2,seg}.nii[.gz]``.
+``brats2023``
+    BraTS 2023 (and the 2024 releases named the same way):
+    ``root/<case>/<case>-{t2f,t1n,t1c,t2w,seg}.nii[.gz]`` with t2f = FLAIR,
+    t1n = T1, t1c = T1ce, t2w = T2, and ``<case>`` = ``BraTS-<set>-<id>-<visit>``.
 
-BraTS segmentations use {0, 1, 2, 4} (4 = enhancing; the value 3 was retired
-in 2017 and is rejected). Every layout is converted to medfed's convention:
-images are float32 ``(4, X, Y, Z)`` in :data:`MODALITIES` order, labels are
-uint8 :class:`TumourLabel` values.
+Every visible sub-folder of ``root`` (or of ``HGG``/``LGG``) is a case
+folder and must hold its case's files; files at ``root`` such as
+``name_mapping.csv`` are ignored, and so are names starting with ``.``
+(including macOS ``._*`` resource forks, shipped in the MSD archive) and
+``__MACOSX`` folders.
 
-Names starting with ``.`` (including macOS ``._*`` resource forks shipped in
-the MSD archive) are ignored everywhere.
+Segmentation values: BraTS 2017-2021 use {0, 1, 2, 4} (4 = enhancing; the
+value 3 was retired in 2017 and is rejected). BraTS 2023 renumbered enhancing
+to 3: {0, 1, 2, 3} = background, necrotic / non-enhancing tumour core (NCR,
+NETC), oedema / surrounding FLAIR hyperintensity (ED, SNFH), enhancing tumour
+(ET), the convention of the 2023 glioma (GLI), sub-Saharan Africa (SSA),
+meningioma (MEN) and metastasis (MET) sets, which the challenge's own
+evaluation shares (whole tumour 1-3, core 1 and 3, enhancing 3). BraTS-PED
+files are rejected: the 2023 paediatric release used that convention, the 2024
+one numbers ET, NET, CC, ED as 1-4, and both name their files alike.
+
+Every layout is converted to medfed's convention: images are float32
+``(4, X, Y, Z)`` in :data:`MODALITIES` order, labels are uint8
+:class:`TumourLabel` values. :func:`find_cases` lists the labelled cases, the
+ones a federation trains and tests on; :func:`find_unlabelled_cases` lists the
+others (MSD ``imagesTs``, validation releases), for prediction.
 """
 
 from __future__ import annotations
@@ -60,7 +77,23 @@ BRATS_LABEL_CODES = (
     (2, TumourLabel.OEDEMA),
     (4, TumourLabel.ENHANCING),
 )
-"""(value in a BraTS 2017+ segmentation file, TumourLabel) pairs."""
+"""(value in a BraTS 2017-2021 segmentation file, TumourLabel) pairs."""
+
+BRATS2023_LABEL_CODES = (
+    (0, TumourLabel.BACKGROUND),
+    (1, TumourLabel.NECROTIC_CORE),  # NCR (GLI, SSA) / NETC (MEN, MET)
+    (2, TumourLabel.OEDEMA),  # ED (GLI, SSA) / SNFH (MEN, MET)
+    (3, TumourLabel.ENHANCING),
+)
+"""(value in a BraTS 2023 segmentation file, TumourLabel) pairs, for :data:`BRATS2023_SETS`."""
+
+BRATS2023_SETS = ("GLI", "SSA", "MEN", "MET")
+"""BraTS 2023 challenge sets (``BraTS-<set>-...`` case names) whose labels are :data:`BRATS2023_LABEL_CODES`."""
+
+_BRATS2023_UNSUPPORTED_SETS = {
+    "PED": "the 2023 paediatric release numbers NCR, ED, ET as 1-3 and the 2024 one ET, NET, CC, ED as 1-4 "
+    "under the same file names, so the label convention of these files cannot be told",
+}
 
 _NIFTI_SUFFIXES = (".nii.gz", ".nii")
 _INVALID = 255  # marks label-file values outside a layout's convention in a lookup table
@@ -89,11 +122,42 @@ _MSD_LABEL_NAMES = {
     "enhancingtumour": TumourLabel.ENHANCING,
 }
 
+
+
+@dataclass(frozen=True)
+class _FileNaming:
+    """How a release names a case's files: ``<case><separator><key>.nii[.gz]``, one key per modality."""
+
+    release: str
+    separator: str
+    keys: tuple[str, ...]  # in MODALITIES order
+
+    def pattern(self, case_id: str) -> str:
+        return f"{case_id}{self.separator}{{{','.join(self.keys)},seg}}.nii[.gz] ({self.release})"
+
+
+_BRATS2017_NAMING = _FileNaming("BraTS 2017-2021", "_", MODALITIES)
+_NAMINGS = {
+    "brats2017": _BRATS2017_NAMING,
+    "brats2020": _BRATS2017_NAMING,
+    "brats2023": _FileNaming("BraTS 2023", "-", ("t2f", "t1n", "t1c", "t2w")),
+}
+
 _LAYOUTS_LOOKED_FOR = (
     "MSD Task01_BrainTumour (root/dataset.json with imagesTr/, labelsTr/, imagesTs/); "
     "BraTS 2017-2019 (root/HGG|LGG/<case>/<case>_{flair,t1,t1ce,t2,seg}.nii.gz); "
-    "BraTS 2020/2021 (root/<case>/<case>_{flair,t1,t1ce,t2,seg}.nii[.gz])"
+    "BraTS 2020/2021 (root/<case>/<case>_{flair,t1,t1ce,t2,seg}.nii[.gz]); "
+    "BraTS 2023 (root/<case>/<case>-{t2f,t1n,t1c,t2w,seg}.nii[.gz])"
 )
+
+
+REGIONS = ("wt", "tc", "et")
+"""The BraTS evaluation regions: whole tumour, tumour core, enhancing tumour."""
+
+
+def tumour_regions(label: np.ndarray) -> np.ndarray:
+    """uint8 ``(3, *label.shape)``: the WT, TC and ET masks of a :class:`TumourLabel` array (nested: ET in TC in WT)."""
+    return np.stack([whole_tumour(label), tumour_core(label), enhancing_tumour(label)]).astype(np.uint8)
 
 
 def whole_tumour(label: np.ndarray) -> np.ndarray:
@@ -117,7 +181,7 @@ class BratsCase:
 
     Attributes:
         case_id: the case folder name (BraTS) or file name without suffix (MSD).
-        layout: ``"brats2017"``, ``"brats2020"`` or ``"msd"``.
+        layout: ``"brats2017"``, ``"brats2020"``, ``"brats2023"``, ``"msd"`` or ``"files"`` (four files given one by one).
         image_files: four files in :data:`MODALITIES` order, or one 4-D file (MSD).
         label_file: the segmentation, or None where the data set has no labels
             (e.g. MSD ``imagesTs``, BraTS validation releases).
@@ -156,24 +220,60 @@ class BratsVolume:
 
 
 def find_cases(root: str | Path) -> list[BratsCase]:
-    """List every case under ``root``, detecting its layout; sorted by case_id.
+    """List every labelled case under ``root`` (the cases a federation uses), detecting the layout; sorted by case_id.
 
     Raises:
-        DataError: ``root`` is missing, matches none of the layouts, a case
-            lacks a modality file, dataset.json is malformed or uses unknown
-            names, or only some cases have segmentations.
+        DataError: ``root`` is missing, matches none of the layouts, has no
+            labelled case, a case folder lacks its files, a case lacks a
+            modality file, dataset.json is malformed or uses unknown names,
+            only some BraTS case folders have segmentations, or a BraTS 2023
+            case belongs to a set whose label convention is unsupported.
     """
     root = Path(root)
-    if not root.is_dir():
-        raise DataError(f"{root}: BraTS root folder not found")
-    if (root / "dataset.json").is_file():
-        cases = _find_msd_cases(root / "dataset.json")
-    else:
-        cases = _find_brats_cases(root)
-    if not cases:
-        raise DataError(f"{root}: no BraTS cases found; looked for {_LAYOUTS_LOOKED_FOR}")
-    _check_case_ids_unique(root, cases)
-    return sorted(cases, key=lambda case: case.case_id)
+    cases = _find_all_cases(root)
+    labelled = [case for case in cases if case.label_file is not None]
+    if not labelled:
+        raise DataError(
+            f"{root}: none of its {len(cases)} cases has a segmentation (a validation or test release?); "
+            "a federation needs labelled cases"
+        )
+    return labelled
+
+
+def find_unlabelled_cases(root: str | Path) -> list[BratsCase]:
+    """List the cases under ``root`` without a segmentation, sorted by case_id (e.g. for prediction).
+
+    These are MSD ``imagesTs`` (dataset.json's "test" list) and BraTS
+    validation releases; :func:`load_case` reads them with ``label=None``.
+
+    Raises:
+        DataError: as :func:`find_cases`, except that a data set without
+            unlabelled cases gives an empty list.
+    """
+    return [case for case in _find_all_cases(Path(root)) if case.label_file is None]
+
+
+def case_from_paths(paths: list[Path]) -> BratsCase:
+    """One case given as its folder (BraTS 2017-2021 or 2023 naming) or as four files in :data:`MODALITIES` order.
+
+    Used to read a new scan (``medfed predict``); a segmentation in the folder is listed but not needed.
+
+    Raises:
+        DataError: a path is missing, the folder holds no BraTS case files, or
+            neither one folder nor four files were given.
+    """
+    paths = [Path(path) for path in paths]
+    missing = [path for path in paths if not path.exists()]
+    if missing:
+        raise DataError(f"{missing[0]}: not found")
+    if len(paths) == 1 and paths[0].is_dir():
+        return _case_from_folder(paths[0], ("brats2020", "brats2023"), None)
+    if len(paths) == len(MODALITIES) and all(path.is_file() for path in paths):
+        case_id = paths[0].name.split(".nii")[0]
+        return BratsCase(case_id=case_id, layout="files", image_files=tuple(paths), label_file=None, grade=None)
+    raise DataError(
+        f"{', '.join(map(str, paths))}: expected one case folder or four NIfTI files in the order {', '.join(MODALITIES)}"
+    )
 
 
 def load_case(case: BratsCase) -> BratsVolume:
@@ -203,6 +303,20 @@ def load_case(case: BratsCase) -> BratsVolume:
 # --- layout detection -------------------------------------------------------
 
 
+def _find_all_cases(root: Path) -> list[BratsCase]:
+    """Every case, labelled or not, sorted by case_id."""
+    if not root.is_dir():
+        raise DataError(f"{root}: BraTS root folder not found")
+    if (root / "dataset.json").is_file():
+        cases = _find_msd_cases(root / "dataset.json")
+    else:
+        cases = _find_brats_cases(root)
+    if not cases:
+        raise DataError(f"{root}: no BraTS cases found; looked for {_LAYOUTS_LOOKED_FOR}")
+    _check_case_ids_unique(root, cases)
+    return sorted(cases, key=lambda case: case.case_id)
+
+
 def _visible(path: Path) -> bool:
     return not path.name.startswith(".")
 
@@ -212,53 +326,87 @@ def _is_nifti(path: Path) -> bool:
 
 
 def _find_brats_cases(root: Path) -> list[BratsCase]:
-    """Cases of the 2017-2019 layout (``HGG``/``LGG`` folders) or else the 2020/2021 layout."""
+    """Cases of the 2017-2019 layout (``HGG``/``LGG`` folders) or else of the 2020/2021 or 2023 layout."""
     if (root / "HGG").is_dir() or (root / "LGG").is_dir():
         cases = [
-            _case_from_folder(folder, "brats2017", grade)
+            _case_from_folder(folder, ("brats2017",), grade)
             for grade in ("HGG", "LGG")
             if (root / grade).is_dir()
             for folder in _case_folders(root / grade)
         ]
     else:
-        cases = [_case_from_folder(folder, "brats2020", None) for folder in _case_folders(root)]
+        cases = [_case_from_folder(folder, ("brats2020", "brats2023"), None) for folder in _case_folders(root)]
     _check_labels_all_or_none(root, cases)
     return cases
 
 
 def _case_folders(parent: Path) -> list[Path]:
-    """Visible sub-folders of ``parent`` that hold at least one visible NIfTI file."""
-    return [
-        folder
-        for folder in sorted(parent.iterdir())
-        if folder.is_dir() and _visible(folder) and any(_is_nifti(f) and _visible(f) for f in folder.iterdir())
-    ]
+    """Visible sub-folders of ``parent``, except macOS ``__MACOSX`` archive metadata."""
+    return [folder for folder in sorted(parent.iterdir()) if folder.is_dir() and _visible(folder) and folder.name != "__MACOSX"]
 
 
-def _case_from_folder(folder: Path, layout: str, grade: str | None) -> BratsCase:
-    """A BraTS case folder ``<case>/<case>_{flair,t1,t1ce,t2,seg}.nii[.gz]``."""
+def _case_from_folder(folder: Path, layouts: tuple[str, ...], grade: str | None) -> BratsCase:
+    """A case folder ``<case>/<case><separator>{<modality keys>,seg}.nii[.gz]`` in the first of ``layouts`` it matches.
+
+    Raises:
+        DataError: the folder holds no modality file named as any of ``layouts`` names them, or lacks one.
+    """
     case_id = folder.name
-    image_files = tuple(_named_nifti(folder, case_id, modality, required=True) for modality in MODALITIES)
-    label_file = _named_nifti(folder, case_id, "seg", required=False)
-    if label_file is None:
-        label_file = _misnamed_segmentation(folder, image_files)
-    return BratsCase(case_id=case_id, layout=layout, image_files=image_files, label_file=label_file, grade=grade)
+    matching = [
+        layout
+        for layout in layouts
+        if any(_named_nifti(folder, f"{case_id}{_NAMINGS[layout].separator}{key}") for key in _NAMINGS[layout].keys)
+    ]
+    if not matching:
+        expected = " or ".join(_NAMINGS[layout].pattern(case_id) for layout in layouts)
+        raise DataError(f"{folder}: holds no BraTS case files; expected {expected}")
+    layout = matching[0]
+    naming = _NAMINGS[layout]
+    label_codes = _brats2023_label_codes(folder) if layout == "brats2023" else BRATS_LABEL_CODES
+    image_files = tuple(
+        _required_nifti(folder, f"{case_id}{naming.separator}{key}", key if key == modality else f"{key} ({modality})")
+        for key, modality in zip(naming.keys, MODALITIES)
+    )
+    seg_stem = f"{case_id}{naming.separator}seg"
+    label_file = _named_nifti(folder, seg_stem) or _misnamed_segmentation(folder, image_files, seg_stem)
+    return BratsCase(
+        case_id=case_id, layout=layout, image_files=image_files, label_file=label_file, grade=grade, label_codes=label_codes
+    )
 
 
-def _named_nifti(folder: Path, case_id: str, kind: str, *, required: bool) -> Path | None:
-    """``folder/<case_id>_<kind>.nii.gz`` or ``.nii``; None (or DataError if required) when absent."""
-    candidates = [folder / f"{case_id}_{kind}{suffix}" for suffix in _NIFTI_SUFFIXES]
-    present = [path for path in candidates if path.is_file()]
+def _brats2023_label_codes(folder: Path) -> tuple[tuple[int, TumourLabel], ...]:
+    """The label codes of a BraTS 2023 case, from the challenge set in its name ``BraTS-<set>-...``."""
+    parts = folder.name.split("-")
+    challenge_set = parts[1] if len(parts) > 2 and parts[0] == "BraTS" else None
+    if challenge_set in _BRATS2023_UNSUPPORTED_SETS:
+        raise DataError(
+            f"{folder}: the label convention of BraTS-{challenge_set} is unsupported: {_BRATS2023_UNSUPPORTED_SETS[challenge_set]}"
+        )
+    if challenge_set not in BRATS2023_SETS:
+        raise DataError(
+            f"{folder}: BraTS 2023 file names, but the case name does not say which challenge set (and so which "
+            f"label convention) it is from; expected BraTS-<set>-<id>-<visit> with <set> one of {', '.join(BRATS2023_SETS)}"
+        )
+    return BRATS2023_LABEL_CODES
+
+
+def _named_nifti(folder: Path, stem: str) -> Path | None:
+    """``folder/<stem>.nii.gz`` or ``folder/<stem>.nii``, None when neither exists."""
+    present = [path for path in (folder / f"{stem}{suffix}" for suffix in _NIFTI_SUFFIXES) if path.is_file()]
     if len(present) > 1:
         raise DataError(f"{folder}: both {present[0].name} and {present[1].name} exist; keep one")
-    if present:
-        return present[0]
-    if required:
-        raise DataError(f"{folder}: missing the {kind} image; expected {candidates[0]} (or {candidates[1].name})")
-    return None
+    return present[0] if present else None
 
 
-def _misnamed_segmentation(folder: Path, image_files: tuple[Path, ...]) -> Path | None:
+def _required_nifti(folder: Path, stem: str, kind: str) -> Path:
+    """:func:`_named_nifti`, or a DataError naming the missing ``kind`` of image and its expected path."""
+    path = _named_nifti(folder, stem)
+    if path is None:
+        raise DataError(f"{folder}: missing the {kind} image; expected {folder / stem}.nii.gz (or {stem}.nii)")
+    return path
+
+
+def _misnamed_segmentation(folder: Path, image_files: tuple[Path, ...], seg_stem: str) -> Path | None:
     """The single NIfTI file whose name contains "seg" (case-insensitive), if any.
 
     Accepts known misnamed segmentations such as BraTS 2020 case 355's
@@ -271,7 +419,7 @@ def _misnamed_segmentation(folder: Path, image_files: tuple[Path, ...]) -> Path 
     ]
     if len(candidates) > 1:
         names = ", ".join(path.name for path in candidates)
-        raise DataError(f"{folder}: no {folder.name}_seg.nii[.gz] and several possible segmentations: {names}")
+        raise DataError(f"{folder}: no {seg_stem}.nii[.gz] and several possible segmentations: {names}")
     return candidates[0] if candidates else None
 
 
@@ -387,7 +535,7 @@ def _check_labels_all_or_none(root: Path, cases: list[BratsCase]) -> None:
         shown = ", ".join(unlabelled[:5]) + (" ..." if len(unlabelled) > 5 else "")
         raise DataError(
             f"{root}: {len(unlabelled)} of {len(cases)} cases have no segmentation "
-            f"(<case>_seg.nii[.gz]): {shown}"
+            f"(<case>_seg.nii[.gz] or <case>-seg.nii[.gz]): {shown}"
         )
 
 

@@ -12,7 +12,9 @@ The LUNA16 challenge (https://luna16.grand-challenge.org/Data/) distributes
   header ``seriesuid,coordX,coordY,coordZ,diameter_mm``.
 
 pFedNet (section VI-A) classifies each candidate from a 32 x 32 patch around it.
-:func:`extract_candidate_patches` reads every series once through SimpleITK,
+:func:`select_candidates` reads the CSV and chooses the candidates without
+opening a volume (so a task can plan its federation first);
+:func:`cut_candidate_patches` then reads every series once through SimpleITK,
 maps all of its candidates from world millimetres to voxels with the header's
 origin, spacing and direction matrix, and cuts the axial patches of all of them
 at once. Patch values are Hounsfield units clipped to [-1000, 400] and scaled to
@@ -190,43 +192,62 @@ def hu_to_unit_interval(hu: np.ndarray) -> np.ndarray:
     return ((np.clip(hu, low, high) - low) / (high - low)).astype(np.float32)
 
 
-def extract_candidate_patches(
+@dataclass(frozen=True)
+class CandidateSelection:
+    """The candidates to cut, chosen from the CSV and the file names before any volume is read.
+
+    Attributes:
+        csv_path: the candidates CSV.
+        table: every row of it.
+        keep: bool (n,), the rows that are cut: every nodule, and the
+            non-nodules left by the per-series subsampling.
+        series_paths: ``{series uid: .mhd header}`` of every series with a kept candidate.
+    """
+
+    csv_path: Path
+    table: CandidateTable
+    keep: np.ndarray
+    series_paths: dict[str, Path]
+
+    @property
+    def labels(self) -> np.ndarray:
+        """int64 (n_kept,), the kept candidates' labels, in CSV order (as :class:`NoduleCandidates` will hold them)."""
+        return self.table.labels[self.keep]
+
+    @property
+    def series_uids(self) -> np.ndarray:
+        """str (n_kept,), the kept candidates' series, in CSV order."""
+        return self.table.series_uids[self.keep]
+
+    def input_files(self) -> list[Path]:
+        """The files the patches are cut from: the CSV, and each series' header and voxel data file."""
+        data_files = (_element_data_file(path) for path in self.series_paths.values())
+        return [self.csv_path, *self.series_paths.values(), *(path for path in data_files if path is not None)]
+
+
+def select_candidates(
     root: str | Path,
     *,
     candidates_csv: str | Path | None = None,
-    patch_size: int = 32,
     max_negatives_per_series: int | None = None,
     seed: int = 0,
-    progress: bool = True,
-) -> NoduleCandidates:
-    """Cut an axial patch around every candidate of a LUNA16 layout.
-
-    Each series is read once; all of its candidates are located and cut
-    together. Patch pixels beyond the volume's in-plane edge are air
-    (-1000 HU); a candidate whose centre lies outside the volume is an error.
+) -> CandidateSelection:
+    """Read the candidates CSV, check its series exist, and choose the candidates to cut; reads no volume.
 
     Args:
         root: directory holding ``subset*/`` and the candidates CSV.
         candidates_csv: candidates file; default ``root/candidates_V2.csv``,
             else ``root/candidates.csv``.
-        patch_size: patch side in voxels (pFedNet: 32).
         max_negatives_per_series: keep at most this many class-0 candidates
             per series, drawn uniformly with ``seed`` (all positives are kept);
             ``None`` keeps every candidate. Real LUNA16 has 551k candidates
             (2.3 GB of float32 32 x 32 patches), 1.2k of them nodules.
         seed: seed of the negative subsampling.
-        progress: show a tqdm bar over series.
-
-    Returns:
-        The kept candidates in candidates-CSV order.
 
     Raises:
-        DataError: naming the file, for a missing or malformed CSV, a candidate
-            of a series not found under ``subset*/``, a candidate outside its
-            volume, a missing voxel data file, or an unreadable MetaImage.
+        DataError: naming the file, for a missing or malformed CSV, or a
+            candidate of a series not found under ``subset*/``.
     """
-    if patch_size < 1:
-        raise ValueError(f"patch_size must be a positive number of voxels, got {patch_size}")
     if max_negatives_per_series is not None and max_negatives_per_series < 0:
         raise ValueError(f"max_negatives_per_series must be >= 0 or None, got {max_negatives_per_series}")
     root = Path(root)
@@ -238,24 +259,43 @@ def extract_candidate_patches(
         raise DataError(
             f"{csv_path}: {len(unknown)} candidate series not found under {root}/subset*/, e.g. {unknown[0]}"
         )
+    keep = _keep_mask(table.labels, _rows_by_series(table)[1], max_negatives_per_series, seed)
+    kept_series = sorted(set(table.series_uids[keep].tolist()))
+    return CandidateSelection(csv_path, table, keep, {uid: series_paths[uid] for uid in kept_series})
 
-    order = np.argsort(table.series_uids, kind="stable")
-    uids_in_order, starts = np.unique(table.series_uids[order], return_index=True)
-    rows_by_series = np.split(order, starts[1:])
-    keep = _keep_mask(table.labels, rows_by_series, max_negatives_per_series, seed)
+
+def cut_candidate_patches(selection: CandidateSelection, *, patch_size: int = 32, progress: bool = True) -> NoduleCandidates:
+    """Cut an axial patch around every selected candidate.
+
+    Each series is read once; all of its candidates are located and cut
+    together. Patch pixels beyond the volume's in-plane edge are air
+    (-1000 HU); a candidate whose centre lies outside the volume is an error.
+
+    Args:
+        selection: from :func:`select_candidates`.
+        patch_size: patch side in voxels (pFedNet: 32).
+        progress: show a tqdm bar over series.
+
+    Returns:
+        The kept candidates in candidates-CSV order.
+
+    Raises:
+        DataError: naming the file, for a candidate outside its volume, a
+            missing voxel data file, or an unreadable MetaImage.
+    """
+    if patch_size < 1:
+        raise ValueError(f"patch_size must be a positive number of voxels, got {patch_size}")
+    table, keep = selection.table, selection.keep
     output_position = np.cumsum(keep) - 1
     patches = np.empty((int(keep.sum()), patch_size, patch_size), dtype=np.float32)
-
-    for uid, rows in tqdm(
-        list(zip(uids_in_order, rows_by_series)), desc="LUNA16 series", unit="series", disable=not progress
-    ):
+    for uid, rows in tqdm(list(zip(*_rows_by_series(table))), desc="LUNA16 series", unit="series", disable=not progress):
         kept = keep[rows]
         if not kept.any():
             continue
-        mhd_path = series_paths[uid]
+        mhd_path = selection.series_paths[uid]
         image = _read_axial_image(mhd_path)
         # every candidate of a series that is read is checked, also negatives left out by the subsampling
-        voxels = _nearest_voxels_inside(image, table.world_mm[rows], mhd_path, csv_path)
+        voxels = _nearest_voxels_inside(image, table.world_mm[rows], mhd_path, selection.csv_path)
         volume = sitk.GetArrayViewFromImage(image)  # (z, y, x)
         patches[output_position[rows[kept]]] = hu_to_unit_interval(_axial_patches(volume, voxels[kept], patch_size))
 
@@ -265,6 +305,29 @@ def extract_candidate_patches(
         series_uids=table.series_uids[keep],
         world_mm=table.world_mm[keep],
     )
+
+
+def extract_candidate_patches(
+    root: str | Path,
+    *,
+    candidates_csv: str | Path | None = None,
+    patch_size: int = 32,
+    max_negatives_per_series: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> NoduleCandidates:
+    """:func:`select_candidates` then :func:`cut_candidate_patches` (see them for the arguments and errors)."""
+    selection = select_candidates(
+        root, candidates_csv=candidates_csv, max_negatives_per_series=max_negatives_per_series, seed=seed
+    )
+    return cut_candidate_patches(selection, patch_size=patch_size, progress=progress)
+
+
+def _rows_by_series(table: CandidateTable) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The series uids in sorted order, and for each the indices of its rows (in file order)."""
+    order = np.argsort(table.series_uids, kind="stable")
+    uids_in_order, starts = np.unique(table.series_uids[order], return_index=True)
+    return uids_in_order, np.split(order, starts[1:])
 
 
 def _read_uid_and_numbers(path: Path, header: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -16,6 +16,20 @@ from medfed.errors import DataError
 HEADER = ("Partition_ID", "Subject_ID")
 
 
+def find_partition_csv(path: str | Path | None, root: Path) -> Path | None:
+    """The partition file a task uses: ``path`` when given, else ``root/partitioning.csv`` if present, else None.
+
+    Raises:
+        DataError: ``path`` was given and is not a file.
+    """
+    if path is None:
+        default = root / "partitioning.csv"
+        return default if default.is_file() else None
+    if not Path(path).is_file():
+        raise DataError(f"{path}: partition file not found")
+    return Path(path)
+
+
 def read_partition_csv(path: str | Path) -> dict[str, int]:
     """Map each subject id to its partition (site) id.
 

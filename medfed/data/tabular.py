@@ -6,12 +6,26 @@ values between -1 and 1". This module does those two steps:
 
 * :func:`read_tabular_csv` reads any CSV with a header row: one target column
   (the event; exactly two classes), optionally a site column (the hospital of
-  each record), every other column a numeric feature. Missing cells (empty,
-  ``NA``, ``N/A``, ``NaN``, ``null``; any case) become 0 on the raw scale, as in
-  the paper, and are counted per feature.
-* :func:`fit_minmax` / :func:`scale_to_unit_interval` map features to [-1, 1].
-  The caller fits the range per site on that site's training rows only and
-  applies it to that site's own rows, so no site's values reach another site.
+  each record), every other column a feature. Missing cells (empty, ``NA``,
+  ``N/A``, ``NaN``, ``null``; any case) become 0 on the raw scale, as in the
+  paper, and are counted per column.
+* A feature column is **numeric** when every non-missing cell is a finite
+  number, **categorical** when none is (``gender`` = ``female`` / ``male``);
+  a column mixing numbers and text is an error, as it is usually a typo. A
+  categorical column with levels l_1 < ... < l_K becomes K indicator features
+  named ``column=level``: x_k = 1 if the cell is l_k, else 0, so a missing cell
+  is all zeros (one-hot encoding). The levels are the sorted distinct
+  non-missing values of the column *in the whole file*: like the column names,
+  they are the schema every site agrees on before training, so every site's
+  model has the same inputs in the same order (a level seen only elsewhere is
+  an all-zero input here). They tell which values occur, never how often or
+  at which site. A column with more than :data:`MAX_LEVELS` levels, or a
+  different value in every record (an identifier, free text), is refused:
+  exclude it instead.
+* :func:`fit_minmax` / :func:`scale_to_unit_interval` map features to [-1, 1]
+  (indicators: 0 -> -1, 1 -> 1). The caller fits the range per site on that
+  site's training rows only and applies it to that site's own rows, so no
+  site's values reach another site.
 
 The paper's CHD, Diabetes and Covid19 tables are private. The embedded default,
 :func:`write_breast_cancer_csv`, writes the Wisconsin diagnostic breast-cancer
@@ -32,6 +46,9 @@ from medfed.atomic import atomic_write
 from medfed.errors import DataError
 
 MISSING_TOKENS = frozenset({"", "na", "n/a", "nan", "null"})  # compared after strip() and lower()
+MAX_LEVELS = 50  # most levels a categorical feature column may have
+# what YAML 1.1 reads as a boolean when unquoted (after lower()), for the hint of a boolean positive value
+YAML_BOOLEANS = {True: frozenset({"y", "yes", "true", "on"}), False: frozenset({"n", "no", "false", "off"})}
 BREAST_CANCER_TARGET = "diagnosis"
 BREAST_CANCER_POSITIVE = "malignant"
 
@@ -41,23 +58,28 @@ class TabularData:
     """Records of a tabular data set.
 
     Attributes:
-        features: float32 (n, f), raw scale, missing values already 0.
+        features: float32 (n, f), raw scale, missing values already 0
+            (numeric) or all-zero indicators (categorical).
         labels: int64 (n,), 1 = positive (the event), 0 = negative.
         sites: str (n,), the site column of each record, or None when not read.
-        feature_names: the f feature column names, in file order.
-        missing_per_feature: int64 (f,), missing cells filled with 0 per feature.
+        feature_names: the f feature names in file column order: a numeric
+            column's name, or ``column=level`` for each level of a categorical one.
+        categories: ``{column: levels}`` of the categorical columns, in file
+            order, each column's levels sorted.
+        missing_per_column: ``{column: missing cells}`` of every feature column, in file order.
     """
 
     features: np.ndarray
     labels: np.ndarray
     sites: np.ndarray | None
     feature_names: tuple[str, ...]
-    missing_per_feature: np.ndarray
+    categories: dict[str, tuple[str, ...]]
+    missing_per_column: dict[str, int]
 
     @property
     def n_missing(self) -> int:
-        """Total missing cells filled with 0."""
-        return int(self.missing_per_feature.sum())
+        """Total missing feature cells (filled with 0)."""
+        return sum(self.missing_per_column.values())
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -67,7 +89,7 @@ def read_tabular_csv(
     path: str | Path,
     *,
     target: str,
-    positive: str | int,
+    positive: str | int | bool,
     site_column: str | None = None,
     exclude_columns: tuple[str, ...] = (),
 ) -> TabularData:
@@ -77,19 +99,23 @@ def read_tabular_csv(
         path: CSV file with a header row.
         target: name of the label column.
         positive: the target value that means the event (label 1), compared as
-            text with the cell (``positive=1`` matches cells ``1``); the column
-            must hold exactly one other value (label 0).
+            text with the cell (``positive=1`` matches cells ``1``, ``True``
+            matches ``True``); the column must hold exactly one other value
+            (label 0). A bool that matches no cell gets a hint: it came from an
+            unquoted YAML ``yes`` / ``no`` / ``on`` / ``off``, to be quoted.
         site_column: name of the column giving each record's site, if any.
         exclude_columns: columns that are neither features nor read (e.g. a patient id).
 
     Returns:
-        Features in file column order (all columns but target, site and excluded).
+        Features in file column order (all columns but target, site and
+        excluded), categorical columns one-hot encoded.
 
     Raises:
         DataError: naming the file and column, for a missing file, a duplicate
-            or missing column, a row with another number of fields, a
-            non-numeric feature value (with a sample), a missing target or site
-            value, or a target that is not the positive value plus exactly one other class.
+            or missing column, a row with another number of fields, a column
+            mixing numbers and text (with a sample), a categorical column with
+            too many levels, a missing target or site value, or a target that
+            is not the positive value plus exactly one other class.
     """
     path = Path(path)
     header, cells, line_numbers = _read_cells(path)
@@ -101,18 +127,19 @@ def read_tabular_csv(
     if not feature_columns:
         raise DataError(f"{path}: no feature columns besides {', '.join(wanted)}")
 
-    features, missing_per_feature = _numeric_features(path, header, cells, line_numbers, feature_columns)
-    labels = _binary_labels(path, target, cells[:, header.index(target)], line_numbers, str(positive).strip())
+    blocks = [_feature_block(path, header[i], cells[:, i], line_numbers) for i in feature_columns]
+    labels = _binary_labels(path, target, cells[:, header.index(target)], line_numbers, positive)
     sites = None
     if site_column is not None:
         sites = cells[:, header.index(site_column)]
         _require_no_missing(path, site_column, sites, line_numbers)
     return TabularData(
-        features=features,
+        features=np.concatenate([block.values for block in blocks], axis=1),
         labels=labels,
         sites=sites,
-        feature_names=tuple(header[i] for i in feature_columns),
-        missing_per_feature=missing_per_feature,
+        feature_names=tuple(name for block in blocks for name in block.names),
+        categories={block.column: block.levels for block in blocks if block.levels is not None},
+        missing_per_column={block.column: block.n_missing for block in blocks},
     )
 
 
@@ -214,25 +241,57 @@ def _is_missing(cells: np.ndarray) -> np.ndarray:
     return np.isin(np.char.lower(cells), list(MISSING_TOKENS))
 
 
-def _numeric_features(
-    path: Path, header: list[str], cells: np.ndarray, line_numbers: np.ndarray, columns: list[int]
-) -> tuple[np.ndarray, np.ndarray]:
-    """float32 (n, f) features with missing cells 0, and int64 (f,) missing counts."""
-    text = cells[:, columns]
-    missing = _is_missing(text)
-    text = np.where(missing, "0", text)
-    for k, column in enumerate(columns):
-        try:
-            values = text[:, k].astype(np.float64)
-            bad = np.flatnonzero(~np.isfinite(values))
-        except ValueError:
-            bad = np.flatnonzero([not _is_number(cell) for cell in text[:, k]])
-        if bad.size:
-            raise DataError(
-                f"{path}: column {header[column]!r} must be numeric, found {str(text[bad[0], k])!r} "
-                f"on line {line_numbers[bad[0]]} ({bad.size} non-numeric value(s))"
-            )
-    return text.astype(np.float32), missing.sum(axis=0).astype(np.int64)
+@dataclass(frozen=True)
+class _FeatureBlock:
+    """The features one column becomes.
+
+    Attributes:
+        column: the column's name.
+        values: float32 (n, k): the numeric column (k = 1) or its k level indicators.
+        names: the k feature names.
+        levels: the categorical column's sorted levels, None for a numeric column.
+        n_missing: missing cells of the column.
+    """
+
+    column: str
+    values: np.ndarray
+    names: tuple[str, ...]
+    levels: tuple[str, ...] | None
+    n_missing: int
+
+
+def _feature_block(path: Path, column: str, cells: np.ndarray, line_numbers: np.ndarray) -> _FeatureBlock:
+    """Encode one feature column: numeric (missing -> 0) or categorical (one-hot, missing -> all zeros)."""
+    missing = _is_missing(cells)
+    present = np.flatnonzero(~missing)
+    try:
+        is_number = np.isfinite(np.where(missing, "0", cells).astype(np.float64))[present]
+    except ValueError:
+        is_number = np.array([_is_number(cell) for cell in cells[present]], dtype=bool)
+    if is_number.all():
+        values = np.where(missing, "0", cells).astype(np.float32)[:, None]
+        return _FeatureBlock(column, values, (column,), None, int(missing.sum()))
+    if is_number.any():
+        odd_ones_are_text = (~is_number).sum() <= is_number.sum()
+        odd = present[~is_number if odd_ones_are_text else is_number]
+        raise DataError(
+            f"{path}: column {column!r} mixes numbers and text: {len(odd)} of {len(present)} values are "
+            f"{'not finite numbers' if odd_ones_are_text else 'numbers among text'}, first {str(cells[odd[0]])!r} "
+            f"on line {line_numbers[odd[0]]}; a feature column must be all numbers or all text (categorical)"
+        )
+    levels, codes = np.unique(cells[present], return_inverse=True)
+    one_per_record = len(levels) == len(present) > 1
+    if len(levels) > MAX_LEVELS or one_per_record:
+        raise DataError(
+            f"{path}: column {column!r} is text with {len(levels)} distinct values"
+            f"{' (a different one in every record)' if one_per_record else ''}, too many for a categorical "
+            f"feature (at most {MAX_LEVELS}, each shared by records); list it in data.exclude_columns "
+            "if it is an identifier or free text"
+        )
+    values = np.zeros((len(cells), len(levels)), dtype=np.float32)
+    values[present, codes] = 1.0
+    levels = tuple(str(level) for level in levels)
+    return _FeatureBlock(column, values, tuple(f"{column}={level}" for level in levels), levels, int(missing.sum()))
 
 
 def _is_number(cell: str) -> bool:
@@ -242,17 +301,32 @@ def _is_number(cell: str) -> bool:
         return False
 
 
-def _binary_labels(path: Path, target: str, values: np.ndarray, line_numbers: np.ndarray, positive: str) -> np.ndarray:
-    """int64 (n,) 1 where the target equals ``positive``; DataError unless there is exactly one other class."""
+def _binary_labels(
+    path: Path, target: str, values: np.ndarray, line_numbers: np.ndarray, positive: str | int | bool
+) -> np.ndarray:
+    """int64 (n,) 1 where the target equals ``positive`` as text; DataError unless there is exactly one other class."""
     _require_no_missing(path, target, values, line_numbers)
+    text = str(positive).strip()
     classes = sorted(set(values.tolist()))
-    others = [value for value in classes if value != positive]
-    if positive not in classes or len(others) != 1:
+    others = [value for value in classes if value != text]
+    if text not in classes or len(others) != 1:
         raise DataError(
-            f"{path}: column {target!r} must hold the positive value {positive!r} and exactly one other "
-            f"class, found {classes[:10]}{' ...' if len(classes) > 10 else ''}"
+            f"{path}: column {target!r} must hold the positive value {text!r} and exactly one other "
+            f"class, found {classes[:10]}{' ...' if len(classes) > 10 else ''}{_boolean_hint(positive, classes)}"
         )
-    return (values == positive).astype(np.int64)
+    return (values == text).astype(np.int64)
+
+
+def _boolean_hint(positive: str | int | bool, classes: list[str]) -> str:
+    """For a bool positive value: the config read an unquoted YAML boolean; say which value to quote."""
+    if not isinstance(positive, bool):
+        return ""
+    spelled = [value for value in classes if value.lower() in YAML_BOOLEANS[positive]]
+    example = spelled[0] if len(spelled) == 1 else ("yes" if positive else "no")
+    return (
+        f"; the config read the positive value as the boolean {positive} (YAML reads an unquoted true/false, "
+        f"and YAML 1.1 also yes/no/on/off, as booleans): quote it, e.g. data.positive: \"{example}\""
+    )
 
 
 def _require_no_missing(path: Path, column: str, values: np.ndarray, line_numbers: np.ndarray) -> None:

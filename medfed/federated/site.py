@@ -26,7 +26,8 @@ class Site:
     Args:
         index: 0-based position of the site in the federation.
         data: the site's train and test splits.
-        module: the site's model (already moved/wrapped by ``fabric.setup``).
+        module: the site's model (already moved/wrapped by ``fabric.setup``);
+            it first sees ``data`` through ``prepare_for_site``.
         optimizer: its optimiser (wrapped by ``fabric.setup``).
         fabric: the run's Fabric (device placement, backward).
         batch_size: mini-batch size of local training and evaluation.
@@ -47,6 +48,7 @@ class Site:
         self.name = data.name
         self.data = data
         self.module = module
+        module.prepare_for_site(data)  # what the model takes from its own site, e.g. class weights
         self.optimizer = optimizer
         self.fabric = fabric
         self.generator = torch.Generator().manual_seed(seed * 1_000_003 + index)

@@ -48,15 +48,20 @@ def observations(dataset: TensorDataset, num_classes: int) -> tuple[torch.Tensor
     Args:
         dataset: ``x`` of shape ``(n, C, *spatial)`` (images) or ``(n, C)``
             (tables); ``y`` integer class labels of shape ``(n, *spatial)``
-            (segmentation) or ``(n,)`` (one label per sample).
-        num_classes: number of classes of ``y``.
+            (segmentation) or ``(n,)`` (one label per sample), or
+            ``(n, K, *spatial)`` 0/1 masks of K overlapping labels (e.g. the
+            BraTS regions WT, TC, ET).
+        num_classes: number of classes of ``y`` (K for masks).
 
     Returns:
         ``(x_obs, y_obs)``: float64 ``(P, C)`` channel vectors and float64
-        ``(P, num_classes)`` one-hot labels, ``P`` = samples x positions.
+        ``(P, num_classes)`` one-hot labels (the masks themselves for
+        ``(n, K, *spatial)`` targets), ``P`` = samples x positions.
     """
     x, y = dataset.tensors[0], dataset.tensors[1]
     x_obs = channel_vectors(x)
+    if y.dim() == x.dim():  # (n, K, *spatial) masks: each position carries its K indicators
+        return x_obs, channel_vectors(y)
     labels = y.long()
     if labels.dim() == 1 and x.dim() > 2:  # one label per image: every position carries it
         labels = labels.reshape(-1, *([1] * (x.dim() - 2))).expand(-1, *x.shape[2:])

@@ -5,19 +5,23 @@ mixin. The federated loop drives it through four standard Lightning hooks
 (``configure_optimizers``, ``training_step``, ``test_step``) plus
 :meth:`FederatedModule.test_results`, which returns the metrics accumulated
 over the site's *whole* test split (never the last batch only: bug 4 of the
-reference code) and resets them.
+reference code) and resets them. Each site's copy first sees its own data
+once, through :meth:`FederatedModule.prepare_for_site`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import lightning as L
 import torch
 
 from medfed.config import require
 from medfed.models.split import PersonalizationSplit
+
+if TYPE_CHECKING:
+    from medfed.data.federation import SiteData
 
 
 @dataclass
@@ -55,6 +59,14 @@ class FederatedModule(PersonalizationSplit, L.LightningModule):
 
     metric_names: ClassVar[tuple[str, ...]] = ()
     options: ModelOptions
+
+    def prepare_for_site(self, data: SiteData) -> None:
+        """Take from the site's own data what the model needs before training (e.g. class weights); nothing here.
+
+        Called once for each site's copy, when the site is built (and so again
+        on resume). It reads only that site's ``data``, and what it sets must
+        be neither a parameter nor a buffer: strategies exchange those.
+        """
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """Adam over every parameter; frozen ones get no gradient and are skipped."""

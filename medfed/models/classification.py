@@ -16,11 +16,23 @@ reference code):
 
 Both classes must be present in a test split for balanced accuracy and AUROC
 to be defined; the label-ratio federations guarantee it.
+
+With ``model.class_weight: balanced`` the loss of a batch of B samples is
+
+    (1/B) sum_i w_{y_i} l_i,   w_c = n / (2 n_c),
+
+l_i the binary cross-entropy of sample i, n the site's training samples and
+n_c those of class c, counted by each site on its own training split
+(:meth:`BinaryClassifier.prepare_for_site`; no count leaves the site). Over
+the split sum_i w_{y_i} = n, and each class carries half of it, so a site
+with 6% positives can no longer minimise its loss by calling every sample
+negative. The default, ``null``, weighs every sample 1.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,11 +41,39 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import BinaryAUROC, BinaryConfusionMatrix
 
 from medfed.config import require
+from medfed.errors import DataError
 from medfed.models.base import FederatedModule, ModelOptions
+
+if TYPE_CHECKING:
+    from medfed.data.federation import SiteData
 
 #: MONAI's DenseNet holds its convolutional trunk in ``features`` and the final ReLU, pooling and
 #: fully connected layer in ``class_layers``; only ``class_layers.out`` has parameters.
 DENSENET_CLASSIFIER_PATTERN = r"^densenet\.class_layers\."
+
+
+CLASS_WEIGHTS = ("balanced",)
+
+
+@dataclass
+class ClassifierOptions(ModelOptions):
+    """Options every two-class model takes.
+
+    Attributes:
+        class_weight: ``None``: every sample weighs 1; ``"balanced"``: class c
+            weighs n / (2 n_c) in the loss, from the site's own training labels.
+    """
+
+    class_weight: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(
+            self.class_weight is None or self.class_weight in CLASS_WEIGHTS,
+            "class_weight",
+            self.class_weight,
+            f"null or {' or '.join(CLASS_WEIGHTS)}",
+        )
 
 
 class BinaryClassifier(FederatedModule):
@@ -41,9 +81,15 @@ class BinaryClassifier(FederatedModule):
 
     Subclasses define ``log_odds(x) -> (B,)``: the float log-odds of the
     positive class for a batch of inputs.
+
+    Attributes:
+        class_weights: (w_0, w_1) of the loss, set by :meth:`prepare_for_site`
+            under ``class_weight: balanced``; None otherwise. Plain floats, not
+            a buffer, so no strategy ever averages or sends them.
     """
 
     metric_names = ("accuracy", "balanced_accuracy", "auroc")
+    options: ClassifierOptions
 
     def __init__(self, num_classes: int) -> None:
         super().__init__()
@@ -51,10 +97,35 @@ class BinaryClassifier(FederatedModule):
             raise ValueError(f"{type(self).__name__} is a two-class model, got num_classes={num_classes}")
         self.num_classes = num_classes
         self.test_metrics = MetricCollection({"confusion": BinaryConfusionMatrix(), "auroc": BinaryAUROC()})
+        self.class_weights: tuple[float, float] | None = None
+
+    def prepare_for_site(self, data: SiteData) -> None:
+        """Under ``class_weight: balanced``, w_c = n / (2 n_c) from ``data``'s training labels (n_c of class c).
+
+        Raises:
+            DataError: naming the site, when its training split lacks a class.
+        """
+        if self.options.class_weight is None:
+            return
+        labels = data.train.tensors[1]
+        counts = [int((labels == label).sum()) for label in (0, 1)]
+        if min(counts) == 0:
+            raise DataError(
+                f"{data.name}: model.class_weight=balanced needs training samples of both classes, "
+                f"found {counts[0]} negative and {counts[1]} positive"
+            )
+        self.class_weights = (len(labels) / (2 * counts[0]), len(labels) / (2 * counts[1]))
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        """Binary cross-entropy of the log-odds, each sample weighted by its class's weight when there are any."""
         x, y = batch
-        return F.binary_cross_entropy_with_logits(self.log_odds(x), y.to(torch.float32))
+        log_odds = self.log_odds(x)
+        weight = None
+        if self.options.class_weight is not None:
+            if self.class_weights is None:
+                raise RuntimeError(f"class_weight={self.options.class_weight!r}: call prepare_for_site before training")
+            weight = torch.tensor(self.class_weights, dtype=log_odds.dtype, device=log_odds.device)[y]
+        return F.binary_cross_entropy_with_logits(log_odds, y.to(log_odds.dtype), weight=weight)
 
     def test_step(self, batch, batch_idx: int) -> None:
         x, y = batch
@@ -86,7 +157,7 @@ class NoduleClassifier(BinaryClassifier):
     """
 
     @dataclass
-    class Options(ModelOptions):
+    class Options(ClassifierOptions):
         init_features: int = 16
         growth_rate: int = 12
         block_config: list[int] = field(default_factory=lambda: [4, 4, 4])

@@ -1,10 +1,22 @@
 """2-D tumour segmentation with MONAI's U-Net (the BraTS task).
 
 Input patches are ``(B, 4, 64, 64)`` float32 (FLAIR, T1, T1ce, T2, each
-z-scored per case); targets are ``(B, 64, 64)`` int64 with 1 = whole tumour,
-0 = background. Metrics follow ``shared/design/algorithms.md`` (bug 3): IoU is
-the mean Jaccard index over the two classes, label IoU the tumour Jaccard
-index, both accumulated over the whole test split.
+z-scored per case). ``target`` picks what the model learns:
+
+``wt`` (the paper's task)
+    targets ``(B, 64, 64)`` int64, 1 = whole tumour, 0 = background; two
+    softmax outputs, Dice + cross-entropy. Metrics follow
+    ``shared/design/algorithms.md`` (bug 3): IoU is the mean Jaccard index
+    over the two classes, label IoU the tumour Jaccard index, both
+    accumulated over the whole test split.
+``regions`` (the BraTS challenge's regions)
+    targets ``(B, 3, 64, 64)`` uint8 masks of whole tumour, tumour core and
+    enhancing tumour (:func:`medfed.data.brats.tumour_regions`); three
+    sigmoid outputs, Dice + binary cross-entropy per region. Metrics:
+    label IoU (whole tumour, as for ``wt``), label IoU of TC and of ET.
+
+:meth:`UNetSegmenter.region_masks` turns outputs into region masks for
+whole-volume evaluation (:mod:`medfed.evaluation.volume`).
 """
 
 from __future__ import annotations
@@ -14,14 +26,17 @@ from dataclasses import dataclass, field
 import torch
 from monai.losses import DiceCELoss
 from monai.networks.nets import UNet
-from torchmetrics.classification import MulticlassJaccardIndex
+from torchmetrics.classification import MulticlassJaccardIndex, MultilabelJaccardIndex
 
 from medfed.config import require
+from medfed.data.brats import REGIONS
 from medfed.models.base import FederatedModule, ModelOptions
 
 #: MONAI's UNet nests ``Sequential(down, SkipConnection(submodule), up)``; index 2 at any depth is
 #: an up-sampling (decoder) block. Everything else — down blocks and the bottom — is the encoder.
 UNET_DECODER_PATTERN = r"^unet\.model\.(1\.submodule\.)*2\."
+
+TARGETS = ("wt", "regions")
 
 
 class UNetSegmenter(FederatedModule):
@@ -33,11 +48,14 @@ class UNetSegmenter(FederatedModule):
         strides: list[int] = field(default_factory=lambda: [2, 2, 2, 2])
         num_res_units: int = 2
         dropout: float = 0.0
+        target: str = "wt"
+        """``wt`` (whole tumour, two softmax classes) or ``regions`` (WT, TC, ET sigmoid outputs)."""
 
         def __post_init__(self) -> None:
             super().__post_init__()
             require(len(self.strides) == len(self.channels) - 1, "strides", self.strides, "one fewer entry than channels")
             require(0.0 <= self.dropout < 1.0, "dropout", self.dropout, "a number in [0, 1)")
+            require(self.target in TARGETS, "target", self.target, " or ".join(TARGETS))
 
     metric_names = ("iou", "label_iou")
     default_personal_patterns = (UNET_DECODER_PATTERN,)
@@ -47,6 +65,10 @@ class UNetSegmenter(FederatedModule):
         options = options or self.Options()
         self.options = options
         self.num_classes = num_classes
+        self.target = options.target
+        if options.target == "regions" and num_classes != len(REGIONS):
+            raise ValueError(f"target 'regions' needs {len(REGIONS)} outputs (WT, TC, ET), got num_classes={num_classes}")
+        self.region_names = ("wt",) if options.target == "wt" else REGIONS
         self.unet = UNet(
             spatial_dims=2,
             in_channels=in_channels,
@@ -56,22 +78,38 @@ class UNetSegmenter(FederatedModule):
             num_res_units=options.num_res_units,
             dropout=options.dropout,
         )
-        self.loss = DiceCELoss(to_onehot_y=True, softmax=True)
-        self.test_metrics = MulticlassJaccardIndex(num_classes=num_classes, average="none")
+        if options.target == "wt":
+            self.loss = DiceCELoss(to_onehot_y=True, softmax=True)
+            self.test_metrics = MulticlassJaccardIndex(num_classes=num_classes, average="none")
+        else:
+            self.metric_names = ("label_iou", "label_iou_tc", "label_iou_et")
+            self.loss = DiceCELoss(sigmoid=True)
+            self.test_metrics = MultilabelJaccardIndex(num_labels=len(REGIONS), average="none")
         self.configure_split(options.personal_patterns, options.shared_patterns)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, H, W)`` patches -> ``(B, num_classes, H, W)`` logits."""
         return self.unet(x)
 
+    def region_masks(self, output: torch.Tensor) -> torch.Tensor:
+        """``(B, K, H, W)`` outputs -> bool ``(B, R, H, W)`` masks of :attr:`region_names` (R = 1 or 3)."""
+        if self.target == "wt":
+            return (output.argmax(dim=1) == 1).unsqueeze(1)
+        return output > 0  # sigmoid(output) > 1/2
+
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return self.loss(self(x), y.unsqueeze(1))
+        return self.loss(self(x), y.unsqueeze(1) if self.target == "wt" else y.float())
 
     def test_step(self, batch, batch_idx: int) -> None:
         x, y = batch
-        self.test_metrics.update(self(x).argmax(dim=1), y)
+        if self.target == "wt":
+            self.test_metrics.update(self(x).argmax(dim=1), y)
+        else:
+            self.test_metrics.update(self.region_masks(self(x)).long(), y.long())
 
     def compute_test_metrics(self) -> dict[str, torch.Tensor]:
         per_class = self.test_metrics.compute()
-        return {"iou": per_class.mean(), "label_iou": per_class[1]}
+        if self.target == "wt":
+            return {"iou": per_class.mean(), "label_iou": per_class[1]}
+        return dict(zip(self.metric_names, per_class))

@@ -19,15 +19,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from medfed.models.base import ModelOptions
-from medfed.models.classification import BinaryClassifier
+from medfed.models.classification import BinaryClassifier, ClassifierOptions
 
 
 class LogisticRegression(BinaryClassifier):
     """One linear layer ``linear`` (weight (1, f), bias (1,)), personal by default."""
 
     @dataclass
-    class Options(ModelOptions):
+    class Options(ClassifierOptions):
         lr: float = 1e-2
 
     default_personal_patterns = (r"^linear\.",)

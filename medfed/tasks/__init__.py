@@ -23,10 +23,13 @@ class Task:
     default_model: str
     models: tuple[str, ...]
     """The model names whose input the task's samples fit (``default_model`` first)."""
+    targets: tuple[str, ...] = ()
+    """The ``model.target`` values the task can label samples for (``build_federation(..., target=...)``);
+    empty: one fixed target, no ``target`` argument."""
 
 
 TASKS: dict[str, Task] = {
-    module.NAME: Task(module.NAME, module.Options, module.build_federation, module.DEFAULT_MODEL, (module.DEFAULT_MODEL,))
+    module.NAME: Task(module.NAME, module.Options, module.build_federation, module.DEFAULT_MODEL, (module.DEFAULT_MODEL,), getattr(module, "TARGETS", ()))
     for module in (brats, luna16, clinical)
 }
 

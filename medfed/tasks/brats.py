@@ -1,22 +1,34 @@
 """The BraTS task: federated whole-tumour segmentation on 64x64 axial patches.
 
 Cases are read through :mod:`medfed.data.brats` (BraTS 2017-2019,
-2020/2021 and MSD Task01 layouts), placed at sites from a FeTS-style
-``partitioning.csv`` when the data set has one (the generated default does,
-one partition per simulated scanner) or by a seeded shuffle otherwise, and
-split 80/20 *by case* inside each site with a seeded draw (with
-``federation.holdout: validation`` the test cases are set aside unread and the
-training cases are split again into train and validation). The federation
-"lack k" zero-fills MRI channel k (FLAIR, T1, T1ce, T2 = 0..3) at the
-configured sites, as a hospital without that sequence would deliver it.
+2020/2021, 2023 and MSD Task01 layouts, labelled cases only), placed at sites
+from a FeTS-style ``partitioning.csv`` when the data set has one (the
+generated default does, one partition per simulated scanner) or by a seeded
+shuffle otherwise, and split 80/20 *by case* inside each site with a seeded
+draw (with ``federation.holdout: validation`` the test cases are set aside
+unread and the training cases are split again into train and validation).
+This plan is made, and checked against the federation config, from the file
+names alone, before any volume is opened. The federation "lack k" zero-fills
+MRI channel k (FLAIR, T1, T1ce, T2 = 0..3) at the configured sites, as a
+hospital without that sequence would deliver it.
+
+The patches of every site and split are kept in the preprocessed-data cache
+(:mod:`medfed.data.cache`, ``data.cache``): a second run on the same files
+with the same options, federation and seed reads no volume.
+
+A generated data set is held (:func:`~medfed.data.phantoms.store.hold`)
+whenever it is read, while the federation is built and while whole volumes
+are evaluated, so another run generating other parameters at the same root
+waits instead of replacing the files under this one.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -25,16 +37,21 @@ from torch.utils.data import TensorDataset
 from tqdm.auto import tqdm
 
 from medfed.config import FederationConfig, require
-from medfed.data.brats import MODALITIES, find_cases, load_case
-from medfed.data.federation import Federation, SiteData, assign_subjects_to_sites, split_site, split_subjects
-from medfed.data.partition_csv import read_partition_csv
+from medfed.data.brats import MODALITIES, REGIONS, BratsCase, BratsVolume, find_cases, load_case, tumour_regions
+from medfed.data.cache import cache_key, key_settings, load_or_build
+from medfed.data.federation import EvaluationVolume, Federation, SiteData, SiteSplit, assign_subjects_to_sites, split_sites, split_subjects
+from medfed.data.partition_csv import find_partition_csv, read_partition_csv
 from medfed.data.patches import extract_axial_patches, sample_centres, tumour_free_centres, zscore_over_brain
 from medfed.data.phantoms.brats import brats_phantoms
-from medfed.data.phantoms.store import describe_generated
-from medfed.errors import ConfigError, DataError
+from medfed.data.phantoms.store import MARKER, describe_generated
+from medfed.errors import ConfigError, DataError, warn
 
 NAME = "brats"
 DEFAULT_MODEL = "unet"
+TARGETS = ("wt", "regions")
+"""What the model may learn (``model.target``): whole tumour, or the WT/TC/ET regions."""
+PREPROCESSING_VERSION = 1
+"""Part of the cache key: bump it when a change here changes the tensors a federation holds."""
 
 
 @dataclass
@@ -56,6 +73,10 @@ class Options:
     patch_size: int = 64
     tumour_patches_per_case: int = 12
     background_patches_per_case: int = 4
+    cache: bool = True
+    """Keep the built patches in the preprocessed-data cache and reuse them (:mod:`medfed.data.cache`)."""
+    cache_dir: str | None = None
+    """The cache folder; null: ``$XDG_CACHE_HOME/medfed``, else ``~/.cache/medfed``."""
 
     def __post_init__(self) -> None:
         require(self.patch_size >= 8 and self.patch_size % 2 == 0, "patch_size", self.patch_size, "an even number >= 8")
@@ -69,64 +90,155 @@ class Options:
         )
 
 
-def build_federation(options: Options, federation: FederationConfig, seed: int, progress: bool = True) -> Federation:
-    """Read (or generate) the data, place cases at sites, split, cut patches, drop channels."""
+def build_federation(
+    options: Options, federation: FederationConfig, seed: int, progress: bool = True, target: str = "wt"
+) -> Federation:
+    """Generate the data if asked, plan sites and splits from the file names, then read and cut (or take the cache's) patches.
+
+    Raises:
+        ConfigError: the federation config does not fit the cases found (too
+            many sites, a bad missing channel), before any volume is read.
+        DataError: bad data (see :mod:`medfed.data.brats`), or a site whose
+            cases hold no tumour voxel.
+    """
     root = Path(options.root)
-    with ExitStack() as held:  # a generated data set stays as it is while it is read, whatever other runs generate
-        if options.generate is not None:
-            held.enter_context(
-                brats_phantoms(
-                    root,
-                    n_sites=federation.n_sites,
-                    cases_per_site=options.generate.cases_per_site,
-                    seed=options.generate.seed,
-                    resolution_mm=options.generate.resolution_mm,
-                    progress=progress,
-                )
-            )
-        return _read_federation(root, options, federation, seed, progress)
+    held = _data_set(root, options.generate, federation.n_sites, progress)
+    with held():
+        return _plan_and_read(root, held, options, federation, seed, progress, target)
 
 
-def _read_federation(root: Path, options: Options, federation: FederationConfig, seed: int, progress: bool) -> Federation:
-    """:func:`build_federation` once the data set at ``root`` is there."""
+def _data_set(root: Path, generate: GeneratedBrats | None, n_sites: int, progress: bool) -> Callable[[], AbstractContextManager]:
+    """What holds the data at ``root`` while a ``with`` block reads them: the generated set (written first if need be), or nothing."""
+    if generate is None:
+        return nullcontext
+    return partial(
+        brats_phantoms,
+        root,
+        n_sites=n_sites,
+        cases_per_site=generate.cases_per_site,
+        seed=generate.seed,
+        resolution_mm=generate.resolution_mm,
+        progress=progress,
+    )
+
+
+def _plan_and_read(
+    root: Path,
+    held: Callable[[], AbstractContextManager],
+    options: Options,
+    federation: FederationConfig,
+    seed: int,
+    progress: bool,
+    target: str,
+) -> Federation:
+    """:func:`build_federation` while the data set at ``root`` is held."""
     cases = {case.case_id: case for case in find_cases(root)}
-    partition_file = Path(options.partition_csv) if options.partition_csv else root / "partitioning.csv"
-    partition = read_partition_csv(partition_file) if partition_file.is_file() else None
+    partition_file = find_partition_csv(options.partition_csv or None, root)
+    partition = read_partition_csv(partition_file) if partition_file is not None else None
     site_cases = assign_subjects_to_sites(sorted(cases), federation.n_sites, seed, partition)
-    missing_sites, missing_channel = _missing_channel_sites(federation)
+    site_splits = split_sites(site_cases, _draw_cases, federation, seed, noun="cases", partition_file=partition_file)
+    missing_sites, missing_channel = missing_channel_sites(federation)
+    drops = [missing_channel if index in missing_sites else None for index in range(federation.n_sites)]
 
-    site_splits = [split_site(subjects, _draw_cases, federation, seed, index) for index, subjects in enumerate(site_cases)]
+    input_files = [path for case in cases.values() for path in (*case.image_files, case.label_file)]
+    input_files += [path for path in (partition_file, root / MARKER) if path is not None and path.is_file()]
+    settings = {**key_settings(options, federation, seed), "target": target}
+    key = cache_key(NAME, PREPROCESSING_VERSION, root, input_files, settings)
+    built = load_or_build(
+        key,
+        lambda: _read_federation(root, cases, site_splits, drops, options, federation, seed, progress, target),
+        task=NAME,
+        enabled=options.cache,
+        cache_dir=options.cache_dir,
+    )
+    built.volumes = BratsVolumes(cases, [split.evaluation for split in site_splits], drops, held)
+    return built
 
+
+@dataclass(frozen=True)
+class BratsVolumes:
+    """Each site's evaluation cases as whole volumes (:class:`~medfed.data.federation.VolumeSource`).
+
+    A volume is read when evaluated, z-scored over the brain and its missing
+    channel zeroed exactly as the site's training patches were; labels are
+    :class:`~medfed.data.brats.TumourLabel` values.
+    """
+
+    cases: dict[str, BratsCase]
+    evaluation_cases: list[list[str]]
+    drops: list[int | None]
+    held: Callable[[], AbstractContextManager]
+    """Holds the data set while volumes are read (another run may have generated other data there meanwhile)."""
+
+    def site_volumes(self, site: int) -> Iterator[EvaluationVolume]:
+        with self.held():
+            for case_id in self.evaluation_cases[site]:
+                volume = load_case(self.cases[case_id])
+                image = zscore_over_brain(volume.image)
+                if self.drops[site] is not None:
+                    image[self.drops[site]] = 0.0
+                spacing = tuple(float(s) for s in np.linalg.norm(volume.affine[:3, :3], axis=0))
+                yield EvaluationVolume(case_id, image, volume.label, spacing)
+
+
+def _read_federation(
+    root: Path,
+    cases: dict[str, BratsCase],
+    site_splits: list[SiteSplit],
+    drops: list[int | None],
+    options: Options,
+    federation: FederationConfig,
+    seed: int,
+    progress: bool,
+    target: str,
+) -> Federation:
+    """Read every train and evaluation case of the plan and cut its patches (set-aside cases are never read)."""
     sites = []
-    n_read = sum(len(split.train) + len(split.evaluation) for split in site_splits)  # set-aside cases are never read
+    n_read = sum(len(split.train) + len(split.evaluation) for split in site_splits)
     bar = tqdm(total=n_read, desc="reading cases", unit="case", disable=not progress, leave=False)
-    for index, split in enumerate(site_splits):
-        drop = missing_channel if index in missing_sites else None
-        splits = {}
+    for index, (split, drop) in enumerate(zip(site_splits, drops)):
+        splits, tumour_voxels = {}, {}
         for split_name, ids in (("train", split.train), ("evaluation", split.evaluation)):
             xs, ys = [], []
+            tumour_voxels[split_name] = 0
             for case_id in ids:
+                volume = load_case(cases[case_id])  # labelled: find_cases lists only labelled cases
                 rng = np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(case_id.encode())]))
-                x, y = _case_patches(cases[case_id], options, rng, drop)
+                x, y = _case_patches(volume, options, rng, drop, target)
                 xs.append(x)
                 ys.append(y)
+                tumour_voxels[split_name] += int(np.count_nonzero(volume.label))
                 bar.update()
             splits[split_name] = TensorDataset(torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys)))
+        _check_tumour(root, f"site{index}", split, tumour_voxels)
         info = {**split.info("cases"), "missing_channel": None if drop is None else MODALITIES[drop]}
         sites.append(SiteData(name=f"site{index}", train=splits["train"], test=splits["evaluation"], info=info))
     bar.close()
 
     generated = describe_generated(root)
-    description = generated if generated is not None else f"BraTS data read from {root}"
     return Federation(
         task=NAME,
         sites=sites,
         input_shape=(len(MODALITIES), options.patch_size, options.patch_size),
-        num_classes=2,
-        description=description,
+        num_classes=2 if target == "wt" else len(REGIONS),
+        description=generated if generated is not None else f"BraTS data read from {root}",
         generated=generated is not None,
         holdout=federation.holdout,
     )
+
+
+def _check_tumour(root: Path, site: str, split: SiteSplit, tumour_voxels: dict[str, int]) -> None:
+    """A site without any tumour voxel is an error (its label IoU would be 0); a split without one is a warning."""
+    if not any(tumour_voxels.values()):
+        n_cases = len(split.train) + len(split.evaluation)
+        raise DataError(
+            f"{root}: {site}: none of its {n_cases} cases has a tumour voxel (all segmentations are background); "
+            "whole-tumour segmentation needs tumour at every site"
+        )
+    names = {"train": "train", "evaluation": split.holdout}
+    for split_name, count in tumour_voxels.items():
+        if count == 0:
+            warn(f"{root}: {site}: its {names[split_name]} cases have no tumour voxel; its tumour metrics there will be 0")
 
 
 def _draw_cases(cases: Sequence[str], fraction: float, seed_of: Callable[[int], int]) -> tuple[list[str], list[str]]:
@@ -134,8 +246,8 @@ def _draw_cases(cases: Sequence[str], fraction: float, seed_of: Callable[[int], 
     return split_subjects(list(cases), fraction, seed_of(0))
 
 
-def _missing_channel_sites(federation: FederationConfig) -> tuple[set[int], int | None]:
-    """Sites lacking a channel and which channel (``(set(), None)`` without "lack k")."""
+def missing_channel_sites(federation: FederationConfig) -> tuple[set[int], int | None]:
+    """Sites lacking a channel and which channel (``(set(), None)`` without "lack k"); ``predict`` zeroes it too."""
     lack = federation.missing_channel
     if lack is None:
         return set(), None
@@ -151,11 +263,14 @@ def _missing_channel_sites(federation: FederationConfig) -> tuple[set[int], int 
     return set(sites), lack.channel
 
 
-def _case_patches(case, options: Options, rng: np.random.Generator, drop_channel: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """Patches of one case: ``x`` float32 (n, 4, P, P), ``y`` int64 (n, P, P) whole tumour vs background."""
-    volume = load_case(case)
-    if volume.label is None:
-        raise DataError(f"case {case.case_id} has no segmentation; training and testing need labelled cases")
+def _case_patches(
+    volume: BratsVolume, options: Options, rng: np.random.Generator, drop_channel: int | None, target: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Patches of one labelled case: ``x`` float32 (n, 4, P, P) and its targets.
+
+    Targets: ``wt``: int64 (n, P, P), 1 = whole tumour; ``regions``: uint8
+    (n, 3, P, P) masks of WT, TC, ET (:func:`~medfed.data.brats.tumour_regions`).
+    """
     image = zscore_over_brain(volume.image)
     if drop_channel is not None:
         image[drop_channel] = 0.0
@@ -167,4 +282,7 @@ def _case_patches(case, options: Options, rng: np.random.Generator, drop_channel
             sample_centres(tumour_free_centres(brain, tumour, options.patch_size), options.background_patches_per_case, rng),
         ]
     )
-    return extract_axial_patches(image, tumour.astype(np.int64), centres, options.patch_size)
+    if target == "wt":
+        return extract_axial_patches(image, tumour.astype(np.int64), centres, options.patch_size)
+    x, labels = extract_axial_patches(image, volume.label.astype(np.int64), centres, options.patch_size)
+    return x, np.moveaxis(tumour_regions(labels), 0, 1)

@@ -2,7 +2,8 @@
 
 Records come from a CSV (:func:`medfed.data.tabular.read_tabular_csv`): a
 binary target column, optionally a site column, every other column a numeric
-feature; missing cells are filled with 0 (pFedNet, section VI-A). The embedded
+feature or a text (categorical) one, one-hot encoded over the levels found in
+the file; missing cells are filled with 0 (pFedNet, section VI-A). The embedded
 default is REAL data, not generated: the Wisconsin diagnostic breast-cancer
 table shipped inside scikit-learn (569 records, 30 features, target
 ``diagnosis``, positive ``malignant``), written to ``csv`` as an ordinary file
@@ -32,7 +33,10 @@ four seeded steps:
 Samples: ``x`` float32 (n, f), ``y`` int64 (n,), 1 = the positive value.
 ``SiteData.info`` records each site's train and test (or validation, plus
 the set-aside test) records (0-based positions among the file's records),
-the ratios and class counts, and the scaling's origin.
+the ratios, class counts and records the label ratio dropped, and the
+scaling's origin. ``Federation.features`` (in results.json) lists the
+feature names, the categorical columns with their levels, and the missing
+cells per column.
 """
 
 from __future__ import annotations
@@ -77,8 +81,9 @@ class Options:
     """Write this table shipped with an installed package to ``csv`` first (a different file there is
     an error, never overwritten); null reads your own ``csv``."""
     target: str = BREAST_CANCER_TARGET
-    positive: str = BREAST_CANCER_POSITIVE
-    """The target value meaning the event (label 1), compared as text."""
+    positive: str | int | bool = BREAST_CANCER_POSITIVE
+    """The target value meaning the event (label 1), compared as text; a bool (an unquoted YAML ``true``)
+    matching no cell is an error that says to quote it."""
     site_column: str | None = None
     exclude_columns: list[str] = field(default_factory=list)
     """Columns that are neither features nor target nor site (e.g. a patient id)."""
@@ -124,6 +129,7 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
         source=str(path),
         set_aside=set_aside,
         evaluation_split=federation.holdout,
+        noun="records",
     )
 
     sites = []
@@ -151,8 +157,14 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
     )
     description = (
         f"{origin} ({path}; target {options.target!r} = {options.positive!r}; "
-        f"{len(data.feature_names)} features, {data.n_missing} missing cells filled with 0)"
+        f"{len(data.feature_names)} features, {len(data.categories)} categorical column(s) one-hot encoded, "
+        f"{data.n_missing} missing cells filled with 0)"
     )
+    features = {
+        "names": list(data.feature_names),
+        "categorical": {column: list(levels) for column, levels in data.categories.items()},
+        "missing_per_column": data.missing_per_column,
+    }
     return Federation(
         task=NAME,
         sites=sites,
@@ -161,6 +173,7 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
         description=description,
         generated=False,
         holdout=federation.holdout,
+        features=features,
     )
 
 

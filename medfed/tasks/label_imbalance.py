@@ -16,10 +16,18 @@ keeps, within each split, the largest subset of its samples with
 n_negative = round(delta_s * n_positive) (:func:`partition_by_label_ratio`),
 drawn at random with a seed per split. Without ``federation.label_ratio`` every
 sample is kept (the data set's natural ratios).
+
+A ratio far from a site's own ratio drops many of its samples: delta_s = 2 at
+a site with 6% positives keeps all its positives and twice as many negatives,
+18% of its samples. The samples kept and dropped per site and split go into
+``info`` and one log line per run, and every site that loses more than half of
+its samples is named in a warning (:func:`medfed.errors.warn`) that says which
+config key to change.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +35,10 @@ import numpy as np
 
 from medfed.config import LabelRatioConfig
 from medfed.data.label_ratio import partition_by_label_ratio, site_ratios
-from medfed.errors import DataError
+from medfed.errors import DataError, warn
+
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class SiteSamples:
@@ -40,7 +51,9 @@ class SiteSamples:
         info: JSON-serialisable counts and ratios: ``target_ratio`` (delta_s,
             None without a label ratio) and, for each split (``train`` and the
             evaluation split's name), ``n_<split>_positive``,
-            ``n_<split>_negative`` and ``<split>_ratio`` (realised n_neg / n_pos).
+            ``n_<split>_negative``, ``<split>_ratio`` (realised n_neg / n_pos)
+            and ``n_<split>_dropped`` (the split's samples at the site that
+            the ratio left out; 0 without a label ratio).
     """
 
     train: np.ndarray
@@ -59,6 +72,7 @@ def sites_at_label_ratio(
     source: str,
     set_aside: np.ndarray | None = None,
     evaluation_split: str = "test",
+    noun: str = "samples",
 ) -> list[SiteSamples]:
     """Impose each site's label ratio on its train split and on the split it is evaluated on.
 
@@ -75,6 +89,7 @@ def sites_at_label_ratio(
             ``holdout: validation``); None: none.
         evaluation_split: the evaluation split's name (``federation.holdout``),
             used in ``info`` keys and error messages.
+        noun: what the samples are, plural (``records``), for the log line and the warning.
 
     Returns:
         One :class:`SiteSamples` per site, in site order.
@@ -88,9 +103,10 @@ def sites_at_label_ratio(
     in_test = np.asarray(in_test, dtype=bool)
     used = np.ones(len(labels), dtype=bool) if set_aside is None else ~np.asarray(set_aside, dtype=bool)
     splits = ("train", evaluation_split)
+    pools: dict[str, np.ndarray] = {}
     kept: dict[str, list[np.ndarray]] = {}
     for number, split in enumerate(splits):
-        pool = np.flatnonzero((in_test == (split == evaluation_split)) & used)
+        pool = pools[split] = np.flatnonzero((in_test == (split == evaluation_split)) & used)
         if label_ratio is None:
             kept[split] = [pool[site_of_sample[pool] == site] for site in range(n_sites)]
             continue
@@ -120,5 +136,51 @@ def sites_at_label_ratio(
             info[f"n_{split}_positive"] = n_positive
             info[f"n_{split}_negative"] = n_negative
             info[f"{split}_ratio"] = n_negative / n_positive if n_positive else None
+            info[f"n_{split}_dropped"] = int((site_of_sample[pools[split]] == site).sum()) - len(kept[split][site])
         sites.append(SiteSamples(train=kept["train"][site], test=kept[evaluation_split][site], info=info))
+    if label_ratio is not None:
+        _report_drops(sites, site_of_sample[used], labels[used], splits, label_ratio, noun)
     return sites
+
+
+def _report_drops(
+    sites: list[SiteSamples],
+    site_of_sample: np.ndarray,
+    labels: np.ndarray,
+    splits: tuple[str, str],
+    label_ratio: LabelRatioConfig,
+    noun: str,
+) -> None:
+    """Log the samples each site kept per split; warn naming every site that lost more than half of its samples.
+
+    Args:
+        sites: the sites' kept samples, ``info`` holding ``n_<split>_dropped``.
+        site_of_sample, labels: site and 0/1 label of every sample in either split (set-aside ones excluded).
+        splits: ``("train", <evaluation split>)``.
+        label_ratio: the imposed delta and spread, for the messages.
+        noun: what the samples are, plural.
+    """
+    setting = f"federation.label_ratio (delta {label_ratio.delta:g}, spread {label_ratio.spread:g})"
+    kept = [[len(site.train), len(site.test)] for site in sites]
+    dropped = [[site.info[f"n_{split}_dropped"] for split in splits] for site in sites]
+    per_site = "; ".join(
+        f"site{index} " + ", ".join(f"{split} {k} of {k + d}" for split, k, d in zip(splits, counts, lost))
+        for index, (counts, lost) in enumerate(zip(kept, dropped))
+    )
+    n_kept, n_dropped = sum(map(sum, kept)), sum(map(sum, dropped))
+    logger.info(f"{setting} kept {n_kept} of {n_kept + n_dropped} {noun}: {per_site}")
+    losers = []
+    for index in range(len(sites)):
+        if sum(dropped[index]) > sum(kept[index]):  # more than half of the site's samples
+            n_positive = int(labels[site_of_sample == index].sum())
+            n_negative = int((site_of_sample == index).sum()) - n_positive
+            own_ratio = n_negative / n_positive if n_positive else float("inf")
+            losers.append(
+                f"site{index} ({sum(dropped[index])} of {sum(dropped[index]) + sum(kept[index])} dropped, "
+                f"its own ratio {own_ratio:.3g})"
+            )
+    if losers:
+        warn(
+            f"{setting} drops more than half of the {noun} of {', '.join(losers)}: set federation.label_ratio.delta "
+            f"nearer the sites' own ratios, or federation.label_ratio=null to keep all {noun}"
+        )

@@ -2,8 +2,9 @@
 
 Candidates are read through :mod:`medfed.data.luna16` (the challenge layout;
 the generated default, :mod:`medfed.data.phantoms.luna16`, is written in the
-same layout and read back by the same reader). A federation is built in three
-seeded steps:
+same layout and read back by the same reader). A federation is planned in
+three seeded steps from the candidates CSV alone, so a federation config that
+does not fit the data fails before any CT volume is read:
 
 1. **Sites.** CT series are placed at sites from a FeTS-style
    ``partitioning.csv`` when the data set has one (the generated default does:
@@ -27,7 +28,10 @@ Samples: ``x`` float32 (n, 1, P, P), the axial patch through the candidate with
 HU clipped to [-1000, 400] and scaled to [0, 1]; ``y`` int64 (n,), 1 = nodule.
 No augmentation of any kind is applied, at training or at test time.
 ``SiteData.info`` records each site's series per split, target and realised
-ratios and class counts; they end up in results.json.
+ratios and class counts; they end up in results.json. The patches are then
+cut from the volumes, or taken from the preprocessed-data cache
+(:mod:`medfed.data.cache`, ``data.cache``) when the same files, options,
+federation and seed were built before.
 """
 
 from __future__ import annotations
@@ -43,16 +47,19 @@ import torch
 from torch.utils.data import TensorDataset
 
 from medfed.config import FederationConfig, require
-from medfed.data.federation import Federation, SiteData, assign_subjects_to_sites, split_site, split_subjects
-from medfed.data.luna16 import NoduleCandidates, extract_candidate_patches
-from medfed.data.partition_csv import read_partition_csv
+from medfed.data.cache import cache_key, key_settings, load_or_build
+from medfed.data.federation import Federation, SiteData, SiteSplit, assign_subjects_to_sites, split_sites, split_subjects
+from medfed.data.luna16 import CandidateSelection, NoduleCandidates, cut_candidate_patches, select_candidates
+from medfed.data.partition_csv import find_partition_csv, read_partition_csv
 from medfed.data.phantoms.luna16 import luna16_phantoms
-from medfed.data.phantoms.store import describe_generated
+from medfed.data.phantoms.store import MARKER, describe_generated
 from medfed.errors import ConfigError, DataError
-from medfed.tasks.label_imbalance import sites_at_label_ratio
+from medfed.tasks.label_imbalance import SiteSamples, sites_at_label_ratio
 
 NAME = "luna16"
 DEFAULT_MODEL = "densenet"
+PREPROCESSING_VERSION = 1
+"""Part of the cache key: bump it when a change here changes the tensors a federation holds."""
 
 
 @dataclass
@@ -89,6 +96,10 @@ class Options:
     max_negatives_per_series: int | None = None
     """Keep at most this many non-nodule candidates per series, drawn with the run's seed, before
     the federation is built (real LUNA16 has ~620 per series); null keeps all."""
+    cache: bool = True
+    """Keep the cut patches in the preprocessed-data cache and reuse them (:mod:`medfed.data.cache`)."""
+    cache_dir: str | None = None
+    """The cache folder; null: ``$XDG_CACHE_HOME/medfed``, else ``~/.cache/medfed``."""
 
     def __post_init__(self) -> None:
         require(self.patch_size >= 1, "patch_size", self.patch_size, "a positive number of voxels")
@@ -101,7 +112,14 @@ class Options:
 
 
 def build_federation(options: Options, federation: FederationConfig, seed: int, progress: bool = True) -> Federation:
-    """Read (or generate) the candidates, place series at sites, split by series, impose the label ratios."""
+    """Generate the data if asked, plan sites, splits and label ratios from the candidates CSV, then cut (or take the cache's) patches.
+
+    Raises:
+        ConfigError: the federation config does not fit the series found
+            (too many sites), before any volume is read.
+        DataError: bad data (see :mod:`medfed.data.luna16`), or a label ratio
+            a site's split cannot meet, also before any volume is read.
+    """
     root = Path(options.root)
     with ExitStack() as held:  # a generated data set stays as it is while it is read, whatever other runs generate
         if options.generate is not None:
@@ -109,51 +127,91 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
                 held.enter_context(luna16_phantoms(root, n_sites=federation.n_sites, progress=progress, **asdict(options.generate)))
             except ValueError as error:  # the generator names the impossible parameter
                 raise ConfigError(f"config key 'data.generate': {error}") from None
-        return _read_federation(root, options, federation, seed, progress)
+        return _plan_and_cut(root, options, federation, seed, progress)
 
 
-def _read_federation(root: Path, options: Options, federation: FederationConfig, seed: int, progress: bool) -> Federation:
+def _plan_and_cut(root: Path, options: Options, federation: FederationConfig, seed: int, progress: bool) -> Federation:
     """:func:`build_federation` once the data set at ``root`` is there."""
-    candidates = extract_candidate_patches(
-        root,
-        candidates_csv=options.candidates_csv,
-        patch_size=options.patch_size,
-        max_negatives_per_series=options.max_negatives_per_series,
-        seed=seed,
-        progress=progress,
+    selection = select_candidates(
+        root, candidates_csv=options.candidates_csv, max_negatives_per_series=options.max_negatives_per_series, seed=seed
     )
-    series, series_of_candidate = np.unique(candidates.series_uids, return_inverse=True)
-    series_has_nodule = np.bincount(series_of_candidate, weights=candidates.labels, minlength=len(series)) > 0
+    partition_file = find_partition_csv(options.partition_csv or None, root)
+    splits, kept = _plan(selection.labels, selection.series_uids, federation, seed, partition_file, source=str(root))
 
-    partition_file = Path(options.partition_csv) if options.partition_csv else root / "partitioning.csv"
-    partition = read_partition_csv(partition_file) if partition_file.is_file() else None
+    input_files = [*selection.input_files(), *(path for path in (partition_file, root / MARKER) if path is not None and path.is_file())]
+    key = cache_key(NAME, PREPROCESSING_VERSION, root, input_files, key_settings(options, federation, seed))
+    return load_or_build(
+        key,
+        lambda: _cut_federation(root, selection, splits, kept, options, federation, progress),
+        task=NAME,
+        enabled=options.cache,
+        cache_dir=options.cache_dir,
+    )
+
+
+def _plan(
+    labels: np.ndarray,
+    series_uids: np.ndarray,
+    federation: FederationConfig,
+    seed: int,
+    partition_file: Path | None,
+    source: str,
+) -> tuple[list[SiteSplit], list[SiteSamples]]:
+    """Each site's series split and the candidates it keeps at its label ratio.
+
+    Args:
+        labels: int64 (n,), the candidates' labels (1 = nodule).
+        series_uids: str (n,), each candidate's series.
+        federation: the federation config.
+        seed: the run's seed.
+        partition_file: places series at sites, or None for a seeded shuffle.
+        source: the data, for error messages.
+
+    Returns:
+        Per site, its :class:`SiteSplit` of series and its :class:`SiteSamples`
+        (indices into ``labels``).
+    """
+    series, series_of_candidate = np.unique(series_uids, return_inverse=True)
+    series_has_nodule = np.bincount(series_of_candidate, weights=labels, minlength=len(series)) > 0
+    partition = read_partition_csv(partition_file) if partition_file is not None else None
     site_series = assign_subjects_to_sites(series.tolist(), federation.n_sites, seed, partition)
+    draw = partial(_draw_series, has_nodule=dict(zip(series.tolist(), series_has_nodule)))
+    splits = split_sites(site_series, draw, federation, seed, noun="series", partition_file=partition_file)
 
     position = {uid: i for i, uid in enumerate(series.tolist())}
-    has_nodule = dict(zip(series.tolist(), series_has_nodule))
     site_of_series = np.empty(len(series), dtype=np.int64)
     series_evaluated = np.zeros(len(series), dtype=bool)
     series_set_aside = np.zeros(len(series), dtype=bool)
-    splits = []
-    for index, uids in enumerate(site_series):
-        draw = partial(_draw_series, has_nodule=has_nodule, site=f"site{index}")
-        split = split_site(uids, draw, federation, seed, index)
+    for index, (uids, split) in enumerate(zip(site_series, splits)):
         site_of_series[[position[uid] for uid in uids]] = index
         series_evaluated[[position[uid] for uid in split.evaluation]] = True
         series_set_aside[[position[uid] for uid in split.set_aside]] = True
-        splits.append(split)
 
     kept = sites_at_label_ratio(
-        candidates.labels,
+        labels,
         site_of_series[series_of_candidate],
         series_evaluated[series_of_candidate],
         n_sites=federation.n_sites,
         label_ratio=federation.label_ratio,
         seed=seed,
-        source=str(root),
+        source=source,
         set_aside=series_set_aside[series_of_candidate],
         evaluation_split=federation.holdout,
     )
+    return splits, kept
+
+
+def _cut_federation(
+    root: Path,
+    selection: CandidateSelection,
+    splits: list[SiteSplit],
+    kept: list[SiteSamples],
+    options: Options,
+    federation: FederationConfig,
+    progress: bool,
+) -> Federation:
+    """Read every selected series, cut its candidates' patches, and deal them out as planned."""
+    candidates = cut_candidate_patches(selection, patch_size=options.patch_size, progress=progress)
     sites = [
         SiteData(
             name=f"site{index}",
@@ -176,14 +234,14 @@ def _read_federation(root: Path, options: Options, federation: FederationConfig,
 
 
 def _draw_series(
-    uids: Sequence[str], fraction: float, seed_of: Callable[[int], int], *, has_nodule: dict[str, bool], site: str
+    uids: Sequence[str], fraction: float, seed_of: Callable[[int], int], *, has_nodule: dict[str, bool]
 ) -> tuple[list[str], list[str]]:
     """The LUNA16 :data:`~medfed.data.federation.SplitDraw`: :func:`_split_series` with strata 0 (nodule) and 1 (none)."""
-    return _split_series(list(uids), np.array([has_nodule[uid] for uid in uids]), fraction, (seed_of(0), seed_of(1)), site)
+    return _split_series(list(uids), np.array([has_nodule[uid] for uid in uids]), fraction, (seed_of(0), seed_of(1)))
 
 
 def _split_series(
-    uids: list[str], has_nodule: np.ndarray, test_fraction: float, seeds: tuple[int, int], site: str
+    uids: list[str], has_nodule: np.ndarray, test_fraction: float, seeds: tuple[int, int]
 ) -> tuple[list[str], list[str]]:
     """Seeded train/test split of one site's series, stratified by whether a series holds a nodule.
 
@@ -195,7 +253,6 @@ def _split_series(
         has_nodule: bool (len(uids),), whether each series has a nodule candidate.
         test_fraction: share of each stratum that goes to test.
         seeds: seeds of the two strata's draws (with, without a nodule).
-        site: the site's name, for the error message.
 
     Returns:
         ``(train_uids, test_uids)``, each sorted.
@@ -206,9 +263,7 @@ def _split_series(
     with_nodule = [uid for uid, has in zip(uids, has_nodule) if has]
     without_nodule = [uid for uid, has in zip(uids, has_nodule) if not has]
     if len(with_nodule) < 2:
-        raise DataError(
-            f"{site}: needs at least 2 series with a nodule candidate (one for each split), found {len(with_nodule)}"
-        )
+        raise DataError(f"a site needs at least 2 series with a nodule candidate (one for each split), found {len(with_nodule)}")
     train, test = split_subjects(with_nodule, test_fraction, seeds[0])
     if len(without_nodule) >= 2:
         more_train, more_test = split_subjects(without_nodule, test_fraction, seeds[1])

@@ -24,17 +24,20 @@ def plot_learning_curves(history: list[dict[str, Any]], title: str) -> Figure:
     """One panel per metric: every site's test metric per round, and the mean over sites.
 
     Args:
-        history: the loop's per-round records (``record["metrics"][site][name]``).
+        history: the loop's per-round records (``record["metrics"][site][name]``); a metric
+            evaluated on some rounds only (whole-volume scores) is drawn on those rounds, with markers.
         title: figure title (strategy, task, data provenance).
     """
-    names = list(next(iter(history[0]["metrics"].values())).keys())
-    rounds = [record["round"] for record in history]
+    names = list(dict.fromkeys(name for record in history for name in record["mean"]))  # some only on some rounds
     figure = Figure(figsize=(4.5 * len(names), 3.6))
     axes = figure.subplots(1, len(names), squeeze=False)
     for axis, name in zip(axes[0], names):
+        records = [record for record in history if name in record["mean"]]
+        rounds = [record["round"] for record in records]
+        marker = "o" if len(records) < len(history) else None
         for site in history[0]["metrics"]:
-            axis.plot(rounds, [r["metrics"][site][name] for r in history], lw=1, alpha=0.7, label=site)
-        axis.plot(rounds, [r["mean"][name] for r in history], "k-", lw=2.2, label="mean")
+            axis.plot(rounds, [r["metrics"][site][name] for r in records], lw=1, alpha=0.7, marker=marker, ms=3, label=site)
+        axis.plot(rounds, [r["mean"][name] for r in records], "k-", lw=2.2, marker=marker, label="mean")
         axis.set_xlabel("round")
         axis.set_ylabel(name)
         axis.grid(alpha=0.3)
@@ -60,14 +63,15 @@ def plot_segmentation_examples(sites: list, title: str, per_site: int = 4, chann
         The figure, or ``None`` when the targets are not images (not a segmentation task).
     """
     x, y = sites[0].data.test.tensors
-    if y.ndim != 3:
+    if y.ndim not in (3, 4):  # (n, P, P) classes or (n, R, P, P) region masks
         return None
     figure = Figure(figsize=(2.1 * per_site, 2.2 * len(sites)))
     axes = figure.subplots(len(sites), per_site, squeeze=False)
     for row, site in zip(axes, sites):
         x, y = (t[:per_site] for t in site.data.test.tensors)
         site.module.eval()
-        prediction = site.module(site.fabric.to_device(x)).argmax(dim=1).cpu()
+        prediction = site.module.region_masks(site.module(site.fabric.to_device(x)))[:, 0].cpu()  # whole tumour
+        y = y[:, 0] if y.ndim == 4 else y
         shown = channel if x[:, channel].abs().sum() > 0 else int((x.abs().sum(dim=(0, 2, 3)) > 0).float().argmax())
         for axis, image, truth, predicted in zip(row, x[:, shown], y, prediction):
             axis.imshow(image.numpy().T, cmap="gray", origin="lower")

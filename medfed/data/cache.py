@@ -1,0 +1,191 @@
+"""A cache of preprocessed federations: real data are read and cut into patches once.
+
+Building a federation from real data reads every volume and cuts its patches,
+minutes for BraTS. The tensors depend only on the input files, the task's
+preprocessing options, the federation config and the seed, so
+:func:`load_or_build` keeps each built federation in one file named by a
+SHA-256 key (:func:`cache_key`) of
+
+* the task and its preprocessing version (a task bumps it when its code
+  changes the tensors it makes),
+* the resolved data root,
+* every input file's path, size and modification time (ns),
+* the task options, the federation config and the seed.
+
+Touching, replacing or adding an input file changes the key, so a stale entry
+is never read; entries are never deleted (remove the folder to reclaim space).
+
+An entry is ``<cache_dir>/<task>-<key>.pt``: :func:`torch.save` of plain
+containers and tensors (read back with ``weights_only=True``, so a cache file
+cannot run code), written to a temporary file in the same folder, made
+mode 0644 and renamed over the entry, only once the whole federation was
+built: a failed build leaves nothing behind. An unreadable or malformed entry
+is reported with :func:`medfed.errors.warn`, rebuilt and rewritten. The
+default folder is ``$XDG_CACHE_HOME/medfed``, else ``~/.cache/medfed``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import TensorDataset
+
+from medfed.data.federation import Federation, SiteData
+from medfed.errors import DataError, warn
+
+FORMAT = 1
+"""Version of the entry layout; part of every key."""
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/medfed``, or ``~/.cache/medfed`` when XDG_CACHE_HOME is unset or empty."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "medfed"
+
+
+def cache_key(task: str, version: int, root: str | Path, files: Iterable[Path], settings: Mapping[str, Any]) -> str:
+    """SHA-256 hex digest of everything a task's federation depends on.
+
+    Args:
+        task: the task's name.
+        version: the task's preprocessing version.
+        root: the data root (resolved here).
+        files: every input file; each one's absolute path, size and mtime_ns enter the key.
+        settings: JSON-serialisable options, federation config and seed.
+
+    Raises:
+        DataError: an input file has disappeared.
+    """
+    stats = []
+    for path in sorted({os.path.abspath(path) for path in files}):
+        try:
+            stat = os.stat(path)
+        except FileNotFoundError:
+            raise DataError(f"{path}: input file disappeared while the federation was being planned") from None
+        stats.append((path, stat.st_size, stat.st_mtime_ns))
+    record = {
+        "format": FORMAT,
+        "task": task,
+        "version": version,
+        "root": str(Path(root).resolve()),
+        "files": stats,
+        "settings": settings,
+    }
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def key_settings(options: Any, federation: Any, seed: int) -> dict[str, Any]:
+    """The ``settings`` of :func:`cache_key`: every task option but ``cache`` and ``cache_dir``, the federation config, the seed.
+
+    Args:
+        options: the task's options dataclass.
+        federation: the :class:`~medfed.config.FederationConfig`.
+        seed: the run's seed.
+    """
+    task_options = {name: value for name, value in asdict(options).items() if name not in ("cache", "cache_dir")}
+    return {"options": task_options, "federation": asdict(federation), "seed": seed}
+
+
+def load_or_build(
+    key: str, build: Callable[[], Federation], *, task: str, enabled: bool, cache_dir: str | Path | None
+) -> Federation:
+    """The federation stored under ``key``, or ``build()``'s, stored under ``key`` once it succeeded.
+
+    Args:
+        key: from :func:`cache_key`.
+        build: makes the federation from the data (the expensive part).
+        task: the task's name, the entry's file name prefix.
+        enabled: False builds without reading or writing the cache
+            (``Federation.cache`` stays None).
+        cache_dir: the cache folder; None for :func:`default_cache_dir`.
+
+    Returns:
+        The federation, its ``cache`` recording the key, the file and whether it was a hit.
+    """
+    if not enabled:
+        return build()
+    path = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / f"{task}-{key}.pt"
+    federation = _read(path, key) if path.exists() else None
+    hit = federation is not None
+    if not hit:
+        federation = build()
+        _write(path, key, federation)
+    federation.cache = {"key": key, "file": str(path), "hit": hit}
+    return federation
+
+
+def _read(path: Path, key: str) -> Federation | None:
+    """The federation in ``path``, or None (with a warning) when the file is unreadable or not an entry for ``key``."""
+    try:
+        entry = torch.load(path, map_location="cpu", weights_only=True)
+        if entry["format"] != FORMAT or entry["key"] != key:
+            raise ValueError("written in another format or for another key")
+        return _decode(entry["federation"])
+    except Exception as error:  # any damage to a cache file means "rebuild it", never a failed run
+        warn(f"{path}: unreadable preprocessed-data cache entry ({type(error).__name__}); rebuilding it")
+        return None
+
+
+def _write(path: Path, key: str, federation: Federation) -> None:
+    """Store ``federation`` at ``path`` atomically; a failure to write is a warning, not an error."""
+    entry = {"format": FORMAT, "key": key, "federation": _encode(federation)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, partial = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    except OSError as error:
+        warn(f"{path.parent}: cannot write the preprocessed-data cache ({error}); the next run reads the data again")
+        return
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            torch.save(entry, stream)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.chmod(partial, 0o644)
+        os.replace(partial, path)
+    except OSError as error:
+        warn(f"{path}: cannot write the preprocessed-data cache ({error}); the next run reads the data again")
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+def _encode(federation: Federation) -> dict[str, Any]:
+    """Plain containers and tensors; ``info`` and ``features`` as JSON text (they go to results.json, so they serialise)."""
+    return {
+        "task": federation.task,
+        "input_shape": list(federation.input_shape),
+        "num_classes": federation.num_classes,
+        "description": federation.description,
+        "generated": federation.generated,
+        "holdout": federation.holdout,
+        "features": json.dumps(federation.features),
+        "sites": [
+            {"name": site.name, "train": list(site.train.tensors), "test": list(site.test.tensors), "info": json.dumps(site.info)}
+            for site in federation.sites
+        ],
+    }
+
+
+def _decode(encoded: dict[str, Any]) -> Federation:
+    sites = [
+        SiteData(name=site["name"], train=TensorDataset(*site["train"]), test=TensorDataset(*site["test"]), info=json.loads(site["info"]))
+        for site in encoded["sites"]
+    ]
+    return Federation(
+        task=encoded["task"],
+        sites=sites,
+        input_shape=tuple(encoded["input_shape"]),
+        num_classes=encoded["num_classes"],
+        description=encoded["description"],
+        generated=encoded["generated"],
+        holdout=encoded["holdout"],
+        features=json.loads(encoded["features"]),
+    )

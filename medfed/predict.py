@@ -1,0 +1,99 @@
+"""``python -m medfed predict``: one site's personalised model from a finished run, applied to a new scan.
+
+    python -m medfed predict --run outputs/brats_lack0/pfednet --site site3 \\
+        --input BraTS2021_00621/ --out pred.nii.gz
+
+The run folder gives everything: ``config.json`` (the model, its target, the
+patch size, which sites lacked which MRI sequence) and the newest intact
+checkpoint (the site's trained weights; the run must have finished at least
+one round). The scan is read by the training reader
+(:func:`medfed.data.brats.case_from_paths`: a case folder in BraTS 2017-2021
+or 2023 naming, or four files FLAIR, T1, T1ce, T2), z-scored over the brain,
+its missing sequence zeroed where the site trained without it, and segmented
+slice by slice (:func:`medfed.evaluation.volume.segment_volume`). The output
+is a uint8 NIfTI on the input's grid with the input's affine:
+
+* ``model.target: wt``: 1 = whole tumour, 0 = background;
+* ``model.target: regions``: BraTS labels, 1 = necrotic/non-enhancing core
+  (TC without ET), 2 = oedema (WT without TC), 4 = enhancing tumour.
+
+It is written to a temporary file and renamed, and an existing ``--out`` is
+never replaced unless ``--overwrite`` is given.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import torch
+
+from medfed.checkpoint import FOLDER, checkpoints, read_checkpoint
+from medfed.components import resolve
+from medfed.config import load_config
+from medfed.data.brats import MODALITIES, case_from_paths, load_case
+from medfed.data.patches import zscore_over_brain
+from medfed.errors import ConfigError
+from medfed.evaluation.volume import segment_volume
+from medfed.tasks.brats import missing_channel_sites
+
+
+def predict(run_dir: Path, site: str, inputs: list[Path], out: Path, *, overwrite: bool = False, batch_size: int = 32) -> Path:
+    """Segment the scan ``inputs`` with site ``site``'s model of the run in ``run_dir``; returns ``out``.
+
+    Raises:
+        ConfigError: the run folder, its config or checkpoint, the site, or
+            ``--out`` is not usable (one line naming it).
+        DataError: the scan cannot be read (the reader's errors).
+    """
+    config_file = Path(run_dir) / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"--run {run_dir}: no config.json there (is it a medfed run folder?)")
+    if out.exists() and not overwrite:
+        raise ConfigError(f"--out {out}: exists; pass --overwrite to replace it")
+    resolved = resolve(load_config(config_file))
+    if resolved.task.name != "brats":
+        raise ConfigError(f"--run {run_dir}: a {resolved.task.name} run; predict segments BraTS-like MRI only")
+    saved = checkpoints(Path(run_dir) / FOLDER)
+    if not saved:
+        raise ConfigError(f"--run {run_dir}: no checkpoint in {FOLDER}/ (the run finished no round)")
+    state = read_checkpoint(saved[-1])
+    n_sites = len(state["sites"])
+    names = [f"site{index}" for index in range(n_sites)]
+    if site not in names:
+        raise ConfigError(f"--site {site!r}: the run has sites {', '.join(names)}")
+    index = names.index(site)
+
+    target = resolved.model_options.target
+    model = resolved.model_cls(len(MODALITIES), 2 if target == "wt" else 3, resolved.model_options)
+    model.load_state_dict(state["sites"][index]["module"])
+    model.eval()
+
+    case = case_from_paths(inputs)
+    volume = load_case(case)
+    image = zscore_over_brain(volume.image)
+    lacking, channel = missing_channel_sites(resolved.run.federation)
+    if index in lacking:
+        image[channel] = 0.0  # as this site's training patches were
+    patch_size = resolved.data_options.patch_size
+    with torch.no_grad():
+        output = segment_volume(model, torch.from_numpy(image), patch_size, batch_size)  # (K, X, Y, Z)
+        masks = model.region_masks(output.movedim(-1, 0)).movedim(0, -1).numpy()  # (R, X, Y, Z)
+    labels = masks[0].astype(np.uint8) if target == "wt" else _brats_labels(masks)
+    reference = nib.load(case.image_files[0])
+    written = nib.Nifti1Image(labels, reference.affine, header=reference.header)
+    written.set_data_dtype(np.uint8)
+    written.header.set_slope_inter(1.0, 0.0)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial{''.join(out.suffixes)}")
+    nib.save(written, partial)
+    os.replace(partial, out)
+    return out
+
+
+def _brats_labels(masks: np.ndarray) -> np.ndarray:
+    """WT, TC, ET masks ``(3, X, Y, Z)`` -> BraTS labels: 4 in ET, else 1 in TC, else 2 in WT, else 0."""
+    wt, tc, et = masks
+    return np.select([et, tc, wt], [4, 1, 2], default=0).astype(np.uint8)

@@ -1,0 +1,38 @@
+"""The U-Net segmenter's two targets: whole tumour (softmax) and the BraTS regions (sigmoid per region)."""
+
+import pytest
+import torch
+
+from medfed.models.segmentation import UNetSegmenter
+
+TINY = {"channels": [4, 8], "strides": [2], "num_res_units": 0}
+
+
+def test_region_masks_of_each_target():
+    wt = UNetSegmenter(4, 2, UNetSegmenter.Options(**TINY))
+    logits = torch.tensor([[[[2.0, -1.0]], [[1.0, 3.0]]]], device="cpu")  # (1, 2, 1, 2): pixel 1 is tumour
+    assert wt.region_names == ("wt",) and wt.region_masks(logits).tolist() == [[[[False, True]]]]
+    regions = UNetSegmenter(4, 3, UNetSegmenter.Options(**TINY, target="regions"))
+    outputs = torch.tensor([[[[1.0]], [[-0.5]], [[0.2]]]], device="cpu")  # (1, 3, 1, 1)
+    assert regions.region_names == ("wt", "tc", "et") and regions.region_masks(outputs).flatten().tolist() == [True, False, True]
+    with pytest.raises(ValueError, match="needs 3 outputs"):
+        UNetSegmenter(4, 2, UNetSegmenter.Options(**TINY, target="regions"))
+
+
+def test_regions_train_on_masks_and_report_one_iou_per_region():
+    torch.manual_seed(0)
+    model = UNetSegmenter(4, 3, UNetSegmenter.Options(**TINY, target="regions"))
+    x = torch.randn(2, 4, 16, 16, device="cpu")
+    y = torch.zeros(2, 3, 16, 16, dtype=torch.uint8, device="cpu")
+    y[:, 0, 4:12, 4:12] = 1
+    y[:, 1, 6:10, 6:10] = 1
+    loss = model.training_step((x, y), 0)
+    loss.backward()
+    assert loss.ndim == 0 and torch.isfinite(loss) and model.unet.model[0].conv.weight.grad is not None
+    with torch.no_grad():
+        model.test_step((x, y), 0)
+    predicted = model.region_masks(model(x)).long()
+    expected = [((predicted[:, r] & y[:, r].long()).sum() / (predicted[:, r] | y[:, r].long()).sum()).item() for r in range(3)]
+    results = model.test_results()
+    assert list(results) == ["label_iou", "label_iou_tc", "label_iou_et"]
+    assert results["label_iou"] == pytest.approx(expected[0]) and results["label_iou_tc"] == pytest.approx(expected[1])

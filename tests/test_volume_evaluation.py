@@ -1,0 +1,107 @@
+"""Whole-volume evaluation against hand computations and a brute-force Hausdorff reference."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from scipy.ndimage import binary_erosion
+from scipy.spatial.distance import cdist
+
+from medfed.data.brats import TumourLabel
+from medfed.data.federation import EvaluationVolume
+from medfed.evaluation.rounds import VolumeEvaluation
+from medfed.evaluation.volume import mean_over_patients, region_scores, segment_volume
+
+
+def _box(shape, lo, hi):
+    mask = np.zeros(shape, dtype=bool)
+    mask[tuple(slice(a, b) for a, b in zip(lo, hi))] = True
+    return mask
+
+
+def _brute_force_hd95(a, b, spacing):
+    """Edges = mask minus its erosion; 95th percentile of nearest-edge distances, both ways, the larger."""
+    edge = lambda m: np.argwhere(m & ~binary_erosion(m)) * np.asarray(spacing)  # noqa: E731
+    distances = cdist(edge(a), edge(b))
+    return max(np.percentile(distances.min(axis=1), 95), np.percentile(distances.min(axis=0), 95))
+
+
+def test_a_perfect_prediction_scores_one_and_zero_distance():
+    truth = _box((20, 20, 10), (5, 6, 2), (12, 15, 7))
+    assert region_scores(truth, truth, (1.0, 1.0, 1.0)) == {"dice": 1.0, "iou": 1.0, "hd95": 0.0}
+
+
+def test_a_shifted_box_scores_the_hand_computed_overlap_and_the_brute_force_distance():
+    shape, spacing = (24, 24, 12), (1.0, 1.5, 2.0)
+    truth = _box(shape, (4, 5, 2), (14, 15, 8))  # 10 x 10 x 6
+    prediction = _box(shape, (7, 5, 2), (17, 15, 8))  # shifted 3 voxels along x
+    scores = region_scores(prediction, truth, spacing)
+    assert scores["dice"] == pytest.approx(2 * 7 / 20)  # overlap 7 x 10 x 6 of two 10 x 10 x 6 boxes
+    assert scores["iou"] == pytest.approx(7 / 13)
+    assert scores["hd95"] == pytest.approx(_brute_force_hd95(prediction, truth, spacing), rel=1e-5)
+    assert scores["hd95"] > 0
+
+
+def test_empty_masks_follow_the_brats_conventions():
+    shape, spacing = (10, 8, 6), (1.0, 2.0, 3.0)
+    empty, truth = np.zeros(shape, dtype=bool), _box(shape, (2, 2, 2), (5, 5, 4))
+    assert region_scores(empty, empty, spacing) == {"dice": 1.0, "iou": 1.0, "hd95": 0.0}
+    missed = region_scores(empty, truth, spacing)
+    assert missed["dice"] == 0.0 and missed["iou"] == 0.0
+    assert missed["hd95"] == pytest.approx(np.sqrt(10**2 + 16**2 + 18**2))  # the grid's diagonal in mm
+
+
+def test_segment_volume_tiles_slices_larger_than_the_patch_exactly():
+    """A predictor that copies channel 0 must reproduce it over the whole volume, whatever the tiling."""
+    generator = torch.Generator().manual_seed(0)
+    image = torch.rand(2, 37, 29, 5, generator=generator, device="cpu")
+    output = segment_volume(lambda patches: patches[:, :1] * 2.0, image, patch_size=16, batch_size=3)
+    assert output.shape == (1, 37, 29, 5)
+    torch.testing.assert_close(output[0], image[0] * 2.0, rtol=1e-5, atol=1e-6)
+
+
+def test_per_site_scores_are_the_mean_over_patients():
+    assert mean_over_patients([{"dice": 1.0, "hd95": 0.0}, {"dice": 0.5, "hd95": 4.0}]) == {"dice": 0.75, "hd95": 2.0}
+    assert mean_over_patients([]) == {}
+
+
+class _ChannelZeroModule(torch.nn.Module):
+    """A 'model' whose whole-tumour logit is channel 0 of its input."""
+
+    region_names = ("wt",)
+
+    def forward(self, x):
+        return torch.cat([-x[:, :1], x[:, :1]], dim=1)
+
+    def region_masks(self, output):
+        return (output.argmax(dim=1) == 1).unsqueeze(1)
+
+
+class _Volumes:
+    """One patient whose channel 0 is the whole tumour moved ``shift`` voxels along x (what the 'model' will predict)."""
+
+    def __init__(self, label, shift=0):
+        self.label, self.shift = label, shift
+
+    def site_volumes(self, site):
+        predicted = np.roll(self.label > 0, self.shift, axis=0)
+        image = np.stack([np.where(predicted, 5.0, -5.0), np.zeros(self.label.shape)]).astype(np.float32)
+        yield EvaluationVolume("case", image, self.label, (1.0, 1.0, 2.0))
+
+
+def _site(module):
+    return SimpleNamespace(index=0, name="site0", module=module, fabric=SimpleNamespace(device=torch.device("cpu")))
+
+
+def test_the_round_evaluation_scores_a_perfect_and_a_shifted_model_on_a_whole_volume():
+    label = np.zeros((40, 36, 6), dtype=np.uint8)
+    label[10:20, 8:18, 1:5] = TumourLabel.OEDEMA
+    label[12:16, 10:14, 2:4] = TumourLabel.ENHANCING
+    evaluation = VolumeEvaluation(_Volumes(label), patch_size=16, every=2, last_round=5, batch_size=4)
+    assert evaluation.evaluate_site(_site(_ChannelZeroModule())) == {"dice_wt": 1.0, "iou_wt": 1.0, "hd95_wt": 0.0}
+    shifted = VolumeEvaluation(_Volumes(label, shift=3), patch_size=16, every=2, last_round=5, batch_size=4)
+    scores = shifted.evaluate_site(_site(_ChannelZeroModule()))
+    assert scores["dice_wt"] == pytest.approx(7 / 10)  # a 10-voxel extent moved 3 voxels: 7 / 10 of it overlaps
+    assert scores["hd95_wt"] == pytest.approx(_brute_force_hd95(np.roll(label > 0, 3, axis=0), label > 0, (1.0, 1.0, 2.0)), rel=1e-5)
+    assert [evaluation.due(r) for r in range(1, 6)] == [False, True, False, True, True]
