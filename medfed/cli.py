@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(to_yaml(resolve(cfg).config), end="")
             return 0
-        run(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
+        run(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet, config_name=Path(args.config).stem)
     except (ConfigError, DataError) as error:
         print(f"medfed: error: {error}", file=sys.stderr)
         return 2
