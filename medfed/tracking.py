@@ -105,7 +105,7 @@ class Tracker:
             history: the rounds already trained (empty for a new run).
         """
         metrics_csv = Path(self.csv.log_dir) / "metrics.csv"
-        metrics_csv.unlink(missing_ok=True)  # rounds logged after the last checkpoint would otherwise come twice
+        metrics_csv.unlink(missing_ok=True)  # (Lightning would too, warning of lost logs): the checkpoint's rounds come back
         for record in history:  # the rows exactly as the loop logged them
             self.csv.log_metrics(_flatten_for_logging(record), step=record["round"])
         if self.wandb is not None:

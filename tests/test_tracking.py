@@ -9,7 +9,6 @@ import pytest
 import torch
 from PIL import Image
 from sklearn.metrics import confusion_matrix, roc_auc_score, roc_curve
-from test_cli import _interrupt_in_round
 from wandb_records import offline_runs
 
 import medfed.tracking
@@ -35,13 +34,21 @@ def _csv_rows(run_dir):
 
 
 def test_an_interrupted_and_resumed_brats_run_is_one_wandb_run_with_images_losses_and_the_full_config(
-    tiny_run_config, tmp_path, monkeypatch
+    tiny_run_config, tmp_path, monkeypatch, recwarn
 ):
     run_dir = tmp_path / "run"
     arguments = ["fit", "--config", str(tiny_run_config), "--quiet", "logger.wandb=offline", "logger.image_every=2"]
-    original = _interrupt_in_round(monkeypatch, 2)
+    original, csv_steps_when_round_2_began = FederatedLoop._run_round, []
+
+    def ctrl_c_in_round_2(self, round_index):
+        if round_index == 2:  # metrics.csv as a process killed now would leave it
+            csv_steps_when_round_2_began.extend(row["step"] for row in _csv_rows(run_dir))
+            raise KeyboardInterrupt
+        return original(self, round_index)
+
+    monkeypatch.setattr(FederatedLoop, "_run_round", ctrl_c_in_round_2)
     assert main(arguments) == INTERRUPTED
-    assert [row["step"] for row in _csv_rows(run_dir)] == ["1"]  # on disk after round 1, not after 100 steps
+    assert csv_steps_when_round_2_began == ["1"]  # on disk after round 1, not after 100 steps
     monkeypatch.setattr(FederatedLoop, "_run_round", original)
     assert main([*arguments, "--resume"]) == 0
 
@@ -49,6 +56,7 @@ def test_an_interrupted_and_resumed_brats_run_is_one_wandb_run_with_images_losse
     history = results["history"]
     rows = _csv_rows(run_dir)
     assert [row["step"] for row in rows] == ["1", "2", "3"]  # one file, every round once
+    assert not [w for w in recwarn if "Previous log files" in str(w.message)]  # Lightning's warning of lost CSV logs
     for row, record in zip(rows, history):
         assert float(row["site1/label_iou"]) == pytest.approx(record["metrics"]["site1"]["label_iou"])
         assert float(row["site1/train_loss/shared"]) == pytest.approx(record["train_loss"]["site1"]["shared"])

@@ -5,13 +5,16 @@ version) and then LevelDB-log framing, 32 KiB blocks of chunks each with a
 7-byte header (CRC32C, length, type: 1 full, 2 first, 3 middle, 4 last),
 whose payloads are serialised ``wandb.proto.wandb_internal_pb2.Record``
 messages. (wandb 0.31 no longer ships a Python reader for it; the record
-type is its own.)
+type is its own.) wandb's service process writes the file on its own time,
+so ``run.finish()`` may return before the file is complete:
+:func:`offline_runs` waits for each segment's exit record, the last one.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,8 @@ def read_records(path: Path) -> list[Record]:
         if left_in_block < _CHUNK_HEADER or kind == 0:  # block trailer / zero padding
             position += left_in_block
             continue
+        if position + _CHUNK_HEADER + length > len(data):  # a chunk still being written
+            break
         pieces.append(data[position + _CHUNK_HEADER : position + _CHUNK_HEADER + length])
         position += _CHUNK_HEADER + length
         if kind in (_FULL, _LAST):
@@ -68,9 +73,15 @@ class WandbRun:
         return [row for row in self.history if key in row]
 
 
-def offline_runs(output_dir: Path) -> list[WandbRun]:
-    """The offline run segments W&B wrote under ``output_dir/wandb``, oldest first."""
-    return [WandbRun(path) for path in sorted(output_dir.glob("wandb/offline-run-*/run-*.wandb"))]
+def offline_runs(output_dir: Path, timeout_s: float = 30.0) -> list[WandbRun]:
+    """The finished offline run segments W&B wrote under ``output_dir/wandb``, oldest first."""
+    paths = sorted(output_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    deadline = time.monotonic() + timeout_s
+    for path in paths:
+        while not any(record.HasField("exit") for record in read_records(path)):
+            assert time.monotonic() < deadline, f"{path}: no exit record {timeout_s} s after the run finished"
+            time.sleep(0.1)
+    return [WandbRun(path) for path in paths]
 
 
 def _row(items) -> dict[str, Any]:
