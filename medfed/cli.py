@@ -80,7 +80,7 @@ def _fit(args: argparse.Namespace, overrides: list[str]) -> int:
         print(to_yaml(resolve(cfg).config), end="")
         return 0
     try:
-        run(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
+        run(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet, config_name=Path(args.config).stem)
     except KeyboardInterrupt:
         print(f"medfed: interrupted; {_how_to_resume(args.config, overrides, Path(cfg.output_dir))}", file=sys.stderr)
         return INTERRUPTED

@@ -141,14 +141,22 @@ class EvaluationConfig:
 
 @dataclass
 class LoggerConfig:
-    """Experiment tracking. CSV logs are always written; W&B runs offline by default."""
+    """Experiment tracking. CSV logs are always written; W&B runs offline by default (see :mod:`medfed.tracking`)."""
 
     wandb: str = "offline"
     project: str = "medfed"
     run_name: str | None = None
+    """W&B run name; null: ``<strategy> seed <seed>``."""
+    group: str | None = None
+    """W&B run group; null: ``<data.task>/<config file name>`` (``<data.task>/<output_dir name>`` without a file)."""
+    tags: list[str] = field(default_factory=list)
+    """W&B tags beside the task, the strategy, ``seed=<seed>`` and ``generated data``."""
+    image_every: int = 5
+    """W&B gets segmentation overlays after every ``image_every``-th round and after the last (0: after the last only)."""
 
     def __post_init__(self) -> None:
         require(self.wandb in ("offline", "online", "disabled"), "logger.wandb", self.wandb, "offline, online or disabled")
+        require(self.image_every >= 0, "logger.image_every", self.image_every, "an integer >= 0")
 
 
 @dataclass

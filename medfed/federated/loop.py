@@ -200,11 +200,18 @@ def _link_counters(link: Link) -> dict[str, float]:
 
 
 def _flatten_for_logging(record: dict[str, Any]) -> dict[str, float]:
-    """Round record -> flat ``{"site0/iou": ..., "mean/iou": ..., "bytes/up": ...}`` for loggers."""
+    """Round record -> flat ``{"site0/iou": ..., "site0/train_loss": ..., "mean/iou": ..., "bytes/up": ...}`` for loggers.
+
+    A site's mean training loss is ``site/train_loss``, or
+    ``site/train_loss/<phase>`` per phase when it trained in several.
+    """
     flat: dict[str, float] = {}
     for site, metrics in record["metrics"].items():
         for name, value in metrics.items():
             flat[f"{site}/{name}"] = value
+    for site, losses in record["train_loss"].items():
+        for phase, loss in losses.items():
+            flat[f"{site}/train_loss" if len(losses) == 1 else f"{site}/train_loss/{phase}"] = loss
     for name, value in record["mean"].items():
         flat[f"mean/{name}"] = value
     for direction in ("up", "down"):
