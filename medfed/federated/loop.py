@@ -7,9 +7,10 @@ calls the strategy's hooks by name (see
 about any particular algorithm. Every payload crosses a
 :class:`~medfed.federated.link.Link`, which turns it into bytes and counts
 them. After each round every site is evaluated on its own test split (its
-validation split with ``federation.holdout: validation``), the metrics go to
-Fabric's loggers, extra callbacks get ``on_round_end``, and a
-checkpoint is written atomically.
+validation split with ``federation.holdout: validation``), extra callbacks
+get ``on_round_end`` (and may add metrics to the round's record, e.g.
+whole-volume scores), the record goes to Fabric's loggers, and a checkpoint
+is written atomically.
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ class FederatedLoop:
             self.round += 1
             record = self._run_round(self.round)
             self.history.append(record)
+            self.fabric.call("on_round_end", loop=self, record=record)  # callbacks may add to the record
             self.fabric.log_dict(_flatten_for_logging(record), step=self.round)
-            self.fabric.call("on_round_end", loop=self, record=record)
             if self.save_checkpoint is not None:
                 self.save_checkpoint(self.state_dict())
             if progress is not None:
