@@ -98,3 +98,10 @@ def test_train_returns_the_mean_step_loss_or_none_when_nothing_trains():
 
     assert site.train(0.5, "all", step_loss) == pytest.approx(sum(losses) / 4)
     assert site.train(0.5, None, step_loss) is None and len(losses) == 4
+
+
+def test_training_frees_the_gradients():
+    site = _site(112)
+    site.train(0.5, "all", lambda batch: site.module.training_step(batch, 0))
+    assert all(parameter.grad is None for parameter in site.module.parameters())
+

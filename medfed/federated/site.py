@@ -104,6 +104,9 @@ class Site:
             after: epochs the round trained before this call (its earlier
                 phases), which fixes where this call's steps are cut.
 
+        The gradients are freed at the end (``set_to_none``): between rounds
+        a site holds its model and optimiser state, not a gradient as well.
+
         Returns:
             Mean training loss over the steps, or ``None`` if nothing was
             trained (no part, or a part without parameters, e.g. the shared
@@ -131,6 +134,7 @@ class Site:
                 self.optimizer.step()
                 total += loss.item()
                 remaining -= 1
+        self.optimizer.zero_grad(set_to_none=True)
         self.module.set_trainable("all")
         return total / steps
 
