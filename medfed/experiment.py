@@ -5,8 +5,8 @@ federation of the chosen task, one model per site (all initialised from the
 same seeded prototype), the strategy, the links and the loop; trains for
 ``trainer.rounds`` rounds with a progress bar, checkpointing atomically after
 each; and writes ``<output_dir>/results.json`` (per-site metrics and their
-mean, the resolved config, the seed, the splits, bytes on the wire, timings)
-next to the CSV and W&B logs.
+mean, the resolved config, the seed and torch thread count, the splits,
+bytes on the wire, timings) next to the CSV and W&B logs.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
         "medfed_version": medfed.__version__,
         "strategy": strategy.name,
         "seed": trainer.seed,
+        "num_threads": torch.get_num_threads(),
         "federation": federation.summary(),
         **summarise(loop.history, {site.name: site.n_test for site in sites}, federation.holdout),
         "communication": communication_totals(links),

@@ -57,8 +57,11 @@ def test_unknown_key_and_existing_output_are_refused(tiny_run_config, tmp_path, 
 
 
 def test_interrupted_run_resumes_to_the_same_metrics(tiny_run_config, tmp_path, monkeypatch):
+    # With dropout: its masks come from generators seeded per site and round, not from the process's state.
+    fit = ["fit", "--config", str(tiny_run_config), "--quiet", "model.dropout=0.2"]
     full = tmp_path / "full"
-    assert main(["fit", "--config", str(tiny_run_config), "--quiet", f"output_dir={full}"]) == 0
+    assert main([*fit, f"output_dir={full}"]) == 0
+    assert _results(full)["num_threads"] == 1
 
     interrupted = tmp_path / "interrupted"
     original = FederatedLoop._run_round
@@ -69,11 +72,11 @@ def test_interrupted_run_resumes_to_the_same_metrics(tiny_run_config, tmp_path, 
         return original(self, round_index)
 
     monkeypatch.setattr(FederatedLoop, "_run_round", crash_in_round_3)
-    assert main(["fit", "--config", str(tiny_run_config), "--quiet", f"output_dir={interrupted}"]) == INTERRUPTED
+    assert main([*fit, f"output_dir={interrupted}"]) == INTERRUPTED
     monkeypatch.setattr(FederatedLoop, "_run_round", original)
     assert not (interrupted / "results.json").exists()
 
-    assert main(["fit", "--config", str(tiny_run_config), "--quiet", "--resume", f"output_dir={interrupted}"]) == 0
+    assert main([*fit, "--resume", f"output_dir={interrupted}"]) == 0
     resumed, uninterrupted = _results(interrupted), _results(full)
     assert resumed["sites"] == uninterrupted["sites"]
     assert [r["metrics"] for r in resumed["history"]] == [r["metrics"] for r in uninterrupted["history"]]

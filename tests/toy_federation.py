@@ -8,7 +8,8 @@
   (least squares, analytic gradients for hand computations), both trained by
   plain SGD so one step is exactly ``theta - lr * gradient``.
 * :class:`BatchNormClassifier`: a hidden layer with BatchNorm, for what
-  strategies do with normalisation layers and running statistics.
+  strategies do with normalisation layers and running statistics;
+  :class:`DropoutClassifier`: dropout, for what depends on global generators.
 * :func:`build_loop`: a :class:`FederatedLoop` over a federation, with the
   strategy chosen and configured exactly as the ``strategy`` config group does.
 * :func:`one_torch_thread`: an autouse fixture for the test modules that import
@@ -82,6 +83,13 @@ class LinearClassifier(FederatedModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.options.lr)
+
+
+class DropoutClassifier(LinearClassifier):
+    """:class:`LinearClassifier` with dropout (p = 0.5) on its inputs: training draws from torch's global generator."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(nn.functional.dropout(x, 0.5, self.training))
 
 
 class BatchNormClassifier(LinearClassifier):

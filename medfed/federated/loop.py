@@ -9,7 +9,8 @@ about any particular algorithm. Every payload crosses a
 them. After each round every site is evaluated on its own test split (its
 validation split with ``federation.holdout: validation``), the metrics go to
 Fabric's loggers, extra callbacks get ``on_round_end``, and a
-checkpoint is written atomically.
+checkpoint is written atomically. A site's part of each phase runs with the
+global generators seeded for it (:meth:`~medfed.federated.site.Site.global_rng`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 from lightning.fabric import Fabric
 
+from medfed.errors import warn
 from medfed.federated.link import Link
 from medfed.federated.site import Site
 from medfed.federated.strategies.base import DELIVER, Payload, Strategy
@@ -111,7 +113,7 @@ class FederatedLoop:
         timing = {"train_s": 0.0, "server_s": 0.0, "eval_s": 0.0}
         train_loss: dict[str, dict[str, float]] = {}
         epochs_before = 0.0  # epochs of this round's earlier phases
-        for phase in self.strategy.phases:
+        for phase_index, phase in enumerate(self.strategy.phases):
             epochs = self.local_epochs * self.strategy.site_epoch_share(phase)
             # Sites would train at the same time; simulated one after another,
             # the messages of a phase still cross the links together, before
@@ -124,18 +126,10 @@ class FederatedLoop:
             }
             outgoing = {}
             for site in participants:
-                self.strategy.site_receive(site, phase, messages[site.index])
-                tic = time.perf_counter()
-                loss = site.train(
-                    epochs,
-                    self.strategy.site_trainable(phase),
-                    lambda batch, site=site, phase=phase: self.strategy.site_loss(site, phase, batch),
-                    after=epochs_before,
-                )
-                timing["train_s"] += time.perf_counter() - tic
+                stream = (round_index, phase_index)
+                loss, outgoing[site.index] = self._site_work(site, phase, messages[site.index], epochs, epochs_before, stream, timing)
                 if loss is not None:
                     train_loss.setdefault(site.name, {})[phase] = loss
-                outgoing[site.index] = self.strategy.site_reply(site, phase)
             replies = {index: self.links[index].send("up", reply) for index, reply in outgoing.items()}
             tic = time.perf_counter()
             self.strategy.server_aggregate(phase, replies)
@@ -163,6 +157,23 @@ class FederatedLoop:
             "timing": timing,
         }
 
+    def _site_work(
+        self, site: Site, phase: str, message: Payload, epochs: float, after: float, stream: tuple[int, ...], timing: dict[str, float]
+    ) -> tuple[float | None, Payload]:
+        """A site's part of a phase, its global generators seeded from ``stream``: receive, train, reply.
+
+        Returns the mean training loss (``None``: nothing trained) and the
+        reply; adds the training time to ``timing["train_s"]``.
+        """
+        with site.global_rng(*stream):
+            self.strategy.site_receive(site, phase, message)
+            tic = time.perf_counter()
+            loss = site.train(
+                epochs, self.strategy.site_trainable(phase), lambda batch: self.strategy.site_loss(site, phase, batch), after=after
+            )
+            timing["train_s"] += time.perf_counter() - tic
+            return loss, self.strategy.site_reply(site, phase)
+
     def _deliver(self) -> None:
         for site in self.sites:
             payload = self.links[site.index].send("down", self.strategy.server_deliver(site.index))
@@ -170,15 +181,29 @@ class FederatedLoop:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs, and the torch thread count it ran with."""
         return {
             "round": self.round,
             "history": self.history,
             "sites": [site.state_dict() for site in self.sites],
             "links": [link.state_dict() for link in self.links],
             "server": self.strategy.server_state_dict(),
+            "num_threads": torch.get_num_threads(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; warns if the checkpoint was written with another torch thread count.
+
+        Float reductions split over another number of threads may round
+        differently, so the resumed run may then differ in the last bits
+        from an uninterrupted one (``trainer.num_threads`` fixes the count).
+        """
+        if state["num_threads"] != torch.get_num_threads():
+            warn(
+                f"resuming with {torch.get_num_threads()} torch threads, the checkpoint was written with "
+                f"{state['num_threads']}: the results may differ slightly from an uninterrupted run "
+                "(set trainer.num_threads to fix the count)"
+            )
         self.round = state["round"]
         self.history = list(state["history"])
         for site, site_state in zip(self.sites, state["sites"], strict=True):
