@@ -119,7 +119,9 @@ class FederatedLoop:
             # the messages of a phase still cross the links together, before
             # and after all local training: coding them back to back keeps
             # CER's two-core solver clear of the OpenMP workers PyTorch leaves
-            # spinning for milliseconds after training.
+            # spinning for milliseconds after training. Each message is released
+            # as its site receives it, each raw reply as it is sent, so a phase
+            # holds one model-sized vector per reply, raw or received, not both.
             messages = {
                 site.index: self.links[site.index].send("down", self.strategy.server_message(phase, site.index))
                 for site in participants
@@ -127,10 +129,10 @@ class FederatedLoop:
             outgoing = {}
             for site in participants:
                 stream = (round_index, phase_index)
-                loss, outgoing[site.index] = self._site_work(site, phase, messages[site.index], epochs, epochs_before, stream, timing)
+                loss, outgoing[site.index] = self._site_work(site, phase, messages.pop(site.index), epochs, epochs_before, stream, timing)
                 if loss is not None:
                     train_loss.setdefault(site.name, {})[phase] = loss
-            replies = {index: self.links[index].send("up", reply) for index, reply in outgoing.items()}
+            replies = {index: self.links[index].send("up", outgoing.pop(index)) for index in sorted(outgoing)}
             tic = time.perf_counter()
             self.strategy.server_aggregate(phase, replies)
             timing["server_s"] += time.perf_counter() - tic
