@@ -8,7 +8,9 @@ strategy.pfednet.lam=0.1``); unknown keys are rejected with the key named.
 
 Bad input (config or data) ends with a one-line error naming the key or file
 and exit status 2, never a traceback; the whole config is checked before any
-data is read. Ctrl-C ends with one line saying how to resume (exit status 130).
+data is read. So does a failing site under ``federation.on_site_failure:
+stop`` (the line names the site, round and reason, and how to resume once
+it is fixed). Ctrl-C ends with one line saying how to resume (exit status 130).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from medfed.errors import ConfigError, DataError
+from medfed.errors import ConfigError, DataError, SiteFailure
 
 INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
 
@@ -63,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         run(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
     except (ConfigError, DataError) as error:
         print(f"medfed: error: {error}", file=sys.stderr)
+        return 2
+    except SiteFailure as error:
+        print(f"medfed: error: {error}; {_how_to_resume(args.config, overrides, output_dir)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"medfed: interrupted; {_how_to_resume(args.config, overrides, output_dir)}", file=sys.stderr)

@@ -5,8 +5,9 @@ federation of the chosen task, one model per site (all initialised from the
 same seeded prototype), the strategy, the links and the loop; trains for
 ``trainer.rounds`` rounds with a progress bar, checkpointing atomically after
 each; and writes ``<output_dir>/results.json`` (per-site metrics and their
-mean, the resolved config, the seed and torch thread count, the splits,
-bytes on the wire, timings) next to the CSV and W&B logs.
+mean, the resolved config, the seed and torch thread count, the splits, the
+sites' failures and exclusions, bytes on the wire, timings) next to the CSV
+and W&B logs.
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
         participation=run_cfg.federation.participation,
         seed=trainer.seed,
         save_checkpoint=lambda state: save_atomic(fabric, checkpoint_path, {**state, "config": config}),
+        on_site_failure=run_cfg.federation.on_site_failure,
+        update_norm_limit=run_cfg.federation.update_norm_limit,
+        max_consecutive_failures=run_cfg.federation.max_consecutive_failures,
+        scratch_dir=checkpoint_path.parent,
     )
     if resume:
         state = load_checkpoint(fabric, checkpoint_path)
@@ -96,6 +101,8 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
         "num_threads": torch.get_num_threads(),
         "federation": federation.summary(),
         **summarise(loop.history, {site.name: site.n_test for site in sites}, federation.holdout),
+        "failures": [failure for record in loop.history for failure in record["failures"]],
+        "excluded": loop.excluded,
         "communication": communication_totals(links),
         "timing": _timing(loop.history, time.perf_counter() - started, fabric),
         "config": config,

@@ -44,3 +44,12 @@ def test_metrics_on_a_validation_split_say_so_in_the_title_and_the_size_column()
     assert lines[0] == "fedavg on brats, data: GENERATED BraTS-like data; metrics on the VALIDATION split (test split set aside)"
     assert lines[2].split() == ["site", "iou", "label_iou", "n_validation"]
     assert lines[-1].split() == ["mean", "0.7000", "0.5000", "40"]
+
+
+def test_an_excluded_site_is_marked_and_the_table_says_when_and_why():
+    results = {**summarise(HISTORY, {"site0": 10, "site1": 30}), "strategy": "fedavg",
+               "federation": {"task": "brats", "description": "GENERATED BraTS-like data"},
+               "excluded": {"site1": {"round": 4, "reason": "RuntimeError: no GPU"}}}
+    lines = format_table(results).splitlines()
+    assert lines[5].split() == ["site1*", "0.6000", "0.4000", "30"] and lines[4].split()[0] == "site0"
+    assert lines[-1] == "* site1: excluded after round 4, its last failure: RuntimeError: no GPU"
