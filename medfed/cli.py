@@ -9,7 +9,9 @@ finished run to a new scan (:mod:`medfed.predict`). ``--print-config`` prints th
 
 Bad input (config or data) ends with a one-line error naming the key or file
 and exit status 2, never a traceback; the whole config is checked before any
-data is read. Ctrl-C ends with one line saying how to resume (exit status 130).
+data is read. So does a failing site under ``federation.on_site_failure:
+stop`` (the line names the site, round and reason, and how to resume once
+it is fixed). Ctrl-C ends with one line saying how to resume (exit status 130).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from medfed.errors import ConfigError, DataError
+from medfed.errors import ConfigError, DataError, SiteFailure
 
 INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
 
@@ -81,6 +83,9 @@ def _fit(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     try:
         run(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet, config_name=Path(args.config).stem)
+    except SiteFailure as error:
+        print(f"medfed: error: {error}; {_how_to_resume(args.config, overrides, Path(cfg.output_dir))}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"medfed: interrupted; {_how_to_resume(args.config, overrides, Path(cfg.output_dir))}", file=sys.stderr)
         return INTERRUPTED

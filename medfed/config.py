@@ -61,6 +61,7 @@ class LabelRatioConfig:
 
 
 HOLDOUTS = ("test", "validation")
+ON_SITE_FAILURE = ("drop", "stop")
 
 
 @dataclass
@@ -73,6 +74,16 @@ class FederationConfig:
     them to validation, seeded and stratified like the test split) and every
     metric is on that validation split, so hyper-parameters can be chosen
     without looking at the test split.
+
+    A site *fails* in a round when its local training (or reply) raises, when
+    its reply holds a NaN or an infinity, or when its update is an outlier:
+    its norm exceeds ``update_norm_limit`` times the median update norm of the
+    phase's replies (see :mod:`medfed.federated.faults`; null: no such check).
+    ``on_site_failure: drop`` leaves the site out of the round's aggregation
+    from that phase on and puts it back to its state at the start of the round;
+    after ``max_consecutive_failures`` failing rounds in a row (null: never) it
+    is excluded from the rest of the run. ``stop`` ends the run at the first
+    failure, with the last round's checkpoint intact.
     """
 
     n_sites: int = 5
@@ -82,6 +93,9 @@ class FederationConfig:
     participation: float = 1.0
     missing_channel: MissingChannelConfig | None = None
     label_ratio: LabelRatioConfig | None = None
+    on_site_failure: str = "drop"
+    update_norm_limit: float | None = 10.0
+    max_consecutive_failures: int | None = 3
 
     def __post_init__(self) -> None:
         require(self.n_sites >= 1, "federation.n_sites", self.n_sites, "an integer >= 1")
@@ -94,6 +108,19 @@ class FederationConfig:
             "a number in (0, 1)",
         )
         require(0.0 < self.participation <= 1.0, "federation.participation", self.participation, "a number in (0, 1]")
+        require(self.on_site_failure in ON_SITE_FAILURE, "federation.on_site_failure", self.on_site_failure, "drop or stop")
+        require(
+            self.update_norm_limit is None or self.update_norm_limit > 1.0,
+            "federation.update_norm_limit",
+            self.update_norm_limit,
+            "null or a factor > 1",
+        )
+        require(
+            self.max_consecutive_failures is None or self.max_consecutive_failures >= 1,
+            "federation.max_consecutive_failures",
+            self.max_consecutive_failures,
+            "null or an integer >= 1",
+        )
 
 
 DEVICES = ("cpu", "cuda", "gpu", "mps", "auto")

@@ -5,9 +5,10 @@ federation of the chosen task, one model per site (all initialised from the
 same seeded prototype), the strategy, the links and the loop; trains for
 ``trainer.rounds`` rounds with a progress bar, checkpointing after each
 (:mod:`medfed.checkpoint`); and writes ``<output_dir>/results.json``
-(per-site metrics and their mean, the resolved config, the seed, the splits,
-bytes on the wire, timings) next to the CSV and W&B logs. The output folder
-and, with ``--resume``, the checkpoint are checked before any data is read
+(per-site metrics and their mean, the resolved config, the seed and torch
+thread count, the splits, the sites' failures and exclusions, bytes on the
+wire, timings) next to the CSV and W&B logs. The output folder and, with
+``--resume``, the checkpoint are checked before any data is read
 (:mod:`medfed.output_dir`).
 """
 
@@ -83,6 +84,10 @@ def run(
         participation=run_cfg.federation.participation,
         seed=trainer.seed,
         save_checkpoint=lambda state: save_checkpoint(output_dir / FOLDER, {**state, "config": config}, trainer.keep_checkpoints),
+        on_site_failure=run_cfg.federation.on_site_failure,
+        update_norm_limit=run_cfg.federation.update_norm_limit,
+        max_consecutive_failures=run_cfg.federation.max_consecutive_failures,
+        scratch_dir=output_dir / FOLDER,
     )
     if resumed is not None:
         loop.load_state_dict(resumed)
@@ -104,8 +109,11 @@ def run(
         "medfed_version": medfed.__version__,
         "strategy": strategy.name,
         "seed": trainer.seed,
+        "num_threads": torch.get_num_threads(),
         "federation": federation.summary(),
         **summarise(loop.history, {site.name: site.n_test for site in sites}, federation.holdout),
+        "failures": [failure for record in loop.history for failure in record["failures"]],
+        "excluded": loop.excluded,
         "communication": communication_totals(links),
         "timing": _timing(loop.history, time.perf_counter() - started, fabric),
         "config": config,
