@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
+from medfed.checkpoint import FOLDER, checkpoints, read_checkpoint
 from medfed.config import load_config
 from medfed.experiment import run
 
@@ -90,7 +91,7 @@ def static_path(checkpoint: Path, lams: list[float], norms: list[str]) -> list[d
     from medfed.federated.graph import SimilarityGraph, connected_components
     from medfed.federated.network_lasso import solve_network_lasso
 
-    server = torch.load(checkpoint, map_location="cpu", weights_only=True)["server"]
+    server = read_checkpoint(checkpoint)["server"]
     centre = server["personal"].to(torch.float64)
     graph = SimilarityGraph.from_dict(server["graph"])
     components = connected_components(graph.edges, graph.n_sites)
@@ -167,7 +168,8 @@ def main() -> None:
     static = None
     static_csv = args.out / "lambda_path_static.csv"
     if args.static:
-        static = static_path(args.out / "runs" / f"p{rows[0]['p']}_lam0.0" / "checkpoints" / "last.ckpt", args.static_lams, args.norms)
+        newest = checkpoints(args.out / "runs" / f"p{rows[0]['p']}_lam0.0" / FOLDER)[-1]
+        static = static_path(newest, args.static_lams, args.norms)
         with static_csv.open("w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=["p", "lam", "spread_removed", "iterations"])
             writer.writeheader()

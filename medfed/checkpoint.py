@@ -1,46 +1,134 @@
-"""Checkpoints written atomically at the end of every round.
+"""Checkpoints you can trust: one file per finished round, checksummed, the newest few kept.
 
-The loop's whole state (every site's module, optimiser and RNG, the
-strategy's server state, the links' known values, residuals and byte counters, the
-history) goes to a temporary file through Fabric and is renamed over
-``last.ckpt`` only once complete, so an interruption at any moment leaves
-either the previous checkpoint or the new one, never a torn file.
+After every round the loop's whole state (every site's module, optimiser and
+RNG, the strategy's server state, the links' known values, residuals and byte
+counters, the history) and the run's config are streamed with
+:func:`torch.save` into ``<output_dir>/checkpoints/round-<n>.ckpt`` through
+:func:`~medfed.atomic.atomic_write`, hashed while they are written (no second
+serialised copy in memory). The file ends with a fixed-size trailer holding
+the SHA-256 of everything before it. Then the checkpoints older than the
+newest ``trainer.keep_checkpoints`` are deleted, so an interruption at any
+moment leaves complete checkpoints only, and the one before the newest is
+there if the newest is damaged.
+
+Reading checks the trailer and the digest before anything is unpickled, then
+unpickles with ``weights_only=True`` (tensors, containers, numbers, strings:
+a crafted file cannot run code, whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``
+says). Every failure is one line naming the file; ``--resume`` adds which
+earlier checkpoint is intact and how to continue from it.
 """
 
 from __future__ import annotations
 
-import os
+import hashlib
+import io
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from lightning.fabric import Fabric
+import torch
 
-from medfed.errors import ConfigError
+from medfed.atomic import atomic_write, remove_stale_temporaries
+from medfed.errors import ConfigError, DataError
 
-CHECKPOINT_NAME = "last.ckpt"
+FOLDER = "checkpoints"
+"""The checkpoints' folder inside ``output_dir``."""
+
+RESUMABLE_KEYS = ("output_dir", "trainer.rounds", "trainer.keep_checkpoints")
+"""Config keys a resumed run may change: the run folder may have moved, run longer, keep more or fewer checkpoints."""
+
+_NAME = re.compile(r"round-(\d+)\.ckpt")
+_TRAILER_START = b"\nmedfed checkpoint sha256 "
+_TRAILER_SIZE = len(_TRAILER_START) + 64 + 1  # hex digest and a newline
+_CHUNK = 1 << 20
 
 
-def save_atomic(fabric: Fabric, path: Path, state: dict[str, Any]) -> None:
-    """Save ``state`` to ``path`` via a temporary sibling file and an atomic rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fabric.save(tmp, state)
-    os.replace(tmp, path)
+def save_checkpoint(folder: Path, state: dict[str, Any], keep: int) -> Path:
+    """Write ``state`` (with its ``"round"``) as ``folder/round-<n>.ckpt`` and delete all but the newest ``keep``."""
+    path = folder / f"round-{state['round']}.ckpt"
+    with atomic_write(path, "wb") as file:
+        hashing = _HashingWriter(file)
+        torch.save(state, hashing)
+        file.write(_TRAILER_START + hashing.digest.hexdigest().encode() + b"\n")
+    for old in checkpoints(folder)[:-keep]:
+        old.unlink()
+    return path
 
 
-def load_checkpoint(fabric: Fabric, path: Path) -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save_atomic`."""
-    if not path.is_file():
-        raise ConfigError(f"--resume: no checkpoint at {path} (was the run started with this output_dir?)")
-    return fabric.load(path)
+def checkpoints(folder: Path) -> list[Path]:
+    """The checkpoint files in ``folder``, oldest round first (none if the folder is missing)."""
+    found = [path for path in folder.glob("round-*.ckpt") if _NAME.fullmatch(path.name)] if folder.is_dir() else []
+    return sorted(found, key=lambda path: int(_NAME.fullmatch(path.name)[1]))
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """The state saved by :func:`save_checkpoint`, mapped to the CPU.
+
+    Raises:
+        DataError: the file is missing, empty, truncated, changed since it
+            was written, not a medfed checkpoint, or holds objects other than
+            tensors and plain data.
+    """
+    try:
+        with open(path, "rb") as file:
+            size = _verify(file, path)
+            state = torch.load(_Prefix(file, size), map_location="cpu", weights_only=True)
+    except OSError as error:
+        raise DataError(f"checkpoint {path} cannot be read ({error.strerror})") from None
+    except DataError:
+        raise
+    except Exception as error:  # whatever the unpickler makes of a file that passed the checksum
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if "weights_only" in str(error):
+            reason = "it holds objects other than tensors and plain data, refused by torch.load(weights_only=True)"
+        raise DataError(f"checkpoint {path} cannot be unpickled safely: {reason}") from None
+    if not (isinstance(state, dict) and {"round", "config", "sites"} <= set(state)):
+        raise DataError(f"checkpoint {path} is not a medfed checkpoint (expected a dict with round, config and sites)")
+    return state
+
+
+def resume_state(output_dir: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """The newest checkpoint's state in ``output_dir``, checked against the resolved ``config`` of the run resuming it.
+
+    Temporary files interrupted writes left in ``output_dir`` and its
+    checkpoints' folder are removed first.
+
+    Raises:
+        ConfigError: no checkpoint; the config differs from the checkpoint's
+            outside :data:`RESUMABLE_KEYS`; ``trainer.rounds`` is below the
+            rounds already done.
+        DataError: the newest checkpoint is damaged (the message names the
+            previous intact one, or says there is none).
+    """
+    folder = output_dir / FOLDER
+    for written_to in (output_dir, folder):
+        remove_stale_temporaries(written_to)
+    found = checkpoints(folder)
+    if not found:
+        raise ConfigError(f"--resume: no checkpoint in {folder} (was the run started with this output_dir?)")
+    newest = found[-1]
+    try:
+        state = read_checkpoint(newest)
+    except DataError as error:
+        raise DataError(f"--resume: {error}; {_fallback(found[:-1], newest)}") from None
+    changed = config_differences(state["config"], config)
+    if changed:
+        raise ConfigError(f"--resume: the config differs from the checkpoint's ({newest}) at {', '.join(changed)}")
+    rounds = config["trainer"]["rounds"]
+    if rounds < state["round"]:
+        raise ConfigError(
+            f"config key 'trainer.rounds' = {rounds}: the run to resume has done {state['round']} rounds; "
+            f"--resume needs trainer.rounds >= {state['round']} (for fewer rounds start a new run)"
+        )
+    return state
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two resolved configs (``trainer.rounds`` excepted)."""
+    """Dotted keys whose values differ between two resolved configs (:data:`RESUMABLE_KEYS` excepted)."""
     differences = []
     for key in sorted(set(saved) | set(current)):
         full = f"{prefix}{key}"
-        if full == "trainer.rounds":
+        if full in RESUMABLE_KEYS:
             continue
         a, b = saved.get(key), current.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
@@ -48,3 +136,86 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: s
         elif a != b:
             differences.append(full)
     return differences
+
+
+def _verify(file: BinaryIO, path: Path) -> int:
+    """Check ``file``'s trailer and digest; returns the payload's size (the bytes before the trailer)."""
+    size = file.seek(0, io.SEEK_END)
+    if size == 0:
+        raise DataError(f"checkpoint {path} is empty (0 bytes)")
+    if size < _TRAILER_SIZE:
+        raise DataError(f"checkpoint {path} is truncated ({size} bytes)")
+    file.seek(size - _TRAILER_SIZE)
+    trailer = file.read(_TRAILER_SIZE)
+    expected = trailer[len(_TRAILER_START) : -1]
+    if not (trailer.startswith(_TRAILER_START) and trailer.endswith(b"\n") and re.fullmatch(rb"[0-9a-f]{64}", expected)):
+        raise DataError(f"checkpoint {path} has no checksum trailer (truncated, or not written by medfed)")
+    payload = size - _TRAILER_SIZE
+    digest = hashlib.sha256()
+    file.seek(0)
+    for chunk in iter(lambda: file.read(min(_CHUNK, payload - file.tell())), b""):
+        digest.update(chunk)
+    if digest.hexdigest().encode() != expected:
+        raise DataError(f"checkpoint {path} fails its SHA-256 check (changed or damaged since it was written)")
+    file.seek(0)
+    return payload
+
+
+def _fallback(earlier: list[Path], damaged: Path) -> str:
+    """What to do when ``damaged`` (the newest checkpoint) cannot be used: the newest intact earlier one, if any."""
+    for path in reversed(earlier):
+        try:
+            with open(path, "rb") as file:
+                _verify(file, path)
+        except (OSError, DataError):
+            continue
+        return (
+            f"the previous checkpoint {path.name} is intact: move {damaged.name} out of {damaged.parent} "
+            f"and run with --resume again to continue from {path.name}"
+        )
+    return "no earlier checkpoint is intact; start the run again with --overwrite"
+
+
+class _HashingWriter:
+    """A binary file that hashes what is written to it (all :func:`torch.save` needs)."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.digest = hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+class _Prefix(io.RawIOBase):
+    """The first ``size`` bytes of a binary file, read in place (the checkpoint without its trailer)."""
+
+    def __init__(self, file: BinaryIO, size: int) -> None:
+        self.file = file
+        self.size = size
+        self.position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        start = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence]
+        self.position = max(0, start + offset)
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        wanted = max(0, min(len(buffer), self.size - self.position))
+        self.file.seek(self.position)
+        count = self.file.readinto(memoryview(buffer)[:wanted])
+        self.position += count
+        return count

@@ -9,7 +9,9 @@ finished run to a new scan (:mod:`medfed.predict`). ``--print-config`` prints th
 
 Bad input (config or data) ends with a one-line error naming the key or file
 and exit status 2, never a traceback; the whole config is checked before any
-data is read. Ctrl-C ends with one line saying how to resume (exit status 130).
+data is read. So does a failing site under ``federation.on_site_failure:
+stop`` (the line names the site, round and reason, and how to resume once
+it is fixed). Ctrl-C ends with one line saying how to resume (exit status 130).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from medfed.errors import ConfigError, DataError
+from medfed.errors import ConfigError, DataError, SiteFailure
 
 INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
 
@@ -80,7 +82,10 @@ def _fit(args: argparse.Namespace, overrides: list[str]) -> int:
         print(to_yaml(resolve(cfg).config), end="")
         return 0
     try:
-        run(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
+        run(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet, config_name=Path(args.config).stem)
+    except SiteFailure as error:
+        print(f"medfed: error: {error}; {_how_to_resume(args.config, overrides, Path(cfg.output_dir))}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"medfed: interrupted; {_how_to_resume(args.config, overrides, Path(cfg.output_dir))}", file=sys.stderr)
         return INTERRUPTED
@@ -89,13 +94,13 @@ def _fit(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _how_to_resume(config: str, overrides: list[str], output_dir: Path) -> str:
     """What an interrupted user can do next, in one line."""
-    from medfed.checkpoint import CHECKPOINT_NAME
+    from medfed.checkpoint import FOLDER, checkpoints
 
-    checkpoint = output_dir / "checkpoints" / CHECKPOINT_NAME
-    if not checkpoint.is_file():
+    found = checkpoints(output_dir / FOLDER)
+    if not found:
         return "no round had finished, so there is nothing to resume; run the same command again"
     command = shlex.join(["python", "-m", "medfed", "fit", "--config", config, *overrides, "--resume"])
-    return f"every finished round is checkpointed in {checkpoint}; continue with: {command}"
+    return f"every finished round is checkpointed in {found[-1].parent} (newest {found[-1].name}); continue with: {command}"
 
 
 def _show_warnings() -> None:

@@ -61,6 +61,7 @@ class LabelRatioConfig:
 
 
 HOLDOUTS = ("test", "validation")
+ON_SITE_FAILURE = ("drop", "stop")
 
 
 @dataclass
@@ -73,6 +74,16 @@ class FederationConfig:
     them to validation, seeded and stratified like the test split) and every
     metric is on that validation split, so hyper-parameters can be chosen
     without looking at the test split.
+
+    A site *fails* in a round when its local training (or reply) raises, when
+    its reply holds a NaN or an infinity, or when its update is an outlier:
+    its norm exceeds ``update_norm_limit`` times the median update norm of the
+    phase's replies (see :mod:`medfed.federated.faults`; null: no such check).
+    ``on_site_failure: drop`` leaves the site out of the round's aggregation
+    from that phase on and puts it back to its state at the start of the round;
+    after ``max_consecutive_failures`` failing rounds in a row (null: never) it
+    is excluded from the rest of the run. ``stop`` ends the run at the first
+    failure, with the last round's checkpoint intact.
     """
 
     n_sites: int = 5
@@ -82,6 +93,9 @@ class FederationConfig:
     participation: float = 1.0
     missing_channel: MissingChannelConfig | None = None
     label_ratio: LabelRatioConfig | None = None
+    on_site_failure: str = "drop"
+    update_norm_limit: float | None = 10.0
+    max_consecutive_failures: int | None = 3
 
     def __post_init__(self) -> None:
         require(self.n_sites >= 1, "federation.n_sites", self.n_sites, "an integer >= 1")
@@ -94,6 +108,19 @@ class FederationConfig:
             "a number in (0, 1)",
         )
         require(0.0 < self.participation <= 1.0, "federation.participation", self.participation, "a number in (0, 1]")
+        require(self.on_site_failure in ON_SITE_FAILURE, "federation.on_site_failure", self.on_site_failure, "drop or stop")
+        require(
+            self.update_norm_limit is None or self.update_norm_limit > 1.0,
+            "federation.update_norm_limit",
+            self.update_norm_limit,
+            "null or a factor > 1",
+        )
+        require(
+            self.max_consecutive_failures is None or self.max_consecutive_failures >= 1,
+            "federation.max_consecutive_failures",
+            self.max_consecutive_failures,
+            "null or an integer >= 1",
+        )
 
 
 DEVICES = ("cpu", "cuda", "gpu", "mps", "auto")
@@ -110,6 +137,8 @@ class TrainerConfig:
     device: str = "cpu"
     """``cpu``, ``cuda`` (Lightning's alias ``gpu``), ``mps`` or ``auto``; checked against the machine before any data is read."""
     num_threads: int | None = None
+    keep_checkpoints: int = 2
+    """How many of the newest round checkpoints stay in ``<output_dir>/checkpoints`` (the one before the newest in case that is damaged)."""
 
     def __post_init__(self) -> None:
         require(self.rounds >= 1, "trainer.rounds", self.rounds, "an integer >= 1")
@@ -117,6 +146,7 @@ class TrainerConfig:
         require(self.batch_size >= 1, "trainer.batch_size", self.batch_size, "an integer >= 1")
         require(self.device in DEVICES, "trainer.device", self.device, f"one of {', '.join(DEVICES)}")
         require(self.num_threads is None or self.num_threads >= 1, "trainer.num_threads", self.num_threads, "null or >= 1")
+        require(self.keep_checkpoints >= 1, "trainer.keep_checkpoints", self.keep_checkpoints, "an integer >= 1")
 
 
 @dataclass
@@ -138,14 +168,22 @@ class EvaluationConfig:
 
 @dataclass
 class LoggerConfig:
-    """Experiment tracking. CSV logs are always written; W&B runs offline by default."""
+    """Experiment tracking. CSV logs are always written; W&B runs offline by default (see :mod:`medfed.tracking`)."""
 
     wandb: str = "offline"
     project: str = "medfed"
     run_name: str | None = None
+    """W&B run name; null: ``<strategy> seed <seed>``."""
+    group: str | None = None
+    """W&B run group; null: ``<data.task>/<config file name>`` (``<data.task>/<output_dir name>`` without a file)."""
+    tags: list[str] = field(default_factory=list)
+    """W&B tags beside the task, the strategy, ``seed=<seed>`` and ``generated data``."""
+    image_every: int = 5
+    """W&B gets segmentation overlays after every ``image_every``-th round and after the last (0: after the last only)."""
 
     def __post_init__(self) -> None:
         require(self.wandb in ("offline", "online", "disabled"), "logger.wandb", self.wandb, "offline, online or disabled")
+        require(self.image_every >= 0, "logger.image_every", self.image_every, "an integer >= 0")
 
 
 @dataclass

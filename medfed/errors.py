@@ -21,3 +21,7 @@ class ConfigError(ValueError):
 def warn(message: str) -> None:
     """Report legal but suspicious input as one line, e.g. a label ratio that drops most of a site's records."""
     logging.getLogger("medfed").warning(message)
+
+
+class SiteFailure(RuntimeError):
+    """A site failed in a round under ``federation.on_site_failure: stop``, or every site has been excluded."""

@@ -3,10 +3,13 @@
 ``run(cfg)`` is what ``python -m medfed fit`` calls: it builds the
 federation of the chosen task, one model per site (all initialised from the
 same seeded prototype), the strategy, the links and the loop; trains for
-``trainer.rounds`` rounds with a progress bar, checkpointing atomically after
-each; and writes ``<output_dir>/results.json`` (per-site metrics and their
-mean, the resolved config, the seed, the splits, bytes on the wire, timings)
-next to the CSV and W&B logs.
+``trainer.rounds`` rounds with a progress bar, checkpointing after each
+(:mod:`medfed.checkpoint`); and writes ``<output_dir>/results.json``
+(per-site metrics and their mean, the resolved config, the seed and torch
+thread count, the splits, the sites' failures and exclusions, bytes on the
+wire, timings) next to the CSV and W&B logs. The output folder and, with
+``--resume``, the checkpoint are checked before any data is read
+(:mod:`medfed.output_dir`).
 """
 
 from __future__ import annotations
@@ -19,35 +22,41 @@ from typing import Any
 
 import torch
 from lightning.fabric import Fabric
-from lightning.fabric.loggers import CSVLogger
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 import medfed
-from medfed.checkpoint import CHECKPOINT_NAME, config_differences, load_checkpoint, save_atomic
+from medfed.checkpoint import FOLDER, resume_state, save_checkpoint
 from medfed.components import resolve
 from medfed.config import RunConfig
-from medfed.errors import ConfigError
 from medfed.evaluation.rounds import VolumeEvaluation
 from medfed.federated.link import Link
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.site import Site
 from medfed.data.federation import Federation
 from medfed.models.base import FederatedModule
+from medfed.models.classification import BinaryClassifier
 from medfed.models.split import PARTS
+from medfed.output_dir import check_output_dir, finish_run, start_run
 from medfed.results import communication_totals, format_table, summarise, write_json_atomic
+from medfed.tracking import Tracker, classification_figures
 from medfed.viz.plots import plot_learning_curves, plot_segmentation_examples, save_figure
 
 
-def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Train and evaluate one configured run; returns the results written to results.json."""
+def run(
+    cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True, config_name: str | None = None
+) -> dict[str, Any]:
+    """Train and evaluate one configured run; returns the results written to results.json.
+
+    ``config_name`` (the config file's name) names the W&B group (:class:`~medfed.tracking.Tracker`).
+    """
     started = time.perf_counter()
     resolved = resolve(cfg)  # every config key checked before any file is read or written
     config, run_cfg = resolved.config, resolved.run
     trainer = run_cfg.trainer
     output_dir = Path(run_cfg.output_dir)
-    checkpoint_path = output_dir / "checkpoints" / CHECKPOINT_NAME
-    _check_output_dir(output_dir, checkpoint_path, resume, overwrite)
+    check_output_dir(output_dir, resume=resume, overwrite=overwrite)
+    resumed = resume_state(output_dir, config) if resume else None  # checked before any data is read
     if trainer.num_threads is not None:
         torch.set_num_threads(trainer.num_threads)
 
@@ -59,8 +68,9 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
         prototype = resolved.model_cls(federation.input_shape[0], federation.num_classes, resolved.model_options)
     strategy = resolved.strategy_cls(resolved.strategy_options, prototype.parameter_split, len(federation.sites), trainer.seed)
 
-    callbacks = [strategy, *_volume_evaluation(federation, run_cfg)]
-    fabric = Fabric(accelerator=trainer.device, devices=1, loggers=_loggers(run_cfg, output_dir), callbacks=callbacks)
+    tracker = Tracker(run_cfg, config, federation, strategy.name, resume=resume, config_name=config_name)
+    callbacks = [strategy, *_volume_evaluation(federation, run_cfg), tracker]  # volume scores join the round before the tracker logs
+    fabric = Fabric(accelerator=trainer.device, devices=1, loggers=tracker.loggers, callbacks=callbacks)
     sites = build_sites(fabric, federation, prototype, trainer.batch_size, trainer.seed)
     initial = initial_vectors(prototype, fabric.device)
     links = [Link(run_cfg.codec.spec("up"), run_cfg.codec.spec("down"), strategy.coded_keys, initial, fabric.device) for _ in sites]
@@ -73,32 +83,37 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
         local_epochs=trainer.local_epochs,
         participation=run_cfg.federation.participation,
         seed=trainer.seed,
-        save_checkpoint=lambda state: save_atomic(fabric, checkpoint_path, {**state, "config": config}),
+        save_checkpoint=lambda state: save_checkpoint(output_dir / FOLDER, {**state, "config": config}, trainer.keep_checkpoints),
+        on_site_failure=run_cfg.federation.on_site_failure,
+        update_norm_limit=run_cfg.federation.update_norm_limit,
+        max_consecutive_failures=run_cfg.federation.max_consecutive_failures,
+        scratch_dir=output_dir / FOLDER,
     )
-    if resume:
-        state = load_checkpoint(fabric, checkpoint_path)
-        changed = config_differences(state["config"], config)
-        if changed:
-            raise ConfigError(f"--resume: the config differs from the checkpoint's at {', '.join(changed)}")
-        loop.load_state_dict(state)
+    if resumed is not None:
+        loop.load_state_dict(resumed)
+        del resumed  # the sites hold copies now: free the checkpoint's tensors
     else:
+        start_run(output_dir, overwrite)
         write_json_atomic(output_dir / "config.json", config)
-        for logger in fabric.loggers:
-            if not isinstance(logger, CSVLogger):  # the CSV logger has no hyper-parameters: config.json holds them
-                logger.log_hyperparams(config)
+    tracker.start(loop.history)
 
     bar = tqdm(total=trainer.rounds, initial=loop.round, desc=f"{strategy.name} rounds", unit="round", disable=not progress)
-    loop.fit(trainer.rounds, progress=lambda record: (bar.set_postfix(record["mean"]), bar.update()))
+    try:
+        loop.fit(trainer.rounds, progress=lambda record: (bar.set_postfix(record["mean"]), bar.update()))
+    except BaseException:  # Ctrl-C included: the W&B run ends marked as failed, resumable
+        tracker.finish(step=loop.round, exit_code=1)
+        raise
     bar.close()
-    for logger in fabric.loggers:
-        logger.finalize("success")
 
     results = {
         "medfed_version": medfed.__version__,
         "strategy": strategy.name,
         "seed": trainer.seed,
+        "num_threads": torch.get_num_threads(),
         "federation": federation.summary(),
         **summarise(loop.history, {site.name: site.n_test for site in sites}, federation.holdout),
+        "failures": [failure for record in loop.history for failure in record["failures"]],
+        "excluded": loop.excluded,
         "communication": communication_totals(links),
         "timing": _timing(loop.history, time.perf_counter() - started, fabric),
         "config": config,
@@ -108,12 +123,17 @@ def run(cfg: DictConfig, *, resume: bool = False, overwrite: bool = False, progr
     title = f"{strategy.name} on {federation.task}, seed {trainer.seed}; data: {federation.description}"
     if federation.holdout != "test":
         title += f"; metrics on the {federation.holdout} split"
-    save_figure(plot_learning_curves(loop.history, title), output_dir / "learning_curves.png")
+    figures = {"learning_curves": plot_learning_curves(loop.history, title), **strategy.server_figures()}
     examples = plot_segmentation_examples(sites, title)
     if examples is not None:
-        save_figure(examples, output_dir / "examples.png")
-    for name, figure in strategy.server_figures().items():
+        figures["examples"] = examples
+    if isinstance(prototype, BinaryClassifier):  # ROC curves and confusion matrices, not one number
+        figures.update(classification_figures(sites, title, tracker.class_labels))
+    for name, figure in figures.items():
         save_figure(figure, output_dir / f"{name}.png")
+    tracker.finish([output_dir / f"{name}.png" for name in figures], step=loop.round)
+    if resume or overwrite:
+        finish_run(output_dir)
     if progress:
         print(format_table(results))
     return results
@@ -134,16 +154,6 @@ def initial_vectors(prototype: FederatedModule, device: torch.device) -> dict[st
     return {part: prototype.get_vector(part).to(device) for part in PARTS}
 
 
-def _check_output_dir(output_dir: Path, checkpoint_path: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse to clobber an earlier run unless asked to resume it or to overwrite it."""
-    earlier = [p for p in (output_dir / "results.json", checkpoint_path) if p.exists()]
-    if earlier and not (resume or overwrite):
-        raise ConfigError(
-            f"config key 'output_dir' = {str(output_dir)!r} already holds a run ({earlier[0].name}); "
-            "pass --resume to continue it, --overwrite to replace it, or choose another output_dir"
-        )
-
-
 def _volume_evaluation(federation: Federation, run_cfg: RunConfig) -> list[VolumeEvaluation]:
     """The whole-volume evaluation callback, where the task has volumes and ``evaluation.volume_every`` is not null."""
     every = run_cfg.evaluation.volume_every
@@ -151,23 +161,6 @@ def _volume_evaluation(federation: Federation, run_cfg: RunConfig) -> list[Volum
         return []
     patch_size = federation.input_shape[-1]
     return [VolumeEvaluation(federation.volumes, patch_size, every, run_cfg.trainer.rounds, run_cfg.evaluation.volume_batch_size)]
-
-
-def _loggers(run_cfg: RunConfig, output_dir: Path) -> list:
-    """CSV always; W&B offline by default (no network needed), online or disabled on request."""
-    loggers = [CSVLogger(root_dir=output_dir, name="csv")]
-    if run_cfg.logger.wandb != "disabled":
-        from lightning.pytorch.loggers import WandbLogger
-
-        loggers.append(
-            WandbLogger(
-                project=run_cfg.logger.project,
-                name=run_cfg.logger.run_name,
-                save_dir=str(output_dir),
-                offline=run_cfg.logger.wandb == "offline",
-            )
-        )
-    return loggers
 
 
 def _timing(history: list[dict[str, Any]], wall_s: float, fabric: Fabric) -> dict[str, Any]:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from medfed.atomic import atomic_write
 
 
 def summarise(history: list[dict[str, Any]], site_sizes: dict[str, int], split: str = "test") -> dict[str, Any]:
@@ -51,14 +51,17 @@ def format_table(results: dict[str, Any]) -> str:
     """Plain-text table: one row per site, then the mean over sites; data provenance on top.
 
     Metrics on a validation split (``federation.holdout``) say so in the title
-    and in the size column's name (``n_validation``).
+    and in the size column's name (``n_validation``). A site excluded for
+    failing is marked ``*`` and a line under the table says when and why.
     """
     split = results["federation"].get("holdout", "test")
     size = f"n_{split}"
     rows = results["sites"]
     names = [k for k in rows[0] if k not in ("site", size)]
     header = ["site", *names, size]
-    body = [[row["site"], *(f"{row[n]:.4f}" for n in names), str(row[size])] for row in rows]
+    excluded = results.get("excluded", {})
+    mark = lambda site: site + ("*" if site in excluded else "")
+    body = [[mark(row["site"]), *(f"{row[n]:.4f}" for n in names), str(row[size])] for row in rows]
     body.append(["mean", *(f"{results['mean'][n]:.4f}" for n in names), str(sum(r[size] for r in rows))])
     widths = [max(len(header[i]), *(len(r[i]) for r in body)) for i in range(len(header))]
     line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
@@ -66,22 +69,18 @@ def format_table(results: dict[str, Any]) -> str:
     title = f"{results['strategy']} on {results['federation']['task']}, data: {results['federation']['description']}"
     if split != "test":
         title += f"; metrics on the {split.upper()} split (test split set aside)"
-    return "\n".join([title, rule, line(header), rule, *map(line, body[:-1]), rule, line(body[-1])])
+    notes = [f"* {site}: excluded after round {info['round']}, its last failure: {info['reason']}" for site, info in excluded.items()]
+    return "\n".join([title, rule, line(header), rule, *map(line, body[:-1]), rule, line(body[-1]), *notes])
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:
-    """Write JSON to a temporary file next to ``path`` and rename it into place.
+    """Write JSON to a temporary file next to ``path`` and rename it into place (:func:`~medfed.atomic.atomic_write`).
 
     Non-finite floats (NaN, inf) become ``null``: standard JSON has no such values.
     """
-    path = Path(path)
     obj = _finite_or_null(obj)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False) as handle:
+    with atomic_write(path) as handle:
         json.dump(obj, handle, indent=2, default=_json_default)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(handle.name, path)
 
 
 def _finite_or_null(value: Any) -> Any:

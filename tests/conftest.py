@@ -1,4 +1,4 @@
-"""Shared fixtures: a private preprocessed-data cache, a tiny generated BraTS data set and a tiny run config on it."""
+"""Shared fixtures: a private preprocessed-data cache, a tiny generated BraTS data set, a tiny run config on it, a finished run, no data reading."""
 
 from __future__ import annotations
 
@@ -6,8 +6,11 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import nibabel
 import pytest
 
+import medfed.tasks.brats
+from medfed.cli import main
 from medfed.data.phantoms.brats import generate_brats_phantoms
 
 TINY_RUN = """
@@ -70,3 +73,29 @@ def tiny_run_config(tmp_path, tiny_brats_root) -> Path:
     path = tmp_path / "tiny.yaml"
     path.write_text(TINY_RUN.format(root=tiny_brats_root, output=tmp_path / "run"))
     return path
+
+
+@pytest.fixture(scope="session")
+def finished_tiny_run(tmp_path_factory, tiny_brats_root) -> Path:
+    """The output folder of a finished 2-round run of the tiny config, written under umask 022 (copy it to change it)."""
+    folder = tmp_path_factory.mktemp("finished")
+    config = folder / "tiny.yaml"
+    config.write_text(TINY_RUN.format(root=tiny_brats_root, output=folder / "run"))
+    umask = os.umask(0o022)
+    try:
+        assert main(["fit", "--config", str(config), "--quiet", "trainer.rounds=2"]) == 0
+    finally:
+        os.umask(umask)
+    return folder / "run"
+
+
+@pytest.fixture
+def reading_forbidden(monkeypatch):
+    """Make every way the BraTS task reaches its files fail loudly."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("data were read before the config was checked")
+
+    for name in ("find_cases", "load_case", "brats_phantoms"):
+        monkeypatch.setattr(medfed.tasks.brats, name, forbidden)
+    monkeypatch.setattr(nibabel, "load", forbidden)

@@ -179,7 +179,7 @@ def test_second_call_with_same_parameters_rewrites_nothing(tmp_path):
     before = snapshot(root)
     assert generate_brats_phantoms(tmp_path / "brats", n_sites=1, cases_per_site=1, resolution_mm=4.0) == root
     assert snapshot(root) == before
-    assert [path.name for path in tmp_path.iterdir()] == ["brats"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [".brats.lock", "brats"]
 
 
 def test_missing_file_or_new_parameters_regenerate_in_place(tmp_path):
@@ -192,7 +192,7 @@ def test_missing_file_or_new_parameters_regenerate_in_place(tmp_path):
     generate_brats_phantoms(root, n_sites=1, cases_per_site=1, resolution_mm=4.0, seed=1)
     assert json.loads((root / "GENERATED.json").read_text())["parameters"]["seed"] == 1
     assert not np.array_equal(old_arrays[next(iter(old_arrays))], read_arrays(root)[next(iter(old_arrays))])
-    assert [path.name for path in tmp_path.iterdir()] == ["brats"]  # no staging or retired folders left
+    assert sorted(path.name for path in tmp_path.iterdir()) == [".brats.lock", "brats"]  # no staging or retired folders left
 
 
 def test_failure_while_writing_leaves_the_previous_data_set(tmp_path, monkeypatch):
@@ -210,7 +210,7 @@ def test_failure_while_writing_leaves_the_previous_data_set(tmp_path, monkeypatc
     with pytest.raises(RuntimeError, match="disk full"):
         generate_brats_phantoms(root, n_sites=1, cases_per_site=2, resolution_mm=4.0, seed=1)
     assert snapshot(root) == before
-    assert [path.name for path in tmp_path.iterdir()] == ["brats"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [".brats.lock", "brats"]
 
 
 def test_refuses_to_replace_a_folder_it_did_not_write(tmp_path):

@@ -13,25 +13,12 @@ import pytest
 import torch
 import yaml
 
-import medfed.tasks.brats
 from medfed.cli import INTERRUPTED, main
 from medfed.components import resolve
 from medfed.config import load_config
 from medfed.federated.loop import FederatedLoop
 
 REPOSITORY = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def reading_forbidden(monkeypatch):
-    """Make every way the BraTS task reaches its files fail loudly."""
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("data were read before the config was checked")
-
-    for name in ("find_cases", "load_case", "generate_brats_phantoms"):
-        monkeypatch.setattr(medfed.tasks.brats, name, forbidden)
-    monkeypatch.setattr(nibabel, "load", forbidden)
 
 
 BAD_OVERRIDES = [

@@ -37,7 +37,14 @@ def test_unknown_keys_are_named(config_file, override, key):
 
 @pytest.mark.parametrize(
     "override, key",
-    [("trainer.rounds=0", "trainer.rounds"), ("federation.test_fraction=1.5", "federation.test_fraction"), ("trainer.device=tpu", "trainer.device")],
+    [
+        ("trainer.rounds=0", "trainer.rounds"),
+        ("federation.test_fraction=1.5", "federation.test_fraction"),
+        ("trainer.device=tpu", "trainer.device"),
+        ("federation.on_site_failure=retry", "federation.on_site_failure"),
+        ("federation.update_norm_limit=1", "federation.update_norm_limit"),
+        ("federation.max_consecutive_failures=0", "federation.max_consecutive_failures"),
+    ],
 )
 def test_impossible_values_are_named(config_file, override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -4,8 +4,10 @@ import json
 
 import pytest
 
+from medfed.checkpoint import checkpoints
 from medfed.cli import INTERRUPTED, main
 from medfed.federated.loop import FederatedLoop
+from medfed.federated.site import Site
 from medfed.results import format_table
 
 
@@ -38,7 +40,7 @@ def test_cli_run_writes_results(tiny_run_config, tmp_path, strategy):
         assert bytes_up == 0
     else:
         assert bytes_up > 0 and results["communication"]["compression_ratio_up"] == pytest.approx(1.0, rel=0.01)
-    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["round-2.ckpt", "round-3.ckpt"]  # the newest 2
     assert list((tmp_path / "run" / "csv").rglob("metrics.csv"))
     assert (tmp_path / "run" / "similarity_graph.png").is_file() == (strategy == "pfednet")
     if strategy == "pfednet":  # the server step's effect and the graph, every round
@@ -59,12 +61,17 @@ def test_unknown_key_and_existing_output_are_refused(tiny_run_config, tmp_path, 
     assert (tmp_path / "run" / "results.json").read_bytes() == before
 
 
-def test_interrupted_run_resumes_to_the_same_metrics(tiny_run_config, tmp_path, monkeypatch):
+def test_interrupted_or_stopped_run_resumes_to_the_same_metrics(tiny_run_config, tmp_path, monkeypatch, capsys):
+    # With dropout: its masks come from generators seeded per site and round, not from the process's state.
+    fit = ["fit", "--config", str(tiny_run_config), "--quiet", "model.dropout=0.2"]
     full = tmp_path / "full"
-    assert main(["fit", "--config", str(tiny_run_config), "--quiet", f"output_dir={full}"]) == 0
+    assert main([*fit, f"output_dir={full}"]) == 0
+    uninterrupted = _results(full)
+    assert uninterrupted["num_threads"] == 1 and uninterrupted["failures"] == [] and uninterrupted["excluded"] == {}
 
     interrupted = tmp_path / "interrupted"
     original = FederatedLoop._run_round
+    started = []
 
     def crash_in_round_3(self, round_index):
         if round_index == 3:
@@ -72,15 +79,33 @@ def test_interrupted_run_resumes_to_the_same_metrics(tiny_run_config, tmp_path, 
         return original(self, round_index)
 
     monkeypatch.setattr(FederatedLoop, "_run_round", crash_in_round_3)
-    assert main(["fit", "--config", str(tiny_run_config), "--quiet", f"output_dir={interrupted}"]) == INTERRUPTED
-    monkeypatch.setattr(FederatedLoop, "_run_round", original)
+    assert main([*fit, f"output_dir={interrupted}"]) == INTERRUPTED
     assert not (interrupted / "results.json").exists()
 
-    assert main(["fit", "--config", str(tiny_run_config), "--quiet", "--resume", f"output_dir={interrupted}"]) == 0
-    resumed, uninterrupted = _results(interrupted), _results(full)
-    assert resumed["sites"] == uninterrupted["sites"]
-    assert [r["metrics"] for r in resumed["history"]] == [r["metrics"] for r in uninterrupted["history"]]
-    assert resumed["communication"] == uninterrupted["communication"]
+    stopped = tmp_path / "stopped"  # site1's training raises in round 2, and the run is told to stop
+    train = Site.train
+
+    def round_2_fails_at_site1(site, *args, **kwargs):
+        if site.index == 1 and started[-1] == 2:
+            raise RuntimeError("scanner archive unreachable")
+        return train(site, *args, **kwargs)
+
+    monkeypatch.setattr(FederatedLoop, "_run_round", lambda self, r: (started.append(r), original(self, r))[1])
+    monkeypatch.setattr(Site, "train", round_2_fails_at_site1)
+    capsys.readouterr()
+    assert main([*fit, "federation.on_site_failure=stop", f"output_dir={stopped}"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("medfed: error: site site1 failed in round 2 (shared phase): RuntimeError: scanner archive unreachable; ")
+    assert error.endswith("federation.on_site_failure=stop output_dir=" + str(stopped) + " --resume")
+    assert [path.name for path in checkpoints(stopped / "checkpoints")] == ["round-1.ckpt"]  # the last good round
+    monkeypatch.undo()
+
+    assert main([*fit, "--resume", f"output_dir={interrupted}"]) == 0
+    assert main([*fit, "federation.on_site_failure=stop", "--resume", f"output_dir={stopped}"]) == 0
+    for resumed in (_results(interrupted), _results(stopped)):
+        assert resumed["sites"] == uninterrupted["sites"]
+        assert [r["metrics"] for r in resumed["history"]] == [r["metrics"] for r in uninterrupted["history"]]
+        assert resumed["communication"] == uninterrupted["communication"]
 
 
 def test_validation_holdout_run_reports_metrics_on_validation_and_never_uses_test_cases(tiny_run_config, tmp_path):

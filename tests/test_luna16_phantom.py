@@ -137,13 +137,13 @@ def test_cached_when_parameters_match_and_rewritten_when_not(tmp_path):
     assert marker["parameters"]["negatives_per_series"] == 20
     labels = read_candidates_csv(root / "candidates_V2.csv").labels
     assert (labels == 0).sum() == 20 * 6
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # no staging or retired directories left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".data.lock", "data"]  # no staging or retired directories left
 
 
 def test_failure_leaves_nothing_behind(tmp_path):
     with pytest.raises(ValueError, match="could not place"):
         generate_luna16_phantoms(tmp_path / "data", seed=0, **{**TINY, "nodule_diameter_mm": (30.0, 30.0)})
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == [".data.lock"]  # the lock file stays, for the next run
 
 
 def test_refuses_to_overwrite_other_data(tmp_path):

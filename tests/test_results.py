@@ -55,3 +55,12 @@ def test_classification_table_shows_balanced_accuracy_and_auroc_beside_accuracy(
     assert lines[2].split() == ["site", "accuracy", "balanced_accuracy", "auroc", "n_test"]
     assert lines[4].split() == ["site0", "0.9550", "0.5000", "0.9000", "200"]  # all-negative: accuracy alone misleads
     assert lines[-1].split() == ["mean", "0.8775", "0.6250", "0.8000", "300"]
+
+
+def test_an_excluded_site_is_marked_and_the_table_says_when_and_why():
+    results = {**summarise(HISTORY, {"site0": 10, "site1": 30}), "strategy": "fedavg",
+               "federation": {"task": "brats", "description": "GENERATED BraTS-like data"},
+               "excluded": {"site1": {"round": 4, "reason": "RuntimeError: no GPU"}}}
+    lines = format_table(results).splitlines()
+    assert lines[5].split() == ["site1*", "0.6000", "0.4000", "30"] and lines[4].split()[0] == "site0"
+    assert lines[-1] == "* site1: excluded after round 4, its last failure: RuntimeError: no GPU"

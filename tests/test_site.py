@@ -98,3 +98,29 @@ def test_train_returns_the_mean_step_loss_or_none_when_nothing_trains():
 
     assert site.train(0.5, "all", step_loss) == pytest.approx(sum(losses) / 4)
     assert site.train(0.5, None, step_loss) is None and len(losses) == 4
+
+
+def test_training_frees_the_gradients():
+    site = _site(112)
+    site.train(0.5, "all", lambda batch: site.module.training_step(batch, 0))
+    assert all(parameter.grad is None for parameter in site.module.parameters())
+
+
+def test_global_rng_is_seeded_by_site_and_stream_and_leaves_the_outer_generators_alone():
+    import random
+
+    import numpy as np
+
+    def draws(site, *stream):
+        with site.global_rng(*stream):
+            return torch.rand(3).tolist(), np.random.rand(), random.random()
+
+    site, twin = _site(), _site()
+    torch.manual_seed(5)
+    outer = torch.rand(2)
+    torch.manual_seed(5)
+    assert draws(site, 2, 0) == draws(twin, 2, 0)  # whatever happened before in the process
+    assert torch.equal(torch.rand(2), outer)  # the block drew nothing from the outer torch stream
+    assert draws(site, 2, 0) != draws(site, 2, 1) and draws(site, 2, 0) != draws(site, 3, 0)
+    other = build_loop("local", two_group_federation(n_sites=2), seeded(LinearClassifier, 4, 2)).sites[1]
+    assert draws(site, 2, 0) != draws(other, 2, 0)

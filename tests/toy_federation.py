@@ -8,7 +8,8 @@
   (least squares, analytic gradients for hand computations), both trained by
   plain SGD so one step is exactly ``theta - lr * gradient``.
 * :class:`BatchNormClassifier`: a hidden layer with BatchNorm, for what
-  strategies do with normalisation layers and running statistics.
+  strategies do with normalisation layers and running statistics;
+  :class:`DropoutClassifier`: dropout, for what depends on global generators.
 * :func:`build_loop`: a :class:`FederatedLoop` over a federation, with the
   strategy chosen and configured exactly as the ``strategy`` config group does.
 * :func:`one_torch_thread`: an autouse fixture for the test modules that import
@@ -82,6 +83,13 @@ class LinearClassifier(FederatedModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.options.lr)
+
+
+class DropoutClassifier(LinearClassifier):
+    """:class:`LinearClassifier` with dropout (p = 0.5) on its inputs: training draws from torch's global generator."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(nn.functional.dropout(x, 0.5, self.training))
 
 
 class BatchNormClassifier(LinearClassifier):
@@ -191,6 +199,7 @@ def build_loop(
     local_epochs: int = 1,
     batch_size: int = 16,
     seed: int = 0,
+    **faults: Any,
 ) -> FederatedLoop:
     """A loop as ``medfed.experiment.run`` builds it (dense links, CPU), without files or loggers.
 
@@ -201,6 +210,8 @@ def build_loop(
         options: that strategy's options (``strategy.<name>`` config group).
         participation: fraction of sites per round.
         local_epochs, batch_size, seed: as in ``trainer.*``.
+        faults: the loop's ``on_site_failure``, ``update_norm_limit``,
+            ``max_consecutive_failures`` (the ``federation.*`` keys).
     """
     strategy_cls, strategy_options = strategy_from_config({"name": strategy, **({strategy: options} if options else {})})
     strategy_obj = strategy_cls(strategy_options, model.parameter_split, len(federation.sites), seed)
@@ -208,7 +219,7 @@ def build_loop(
     sites = build_sites(fabric, federation, model, batch_size, seed)
     initial = initial_vectors(model, fabric.device)
     links = [Link({"name": "dense"}, {"name": "dense"}, strategy_obj.coded_keys, initial, fabric.device) for _ in sites]
-    return FederatedLoop(fabric, sites, strategy_obj, links, initial, local_epochs, participation, seed)
+    return FederatedLoop(fabric, sites, strategy_obj, links, initial, local_epochs, participation, seed, **faults)
 
 
 def seeded(model_cls, *args, seed: int = 0, **kwargs) -> FederatedModule:

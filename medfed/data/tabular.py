@@ -37,13 +37,12 @@ from __future__ import annotations
 
 import csv
 import io
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from medfed.atomic import atomic_write
 from medfed.errors import DataError
 
 MISSING_TOKENS = frozenset({"", "na", "n/a", "nan", "null"})  # compared after strip() and lower()
@@ -211,15 +210,8 @@ def write_breast_cancer_csv(path: str | Path) -> Path:
     content = buffer.getvalue()
     if path.is_file() and path.read_text() == content:
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w") as file:
-            file.write(content)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    with atomic_write(path) as file:
+        file.write(content)
     return path
 
 

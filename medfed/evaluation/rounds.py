@@ -6,8 +6,8 @@ site's model (:func:`~medfed.evaluation.volume.segment_volume`), scores each
 region the model predicts per patient (:func:`~medfed.evaluation.volume.region_scores`)
 and adds the site means (``dice_wt``, ``iou_wt``, ``hd95_wt``, and ``_tc``,
 ``_et`` for ``model.target: regions``) and their mean over sites to the
-round's record, so they reach the loggers, the history, the final table and
-results.json beside the patch metrics. The loop itself knows nothing of it.
+round's record before the loop logs it, so they reach the loggers, the
+history, the final table and results.json beside the patch metrics. The loop itself knows nothing of it.
 """
 
 from __future__ import annotations
@@ -54,9 +54,7 @@ class VolumeEvaluation:
         for name, scores in per_site.items():
             record["metrics"][name].update(scores)
         means = {metric: float(np.mean([scores[metric] for scores in per_site.values()])) for metric in next(iter(per_site.values()))}
-        record["mean"].update(means)
-        flat = {f"{site}/{metric}": value for site, scores in per_site.items() for metric, value in scores.items()}
-        loop.fabric.log_dict({**flat, **{f"mean/{metric}": value for metric, value in means.items()}}, step=record["round"])
+        record["mean"].update(means)  # the loop logs the record after its callbacks
 
     @torch.no_grad()
     def evaluate_site(self, site: Any) -> dict[str, float]:

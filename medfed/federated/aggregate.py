@@ -13,12 +13,16 @@ def weighted_average(vectors: list[torch.Tensor], weights: list[float] | torch.T
         weights: K non-negative weights (e.g. training-set sizes), not all zero.
 
     Returns:
-        ``sum_k w_k v_k / sum_k w_k``, shape ``(d,)``, dtype of the vectors.
+        ``sum_k w_k v_k / sum_k w_k``, shape ``(d,)``, dtype of the vectors,
+        summed in place one vector after another (no (K, d) stack: the
+        replies are already K model-sized vectors in memory).
     """
     if not vectors:
         raise ValueError("weighted_average needs at least one vector")
     w = torch.as_tensor(weights, dtype=torch.float64).flatten()
     if w.numel() != len(vectors) or bool((w < 0).any()) or float(w.sum()) <= 0:
         raise ValueError(f"weights must be {len(vectors)} non-negative numbers with a positive sum, got {w.tolist()}")
-    stacked = torch.stack(vectors)  # (K, d)
-    return (w / w.sum()).to(stacked.dtype) @ stacked
+    total = torch.zeros_like(vectors[0])
+    for share, vector in zip((w / w.sum()).tolist(), vectors):
+        total.add_(vector, alpha=share)
+    return total

@@ -180,10 +180,8 @@ class Link:
 
     def _reference_name(self, key: str) -> str | None:
         """The initial vector a coded key starts from, or None if the key is not a model vector."""
-        for prefix, name in self.coded_keys.items():
-            if key == prefix or key.startswith(prefix + "/"):
-                return name
-        return None
+        prefix = coded_prefix(key, self.coded_keys)
+        return None if prefix is None else self.coded_keys[prefix]
 
     def state_dict(self) -> dict[str, Any]:
         """Known values, residuals and owed residuals (``{key: vector}``), byte counters and codec time."""
@@ -211,6 +209,14 @@ class Link:
         self.bytes_sent = dict(state["bytes_sent"])
         self.dense_bytes = dict(state["dense_bytes"])
         self.codec_seconds = state["codec_seconds"]
+
+
+def coded_prefix(key: str, coded_keys: dict[str, str]) -> str | None:
+    """The ``coded_keys`` prefix ``key`` falls under (the prefix itself or ``prefix/...``), or None: not a model vector."""
+    for prefix in coded_keys:
+        if key == prefix or key.startswith(prefix + "/"):
+            return prefix
+    return None
 
 
 def _make(spec: dict[str, Any]) -> Codec:

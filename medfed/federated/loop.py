@@ -7,9 +7,18 @@ calls the strategy's hooks by name (see
 about any particular algorithm. Every payload crosses a
 :class:`~medfed.federated.link.Link`, which turns it into bytes and counts
 them. After each round every site is evaluated on its own test split (its
-validation split with ``federation.holdout: validation``), the metrics go to
-Fabric's loggers, extra callbacks get ``on_round_end``, and a
-checkpoint is written atomically.
+validation split with ``federation.holdout: validation``), extra callbacks
+get ``on_round_end`` (and may add metrics to the round's record, e.g.
+whole-volume scores), the record goes to Fabric's loggers, and a checkpoint
+is written atomically.
+
+A participant that fails (its work raises, its reply is not finite or an
+update outlier: :mod:`medfed.federated.faults`) is left out of the round
+from that phase on and put back to its start-of-round state, or ends the run
+(``on_site_failure``); a site failing ``max_consecutive_failures`` rounds in
+a row takes no further part (it is still delivered to and evaluated, so every
+round's table has every site). Failures go to the log, to the round's record
+(``failures``, ``excluded``) and, as ``<site>/failed`` flags, to the loggers.
 """
 
 from __future__ import annotations
@@ -17,12 +26,15 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from lightning.fabric import Fabric
 
+from medfed.errors import SiteFailure, warn
+from medfed.federated.faults import RoundStartStates, model_parts, non_finite_keys, update_norms, update_outliers
 from medfed.federated.link import Link
 from medfed.federated.site import Site
 from medfed.federated.strategies.base import DELIVER, Payload, Strategy
@@ -44,6 +56,14 @@ class FederatedLoop:
             participants of round r are a seeded draw from (seed, r).
         seed: the run's seed.
         save_checkpoint: called with the loop's state after every round.
+        on_site_failure: ``"drop"`` (leave a failing site out of the round) or
+            ``"stop"`` (raise :class:`~medfed.errors.SiteFailure`).
+        update_norm_limit: c of the update-outlier check (``None``: no check).
+        max_consecutive_failures: rounds in a row a site may fail before it is
+            excluded from the rest of the run (``None``: never).
+        scratch_dir: where the participants' start-of-round states are
+            written while a round runs (``None``: the system's temporary
+            directory); only with ``on_site_failure="drop"``.
     """
 
     def __init__(
@@ -57,6 +77,10 @@ class FederatedLoop:
         participation: float,
         seed: int,
         save_checkpoint: Callable[[dict[str, Any]], None] | None = None,
+        on_site_failure: str = "drop",
+        update_norm_limit: float | None = 10.0,
+        max_consecutive_failures: int | None = 3,
+        scratch_dir: Path | None = None,
     ) -> None:
         self.fabric = fabric
         self.sites = sites
@@ -67,8 +91,15 @@ class FederatedLoop:
         self.participation = participation
         self.seed = seed
         self.save_checkpoint = save_checkpoint
+        self.on_site_failure = on_site_failure
+        self.update_norm_limit = update_norm_limit
+        self.max_consecutive_failures = max_consecutive_failures
+        self.scratch_dir = scratch_dir
         self.round = 0
         self.history: list[dict[str, Any]] = []
+        self.failure_streaks = [0] * len(sites)  # rounds in a row each site has failed
+        self.excluded: dict[str, dict[str, Any]] = {}  # site name -> {"round", "reason"}
+        self._round_start: RoundStartStates | None = None  # while fit runs, with on_site_failure="drop"
 
     # ------------------------------------------------------------------ public
     def setup(self) -> None:
@@ -81,66 +112,107 @@ class FederatedLoop:
         """Run rounds ``self.round + 1 .. rounds``; returns the per-round history."""
         if self.round == 0 and not self.history:
             self.setup()
-        while self.round < rounds:
-            self.round += 1
-            record = self._run_round(self.round)
-            self.history.append(record)
-            self.fabric.log_dict(_flatten_for_logging(record), step=self.round)
-            self.fabric.call("on_round_end", loop=self, record=record)
-            if self.save_checkpoint is not None:
-                self.save_checkpoint(self.state_dict())
-            if progress is not None:
-                progress(record)
+        self._round_start = RoundStartStates(self.scratch_dir) if self.on_site_failure == "drop" else None
+        try:
+            while self.round < rounds:
+                self.round += 1
+                record = self._run_round(self.round)
+                self.history.append(record)
+                self.fabric.call("on_round_end", loop=self, record=record)  # callbacks may add to the record
+                self.fabric.log_dict(_flatten_for_logging(record), step=self.round)
+                if self.save_checkpoint is not None:
+                    self.save_checkpoint(self.state_dict())
+                if progress is not None:
+                    progress(record)
+        finally:
+            if self._round_start is not None:
+                self._round_start.close()
         return self.history
 
     def participants(self, round_index: int) -> list[Site]:
-        """The sites taking part in ``round_index`` (all of them at participation 1)."""
+        """The sites taking part in ``round_index`` (all of them at participation 1), excluded sites left out.
+
+        The draw is over every site, so excluding one leaves the other sites'
+        rounds as they were.
+        """
         n = len(self.sites)
         k = max(1, math.ceil(self.participation * n - 1e-9))
         if k >= n:
-            return list(self.sites)
-        rng = np.random.default_rng(np.random.SeedSequence([self.seed, round_index, 0x5E1EC7]))
-        chosen = sorted(rng.choice(n, size=k, replace=False).tolist())
-        return [self.sites[i] for i in chosen]
+            chosen = range(n)
+        else:
+            rng = np.random.default_rng(np.random.SeedSequence([self.seed, round_index, 0x5E1EC7]))
+            chosen = sorted(rng.choice(n, size=k, replace=False).tolist())
+        return [self.sites[i] for i in chosen if self.sites[i].name not in self.excluded]
 
     # ------------------------------------------------------------------ one round
     def _run_round(self, round_index: int) -> dict[str, Any]:
         start = time.perf_counter()
+        if len(self.excluded) == len(self.sites):
+            raise SiteFailure(f"every site has been excluded ({_excluded_summary(self.excluded)}); nothing is left to train")
         counters_before = [_link_counters(link) for link in self.links]
         participants = self.participants(round_index)
-        timing = {"train_s": 0.0, "server_s": 0.0, "eval_s": 0.0}
+        timing = {"train_s": 0.0, "server_s": 0.0, "eval_s": 0.0, "round_start_s": 0.0}
         train_loss: dict[str, dict[str, float]] = {}
+        failures: dict[int, dict[str, Any]] = {}  # site index -> {"round", "site", "phase", "reason"}
+        if self._round_start is not None:
+            tic = time.perf_counter()
+            for site in participants:
+                self._round_start.save(site)
+            timing["round_start_s"] = time.perf_counter() - tic
+
+        def fail(site: Site, phase: str, reason: str) -> None:
+            """Leave ``site`` out of the rest of the round (drop) or end the run (stop)."""
+            if self.on_site_failure == "stop":
+                raise SiteFailure(f"site {site.name} failed in round {round_index} ({phase} phase): {reason}")
+            warn(f"round {round_index}: site {site.name} left out of the {phase} phase and the rest of the round: {reason}")
+            failures[site.index] = {"round": round_index, "site": site.name, "phase": phase, "reason": reason}
+            self._round_start.restore(site)
+
         epochs_before = 0.0  # epochs of this round's earlier phases
-        for phase in self.strategy.phases:
+        for phase_index, phase in enumerate(self.strategy.phases):
             epochs = self.local_epochs * self.strategy.site_epoch_share(phase)
+            taking_part = [site for site in participants if site.index not in failures]
             # Sites would train at the same time; simulated one after another,
             # the messages of a phase still cross the links together, before
             # and after all local training: coding them back to back keeps
             # CER's two-core solver clear of the OpenMP workers PyTorch leaves
-            # spinning for milliseconds after training.
+            # spinning for milliseconds after training. Waiting for every reply
+            # before sending also lets the outlier check compare the replies,
+            # so a refused reply is never encoded. Each raw reply is released
+            # as it is sent, so the phase holds one model-sized vector per
+            # reply, raw or received, not both.
             messages = {
                 site.index: self.links[site.index].send("down", self.strategy.server_message(phase, site.index))
-                for site in participants
+                for site in taking_part
             }
-            outgoing = {}
-            for site in participants:
-                self.strategy.site_receive(site, phase, messages[site.index])
-                tic = time.perf_counter()
-                loss = site.train(
-                    epochs,
-                    self.strategy.site_trainable(phase),
-                    lambda batch, site=site, phase=phase: self.strategy.site_loss(site, phase, batch),
-                    after=epochs_before,
-                )
-                timing["train_s"] += time.perf_counter() - tic
+            outgoing: dict[int, Payload] = {}
+            norms: dict[int, dict[str, float]] = {}
+            for site in taking_part:
+                message, stream = messages.pop(site.index), (round_index, phase_index)
+                try:
+                    loss, reply, site_norms = self._site_work(site, phase, message, epochs, epochs_before, stream, timing)
+                except Exception as error:  # whatever it is, it happened at the site: the site fails
+                    fail(site, phase, f"{type(error).__name__}: {error}")
+                    continue
                 if loss is not None:
                     train_loss.setdefault(site.name, {})[phase] = loss
-                outgoing[site.index] = self.strategy.site_reply(site, phase)
-            replies = {index: self.links[index].send("up", reply) for index, reply in outgoing.items()}
+                bad = non_finite_keys(reply)
+                if bad:
+                    fail(site, phase, f"non-finite reply ({', '.join(repr(key) for key in bad)})")
+                    continue
+                outgoing[site.index] = reply
+                norms[site.index] = site_norms
+            if self.update_norm_limit is not None:
+                for index, reason in update_outliers(norms, self.update_norm_limit).items():
+                    fail(self.sites[index], phase, reason)
+                    del outgoing[index]
+            replies = {index: self.links[index].send("up", outgoing.pop(index)) for index in sorted(outgoing)}
             tic = time.perf_counter()
-            self.strategy.server_aggregate(phase, replies)
+            if replies:  # a phase no participant came through leaves the server as it was
+                self.strategy.server_aggregate(phase, replies)
             timing["server_s"] += time.perf_counter() - tic
             epochs_before += epochs
+        newly_excluded = self._count_failures(participants, failures)
         self._deliver()
         tic = time.perf_counter()
         metrics = {site.name: site.evaluate() for site in self.sites}
@@ -161,7 +233,50 @@ class FederatedLoop:
             "bytes": traffic,
             "server": self.strategy.server_metrics(),
             "timing": timing,
+            "failures": [failures[index] for index in sorted(failures)],
+            "excluded": newly_excluded,
         }
+
+    def _site_work(
+        self, site: Site, phase: str, message: Payload, epochs: float, after: float, stream: tuple[int, ...], timing: dict[str, float]
+    ) -> tuple[float | None, Payload, dict[str, float]]:
+        """A site's part of a phase, its global generators seeded from ``stream``: receive, train, reply.
+
+        Returns the mean training loss (``None``: nothing trained), the reply
+        and its update norms (:func:`~medfed.federated.faults.update_norms`;
+        empty without an outlier check); adds the training time to
+        ``timing["train_s"]``.
+        """
+        with site.global_rng(*stream):
+            self.strategy.site_receive(site, phase, message)
+            coded_keys = self.strategy.coded_keys if self.update_norm_limit is not None else {}
+            start = {part: site.module.get_vector(part) for part in model_parts(coded_keys)}
+            tic = time.perf_counter()
+            loss = site.train(
+                epochs, self.strategy.site_trainable(phase), lambda batch: self.strategy.site_loss(site, phase, batch), after=after
+            )
+            timing["train_s"] += time.perf_counter() - tic
+            reply = self.strategy.site_reply(site, phase)
+            return loss, reply, update_norms(reply, start, coded_keys)
+
+    def _count_failures(self, participants: list[Site], failures: dict[int, dict[str, Any]]) -> list[str]:
+        """Update each participant's run of failing rounds; exclude those reaching the limit (returns their names)."""
+        newly_excluded = []
+        for site in participants:
+            if site.index not in failures:
+                self.failure_streaks[site.index] = 0
+                continue
+            self.failure_streaks[site.index] += 1
+            streak = self.failure_streaks[site.index]
+            if self.max_consecutive_failures is not None and streak >= self.max_consecutive_failures:
+                failure = failures[site.index]
+                self.excluded[site.name] = {"round": failure["round"], "reason": failure["reason"]}
+                newly_excluded.append(site.name)
+                warn(
+                    f"round {failure['round']}: site {site.name} excluded from the rest of the run "
+                    f"after failing {streak} rounds in a row"
+                )
+        return newly_excluded
 
     def _deliver(self) -> None:
         for site in self.sites:
@@ -170,17 +285,35 @@ class FederatedLoop:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs, and the torch thread count it ran with."""
         return {
             "round": self.round,
             "history": self.history,
             "sites": [site.state_dict() for site in self.sites],
             "links": [link.state_dict() for link in self.links],
             "server": self.strategy.server_state_dict(),
+            "failure_streaks": list(self.failure_streaks),
+            "excluded": dict(self.excluded),
+            "num_threads": torch.get_num_threads(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; warns if the checkpoint was written with another torch thread count.
+
+        Float reductions split over another number of threads may round
+        differently, so the resumed run may then differ in the last bits
+        from an uninterrupted one (``trainer.num_threads`` fixes the count).
+        """
+        if state["num_threads"] != torch.get_num_threads():
+            warn(
+                f"resuming with {torch.get_num_threads()} torch threads, the checkpoint was written with "
+                f"{state['num_threads']}: the results may differ slightly from an uninterrupted run "
+                "(set trainer.num_threads to fix the count)"
+            )
         self.round = state["round"]
         self.history = list(state["history"])
+        self.failure_streaks = list(state["failure_streaks"])
+        self.excluded = dict(state["excluded"])
         for site, site_state in zip(self.sites, state["sites"], strict=True):
             site.load_state_dict(site_state)
         for link, link_state in zip(self.links, state["links"], strict=True):
@@ -200,11 +333,18 @@ def _link_counters(link: Link) -> dict[str, float]:
 
 
 def _flatten_for_logging(record: dict[str, Any]) -> dict[str, float]:
-    """Round record -> flat ``{"site0/iou": ..., "mean/iou": ..., "bytes/up": ...}`` for loggers."""
+    """Round record -> flat ``{"site0/iou": ..., "site0/train_loss": ..., "mean/iou": ..., "bytes/up": ...}`` for loggers.
+
+    A site's mean training loss is ``site/train_loss``, or
+    ``site/train_loss/<phase>`` per phase when it trained in several.
+    """
     flat: dict[str, float] = {}
     for site, metrics in record["metrics"].items():
         for name, value in metrics.items():
             flat[f"{site}/{name}"] = value
+    for site, losses in record["train_loss"].items():
+        for phase, loss in losses.items():
+            flat[f"{site}/train_loss" if len(losses) == 1 else f"{site}/train_loss/{phase}"] = loss
     for name, value in record["mean"].items():
         flat[f"mean/{name}"] = value
     for direction in ("up", "down"):
@@ -220,4 +360,12 @@ def _flatten_for_logging(record: dict[str, Any]) -> dict[str, float]:
         flat[f"server/{name}"] = float(value)
     for name, value in record["timing"].items():
         flat[f"time/{name}"] = value
+    failed = {failure["site"] for failure in record["failures"]}
+    for site in record["metrics"]:
+        flat[f"{site}/failed"] = float(site in failed)
     return flat
+
+
+def _excluded_summary(excluded: dict[str, dict[str, Any]]) -> str:
+    """``site1 after round 3: <reason>; ...``."""
+    return "; ".join(f"{site} after round {info['round']}: {info['reason']}" for site, info in excluded.items())

@@ -3,15 +3,23 @@
 A site is built once per run and never rebuilt: its LightningModule, its
 optimiser state (e.g. Adam moments) and its data-loader RNG survive from
 round to round and go into every checkpoint, so a resumed run continues
-exactly where the interrupted one stopped.
+exactly where the interrupted one stopped. Everything else a site's work
+draws at random (dropout, any augmentation: torch's, NumPy's and Python's
+global generators) comes from :meth:`Site.global_rng`, seeded afresh from
+the run's seed, the site and the round before each piece of work, so it
+needs no state: two runs, or a run and its resumed twin, draw the same.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, RandomSampler
@@ -31,7 +39,8 @@ class Site:
         optimizer: its optimiser (wrapped by ``fabric.setup``).
         fabric: the run's Fabric (device placement, backward).
         batch_size: mini-batch size of local training and evaluation.
-        seed: seeds the site's shuffling generator (offset by ``index``).
+        seed: the run's seed: seeds the site's shuffling generator (offset
+            by ``index``) and its :meth:`global_rng`.
     """
 
     def __init__(
@@ -51,6 +60,7 @@ class Site:
         module.prepare_for_site(data)  # what the model takes from its own site, e.g. class weights
         self.optimizer = optimizer
         self.fabric = fabric
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
         # A training set that draws fresh samples (random crops) brings its own sampler; it draws from the same generator.
         sampler = data.train.sampler(self.generator) if hasattr(data.train, "sampler") else RandomSampler(data.train, generator=self.generator)
@@ -88,6 +98,26 @@ class Site:
         batches = self.batches_per_epoch
         return max(1, math.floor(batches * (after + epochs) + 0.5) - math.floor(batches * after + 0.5))
 
+    @contextmanager
+    def global_rng(self, *stream: int) -> Iterator[None]:
+        """Inside the block, torch's (CPU and the site's device), NumPy's and Python's global generators
+        are seeded from ``(run seed, site index, *stream)``; outside it they are as they were.
+
+        The loop wraps a site's part of each phase in ``global_rng(round, phase)``.
+        """
+        seed = int(np.random.SeedSequence([self.seed, self.index, *stream]).generate_state(1)[0])
+        device = self.fabric.device
+        numpy_state, python_state = np.random.get_state(), random.getstate()
+        with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
+            torch.manual_seed(seed)
+            np.random.seed(seed)
+            random.seed(seed)
+            try:
+                yield
+            finally:
+                np.random.set_state(numpy_state)
+                random.setstate(python_state)
+
     def train(
         self, epochs: float, part: str | None, step_loss: Callable[[Any], torch.Tensor], after: float = 0.0
     ) -> float | None:
@@ -107,6 +137,9 @@ class Site:
             step_loss: maps a device batch to the scalar loss of one step.
             after: epochs the round trained before this call (its earlier
                 phases), which fixes where this call's steps are cut.
+
+        The gradients are freed at the end (``set_to_none``): between rounds
+        a site holds its model and optimiser state, not a gradient as well.
 
         Returns:
             Mean training loss over the steps, or ``None`` if nothing was
@@ -135,6 +168,7 @@ class Site:
                 self.optimizer.step()
                 total += loss.item()
                 remaining -= 1
+        self.optimizer.zero_grad(set_to_none=True)
         self.module.set_trainable("all")
         return total / steps
 

@@ -127,10 +127,14 @@ class BinaryClassifier(FederatedModule):
             weight = torch.tensor(self.class_weights, dtype=log_odds.dtype, device=log_odds.device)[y]
         return F.binary_cross_entropy_with_logits(log_odds, y.to(log_odds.dtype), weight=weight)
 
+    def positive_probability(self, x: torch.Tensor) -> torch.Tensor:
+        """p(positive) of each sample, ``(B,)`` float64: the score the test metrics, ROC curves and confusion matrices use."""
+        # float64 keeps p(positive) below 1 up to log-odds ~36, so AUROC does not see false ties
+        return torch.sigmoid(self.log_odds(x).to(torch.float64))
+
     def test_step(self, batch, batch_idx: int) -> None:
         x, y = batch
-        # float64 keeps p(positive) below 1 up to log-odds ~36, so AUROC does not see false ties
-        self.test_metrics.update(torch.sigmoid(self.log_odds(x).to(torch.float64)), y)
+        self.test_metrics.update(self.positive_probability(x), y)
 
     def compute_test_metrics(self) -> dict[str, torch.Tensor]:
         results = self.test_metrics.compute()

@@ -23,13 +23,20 @@ volumes, are kept in the preprocessed-data cache (:mod:`medfed.data.cache`,
 ``data.cache``): a second run on the same files with the same options,
 federation and seed reads no volume. ``data.augment`` acts on each drawn crop,
 not on what is stored, so it is not part of the cache key.
+
+A generated data set is held (:func:`~medfed.data.phantoms.store.hold`)
+whenever it is read, while the federation is built and while whole volumes
+are evaluated, so another run generating other parameters at the same root
+waits instead of replacing the files under this one.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +51,7 @@ from medfed.data.crops import Augmentation, RandomCrops, training_volume
 from medfed.data.federation import EvaluationVolume, Federation, SiteData, SiteSplit, assign_subjects_to_sites, split_sites, split_subjects
 from medfed.data.partition_csv import find_partition_csv, read_partition_csv
 from medfed.data.patches import extract_axial_patches, sample_centres, tumour_free_centres, zscore_over_brain
-from medfed.data.phantoms.brats import generate_brats_phantoms
+from medfed.data.phantoms.brats import brats_phantoms
 from medfed.data.phantoms.store import MARKER, describe_generated
 from medfed.errors import ConfigError, DataError, warn
 
@@ -111,15 +118,36 @@ def build_federation(
             cases hold no tumour voxel.
     """
     root = Path(options.root)
-    if options.generate is not None:
-        generate_brats_phantoms(
-            root,
-            n_sites=federation.n_sites,
-            cases_per_site=options.generate.cases_per_site,
-            seed=options.generate.seed,
-            resolution_mm=options.generate.resolution_mm,
-            progress=progress,
-        )
+    held = _data_set(root, options.generate, federation.n_sites, progress)
+    with held():
+        return _plan_and_read(root, held, options, federation, seed, progress, target)
+
+
+def _data_set(root: Path, generate: GeneratedBrats | None, n_sites: int, progress: bool) -> Callable[[], AbstractContextManager]:
+    """What holds the data at ``root`` while a ``with`` block reads them: the generated set (written first if need be), or nothing."""
+    if generate is None:
+        return nullcontext
+    return partial(
+        brats_phantoms,
+        root,
+        n_sites=n_sites,
+        cases_per_site=generate.cases_per_site,
+        seed=generate.seed,
+        resolution_mm=generate.resolution_mm,
+        progress=progress,
+    )
+
+
+def _plan_and_read(
+    root: Path,
+    held: Callable[[], AbstractContextManager],
+    options: Options,
+    federation: FederationConfig,
+    seed: int,
+    progress: bool,
+    target: str,
+) -> Federation:
+    """:func:`build_federation` while the data set at ``root`` is held."""
     cases = {case.case_id: case for case in find_cases(root)}
     partition_file = find_partition_csv(options.partition_csv or None, root)
     partition = read_partition_csv(partition_file) if partition_file is not None else None
@@ -139,7 +167,7 @@ def build_federation(
         enabled=options.cache,
         cache_dir=options.cache_dir,
     )
-    built.volumes = BratsVolumes(cases, [split.evaluation for split in site_splits], drops)
+    built.volumes = BratsVolumes(cases, [split.evaluation for split in site_splits], drops, held)
     if options.train_sampling == "random_crops":
         for site in built.sites:
             site.train = RandomCrops(
@@ -166,13 +194,16 @@ class BratsVolumes:
     cases: dict[str, BratsCase]
     evaluation_cases: list[list[str]]
     drops: list[int | None]
+    held: Callable[[], AbstractContextManager]
+    """Holds the data set while volumes are read (another run may have generated other data there meanwhile)."""
 
     def site_volumes(self, site: int) -> Iterator[EvaluationVolume]:
-        for case_id in self.evaluation_cases[site]:
-            volume = load_case(self.cases[case_id])
-            image = _normalised(volume, self.drops[site])
-            spacing = tuple(float(s) for s in np.linalg.norm(volume.affine[:3, :3], axis=0))
-            yield EvaluationVolume(case_id, image, volume.label, spacing)
+        with self.held():
+            for case_id in self.evaluation_cases[site]:
+                volume = load_case(self.cases[case_id])
+                image = _normalised(volume, self.drops[site])
+                spacing = tuple(float(s) for s in np.linalg.norm(volume.affine[:3, :3], axis=0))
+                yield EvaluationVolume(case_id, image, volume.label, spacing)
 
 
 def _read_federation(

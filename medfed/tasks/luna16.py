@@ -37,6 +37,7 @@ federation and seed were built before.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -50,7 +51,7 @@ from medfed.data.cache import cache_key, key_settings, load_or_build
 from medfed.data.federation import Federation, SiteData, SiteSplit, assign_subjects_to_sites, split_sites, split_subjects
 from medfed.data.luna16 import CandidateSelection, NoduleCandidates, cut_candidate_patches, select_candidates
 from medfed.data.partition_csv import find_partition_csv, read_partition_csv
-from medfed.data.phantoms.luna16 import generate_luna16_phantoms
+from medfed.data.phantoms.luna16 import luna16_phantoms
 from medfed.data.phantoms.store import MARKER, describe_generated
 from medfed.errors import ConfigError, DataError
 from medfed.tasks.label_imbalance import SiteSamples, sites_at_label_ratio
@@ -65,7 +66,7 @@ PREPROCESSING_VERSION = 1
 class GeneratedLuna16:
     """Settings of the generated default data set (one acquisition site per site of the federation).
 
-    The keys are those of :func:`~medfed.data.phantoms.luna16.generate_luna16_phantoms`, which checks them.
+    The keys are those of :func:`~medfed.data.phantoms.luna16.luna16_phantoms`, which checks them.
     """
 
     series_per_site: int = 10
@@ -120,11 +121,17 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
             a site's split cannot meet, also before any volume is read.
     """
     root = Path(options.root)
-    if options.generate is not None:
-        try:
-            generate_luna16_phantoms(root, n_sites=federation.n_sites, progress=progress, **asdict(options.generate))
-        except ValueError as error:  # the generator names the impossible parameter
-            raise ConfigError(f"config key 'data.generate': {error}") from None
+    with ExitStack() as held:  # a generated data set stays as it is while it is read, whatever other runs generate
+        if options.generate is not None:
+            try:
+                held.enter_context(luna16_phantoms(root, n_sites=federation.n_sites, progress=progress, **asdict(options.generate)))
+            except ValueError as error:  # the generator names the impossible parameter
+                raise ConfigError(f"config key 'data.generate': {error}") from None
+        return _plan_and_cut(root, options, federation, seed, progress)
+
+
+def _plan_and_cut(root: Path, options: Options, federation: FederationConfig, seed: int, progress: bool) -> Federation:
+    """:func:`build_federation` once the data set at ``root`` is there."""
     selection = select_candidates(
         root, candidates_csv=options.candidates_csv, max_negatives_per_series=options.max_negatives_per_series, seed=seed
     )

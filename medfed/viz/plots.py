@@ -1,4 +1,4 @@
-"""Figures a run writes next to its results: learning curves, segmentation overlays, similarity graphs.
+"""Figures a run writes next to its results: learning curves, segmentation overlays, similarity graphs, ROC curves, confusion matrices.
 
 Each carries the data's provenance in its title, so a figure made from
 generated data says so wherever it is shown.
@@ -16,8 +16,10 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from matplotlib.figure import Figure
+from torchmetrics.functional.classification import binary_auroc, binary_confusion_matrix, binary_roc
 
 
 def plot_learning_curves(history: list[dict[str, Any]], title: str) -> Figure:
@@ -72,7 +74,7 @@ def plot_segmentation_examples(sites: list, title: str, per_site: int = 4, chann
         site.module.eval()
         prediction = site.module.region_masks(site.module(site.fabric.to_device(x)))[:, 0].cpu()  # whole tumour
         y = y[:, 0] if y.ndim == 4 else y
-        shown = channel if x[:, channel].abs().sum() > 0 else int((x.abs().sum(dim=(0, 2, 3)) > 0).float().argmax())
+        shown = displayed_channel(x, channel)
         for axis, image, truth, predicted in zip(row, x[:, shown], y, prediction):
             axis.imshow(image.numpy().T, cmap="gray", origin="lower")
             for mask, colour in ((truth, "red"), (predicted, "cyan")):
@@ -84,6 +86,13 @@ def plot_segmentation_examples(sites: list, title: str, per_site: int = 4, chann
     figure.suptitle(textwrap.fill(title, 18 * per_site) + "\nred: truth, cyan: prediction", fontsize=8)
     figure.tight_layout()
     return figure
+
+
+def displayed_channel(x: torch.Tensor, channel: int) -> int:
+    """``channel`` of the ``(B, C, H, W)`` patches, or their first non-zero channel if it is all zero (a missing sequence)."""
+    if x[:, channel].abs().sum() > 0:
+        return channel
+    return int((x.abs().sum(dim=(0, 2, 3)) > 0).float().argmax())
 
 
 def plot_similarity_graphs(panels: list[tuple[str, Any]], title: str) -> Figure:
@@ -113,6 +122,66 @@ def plot_similarity_graphs(panels: list[tuple[str, Any]], title: str) -> Figure:
         axis.axis("off")
         axis.set_title(f"{label}: {len(graph.edges)} edges", fontsize=9)
     figure.suptitle(textwrap.fill(f"{title}; edge labels = weights", 110), fontsize=9)
+    figure.tight_layout()
+    return figure
+
+
+def plot_roc_curves(scores: dict[str, tuple[torch.Tensor, torch.Tensor]], title: str, threshold: float = 0.5) -> Figure:
+    """Every site's ROC curve on its test split, its AUROC in the legend and its operating point marked.
+
+    Args:
+        scores: ``{site: (p(positive), label)}``, one entry per test sample.
+        title: figure title.
+        threshold: the operating point, predicted positive iff p > threshold
+            (what the accuracy metrics count).
+    """
+    figure = Figure(figsize=(5.6, 5.0))
+    axis = figure.subplots()
+    for site, (probability, label) in scores.items():
+        fpr, tpr, _ = binary_roc(probability, label)
+        auroc = float(binary_auroc(probability, label))
+        (line,) = axis.plot(fpr.numpy(), tpr.numpy(), lw=1.4, label=f"{site} (AUROC {auroc:.3f})")
+        (tn, fp), (fn, tp) = binary_confusion_matrix(probability, label, threshold).tolist()
+        axis.plot([fp / (fp + tn)], [tp / (tp + fn)], "o", ms=5, color=line.get_color())
+    axis.plot([0, 1], [0, 1], ":", color="grey", lw=1, label="chance")
+    axis.set_xlabel("false positive rate (1 - specificity)")
+    axis.set_ylabel("true positive rate (sensitivity)")
+    axis.set_xlim(-0.01, 1.01)
+    axis.set_ylim(-0.01, 1.01)
+    axis.set_aspect("equal")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8, loc="lower right")
+    figure.suptitle(textwrap.fill(f"{title}; dots: p > {threshold}", 80), fontsize=8)
+    figure.tight_layout()
+    return figure
+
+
+def plot_confusion_matrices(
+    scores: dict[str, tuple[torch.Tensor, torch.Tensor]], title: str, class_names: tuple[str, str], threshold: float = 0.5
+) -> Figure:
+    """One panel per site: test counts by true class (rows) and predicted class (columns), shaded by row share.
+
+    Args:
+        scores: ``{site: (p(positive), label)}``, one entry per test sample.
+        title: figure title.
+        class_names: names of label 0 and label 1.
+        threshold: predicted positive iff p > threshold.
+    """
+    figure = Figure(figsize=(2.9 * len(scores), 3.3))
+    axes = figure.subplots(1, len(scores), squeeze=False)
+    for axis, (site, (probability, label)) in zip(axes[0], scores.items()):
+        counts = binary_confusion_matrix(probability, label, threshold)
+        share = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
+        axis.imshow(share.numpy(), cmap="Blues", vmin=0.0, vmax=1.0)
+        for (row, column), count in np.ndenumerate(counts.numpy()):
+            colour = "white" if share[row, column] > 0.5 else "black"
+            axis.text(column, row, f"{count}\n{share[row, column]:.0%}", ha="center", va="center", fontsize=9, color=colour)
+        axis.set_xticks([0, 1], class_names, fontsize=7)
+        axis.set_yticks([0, 1], class_names, fontsize=7, rotation=90, va="center")
+        axis.set_xlabel(f"predicted (p > {threshold})", fontsize=8)
+        axis.set_ylabel("true", fontsize=8)
+        axis.set_title(site, fontsize=9)
+    figure.suptitle(textwrap.fill(title, 30 * len(scores)), fontsize=8)
     figure.tight_layout()
     return figure
 

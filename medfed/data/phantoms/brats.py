@@ -1,6 +1,6 @@
 """Generated BraTS-like multi-site data: MNI152 anatomy, simulated gliomas, per-site scanners.
 
-:func:`generate_brats_phantoms` writes a data set in the BraTS 2017 layout
+:func:`brats_phantoms` writes a data set in the BraTS 2017 layout
 (``root/HGG|LGG/<case>/<case>_{flair,t1,t1ce,t2,seg}.nii.gz``, images int16,
 segmentations uint8 with the BraTS values {0, 1, 2, 4}) that
 :func:`medfed.data.brats.find_cases` reads like the real thing, plus
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import nibabel as nib
@@ -42,7 +43,7 @@ from tqdm import tqdm
 
 from medfed.data.brats import MODALITIES
 from medfed.data.partition_csv import write_partition_csv
-from medfed.data.phantoms.store import is_cached, write_atomically, write_marker
+from medfed.data.phantoms.store import hold, write_marker
 
 GENERATOR = "medfed.data.phantoms.brats"
 GENERATOR_VERSION = 1
@@ -148,7 +149,7 @@ class SimulatedCase:
     affine: np.ndarray
 
 
-def generate_brats_phantoms(
+def brats_phantoms(
     root: str | Path,
     *,
     n_sites: int = 5,
@@ -157,8 +158,8 @@ def generate_brats_phantoms(
     resolution_mm: float = 2.0,
     lgg_fraction: float = 0.25,
     progress: bool = True,
-) -> Path:
-    """Write (or reuse) a generated multi-site BraTS 2017-layout data set at ``root``.
+) -> AbstractContextManager[Path]:
+    """A generated multi-site BraTS 2017-layout data set at ``root``, written unless it is there, held while a block reads it.
 
     Args:
         root: output folder. Replaced only if it is missing, empty, or an
@@ -171,19 +172,26 @@ def generate_brats_phantoms(
         progress: show a tqdm bar over cases.
 
     Returns:
-        ``root`` as a Path. If ``root/GENERATED.json`` records the same
-        parameters and generator version and every file is present, nothing
-        is rewritten. Otherwise the data set is written to a temporary sibling
-        folder and renamed into place, so ``root`` never holds a partial data set.
+        A context manager giving ``root`` as a Path; no other medfed run
+        replaces the data set until its block ends
+        (:func:`~medfed.data.phantoms.store.hold`). If ``root/GENERATED.json``
+        records the same parameters and generator version and every file is
+        present, nothing is rewritten. Otherwise the data set is written to a
+        hidden sibling folder and renamed into place, so ``root`` never holds a
+        partial data set.
 
     Raises:
         ValueError: an argument is out of range (the message names it).
-        DataError: ``root`` exists and is not this generator's output.
+        DataError: ``root`` exists and is not this generator's output (on entering the block).
     """
     parameters = _checked_parameters(n_sites, cases_per_site, seed, resolution_mm, lgg_fraction)
-    if is_cached(root, GENERATOR, GENERATOR_VERSION, parameters):
-        return Path(root)
-    return write_atomically(root, GENERATOR, lambda folder: _write_data_set(folder, parameters, progress))
+    return hold(root, GENERATOR, GENERATOR_VERSION, parameters, lambda folder: _write_data_set(folder, parameters, progress))
+
+
+def generate_brats_phantoms(root: str | Path, **settings) -> Path:
+    """Write (or reuse) the data set :func:`brats_phantoms` describes and return ``root``, not held (scripts, tests)."""
+    with brats_phantoms(root, **settings) as path:
+        return path
 
 
 def draw_site_acquisition(seed: int, site: int) -> SiteAcquisition:

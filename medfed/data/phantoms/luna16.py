@@ -46,13 +46,16 @@ and a calibration offset (-20 to +20 HU). Stored values are clipped to
 
 Everything is deterministic from ``seed``: site acquisitions use the stream
 ``default_rng([seed, 0])``, series ``j`` of site ``s`` the stream
-``default_rng([seed, 1, s, j])``. The output is written to a temporary sibling
+``default_rng([seed, 1, s, j])``. The output is written to a hidden sibling
 directory and renamed into place; a ``root`` whose ``GENERATED.json`` records
-the same parameters and generator version is returned untouched.
+the same parameters and generator version is returned untouched. While a
+``with luna16_phantoms(...)`` block reads it, no other medfed run replaces it
+(:func:`medfed.data.phantoms.store.hold`).
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -63,7 +66,7 @@ from tqdm import tqdm
 
 from medfed.data.luna16 import ANNOTATIONS_HEADER, CANDIDATES_HEADER
 from medfed.data.partition_csv import write_partition_csv
-from medfed.data.phantoms.store import is_cached, write_atomically, write_marker
+from medfed.data.phantoms.store import hold, write_marker
 
 GENERATOR_VERSION = 2  # 2: marker written by phantoms.store (with a description)
 GENERATOR = __name__
@@ -215,7 +218,7 @@ class _Series:
     candidate_labels: np.ndarray  # int64 (n,)
 
 
-def generate_luna16_phantoms(
+def luna16_phantoms(
     root: str | Path,
     *,
     n_sites: int = 5,
@@ -228,8 +231,8 @@ def generate_luna16_phantoms(
     nodule_diameter_mm: tuple[float, float] = (3.0, 25.0),
     negatives_per_series: int = 60,
     progress: bool = True,
-) -> Path:
-    """Write (or reuse) a generated LUNA16-layout data set at ``root``; see the module docstring.
+) -> AbstractContextManager[Path]:
+    """A generated LUNA16-layout data set at ``root``, written unless it is there, held while a block reads it.
 
     Args:
         root: output directory; it must be absent, empty, or a previous output
@@ -246,11 +249,13 @@ def generate_luna16_phantoms(
         progress: show a tqdm bar over series.
 
     Returns:
-        ``root`` as a Path.
+        A context manager giving ``root`` as a Path; no other medfed run
+        replaces the data set until its block ends.
 
     Raises:
-        ValueError: an impossible parameter (named), e.g. nodules that do not fit.
-        DataError: ``root`` holds something that is not this generator's output.
+        ValueError: an impossible parameter (named), e.g. nodules that do not
+            fit (on entering the block when only generating finds out).
+        DataError: ``root`` holds something that is not this generator's output (on entering the block).
     """
     parameters = dict(
         n_sites=n_sites,
@@ -264,9 +269,13 @@ def generate_luna16_phantoms(
         negatives_per_series=negatives_per_series,
     )
     _check_parameters(parameters)
-    if is_cached(root, GENERATOR, GENERATOR_VERSION, parameters):
-        return Path(root)
-    return write_atomically(root, GENERATOR, lambda folder: _write_dataset(folder, parameters, progress))
+    return hold(root, GENERATOR, GENERATOR_VERSION, parameters, lambda folder: _write_dataset(folder, parameters, progress))
+
+
+def generate_luna16_phantoms(root: str | Path, **settings) -> Path:
+    """Write (or reuse) the data set :func:`luna16_phantoms` describes and return ``root``, not held (scripts, tests)."""
+    with luna16_phantoms(root, **settings) as path:
+        return path
 
 
 def _check_parameters(p: dict) -> None:

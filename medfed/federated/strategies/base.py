@@ -26,11 +26,16 @@ One run, as :class:`~medfed.federated.loop.FederatedLoop` calls it::
                 site_i trains the part site_trainable(phase) on site_loss(...)
                     for local_epochs * site_epoch_share(phase) epochs
                 replies[i] = site_reply(site_i, phase)
-            server_aggregate(phase, replies)
+            server_aggregate(phase, replies)          # not called when no reply came through
 
 (The server's messages of a phase are all made before any site trains, as
 they would be with sites training at the same time: ``server_message`` may
-depend only on server state.)
+depend only on server state, and must not change it. A participant that
+fails in a phase, see :mod:`medfed.federated.faults`, is missing from that
+phase's replies and takes no part in the rest of the round; it is put back
+to its start-of-round state and gets the delivery, so the server must treat
+it as a site that did not take part from that phase on: whatever it
+learns about a site, it learns from the replies.)
         for every site i: site_receive(site_i, "deliver", server_deliver(i))
         every site evaluates its model on its own test split
 

@@ -59,7 +59,8 @@ Edges: each site's ``knn_k`` nearest sites (``knn_rule`` union or mutual),
 weighted by a Gaussian kernel of the distance (``edge_weights``). The graph
 is logged per round (``graph/w_i_j``, 0 for absent pairs) and drawn in
 ``similarity_graph.png``, one panel per (re)build. A site that skipped the round keeps its column of
-Z as the proximal centre.
+Z as the proximal centre; so does one left out of the personal phase after failing in either
+phase (its shared reply counts if the shared phase accepted it), and it is delivered x_{t+1}.
 """
 
 from __future__ import annotations
@@ -185,10 +186,7 @@ class PFedNet(Strategy):
         return every > 0 and (self.personal_steps - self.graph_history[-1][0]) >= every
 
     def server_message(self, phase: str, site_index: int) -> Payload:
-        if phase == "personal":
-            self.sites_holding_shared.add(site_index)
-            return {"shared": self.shared}
-        return {}
+        return {"shared": self.shared} if phase == "personal" else {}
 
     def server_aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
         if phase == "shared":
@@ -197,6 +195,9 @@ class PFedNet(Strategy):
             )
             self.sites_holding_shared = set()
             return
+        # The sites replying now trained their personal parts from x_{t+1} and hold it; one that got
+        # the message but failed was put back to its start-of-round state, so it needs x_{t+1} delivered.
+        self.sites_holding_shared = set(replies)
         centre = self.personal.clone()
         for index, reply in replies.items():
             centre[:, index] = reply["personal"]

@@ -1,0 +1,115 @@
+"""The run's folder: its problems found before any data is read, and an ``--overwrite`` that loses nothing.
+
+A run writes only inside ``output_dir`` (``config.json``, ``results.json``,
+figures, ``checkpoints/``, ``csv/``, ``wandb/``) and records no path to it, so
+a run folder can be moved and still be resumed.
+
+:func:`check_output_dir` runs right after the config is checked: ``output_dir``
+(or the nearest existing folder above it) must be a folder this user can
+write in, and an earlier run in it is never touched unless ``--resume``
+continues it or ``--overwrite`` replaces it.
+
+``--overwrite`` renames the earlier run to ``<output_dir>.previous`` in one
+atomic step (:func:`start_run`, just before the new run writes its first
+file) and deletes that folder when a run in ``output_dir`` finishes
+(:func:`finish_run`). An interrupted overwrite thus leaves the earlier run
+whole in ``<output_dir>.previous`` and only the new run's files in
+``output_dir``, never a mixture.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from medfed.atomic import TEMPORARY_SUFFIX, remove_stale_temporaries
+from medfed.checkpoint import FOLDER, checkpoints
+from medfed.errors import ConfigError
+
+RUN_ENTRIES = frozenset({"config.json", "results.json", FOLDER, "csv", "wandb"})
+"""What a run writes into ``output_dir``, besides its ``*.png`` figures and hidden temporary files."""
+
+
+def previous_run(output_dir: Path) -> Path:
+    """Where ``--overwrite`` keeps the earlier run until the new one finishes: ``<output_dir>.previous``."""
+    return output_dir.with_name(output_dir.name + ".previous")
+
+
+def holds_run(output_dir: Path) -> bool:
+    """True if ``output_dir`` holds a finished run (``results.json``) or one with a checkpoint to resume."""
+    return (output_dir / "results.json").exists() or bool(checkpoints(output_dir / FOLDER))
+
+
+def check_output_dir(output_dir: Path, *, resume: bool, overwrite: bool) -> None:
+    """Every problem with ``output_dir`` as a one-line ConfigError, before any data is read or anything written.
+
+    Raises:
+        ConfigError: ``output_dir`` (or a folder above it) is a file or not
+            writable; it holds a run and neither ``resume`` nor ``overwrite``
+            is set; ``--overwrite`` would have to replace files no run
+            writes, or an unfinished ``--overwrite`` left two runs.
+    """
+    key = f"config key 'output_dir' = {str(output_dir)!r}"
+    if resume and overwrite:
+        raise ConfigError("--resume continues the run in output_dir and --overwrite replaces it: pass only one")
+    _check_writable(output_dir, key)
+    if not holds_run(output_dir):
+        return
+    if not (resume or overwrite):
+        raise ConfigError(f"{key} already holds a run; pass --resume to continue it, --overwrite to replace it, or choose another output_dir")
+    if overwrite:
+        previous = previous_run(output_dir)
+        if previous.exists():
+            raise ConfigError(
+                f"{key} holds the unfinished run of an interrupted --overwrite and {previous} the run it replaces: "
+                "continue the new run with --resume, or delete one of the two folders"
+            )
+        foreign = _foreign_entries(output_dir)
+        if foreign:
+            raise ConfigError(
+                f"{key} also holds {foreign[0]!r}, which no run writes; --overwrite moves the whole folder aside: "
+                "move such files out, or choose another output_dir"
+            )
+        _check_writable(output_dir.parent, key)
+
+
+def start_run(output_dir: Path, overwrite: bool) -> None:
+    """Before a new run writes its first file: with ``overwrite``, rename an earlier run to :func:`previous_run`.
+
+    Temporary files a killed run left (before its first checkpoint) are deleted.
+    """
+    if overwrite and holds_run(output_dir):
+        previous = previous_run(output_dir)
+        os.rename(output_dir, previous)
+        logging.getLogger("medfed").info(f"moved the earlier run in {output_dir} to {previous}; it is deleted when this run finishes")
+    for folder in (output_dir, output_dir / FOLDER):
+        remove_stale_temporaries(folder)
+
+
+def finish_run(output_dir: Path) -> None:
+    """After a run finished: delete the earlier run ``--overwrite`` moved aside, if there is one."""
+    previous = previous_run(output_dir)
+    if previous.is_dir() and not _foreign_entries(previous):
+        shutil.rmtree(previous)
+
+
+def _check_writable(folder: Path, key: str) -> None:
+    """``folder``, or the nearest existing folder above it, is a folder this user can create files in."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{key}: {existing} is a file, expected a folder (or a path that does not exist yet)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: cannot write in {existing} (permission denied); choose another output_dir")
+
+
+def _foreign_entries(folder: Path) -> list[str]:
+    """Names in ``folder`` that no run writes (sorted)."""
+    return sorted(
+        entry.name
+        for entry in folder.iterdir()
+        if not (entry.name in RUN_ENTRIES or entry.suffix == ".png" or (entry.name.startswith(".") and entry.name.endswith(TEMPORARY_SUFFIX)))
+    )

@@ -1,0 +1,215 @@
+"""What a run's loggers receive beyond the per-round scalars, and how a resumed run keeps its logs whole.
+
+:class:`Tracker` owns the run's two loggers:
+
+* CSV (``<output_dir>/csv/version_0/metrics.csv``), written to disk after
+  every round; a resumed run rewrites it from the checkpointed rounds and
+  carries on in the same file, so it holds every round once.
+* W&B (offline by default): the full resolved config (every component
+  default), the run grouped by task and config and tagged with task,
+  strategy and seed; each site's test metrics and training loss per round
+  (the loop logs them); segmentation overlays (``wandb.Image`` with the
+  ground truth and prediction as masks, classes named) of a few fixed test
+  patches per site every ``logger.image_every`` rounds and after the last;
+  and the PNG figures of the run at the end. The run id is kept in
+  ``<output_dir>/wandb_run_id`` so that ``--resume`` continues the same W&B
+  run rather than starting a second one.
+
+For the classification tasks, :func:`classification_figures` draws each
+site's ROC curve and confusion matrix on its final test scores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.fabric.loggers import CSVLogger
+from matplotlib.figure import Figure
+
+from medfed.config import RunConfig
+from medfed.data.federation import Federation
+from medfed.federated.loop import FederatedLoop, _flatten_for_logging
+from medfed.federated.site import Site
+from medfed.viz.plots import displayed_channel, plot_confusion_matrices, plot_roc_curves
+
+RUN_ID_FILE = "wandb_run_id"
+"""The W&B run id, in the output directory: ``--resume`` reads it to continue the same W&B run."""
+
+CHANNEL_NAMES = {"brats": ("FLAIR", "T1", "T1ce", "T2")}
+"""Input channel names per task, in channel order (BraTS: :data:`medfed.data.brats.MODALITIES`)."""
+
+CLASS_LABELS = {"brats": {0: "background", 1: "whole tumour"}, "luna16": {0: "not a nodule", 1: "nodule"}}
+REGION_LABELS = {0: "background", 1: "oedema (WT, not TC)", 2: "core (TC, not ET)", 3: "enhancing tumour"}
+"""Overlay classes of ``model.target: regions``: the number of nested regions (WT, TC, ET) a pixel is in."""
+"""Target class names per task (the clinical task's come from ``data.positive``)."""
+
+EXAMPLES_PER_SITE = 4
+"""Test patches per site shown as W&B segmentation overlays."""
+
+
+class Tracker:
+    """The run's CSV and W&B loggers; a Fabric callback that logs segmentation overlays.
+
+    Args:
+        run_cfg: the typed run config (``logger``, ``trainer``, ``output_dir``).
+        config: the full resolved config (what config.json holds); W&B gets it whole.
+        federation: the run's data (task, classes, provenance).
+        strategy: the strategy's name (W&B tag and default run name).
+        resume: continue the run in ``output_dir``: the same W&B run, the same metrics.csv.
+        config_name: the config file's name, for the default W&B group.
+    """
+
+    def __init__(
+        self,
+        run_cfg: RunConfig,
+        config: dict[str, Any],
+        federation: Federation,
+        strategy: str,
+        *,
+        resume: bool = False,
+        config_name: str | None = None,
+    ) -> None:
+        self.config = config
+        self.output_dir = Path(run_cfg.output_dir)
+        self.rounds = run_cfg.trainer.rounds
+        self.image_every = run_cfg.logger.image_every
+        self.class_labels = class_labels(config, federation.num_classes)
+        self.segmentation = federation.sites[0].test.tensors[1].ndim == 3  # the targets are images
+        self.channel_names = CHANNEL_NAMES.get(federation.task, tuple(f"channel {c}" for c in range(federation.input_shape[0])))
+        self.csv = CSVLogger(root_dir=self.output_dir, name="csv", version=0, flush_logs_every_n_steps=1)
+        self.loggers: list = [self.csv]
+        self.wandb = None
+        if run_cfg.logger.wandb != "disabled":
+            from lightning.pytorch.loggers import WandbLogger
+
+            run_id_file = self.output_dir / RUN_ID_FILE
+            seed = run_cfg.trainer.seed
+            tags = [federation.task, strategy, f"seed={seed}", *(["generated data"] if federation.generated else [])]
+            self.wandb = WandbLogger(
+                project=run_cfg.logger.project,
+                name=run_cfg.logger.run_name or f"{strategy} seed {seed}",
+                group=run_cfg.logger.group or f"{federation.task}/{config_name or self.output_dir.name}",
+                tags=[*tags, *run_cfg.logger.tags],
+                save_dir=str(self.output_dir),
+                offline=run_cfg.logger.wandb == "offline",
+                id=run_id_file.read_text().strip() if resume and run_id_file.is_file() else None,
+            )
+            self.loggers.append(self.wandb)
+
+    def start(self, history: list[dict[str, Any]]) -> None:
+        """Before the first round to train: the finished rounds (of a resumed run) back into metrics.csv, the config to W&B.
+
+        Args:
+            history: the rounds already trained (empty for a new run).
+        """
+        metrics_csv = Path(self.csv.log_dir) / "metrics.csv"
+        metrics_csv.unlink(missing_ok=True)  # (Lightning would too, warning of lost logs): the checkpoint's rounds come back
+        for record in history:  # the rows exactly as the loop logged them
+            self.csv.log_metrics(_flatten_for_logging(record), step=record["round"])
+        if self.wandb is not None:
+            self.wandb.log_hyperparams(self.config)  # a resumed run's segment gets it too
+            (self.output_dir / RUN_ID_FILE).write_text(self.wandb.experiment.id + "\n")
+
+    def on_round_end(self, loop: FederatedLoop, record: dict[str, Any]) -> None:
+        """Fabric callback: segmentation overlays to W&B after every ``image_every``-th round and after the last."""
+        round_index = record["round"]
+        if self.wandb is None or not self.segmentation:
+            return
+        if round_index == self.rounds or (self.image_every and round_index % self.image_every == 0):
+            overlays = {f"examples/{site.name}": segmentation_overlays(site, self.channel_names, self.class_labels) for site in loop.sites}
+            self.wandb.log_metrics(overlays, step=round_index)
+
+    def finish(self, figures: Sequence[Path] = (), step: int | None = None, exit_code: int = 0) -> None:
+        """End the run's logging: the PNG ``figures`` to W&B (as ``figures/<name>``), the W&B run closed.
+
+        Args:
+            figures: PNG files the run wrote.
+            step: the last round.
+            exit_code: 0 for a finished run; non-zero marks the W&B run as failed (interrupted).
+        """
+        self.csv.finalize("success" if exit_code == 0 else "failed")
+        if self.wandb is None:
+            return
+        import wandb
+
+        if figures:
+            self.wandb.log_metrics({f"figures/{path.stem}": wandb.Image(str(path), caption=path.name) for path in figures}, step=step)
+        self.wandb.experiment.finish(exit_code=exit_code)
+
+
+def class_labels(config: dict[str, Any], num_classes: int) -> dict[int, str]:
+    """Display names of the target classes (``class <k>`` for a class no table names)."""
+    data = config["data"]
+    if data["task"] == "clinical":
+        named = {0: f"not {data['positive']}", 1: data["positive"]}
+    elif config["model"].get("target") == "regions":
+        return REGION_LABELS
+    else:
+        named = CLASS_LABELS.get(data["task"], {})
+    return {label: named.get(label, f"class {label}") for label in range(num_classes)}
+
+
+def example_indices(n_samples: int, count: int = EXAMPLES_PER_SITE) -> list[int]:
+    """``count`` indices spread evenly over ``n_samples`` (all of them when fewer): the same patches every round and run."""
+    if n_samples <= count:
+        return list(range(n_samples))
+    return torch.linspace(0, n_samples - 1, count, device="cpu").round().long().tolist()
+
+
+@torch.no_grad()
+def segmentation_overlays(site: Site, channel_names: tuple[str, ...], labels: dict[int, str]) -> list:
+    """``wandb.Image`` of each fixed test patch of ``site``: one MRI channel, ground truth and prediction as masks.
+
+    The channel shown is the first (FLAIR for BraTS) unless it is all zero at
+    the site (a missing sequence); the caption names it. Images are oriented
+    as in ``examples.png`` (anterior up).
+    """
+    import wandb
+
+    indices = example_indices(site.n_test)
+    x, y = (tensor[indices] for tensor in site.data.test.tensors)
+    site.module.eval()
+    # One class map per patch: the number of nested regions each pixel is in (wt: 0/1; regions: 0..3).
+    prediction = site.module.region_masks(site.module(site.fabric.to_device(x))).sum(dim=1).cpu()
+    y = y.sum(dim=1) if y.ndim == 4 else y
+    shown = displayed_channel(x, 0)
+    name = channel_names[shown] if shown == 0 else f"{channel_names[shown]} (no {channel_names[0]} at {site.name})"
+    overlays = []
+    for index, image, truth, predicted in zip(indices, x[:, shown], y, prediction):
+        low, high = image.min(), image.max()
+        grey = ((image - low) / (high - low) * 255 if high > low else torch.zeros_like(image)).to(torch.uint8)
+        masks = {
+            "ground_truth": {"mask_data": _anterior_up(truth), "class_labels": labels},
+            "prediction": {"mask_data": _anterior_up(predicted), "class_labels": labels},
+        }
+        overlays.append(wandb.Image(_anterior_up(grey), caption=f"{site.name} test patch {index}: {name}", masks=masks))
+    return overlays
+
+
+def _anterior_up(image: torch.Tensor) -> np.ndarray:
+    """An ``(X, Y)`` axial patch as an image array with Y up (what ``imshow(image.T, origin="lower")`` draws)."""
+    return np.ascontiguousarray(np.flipud(image.numpy().astype(np.uint8).T))
+
+
+@torch.no_grad()
+def test_scores(site: Site) -> tuple[torch.Tensor, torch.Tensor]:
+    """p(positive) (float64) and the label of every sample of ``site``'s test split, in order."""
+    site.module.eval()
+    scores, labels = [], []
+    for x, y in site.test_loader:
+        scores.append(site.module.positive_probability(site.fabric.to_device(x)).cpu())
+        labels.append(y)
+    return torch.cat(scores), torch.cat(labels)
+
+
+def classification_figures(sites: list[Site], title: str, labels: dict[int, str]) -> dict[str, Figure]:
+    """``roc_curves`` and ``confusion_matrices`` of every site's final model on its test split."""
+    scores = {site.name: test_scores(site) for site in sites}
+    return {
+        "roc_curves": plot_roc_curves(scores, title),
+        "confusion_matrices": plot_confusion_matrices(scores, title, (labels[0], labels[1])),
+    }

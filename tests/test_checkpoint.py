@@ -1,0 +1,128 @@
+"""Checkpoints: checksummed, the newest k kept, every damage a one-line error before any data is read."""
+
+import io
+import json
+import shutil
+
+import pytest
+import torch
+
+from medfed.checkpoint import FOLDER, checkpoints, read_checkpoint, resume_state, save_checkpoint
+from medfed.cli import main
+from medfed.errors import DataError
+
+
+def _state(round_index):
+    return {"round": round_index, "config": {"trainer": {"rounds": 9}}, "sites": [{"weight": torch.arange(4.0)}]}
+
+
+def test_a_checkpoint_round_trips(tmp_path):
+    state = {**_state(1), "generator": torch.Generator().manual_seed(3).get_state(), "history": [{"mean": {"iou": 0.5}}]}
+    loaded = read_checkpoint(save_checkpoint(tmp_path, state, keep=1))
+    assert torch.equal(loaded["sites"][0]["weight"], torch.arange(4.0)) and torch.equal(loaded["generator"], state["generator"])
+    assert loaded["history"] == state["history"] and loaded["config"] == state["config"]
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    for round_index in (1, 2, 9, 10):
+        save_checkpoint(tmp_path, _state(round_index), keep=2)
+    assert [path.name for path in checkpoints(tmp_path)] == ["round-9.ckpt", "round-10.ckpt"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["round-10.ckpt", "round-9.ckpt"]  # no temporary left
+
+
+def test_stale_temporaries_are_removed_when_a_run_resumes(tmp_path, finished_tiny_run):
+    run = shutil.copytree(finished_tiny_run, tmp_path / "run")
+    stale = [run / FOLDER / ".round-3.ckpt.4242-0a1b2c3d.tmp", run / ".results.json.4242-0a1b2c3d.tmp"]
+    for path in stale:
+        path.write_bytes(b"half a save")
+    config = json.loads((run / "config.json").read_text())
+    assert resume_state(run, config)["round"] == 2
+    assert not any(path.exists() for path in stale)
+
+
+def _truncated(data):
+    return data[: len(data) // 2]
+
+
+def _zeroed(data):
+    return b""
+
+
+def _garbled(data):
+    return bytes(255 - byte for byte in data)
+
+
+def _one_weight_edited(data):
+    """The payload saved again with one weight changed, the old checksum trailer kept."""
+    cut = data.rindex(b"\nmedfed checkpoint sha256 ")
+    payload, trailer = data[:cut], data[cut:]
+    state = torch.load(io.BytesIO(payload), weights_only=True)
+    weights = next(iter(state["sites"][0]["module"].values()))
+    weights.view(-1)[0] += 0.5
+    edited = io.BytesIO()
+    torch.save(state, edited)
+    return edited.getvalue() + trailer
+
+
+@pytest.mark.parametrize("damage", [_truncated, _zeroed, _garbled, _one_weight_edited])
+def test_a_damaged_checkpoint_is_one_line_naming_it_and_the_previous_one(
+    tiny_run_config, tmp_path, finished_tiny_run, reading_forbidden, capsys, damage
+):
+    run = shutil.copytree(finished_tiny_run, tmp_path / "run")
+    newest = run / FOLDER / "round-2.ckpt"
+    newest.write_bytes(damage(newest.read_bytes()))
+    assert main(["fit", "--config", str(tiny_run_config), "--quiet", "--resume"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"medfed: error: --resume: checkpoint {newest} ") and error.count("\n") == 1
+    assert "previous checkpoint round-1.ckpt is intact: move round-2.ckpt out of" in error and "Traceback" not in error
+
+
+def test_following_the_advice_resumes_from_the_previous_checkpoint(tiny_run_config, tmp_path, finished_tiny_run, capsys):
+    run = shutil.copytree(finished_tiny_run, tmp_path / "run")
+    newest = run / FOLDER / "round-2.ckpt"
+    newest.write_bytes(_garbled(newest.read_bytes()))
+    (run / FOLDER / "round-1.ckpt").write_bytes(b"")
+    assert main(["fit", "--config", str(tiny_run_config), "--quiet", "--resume"]) == 2
+    assert "no earlier checkpoint is intact; start the run again with --overwrite" in capsys.readouterr().err
+
+    shutil.copy(finished_tiny_run / FOLDER / "round-1.ckpt", run / FOLDER)
+    newest.rename(tmp_path / "round-2.ckpt.damaged")
+    assert main(["fit", "--config", str(tiny_run_config), "--quiet", "--resume", "trainer.rounds=2"]) == 0
+    history = json.loads((run / "results.json").read_text())["history"]
+    assert [record["round"] for record in history] == [1, 2]
+
+
+class _RunsCode:
+    """Unpickling this would create ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def test_a_crafted_checkpoint_is_refused_without_running_its_code(tiny_run_config, tmp_path, finished_tiny_run, capsys, monkeypatch):
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # torch.load's own default would run it
+    run = shutil.copytree(finished_tiny_run, tmp_path / "run")
+    marker = tmp_path / "code-ran"
+    crafted = save_checkpoint(run / FOLDER, {**_state(3), "sites": _RunsCode(marker)}, keep=3)  # a valid checksum
+    with pytest.raises(DataError, match="refused by torch.load.weights_only=True"):
+        read_checkpoint(crafted)
+    assert main(["fit", "--config", str(tiny_run_config), "--quiet", "--resume"]) == 2
+    error = capsys.readouterr().err
+    assert f"checkpoint {crafted} cannot be unpickled safely" in error and "round-2.ckpt is intact" in error
+    assert not marker.exists()
+
+
+def test_resuming_with_fewer_rounds_than_done_is_refused(tiny_run_config, tmp_path, finished_tiny_run, reading_forbidden, capsys):
+    shutil.copytree(finished_tiny_run, tmp_path / "run")
+    assert main(["fit", "--config", str(tiny_run_config), "--quiet", "--resume", "trainer.rounds=1"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("medfed: error: config key 'trainer.rounds' = 1: the run to resume has done 2 rounds")
+
+
+def test_resuming_with_another_config_is_refused(tiny_run_config, tmp_path, finished_tiny_run, reading_forbidden, capsys):
+    shutil.copytree(finished_tiny_run, tmp_path / "run")
+    assert main(["fit", "--config", str(tiny_run_config), "--quiet", "--resume", "trainer.seed=1"]) == 2
+    assert "the config differs from the checkpoint's" in capsys.readouterr().err

@@ -1,0 +1,194 @@
+"""Failing sites: the reply checks, and every strategy surviving a site that raises, sends NaN or sends x1e6."""
+
+import logging
+
+import pytest
+import torch
+
+from medfed.errors import SiteFailure
+from medfed.federated.faults import non_finite_keys, update_norms, update_outliers
+from medfed.federated.strategies import STRATEGIES
+from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
+from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation
+
+OPTIONS = {"fedamp": {"lam": 0.01, "alpha": 0.2, "sigma": 5.0}, "apple": {"download_budget": 2, "scheduler_rounds": 2}}
+RAISES, SENDS_NAN, SENDS_HUGE = 1, 2, 3  # the faulty sites of a 6-site federation; 0, 4 and 5 stay healthy
+FAULT_ROUND = 2
+
+
+def _loop(name, n_sites=6, **kwargs):
+    return build_loop(name, two_group_federation(n_sites=n_sites), seeded(LinearClassifier, 4, 2), OPTIONS.get(name), **kwargs)
+
+
+def _model_keys(loop):
+    """Reply keys that carry model weights (coded keys not declared against zeros, e.g. not PGFed's gradient)."""
+    coded = {prefix for prefix, initial in loop.strategy.coded_keys.items() if initial != "zeros"}
+    return lambda key: key.split("/")[0] in coded
+
+
+def _inject_faults(loop, round_index=FAULT_ROUND):
+    """In ``round_index``: site RAISES raises in training, SENDS_NAN replies NaN, SENDS_HUGE replies its weights x 1e6."""
+    site = loop.sites[RAISES]
+    train = site.train
+
+    def failing_train(*args, **kwargs):
+        if loop.round == round_index:
+            raise RuntimeError("scanner archive unreachable")
+        return train(*args, **kwargs)
+
+    site.train = failing_train
+    reply, is_model = loop.strategy.site_reply, _model_keys(loop)
+
+    def faulty_reply(site, phase):
+        payload = reply(site, phase)
+        if loop.round == round_index and site.index == SENDS_NAN:
+            payload = {key: torch.full_like(value, float("nan")) for key, value in payload.items()}
+        if loop.round == round_index and site.index == SENDS_HUGE:
+            payload = {key: value * 1e6 if is_model(key) else value for key, value in payload.items()}
+        return payload
+
+    loop.strategy.site_reply = faulty_reply
+
+
+def _without_sites(loop, absent, round_index=FAULT_ROUND):
+    """The same loop where the ``absent`` site indices simply do not take part in ``round_index``."""
+    participants = loop.participants
+    loop.participants = lambda r: [s for s in participants(r) if r != round_index or s.index not in absent]
+    return loop
+
+
+def test_non_finite_keys_name_every_entry_with_a_nan_or_an_infinity():
+    payload = {"all": torch.tensor([1.0, float("nan")]), "n": torch.tensor([2.0]), "g": torch.tensor([float("-inf")])}
+    assert non_finite_keys(payload) == ["all", "g"]
+
+
+def test_update_norms_measure_model_entries_against_the_model_the_site_trained_from():
+    start = {"all": torch.tensor([1.0, 1.0, 1.0, 1.0]), "shared": torch.tensor([1.0, 1.0])}
+    reply = {
+        "all": torch.tensor([1.0, 4.0, 5.0, 1.0]),
+        "core/3": torch.tensor([1.0, 1.0, 1.0, 2.0]),
+        "gradient": torch.tensor([3.0, 4.0]),
+        "num_samples": torch.tensor([100.0]),
+        "shared": torch.zeros(0),
+    }
+    coded_keys = {"all": "all", "core": "all", "gradient": "zeros", "shared": "shared"}
+    assert update_norms(reply, start, coded_keys) == {"all": 5.0, "core": 1.0, "gradient": 5.0}
+
+
+def test_update_outliers_compare_each_key_with_its_median():
+    norms = {0: {"all": 1.0, "gradient": 5.0}, 1: {"all": 1.2}, 2: {"all": 0.9, "gradient": 4.0}, 3: {"all": 12.5, "gradient": 6.0}}
+    assert update_outliers(norms, 10.0) == {3: "update norm 12.5 of 'all' is over 10 x the median 1.1 of 4 replies"}
+    assert update_outliers(norms, 12.0) == {}
+    assert update_outliers({0: {"all": 0.0}, 1: {"all": 0.0}, 2: {"all": 3.0}}, 10.0) == {}  # a zero median flags nothing
+    assert update_outliers({0: {"all": 1.0}, 1: {"all": 1e9}}, 10.0) == {}  # two replies: the median is their mean
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_site_that_raises_sends_nan_or_sends_huge_weights_is_left_out_of_that_round(name, caplog):
+    # Every fault strikes in the round's first phase that can show it (APPLE's huge weights: its fit
+    # phase, after "select", which only decides what the site itself downloads), so each faulty
+    # site's round equals not taking part in it: the other sites must end where they end in a run
+    # in which sites 1-3 simply skip round 2. (A site failing later in pFedNet's round counts in
+    # the shared phase: tested below.) Local training sends nothing: only its raising site fails.
+    faulty = _loop(name)
+    _inject_faults(faulty)
+    with caplog.at_level(logging.WARNING, logger="medfed"):
+        faulty.fit(3)
+    first = faulty.strategy.phases[0]
+    expected = {RAISES: (first, "RuntimeError: scanner archive unreachable")}
+    if name != "local":
+        expected[SENDS_NAN] = (first, "non-finite reply")
+        expected[SENDS_HUGE] = ("fit" if name == "apple" else first, "update norm")
+    reference = _without_sites(_loop(name), set(expected))
+    reference.fit(3)
+    failures = faulty.history[FAULT_ROUND - 1]["failures"]
+    assert [f["site"] for f in failures] == [f"site{i}" for i in sorted(expected)]
+    for failure, (index, (phase, reason)) in zip(failures, sorted(expected.items())):
+        assert failure["round"] == FAULT_ROUND and failure["phase"] == phase and failure["reason"].startswith(reason)
+        assert f"round {FAULT_ROUND}: site site{index} left out of the {phase} phase" in caplog.text
+        if phase == first:  # nothing it sent was encoded
+            assert faulty.history[FAULT_ROUND - 1]["bytes"][f"site{index}"]["up"] == 0
+    assert all(not record["failures"] for i, record in enumerate(faulty.history) if i != FAULT_ROUND - 1)
+    assert not faulty.excluded and faulty.history[-1]["participants"] == [site.name for site in faulty.sites]
+    for site in faulty.sites:
+        if site.index not in expected:
+            assert torch.equal(site.module.get_vector("all"), reference.sites[site.index].module.get_vector("all")), site.name
+    for a, b in zip(faulty.history, reference.history):
+        assert {s: m for s, m in a["metrics"].items() if s in ("site0", "site4", "site5")} == {
+            s: m for s, m in b["metrics"].items() if s in ("site0", "site4", "site5")
+        }
+
+
+def test_a_pfednet_site_failing_in_the_personal_phase_counts_in_the_shared_one_and_is_delivered_the_new_shared_part():
+    loop = _loop("pfednet")
+    site = loop.sites[RAISES]
+    train = site.train
+
+    def fails_in_personal_phase(epochs, part, *args, **kwargs):
+        if loop.round == FAULT_ROUND and part == "personal":
+            raise RuntimeError("disk full")
+        return train(epochs, part, *args, **kwargs)
+
+    site.train = fails_in_personal_phase
+    aggregated = []  # (round, phase, sites replying)
+    aggregate = loop.strategy.server_aggregate
+    loop.strategy.server_aggregate = lambda phase, replies: (aggregated.append((loop.round, phase, sorted(replies))), aggregate(phase, replies))
+    loop.fit(FAULT_ROUND)
+    failure = {"round": FAULT_ROUND, "site": "site1", "phase": "personal", "reason": "RuntimeError: disk full"}
+    assert loop.history[-1]["failures"] == [failure]
+    assert aggregated[-2:] == [(FAULT_ROUND, "shared", [0, 1, 2, 3, 4, 5]), (FAULT_ROUND, "personal", [0, 2, 3, 4, 5])]
+    assert torch.equal(site.module.get_vector("shared"), loop.strategy.shared)  # put back, then delivered x_{t+1}
+    assert torch.equal(site.module.get_vector("personal"), loop.strategy.personal[:, RAISES])
+
+
+def test_a_failing_site_gets_back_its_start_of_round_state():
+    loop = _loop("fedamp")
+    loop.fit(1)
+    site = loop.sites[SENDS_HUGE]
+    before = site.state_dict()
+    before = {"module": {k: v.clone() for k, v in before["module"].items()}, "generator": before["generator"].clone()}
+    _inject_faults(loop)
+    loop.fit(2)
+    assert loop.history[-1]["failures"][-1]["site"] == "site3"
+    for key, value in site.module.state_dict().items():  # FedAMP delivers nothing: the site keeps its model
+        assert torch.equal(value, before["module"][key]), key
+    assert torch.equal(site.generator.get_state(), before["generator"])  # and its data order
+
+
+def test_a_site_failing_k_rounds_in_a_row_is_excluded_from_the_rest_of_the_run(caplog):
+    loop = _loop("fedavg", max_consecutive_failures=2)
+    site = loop.sites[RAISES]
+    failing_rounds = {1, 3, 4}  # round 2 succeeds: the streak restarts
+
+    def train(*args, train=site.train, **kwargs):
+        if loop.round in failing_rounds:
+            raise RuntimeError("no GPU")
+        return train(*args, **kwargs)
+
+    site.train = train
+    with caplog.at_level(logging.WARNING, logger="medfed"):
+        loop.fit(5)
+    assert [len(record["failures"]) for record in loop.history] == [1, 0, 1, 1, 0]
+    assert [record["excluded"] for record in loop.history] == [[], [], [], ["site1"], []]
+    assert loop.excluded == {"site1": {"round": 4, "reason": "RuntimeError: no GPU"}}
+    assert "site1" not in loop.history[-1]["participants"] and "site1" in loop.history[-1]["metrics"]  # still evaluated
+    assert "round 4: site site1 excluded from the rest of the run after failing 2 rounds in a row" in caplog.text
+    state = loop.state_dict()
+    resumed = _loop("fedavg", max_consecutive_failures=2)
+    resumed.load_state_dict(state)
+    assert resumed.excluded == loop.excluded and resumed.failure_streaks == loop.failure_streaks
+
+
+def test_stop_raises_at_the_first_failure_and_every_site_excluded_ends_the_run():
+    loop = _loop("fedavg", on_site_failure="stop")
+    _inject_faults(loop)
+    loop.fit(1)
+    with pytest.raises(SiteFailure, match="^site site1 failed in round 2 \\(fit phase\\): RuntimeError: scanner archive unreachable$"):
+        loop.fit(2)
+
+    loop = _loop("fedavg", n_sites=2, max_consecutive_failures=1)
+    for site in loop.sites:
+        site.train = lambda *args, **kwargs: 1 / 0
+    loop.fit(1)
+    with pytest.raises(SiteFailure, match="every site has been excluded \\(site0 after round 1: ZeroDivisionError"):
+        loop.fit(2)
