@@ -124,7 +124,7 @@ def run(
     if federation.holdout != "test":
         title += f"; metrics on the {federation.holdout} split"
     figures = {"learning_curves": plot_learning_curves(loop.history, title), **strategy.server_figures()}
-    examples = plot_segmentation_examples(sites, title)
+    examples = plot_segmentation_examples(sites, title, channel_names=tracker.channel_names)
     if examples is not None:
         figures["examples"] = examples
     if isinstance(prototype, BinaryClassifier):  # ROC curves and confusion matrices, not one number

@@ -50,7 +50,9 @@ def plot_learning_curves(history: list[dict[str, Any]], title: str) -> Figure:
 
 
 @torch.no_grad()
-def plot_segmentation_examples(sites: list, title: str, per_site: int = 4, channel: int = 0) -> Figure | None:
+def plot_segmentation_examples(
+    sites: list, title: str, per_site: int = 4, channel: int = 0, channel_names: tuple[str, ...] | None = None
+) -> Figure | None:
     """Test patches of every site with the true (red) and predicted (cyan) tumour outlines.
 
     Args:
@@ -60,6 +62,8 @@ def plot_segmentation_examples(sites: list, title: str, per_site: int = 4, chann
         channel: image channel drawn as background (0 = FLAIR for BraTS); if
             that channel is all zero at a site (a missing sequence) the
             first non-zero channel is drawn instead.
+        channel_names: names of the channels (e.g. FLAIR, T1, T1ce, T2) for the row labels;
+            None labels them by number.
 
     Returns:
         The figure, or ``None`` when the targets are not images (not a segmentation task).
@@ -82,7 +86,7 @@ def plot_segmentation_examples(sites: list, title: str, per_site: int = 4, chann
                     axis.contour(mask.numpy().T.astype(float), levels=[0.5], colors=colour, linewidths=1.0, origin="lower")
             axis.set_xticks([])
             axis.set_yticks([])
-        row[0].set_ylabel(f"{site.name}\n(channel {shown})", fontsize=8)
+        row[0].set_ylabel(f"{site.name}\n({channel_names[shown] if channel_names else f'channel {shown}'})", fontsize=8)
     figure.suptitle(textwrap.fill(title, 18 * per_site) + "\nred: truth, cyan: prediction", fontsize=8)
     figure.tight_layout()
     return figure
