@@ -36,3 +36,15 @@ def test_regions_train_on_masks_and_report_one_iou_per_region():
     results = model.test_results()
     assert list(results) == ["label_iou", "label_iou_tc", "label_iou_et"]
     assert results["label_iou"] == pytest.approx(expected[0]) and results["label_iou_tc"] == pytest.approx(expected[1])
+
+
+def test_the_region_loss_rewards_nested_regions_predicted_together():
+    """Where a pixel is in all three regions, all three outputs high is right: no softmax across the regions."""
+    model = UNetSegmenter(4, 3, UNetSegmenter.Options(**TINY, target="regions"))
+    masks = torch.zeros(1, 3, 8, 8, device="cpu")
+    masks[:, :, 2:6, 2:6] = 1.0  # WT = TC = ET here
+    perfect = torch.where(masks > 0, 20.0, -20.0)
+    assert float(model.loss(perfect, masks)) < 1e-3
+    expected = torch.nn.functional.binary_cross_entropy_with_logits(torch.zeros_like(masks), masks)  # undecided logits
+    dice = 1 - (2 * (0.5 * masks).sum((2, 3)) / (0.5 * 64 + masks.sum((2, 3)))).mean()  # MONAI's Dice at sigmoid 0.5
+    assert float(model.loss(torch.zeros_like(masks), masks)) == pytest.approx(float(expected + dice), rel=1e-4)

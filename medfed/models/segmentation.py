@@ -12,7 +12,9 @@ z-scored per case). ``target`` picks what the model learns:
 ``regions`` (the BraTS challenge's regions)
     targets ``(B, 3, 64, 64)`` uint8 masks of whole tumour, tumour core and
     enhancing tumour (:func:`medfed.data.brats.tumour_regions`); three
-    sigmoid outputs, Dice + binary cross-entropy per region. Metrics:
+    sigmoid outputs, Dice + binary cross-entropy per region (MONAI's
+    ``DiceCELoss`` would apply a softmax cross-entropy across the three
+    channels, as if the regions excluded each other; they are nested). Metrics:
     label IoU (whole tumour, as for ``wt``), label IoU of TC and of ET.
 
 :meth:`UNetSegmenter.region_masks` turns outputs into region masks for
@@ -24,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from monai.losses import DiceCELoss
+from monai.losses import DiceCELoss, DiceLoss
 from monai.networks.nets import UNet
 from torchmetrics.classification import MulticlassJaccardIndex, MultilabelJaccardIndex
 
@@ -37,6 +39,18 @@ from medfed.models.base import FederatedModule, ModelOptions
 UNET_DECODER_PATTERN = r"^unet\.model\.(1\.submodule\.)*2\."
 
 TARGETS = ("wt", "regions")
+
+
+class RegionLoss(torch.nn.Module):
+    """Dice + binary cross-entropy of overlapping regions: ``(B, R, H, W)`` logits against 0/1 masks of the same shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dice = DiceLoss(sigmoid=True)
+        self.cross_entropy = torch.nn.BCEWithLogitsLoss()
+
+    def forward(self, logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+        return self.dice(logits, masks) + self.cross_entropy(logits, masks)
 
 
 class UNetSegmenter(FederatedModule):
@@ -83,7 +97,7 @@ class UNetSegmenter(FederatedModule):
             self.test_metrics = MulticlassJaccardIndex(num_classes=num_classes, average="none")
         else:
             self.metric_names = ("label_iou", "label_iou_tc", "label_iou_et")
-            self.loss = DiceCELoss(sigmoid=True)
+            self.loss = RegionLoss()
             self.test_metrics = MultilabelJaccardIndex(num_labels=len(REGIONS), average="none")
         self.configure_split(options.personal_patterns, options.shared_patterns)
 
