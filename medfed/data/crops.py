@@ -151,9 +151,9 @@ class RandomCrops(TensorDataset):
                     tumour += [is_tumour] * count
         if len(cases) != len(self):
             raise ValueError(f"{len(cases)} crop slots for {len(self)} reference patches: the volumes do not match the patches")
-        self.slot_case = torch.tensor(cases, dtype=torch.int64)
+        self.slot_case = torch.tensor(cases, dtype=torch.int64, device="cpu")
         """int64 ``(n,)``: the case of each slot."""
-        self.slot_tumour = torch.tensor(tumour, dtype=torch.bool)
+        self.slot_tumour = torch.tensor(tumour, dtype=torch.bool, device="cpu")
         """bool ``(n,)``: whether each slot's crop is tumour-centred."""
 
     def sampler(self, generator: torch.Generator) -> CropSampler:
@@ -170,14 +170,14 @@ class RandomCrops(TensorDataset):
         generator = torch.Generator().manual_seed(seed)
         volume = self.volumes[int(self.slot_case[slot])]
         candidates = volume["tumour" if self.slot_tumour[slot] else "background"]
-        flat = int(candidates[torch.randint(len(candidates), (1,), generator=generator)])
+        flat = int(candidates[torch.randint(len(candidates), (1,), generator=generator, device="cpu")])
         centre = tuple(int(i) for i in np.unravel_index(flat, volume["label"].shape))
         image = axial_crop(volume["image"], centre, self.patch_size).float()  # (C, P, P)
         label = axial_crop(volume["label"], centre, self.patch_size)  # (P, P)
 
         # One fixed layout of draws, whatever the settings: the crop for a seed moves only where a setting acts.
         channels = image.shape[0]
-        flips, factors, offsets = torch.rand(2 + 2 * channels, generator=generator).split([2, channels, channels])
+        flips, factors, offsets = torch.rand(2 + 2 * channels, generator=generator, device="cpu").split([2, channels, channels])
         mirrored = [dim for dim, u in zip((-2, -1), flips.tolist()) if u < self.augmentation.flip_prob]
         if mirrored:
             image, label = image.flip(mirrored), label.flip(mirrored)
@@ -201,6 +201,6 @@ class CropSampler(Sampler[tuple[int, int]]):
         return self.n
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        order = torch.randperm(self.n, generator=self.generator)
-        seeds = torch.randint(_SEED_HIGH, (self.n,), generator=self.generator)
+        order = torch.randperm(self.n, generator=self.generator, device="cpu")
+        seeds = torch.randint(_SEED_HIGH, (self.n,), generator=self.generator, device="cpu")
         return zip(order.tolist(), seeds.tolist())
