@@ -27,6 +27,7 @@ distance the grid allows; BraTS's 373.13 mm is that diagonal of its
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -93,9 +94,11 @@ def _hd95(prediction: np.ndarray, truth: np.ndarray, spacing_mm: Sequence[float]
         extent = np.asarray(prediction.shape, dtype=np.float64) * np.asarray(spacing_mm, dtype=np.float64)
         return float(np.linalg.norm(extent))
     as_batch = lambda mask: torch.from_numpy(np.ascontiguousarray(mask))[None, None]  # noqa: E731 - (1, 1, X, Y, Z)
-    distance = compute_hausdorff_distance(
-        as_batch(prediction), as_batch(truth), include_background=True, percentile=95, spacing=[float(s) for s in spacing_mm]
-    )
+    with warnings.catch_warnings():  # MONAI 1.5+ warns about an argument it passes to itself
+        warnings.filterwarnings("ignore", message=".*always_return_as_numpy", category=FutureWarning)
+        distance = compute_hausdorff_distance(
+            as_batch(prediction), as_batch(truth), include_background=True, percentile=95, spacing=[float(s) for s in spacing_mm]
+        )
     return float(distance.item())
 
 
