@@ -68,8 +68,8 @@ def child(strategy: str, n_sites: int, patches: int, rounds: int, checkpoint: bo
     prototype = UNetSegmenter(4, 2, UNetSegmenter.Options(lr=0.003))
     strategy_cls, options = strategy_from_config({"name": strategy, "pfednet": {"min_sketch_samples": 2}})
     strategy_obj = strategy_cls(options, prototype.parameter_split, n_sites, 0)
-    fabric = Fabric(accelerator="cpu", devices=1, loggers=[], callbacks=[strategy_obj])
-    site_list = build_sites(fabric, federation, prototype, batch_size=16, seed=0)
+    fabric = Fabric(accelerator="cpu", devices=1, loggers=[], callbacks=[])
+    site_list = build_sites(fabric, federation, prototype, strategy_obj, batch_size=16, seed=0)
     initial = initial_vectors(prototype, fabric.device)
     links = [Link({"name": "dense"}, {"name": "dense"}, strategy_obj.coded_keys, initial, fabric.device) for _ in site_list]
     with tempfile.TemporaryDirectory() as directory:

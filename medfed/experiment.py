@@ -32,7 +32,8 @@ from medfed.config import RunConfig
 from medfed.evaluation.rounds import VolumeEvaluation
 from medfed.federated.link import Link
 from medfed.federated.loop import FederatedLoop
-from medfed.federated.site import Site
+from medfed.federated.site import Site, Slot
+from medfed.federated.strategies.base import Strategy
 from medfed.data.federation import Federation
 from medfed.models.base import FederatedModule
 from medfed.models.classification import BinaryClassifier
@@ -69,9 +70,9 @@ def run(
     strategy = resolved.strategy_cls(resolved.strategy_options, prototype.parameter_split, len(federation.sites), trainer.seed)
 
     tracker = Tracker(run_cfg, config, federation, strategy.name, resume=resume, config_name=config_name)
-    callbacks = [strategy, *_volume_evaluation(federation, run_cfg), tracker]  # volume scores join the round before the tracker logs
+    callbacks = [*_volume_evaluation(federation, run_cfg), tracker]  # volume scores join the round before the tracker logs
     fabric = Fabric(accelerator=trainer.device, devices=1, loggers=tracker.loggers, callbacks=callbacks)
-    sites = build_sites(fabric, federation, prototype, trainer.batch_size, trainer.seed)
+    sites = build_sites(fabric, federation, prototype, strategy, trainer.batch_size, trainer.seed)
     initial = initial_vectors(prototype, fabric.device)
     links = [Link(run_cfg.codec.spec("up"), run_cfg.codec.spec("down"), strategy.coded_keys, initial, fabric.device) for _ in sites]
     loop = FederatedLoop(
@@ -123,7 +124,7 @@ def run(
     title = f"{strategy.name} on {federation.task}, seed {trainer.seed}; data: {federation.description}"
     if federation.holdout != "test":
         title += f"; metrics on the {federation.holdout} split"
-    figures = {"learning_curves": plot_learning_curves(loop.history, title), **strategy.server_figures()}
+    figures = {"learning_curves": plot_learning_curves(loop.history, title), **strategy.server.figures()}
     examples = plot_segmentation_examples(sites, title, channel_names=tracker.channel_names)
     if examples is not None:
         figures["examples"] = examples
@@ -139,13 +140,17 @@ def run(
     return results
 
 
-def build_sites(fabric: Fabric, federation: Federation, prototype: FederatedModule, batch_size: int, seed: int) -> list[Site]:
-    """One site per member of ``federation``, each with its own copy of ``prototype`` and its optimiser."""
+def build_sites(
+    fabric: Fabric, federation: Federation, prototype: FederatedModule, strategy: Strategy, batch_size: int, seed: int
+) -> list[Site]:
+    """One site per member of ``federation``: a copy of ``prototype`` with its optimiser per model slot, and its strategy half."""
     sites = []
     for index, site_data in enumerate(federation.sites):
-        module = copy.deepcopy(prototype)
-        module, optimizer = fabric.setup(module, module.configure_optimizers())
-        sites.append(Site(index, site_data, module, optimizer, fabric, batch_size, seed))
+        slots = {}
+        for name in strategy.slots:
+            module = copy.deepcopy(prototype)
+            slots[name] = Slot(*fabric.setup(module, module.configure_optimizers()))
+        sites.append(Site(index, site_data, slots, strategy.evaluated_slot, strategy.site_half(index), fabric, batch_size, seed))
     return sites
 
 

@@ -54,27 +54,29 @@ def test_one_local_step_follows_eqs_5_to_7():
         "apple", federation, seeded(LinearClassifier, 4, 2, LinearOptions(lr=lr)), {"dr_lr": dr_lr, "mu": mu, "scheduler_rounds": L}
     )
     loop.setup()
-    site, strategy = loop.sites[0], loop.strategy
-    state = site.strategy_state
+    site = loop.sites[0]
+    half, core = site.strategy, site.slot("core")
     generator = torch.Generator().manual_seed(1)
     cores = torch.randn(3, 10, generator=generator)
     dr = torch.tensor([0.6, 0.3, -0.2])
-    state.update(cores=cores.clone(), dr=dr.clone())
-    strategy.site_receive(site, "select", {"completed_rounds": torch.tensor([1.0])})  # restores the own core model
-    assert torch.equal(site.module.get_vector("all"), cores[0])
+    half.cores, half.dr = cores.clone(), dr.clone()
+    core.module.set_vector("all", cores[0])
+    half.receive(site, "select", {"completed_rounds": torch.tensor([1.0])})
+    (plan,) = half.plan("fit")
+    assert plan.slot == "core" and half.plan("select") == ()
 
     x, y = federation.sites[0].train.tensors
-    site.optimizer.zero_grad()
-    strategy.site_loss(site, "fit", (x, y)).backward()
-    site.optimizer.step()
+    core.optimizer.zero_grad()
+    half.loss(site, plan, (x, y)).backward()
+    core.optimizer.step()
 
     personalised = (dr @ cores).requires_grad_(True)  # independent forward pass of w^(p)
     logits = x @ personalised[:8].reshape(2, 4).T + personalised[8:]
     (g,) = torch.autograd.grad(torch.nn.functional.cross_entropy(logits, y), personalised)
-    prior = state["prior"]
+    prior = half.prior
     scheduler = (math.cos(math.pi / L) + 1) / 2
-    torch.testing.assert_close(state["dr"], dr - dr_lr * (cores @ g + scheduler * mu * (dr - prior)))  # eq. 6 on eq. 7
-    torch.testing.assert_close(site.module.get_vector("all"), cores[0] - lr * dr[0] * g)  # eq. 5
+    torch.testing.assert_close(half.dr, dr - dr_lr * (cores @ g + scheduler * mu * (dr - prior)))  # eq. 6 on eq. 7
+    torch.testing.assert_close(core.module.get_vector("all"), cores[0] - lr * dr[0] * g)  # eq. 5
     torch.testing.assert_close(prior, torch.tensor([20.0, 28.0, 36.0]) / 84.0)  # p_0 = n_j / n
 
 
@@ -84,13 +86,15 @@ def test_dr_weights_favour_same_group_sites_and_evaluation_uses_the_personalised
     loop.fit(8)
     groups = np.array([site.info["group"] for site in federation.sites])
     for site in loop.sites:
-        state = site.strategy_state
-        p = state["dr"].numpy()
+        half = site.strategy
+        p = half.dr.numpy()
         same = (groups == groups[site.index]) & (np.arange(6) != site.index)
         other = groups != groups[site.index]
         assert p[same].min() > p[other].max(), (site.index, p)
-        torch.testing.assert_close(site.module.get_vector("all"), state["dr"] @ state["cores"])  # w^(p) is evaluated
-        torch.testing.assert_close(state["cores"][site.index], loop.strategy.cores[site.index])  # its uploaded core
+        assert site.evaluated_slot == "personalised"
+        torch.testing.assert_close(site.module.get_vector("all"), half.dr @ half.cores)  # w^(p) is evaluated
+        torch.testing.assert_close(half.cores[site.index], loop.server.cores[site.index])  # its uploaded core
+        torch.testing.assert_close(site.slot("core").module.get_vector("all"), half.cores[site.index])
     assert loop.history[-1]["mean"]["accuracy"] > 0.85  # fedavg cannot fit both label rules (about 0.55)
 
 
@@ -101,7 +105,7 @@ def test_budget_limits_downloads_counters_update_and_bytes_show_it():
         runs[budget] = build_loop("apple", federation, seeded(LinearClassifier, 4, 2), {"download_budget": budget})
         runs[budget].fit(3)
     for site in runs[2].sites:
-        downloads = site.strategy_state["downloads"]
+        downloads = site.strategy.downloads
         assert downloads[site.index] == 0 and int(downloads.sum()) == 2 * 3
         assert bool((np.delete(downloads.numpy(), site.index) >= 1).all())  # never-downloaded first: all 5 seen in 3 rounds
     core_bytes = len(make_codec("dense").encode(torch.zeros(10)))

@@ -57,7 +57,7 @@ def _one_weight_edited(data):
     cut = data.rindex(b"\nmedfed checkpoint sha256 ")
     payload, trailer = data[:cut], data[cut:]
     state = torch.load(io.BytesIO(payload), weights_only=True)
-    weights = next(iter(state["sites"][0]["module"].values()))
+    weights = next(iter(state["sites"][0]["slots"]["model"]["module"].values()))
     weights.view(-1)[0] += 0.5
     edited = io.BytesIO()
     torch.save(state, edited)

@@ -11,7 +11,8 @@ from torch.utils.data import TensorDataset
 from medfed.config import parse_options
 from medfed.data.federation import SiteData
 from medfed.errors import ConfigError, DataError
-from medfed.federated.site import Site
+from medfed.federated.site import Site, Slot
+from medfed.federated.strategies.base import SiteHalf
 from medfed.models.classification import NoduleClassifier
 from medfed.models.tabular import LogisticRegression
 
@@ -190,9 +191,9 @@ def test_balanced_weights_stop_a_site_with_6_percent_positives_calling_everythin
     torch.manual_seed(0)
     model = LogisticRegression(2, 2, LogisticRegression.Options(class_weight=class_weight))
     fabric = Fabric(accelerator="cpu", devices=1)
-    module, optimizer = fabric.setup(model, model.configure_optimizers())
-    site = Site(0, data, module, optimizer, fabric, batch_size=16, seed=0)  # the site hands its data to the model
-    site.train(3.0, "all", lambda batch: module.training_step(batch, 0))
+    slot = Slot(*fabric.setup(model, model.configure_optimizers()))
+    site = Site(0, data, {"model": slot}, "model", SiteHalf(None, model.parameter_split, 1, 0, 0), fabric, batch_size=16, seed=0)
+    site.train(site.steps(3.0), "model", "all", lambda batch: slot.module.training_step(batch, 0))  # the site handed its data to the model
     results = site.evaluate()
     if class_weight is None:  # every test record called negative: the accuracy is the share of negatives
         assert model.class_weights is None

@@ -37,17 +37,19 @@ def _inject_faults(loop, round_index=FAULT_ROUND):
         return train(*args, **kwargs)
 
     site.train = failing_train
-    reply, is_model = loop.strategy.site_reply, _model_keys(loop)
+    is_model = _model_keys(loop)
+    for faulty in (loop.sites[SENDS_NAN], loop.sites[SENDS_HUGE]):
+        reply = faulty.strategy.reply
 
-    def faulty_reply(site, phase):
-        payload = reply(site, phase)
-        if loop.round == round_index and site.index == SENDS_NAN:
-            payload = {key: torch.full_like(value, float("nan")) for key, value in payload.items()}
-        if loop.round == round_index and site.index == SENDS_HUGE:
-            payload = {key: value * 1e6 if is_model(key) else value for key, value in payload.items()}
-        return payload
+        def faulty_reply(site, phase, reply=reply):
+            payload = reply(site, phase)
+            if loop.round == round_index and site.index == SENDS_NAN:
+                payload = {key: torch.full_like(value, float("nan")) for key, value in payload.items()}
+            if loop.round == round_index and site.index == SENDS_HUGE:
+                payload = {key: value * 1e6 if is_model(key) else value for key, value in payload.items()}
+            return payload
 
-    loop.strategy.site_reply = faulty_reply
+        faulty.strategy.reply = faulty_reply
 
 
 def _without_sites(loop, absent, round_index=FAULT_ROUND):
@@ -85,8 +87,9 @@ def test_update_outliers_compare_each_key_with_its_median():
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_a_site_that_raises_sends_nan_or_sends_huge_weights_is_left_out_of_that_round(name, caplog):
-    # Every fault strikes in the round's first phase that can show it (APPLE's huge weights: its fit
-    # phase, after "select", which only decides what the site itself downloads), so each faulty
+    # Every fault strikes in the round's first phase that can show it (APPLE's raising training and
+    # huge weights: its fit phase, after "select", which trains nothing and only decides what the
+    # site itself downloads), so each faulty
     # site's round equals not taking part in it: the other sites must end where they end in a run
     # in which sites 1-3 simply skip round 2. (A site failing later in pFedNet's round counts in
     # the shared phase: tested below.) Local training sends nothing: only its raising site fails.
@@ -95,7 +98,8 @@ def test_a_site_that_raises_sends_nan_or_sends_huge_weights_is_left_out_of_that_
     with caplog.at_level(logging.WARNING, logger="medfed"):
         faulty.fit(3)
     first = faulty.strategy.phases[0]
-    expected = {RAISES: (first, "RuntimeError: scanner archive unreachable")}
+    first_training = next(phase for phase in faulty.strategy.phases if faulty.sites[RAISES].strategy.plan(phase))
+    expected = {RAISES: (first_training, "RuntimeError: scanner archive unreachable")}
     if name != "local":
         expected[SENDS_NAN] = (first, "non-finite reply")
         expected[SENDS_HUGE] = ("fit" if name == "apple" else first, "update norm")
@@ -124,21 +128,21 @@ def test_a_pfednet_site_failing_in_the_personal_phase_counts_in_the_shared_one_a
     site = loop.sites[RAISES]
     train = site.train
 
-    def fails_in_personal_phase(epochs, part, *args, **kwargs):
+    def fails_in_personal_phase(steps, slot, part, *args, **kwargs):
         if loop.round == FAULT_ROUND and part == "personal":
             raise RuntimeError("disk full")
-        return train(epochs, part, *args, **kwargs)
+        return train(steps, slot, part, *args, **kwargs)
 
     site.train = fails_in_personal_phase
     aggregated = []  # (round, phase, sites replying)
-    aggregate = loop.strategy.server_aggregate
-    loop.strategy.server_aggregate = lambda phase, replies: (aggregated.append((loop.round, phase, sorted(replies))), aggregate(phase, replies))
+    aggregate = loop.server.aggregate
+    loop.server.aggregate = lambda phase, replies: (aggregated.append((loop.round, phase, sorted(replies))), aggregate(phase, replies))
     loop.fit(FAULT_ROUND)
     failure = {"round": FAULT_ROUND, "site": "site1", "phase": "personal", "reason": "RuntimeError: disk full"}
     assert loop.history[-1]["failures"] == [failure]
     assert aggregated[-2:] == [(FAULT_ROUND, "shared", [0, 1, 2, 3, 4, 5]), (FAULT_ROUND, "personal", [0, 2, 3, 4, 5])]
-    assert torch.equal(site.module.get_vector("shared"), loop.strategy.shared)  # put back, then delivered x_{t+1}
-    assert torch.equal(site.module.get_vector("personal"), loop.strategy.personal[:, RAISES])
+    assert torch.equal(site.module.get_vector("shared"), loop.server.shared)  # put back, then delivered x_{t+1}
+    assert torch.equal(site.module.get_vector("personal"), loop.server.personal[:, RAISES])
 
 
 def test_a_failing_site_gets_back_its_start_of_round_state():
@@ -146,7 +150,7 @@ def test_a_failing_site_gets_back_its_start_of_round_state():
     loop.fit(1)
     site = loop.sites[SENDS_HUGE]
     before = site.state_dict()
-    before = {"module": {k: v.clone() for k, v in before["module"].items()}, "generator": before["generator"].clone()}
+    before = {"module": {k: v.clone() for k, v in before["slots"]["model"]["module"].items()}, "generator": before["generator"].clone()}
     _inject_faults(loop)
     loop.fit(2)
     assert loop.history[-1]["failures"][-1]["site"] == "site3"

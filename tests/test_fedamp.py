@@ -64,9 +64,9 @@ def test_proximal_term_has_the_real_gradient():
     w = site.module.get_vector("all") + torch.linspace(-1.0, 1.0, 10)
     site.module.set_vector("all", w)
     cloud = torch.arange(10.0) / 10.0
-    site.strategy_state["cloud"] = cloud
+    site.strategy.cloud = cloud
     site.module.zero_grad()
-    term = loop.strategy.site_regularizer(site, "fit")
+    term = site.strategy.regularizer(site, site.strategy.plan("fit")[0])
     term.backward()
     gradient = torch.cat([site.module.linear.weight.grad.reshape(-1), site.module.linear.bias.grad])
     torch.testing.assert_close(gradient, lam / alpha * (w - cloud))
@@ -77,14 +77,15 @@ def test_sites_train_from_their_cloud_model():
     loop = build_loop("fedamp", two_group_federation(n_sites=4), seeded(LinearClassifier, 4, 2), {"lam": 0.01, "alpha": 0.5, "sigma": 5.0})
     loop.fit(2)
     first_step = {}
-    original = loop.strategy.site_regularizer
+    for site in loop.sites:
+        original = site.strategy.regularizer
 
-    def recording(site, phase):
-        first_step.setdefault(site.index, (site.module.get_vector("all"), site.strategy_state["cloud"].clone()))
-        return original(site, phase)
+        def recording(site, plan, original=original):
+            first_step.setdefault(site.index, (site.module.get_vector("all"), site.strategy.cloud.clone()))
+            return original(site, plan)
 
-    loop.strategy.site_regularizer = recording
-    expected = {i: (loop.strategy.attention[i].float() @ loop.strategy.models) for i in range(4)}
+        site.strategy.regularizer = recording
+    expected = {i: (loop.server.attention[i].float() @ loop.server.models) for i in range(4)}
     loop.fit(3)
     for i, (w, cloud) in first_step.items():
         torch.testing.assert_close(cloud, expected[i])
@@ -103,8 +104,8 @@ def test_attention_concentrates_inside_each_group(options):
     def in_group_share(xi):
         return (xi * (same & off_diagonal)).sum(axis=1) / (xi * off_diagonal).sum(axis=1)
 
-    np.testing.assert_allclose(in_group_share(loop.strategy.attention.numpy()), 2 / 5)  # all models equal: uniform
+    np.testing.assert_allclose(in_group_share(loop.server.attention.numpy()), 2 / 5)  # all models equal: uniform
     loop.fit(6)
-    xi = loop.strategy.attention.numpy()
+    xi = loop.server.attention.numpy()
     assert in_group_share(xi).min() > 0.8, xi
     assert np.all(xi >= 0) and np.allclose(xi.sum(axis=1), 1.0)

@@ -15,14 +15,15 @@ def one_round_recording_replies(name, n_sites=3):
     """
     loop = build_loop(name, two_group_federation(n_sites=n_sites), seeded(BatchNormClassifier, 4, 2))
     replies, trained = {}, {}
-    site_reply = loop.strategy.site_reply
+    for site in loop.sites:
+        site_reply = site.strategy.reply
 
-    def recording_reply(site, phase):
-        replies[site.index] = {key: value.clone() for key, value in site_reply(site, phase).items()}
-        trained[site.index] = {key: value.clone() for key, value in site.module.state_dict().items()}
-        return replies[site.index]
+        def recording_reply(site, phase, site_reply=site_reply):
+            replies[site.index] = {key: value.clone() for key, value in site_reply(site, phase).items()}
+            trained[site.index] = {key: value.clone() for key, value in site.module.state_dict().items()}
+            return replies[site.index]
 
-    loop.strategy.site_reply = recording_reply
+        site.strategy.reply = recording_reply
     loop.fit(1)
     return loop, replies, trained
 

@@ -18,12 +18,12 @@ SPLIT = ParameterSplit(shared=("a",), personal=("b",), numels={"a": D1, "b": D2}
 
 
 def _strategy(lam, p="2", knn_k=1, **options):
-    strategy = PFedNet(PFedNet.Options(lam=lam, p=p, knn_k=knn_k, **options), SPLIT, N, seed=0)
+    strategy = PFedNet(PFedNet.Options(lam=lam, p=p, knn_k=knn_k, **options), SPLIT, N, seed=0).server
     # two groups of sites with distinct sketches: {0, 1} and {2, 3} lie 1 apart, sites within
     # a group 0.5 apart
     sketches = {i: {"sketch": torch.tensor([float(i >= 2), float(i >= 2), 0.5 * (i % 2)])} for i in range(N)}
     initial = {"shared": torch.zeros(D1), "personal": torch.zeros(D2), "all": torch.zeros(D1 + D2)}
-    strategy.server_setup(initial, sketches)
+    strategy.setup(initial, sketches)
     return strategy
 
 
@@ -39,7 +39,7 @@ def test_graph_links_sites_with_similar_sketches():
 def test_shared_phase_is_the_sample_weighted_average():
     strategy = _strategy(1.0)
     replies = {i: {"shared": torch.full((D1,), float(i)), "num_samples": torch.tensor([float(i + 1)])} for i in range(N)}
-    strategy.server_aggregate("shared", replies)
+    strategy.aggregate("shared", replies)
     # (1*0 + 2*1 + 3*2 + 4*3) / 10 = 2.0
     assert torch.allclose(strategy.shared, torch.full((D1,), 2.0))
 
@@ -47,7 +47,7 @@ def test_shared_phase_is_the_sample_weighted_average():
 def test_lambda_zero_keeps_every_sites_trained_personal_part():
     strategy = _strategy(0.0)
     replies = _personal_replies()
-    strategy.server_aggregate("personal", replies)
+    strategy.aggregate("personal", replies)
     for i in range(N):
         assert torch.equal(strategy.personal[:, i], replies[i]["personal"])
 
@@ -57,7 +57,7 @@ def test_lambda_zero_keeps_every_sites_trained_personal_part():
 def test_lambda_at_the_fusion_threshold_fuses_connected_sites_to_their_mean(p, lam, lam_scale):
     strategy = _strategy(lam, p=p, lam_scale=lam_scale)
     replies = _personal_replies()
-    strategy.server_aggregate("personal", replies)
+    strategy.aggregate("personal", replies)
     for group in ([0, 1], [2, 3]):
         mean = torch.stack([replies[i]["personal"] for i in group]).mean(0)
         for i in group:
@@ -70,34 +70,34 @@ def test_a_skipping_site_keeps_its_column_as_the_proximal_centre():
     before = strategy.personal[:, 3].clone()
     replies = _personal_replies()
     del replies[3]
-    strategy.server_aggregate("personal", replies)
+    strategy.aggregate("personal", replies)
     assert torch.equal(strategy.personal[:, 3], before)
 
 
 def test_delivery_sends_the_shared_part_only_to_sites_that_lack_it():
     strategy = _strategy(0.5)
-    strategy.server_aggregate("shared", {0: {"shared": torch.ones(D1), "num_samples": torch.tensor([1.0])}})
-    strategy.server_message("personal", 0)  # site 0 receives x_{t+1} in the personal phase
-    strategy.server_aggregate("personal", {0: {"personal": torch.ones(D2)}})
-    assert set(strategy.server_deliver(0)) == {"personal"}
-    assert set(strategy.server_deliver(1)) == {"personal", "shared"}
-    assert torch.equal(strategy.server_deliver(1)["shared"], torch.ones(D1))
+    strategy.aggregate("shared", {0: {"shared": torch.ones(D1), "num_samples": torch.tensor([1.0])}})
+    strategy.message("personal", 0)  # site 0 receives x_{t+1} in the personal phase
+    strategy.aggregate("personal", {0: {"personal": torch.ones(D2)}})
+    assert set(strategy.deliver(0)) == {"personal"}
+    assert set(strategy.deliver(1)) == {"personal", "shared"}
+    assert torch.equal(strategy.deliver(1)["shared"], torch.ones(D1))
 
 
 def test_server_state_round_trips():
     strategy = _strategy(0.5)
-    strategy.server_aggregate("personal", _personal_replies())
-    copy = PFedNet(PFedNet.Options(lam=0.5, knn_k=1), SPLIT, N, seed=0)
-    copy.load_server_state_dict(strategy.server_state_dict())
+    strategy.aggregate("personal", _personal_replies())
+    copy = PFedNet(PFedNet.Options(lam=0.5, knn_k=1), SPLIT, N, seed=0).server
+    copy.load_state_dict(strategy.state_dict())
     replies = _personal_replies(seed=1)
-    strategy.server_aggregate("personal", replies)
-    copy.server_aggregate("personal", replies)
+    strategy.aggregate("personal", replies)
+    copy.aggregate("personal", replies)
     assert torch.equal(copy.personal, strategy.personal)
 
 
 def _spread_removed(strategy, replies):
-    strategy.server_aggregate("personal", replies)
-    return strategy.server_metrics()["spread_removed"]
+    strategy.aggregate("personal", replies)
+    return strategy.metrics()["spread_removed"]
 
 
 @pytest.mark.parametrize("p", ["1", "2", "inf"])
@@ -116,10 +116,10 @@ def test_spread_removed_is_measured_against_the_centre():
     strategy = _strategy(0.4, knn_k=2)
     replies = _personal_replies()
     centre = torch.stack([replies[i]["personal"] for i in range(N)], dim=1)
-    strategy.server_aggregate("personal", replies)
+    strategy.aggregate("personal", replies)
     components = [list(range(N))]
     expected = 1 - between_site_spread(strategy.personal, components) / between_site_spread(centre, components)
-    assert strategy.server_metrics()["spread_removed"] == pytest.approx(expected, rel=1e-12)
+    assert strategy.metrics()["spread_removed"] == pytest.approx(expected, rel=1e-12)
 
 
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
@@ -128,15 +128,15 @@ def test_relative_lambda_is_free_of_the_models_scale_and_of_eta(scale):
     scaled = {i: {"personal": scale * r["personal"]} for i, r in replies.items()}
     tight = dict(admm_abs_tol=0.0, admm_rel_tol=1e-10, admm_max_iter=20_000)  # scale-free stopping rule
     reference = _strategy(0.4, knn_k=2, server_lr=0.01, **tight)
-    reference.server_aggregate("personal", replies)
+    reference.aggregate("personal", replies)
     other = _strategy(0.4, knn_k=2, server_lr=7.0, **tight)
-    other.server_aggregate("personal", scaled)
+    other.aggregate("personal", scaled)
     assert torch.allclose(other.personal / scale, reference.personal, atol=1e-6)
-    assert other.server_metrics()["spread_removed"] == pytest.approx(reference.server_metrics()["spread_removed"], abs=1e-5)
+    assert other.metrics()["spread_removed"] == pytest.approx(reference.metrics()["spread_removed"], abs=1e-5)
 
 
 def test_graph_is_logged_edge_by_edge():
-    metrics = _strategy(0.5).server_metrics()
+    metrics = _strategy(0.5).metrics()
     assert metrics["graph_edges"] == 2.0
     assert metrics["graph/w_0_1"] > 0 and metrics["graph/w_2_3"] > 0
     assert metrics["graph/w_0_2"] == metrics["graph/w_1_3"] == 0.0
@@ -149,17 +149,17 @@ def test_model_space_graph_is_built_from_trained_personal_parts_and_refreshed():
     # sites {0, 2} and {1, 3} hold nearly the same personal parts
     base = torch.randn(D2, 2, generator=torch.Generator().manual_seed(3))
     replies = {i: {"personal": base[:, i % 2] + 0.01 * i} for i in range(N)}
-    strategy.server_aggregate("personal", replies)
+    strategy.aggregate("personal", replies)
     assert strategy.graph.edges == [(0, 2), (1, 3)] and [at for at, _ in strategy.graph_history] == [1]
     swapped = {i: {"personal": base[:, int(i >= 2)] + 0.01 * i} for i in range(N)}
-    strategy.server_aggregate("personal", swapped)  # round 2: not yet due
+    strategy.aggregate("personal", swapped)  # round 2: not yet due
     assert strategy.graph.edges == [(0, 2), (1, 3)]
-    strategy.server_aggregate("personal", swapped)  # round 3: refreshed
+    strategy.aggregate("personal", swapped)  # round 3: refreshed
     assert strategy.graph.edges == [(0, 1), (2, 3)] and [at for at, _ in strategy.graph_history] == [1, 3]
-    figure = strategy.server_figures()["similarity_graph"]
+    figure = strategy.figures()["similarity_graph"]
     assert [axis.get_title() for axis in figure.axes] == ["built at round 1: 2 edges", "built at round 3: 2 edges"]
-    restored = PFedNet(strategy.options, SPLIT, N, seed=0)
-    restored.load_server_state_dict(strategy.server_state_dict())
+    restored = PFedNet(strategy.options, SPLIT, N, seed=0).server
+    restored.load_state_dict(strategy.state_dict())
     assert [(at, g.edges) for at, g in restored.graph_history] == [(1, [(0, 2), (1, 3)]), (3, [(0, 1), (2, 3)])]
     assert restored.graph.edges == [(0, 1), (2, 3)]
 
@@ -180,16 +180,16 @@ def _images(n, seed, channel_scale=1.0):
 
 def test_sites_send_the_sketch_of_their_space():
     site = _Site(_images(20, 0))
-    data = PFedNet(PFedNet.Options(graph_space="data", kernel_features=64), SPLIT, N, seed=0).site_setup(site)
-    feature = PFedNet(PFedNet.Options(graph_space="feature"), SPLIT, N, seed=0).site_setup(site)
-    model = PFedNet(PFedNet.Options(graph_space="model"), SPLIT, N, seed=0).site_setup(site)
+    data = PFedNet(PFedNet.Options(graph_space="data", kernel_features=64), SPLIT, N, seed=0).site_half(0).setup(site)
+    feature = PFedNet(PFedNet.Options(graph_space="feature"), SPLIT, N, seed=0).site_half(0).setup(site)
+    model = PFedNet(PFedNet.Options(graph_space="model"), SPLIT, N, seed=0).site_half(0).setup(site)
     assert data["sketch"].shape == (64,) and feature["sketch"].shape == (6,) and model == {}
 
 
 def test_no_sketch_from_too_few_samples():
     site = _Site(_images(5, 0), name="site3")
     with pytest.raises(DataError, match="site3: only 5 training samples.*min_sketch_samples = 16"):
-        PFedNet(PFedNet.Options(), SPLIT, N, seed=0).site_setup(site)
+        PFedNet(PFedNet.Options(), SPLIT, N, seed=0).site_half(0).setup(site)
 
 
 @pytest.mark.parametrize(
@@ -208,13 +208,14 @@ def test_phases_share_a_rounds_local_steps_unless_each_gets_a_full_epoch(full_ep
         "pfednet", federation, seeded(LinearClassifier, 4, 2), {"full_epoch_per_phase": full_epoch_per_phase}, batch_size=16
     )
     steps = {}
-    site_loss = loop.strategy.site_loss
+    for site in loop.sites:
+        site_loss = site.strategy.loss
 
-    def counting_loss(site, phase, batch):
-        steps[(site.index, phase)] = steps.get((site.index, phase), 0) + 1
-        return site_loss(site, phase, batch)
+        def counting_loss(site, plan, batch, site_loss=site_loss):
+            steps[(site.index, plan.part)] = steps.get((site.index, plan.part), 0) + 1
+            return site_loss(site, plan, batch)
 
-    loop.strategy.site_loss = counting_loss
+        site.strategy.loss = counting_loss
     loop.fit(1)
     for site in loop.sites:
         batches = site.batches_per_epoch

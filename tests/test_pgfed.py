@@ -79,14 +79,15 @@ def test_rounds_follow_algorithm_1(name, options, beta):
         name, federation, model, {"mu": MU, "alpha_lr": ALPHA_LR, **options}, participation=2 / 3, local_epochs=EPOCHS, batch_size=64
     )
     received = []
-    original_receive = loop.strategy.site_receive
+    for site in loop.sites:
+        original_receive = site.strategy.receive
 
-    def recording_receive(site, phase, payload):
-        if "aux_gradient" in payload:
-            received.append((loop.round, site.index, payload["aux_gradient"].double().numpy()))
-        original_receive(site, phase, payload)
+        def recording_receive(site, phase, payload, original_receive=original_receive):
+            if "aux_gradient" in payload:
+                received.append((loop.round, site.index, payload["aux_gradient"].double().numpy()))
+            original_receive(site, phase, payload)
 
-    loop.strategy.site_receive = recording_receive
+        site.strategy.receive = recording_receive
     loop.fit(ROUNDS)
     participants = [[s.index for s in loop.participants(t)] for t in range(1, ROUNDS + 1)]
     assert any(participants[t] != participants[t - 1] for t in range(1, ROUNDS)), "S_t should change so S_{t-1} bookkeeping matters"
@@ -95,9 +96,9 @@ def test_rounds_follow_algorithm_1(name, options, beta):
     A, theta_glob, theta, downloaded = algorithm_1_by_hand(federation, theta0, participants, beta)
 
     tol = dict(rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(loop.strategy.alpha.double().numpy(), A, **tol)
+    np.testing.assert_allclose(loop.server.alpha.double().numpy(), A, **tol)
     assert not np.allclose(A, 1.0 / 2), "the a_ij should have moved from 1/M"
-    np.testing.assert_allclose(loop.strategy.global_model.double().numpy(), theta_glob, **tol)
+    np.testing.assert_allclose(loop.server.global_model.double().numpy(), theta_glob, **tol)
     for site in loop.sites:
         np.testing.assert_allclose(site.module.get_vector("all").double().numpy(), theta[site.index], **tol)
     expected = [(t + 1, i, g) for t, per_site in enumerate(downloaded) for i, g in sorted(per_site.items())]
@@ -126,7 +127,7 @@ def test_pgfedmo_with_beta_zero_is_pgfed_bit_for_bit():
     plain, momentum = loops["pgfed"], loops["pgfedmo"]
     assert [r["metrics"] for r in plain.history] == [r["metrics"] for r in momentum.history]
     assert [r["train_loss"] for r in plain.history] == [r["train_loss"] for r in momentum.history]
-    assert torch.equal(plain.strategy.alpha, momentum.strategy.alpha)
+    assert torch.equal(plain.server.alpha, momentum.server.alpha)
     for a, b in zip(plain.sites, momentum.sites):
         assert torch.equal(a.module.get_vector("all"), b.module.get_vector("all"))
 
@@ -149,7 +150,7 @@ def test_beta_is_reachable_from_the_config_and_validated():
 def test_training_risk_leaves_batchnorm_statistics_alone_and_uses_batch_statistics():
     loop = build_loop("pgfed", two_group_federation(n_sites=2), seeded(BatchNormClassifier, 4, 2), batch_size=16)
     site = loop.sites[0]
-    site.train(1, "all", lambda batch: site.module.training_step(batch, 0))  # running statistics away from 0 and 1
+    site.train(site.steps(1), "model", "all", lambda batch: site.module.training_step(batch, 0))  # running statistics away from 0 and 1
     before = {name: buffer.clone() for name, buffer in site.module.named_buffers()}
     risk, _ = training_risk(site)
     for name, buffer in site.module.named_buffers():

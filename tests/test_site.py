@@ -1,4 +1,4 @@
-"""Site.train: fractional epochs as optimiser steps cut from the round's schedule, drawn from fresh seeded passes."""
+"""Site.train: optimiser steps (fractional epochs cut from the round's schedule), drawn from fresh seeded passes; model slots."""
 
 import pytest
 import torch
@@ -50,8 +50,8 @@ def test_steps_reject_a_non_positive_number_of_epochs():
 def test_train_takes_exactly_the_steps_and_a_half_epoch_is_the_start_of_a_fresh_pass():
     half, full = _site(112), _site(112)  # identical sites: same data, same seeded generator
     seen_half, seen_full = [], []
-    half.train(0.5, "all", _recording_loss(half, seen_half))
-    full.train(1.0, "all", _recording_loss(full, seen_full))
+    half.train(half.steps(0.5), "model", "all", _recording_loss(half, seen_half))
+    full.train(full.steps(1.0), "model", "all", _recording_loss(full, seen_full))
     assert len(seen_half) == 4 and len(seen_full) == 7
     assert seen_half == seen_full[:4]  # the first 4 batches of the same permutation
     assert sorted(i for batch in seen_full for i in batch) == list(range(112))  # a whole pass: every sample once
@@ -60,23 +60,23 @@ def test_train_takes_exactly_the_steps_and_a_half_epoch_is_the_start_of_a_fresh_
 def test_the_next_call_starts_a_new_pass_whose_order_depends_only_on_the_generator():
     site = _site(112)
     seen = []
-    site.train(0.5, "all", _recording_loss(site, seen))
+    site.train(site.steps(0.5), "model", "all", _recording_loss(site, seen))
     state = site.generator.get_state()
     seen_second = []
-    site.train(0.5, "all", _recording_loss(site, seen_second), after=0.5)
+    site.train(site.steps(0.5, 0.5), "model", "all", _recording_loss(site, seen_second))
     assert len(seen_second) == 3 and seen_second != seen[:3]  # a new permutation, not the rest of the dropped pass
     site.generator.set_state(state)  # as a resumed run restores it from the checkpoint
     seen_again = []
-    site.train(0.5, "all", _recording_loss(site, seen_again), after=0.5)
+    site.train(site.steps(0.5, 0.5), "model", "all", _recording_loss(site, seen_again))
     assert seen_again == seen_second
 
 
 def test_whole_epochs_are_complete_passes_one_call_or_several():
     once, twice = _site(112), _site(112)
     seen_once, seen_twice = [], []
-    once.train(2.0, "all", _recording_loss(once, seen_once))
-    twice.train(1.0, "all", _recording_loss(twice, seen_twice))
-    twice.train(1.0, "all", _recording_loss(twice, seen_twice), after=1.0)
+    once.train(once.steps(2.0), "model", "all", _recording_loss(once, seen_once))
+    twice.train(twice.steps(1.0), "model", "all", _recording_loss(twice, seen_twice))
+    twice.train(twice.steps(1.0, 1.0), "model", "all", _recording_loss(twice, seen_twice))
     assert seen_once == seen_twice and len(seen_once) == 14
     assert torch.equal(once.generator.get_state(), twice.generator.get_state())
     assert torch.equal(once.module.get_vector("all"), twice.module.get_vector("all"))
@@ -87,7 +87,7 @@ def test_whole_epochs_are_complete_passes_one_call_or_several():
     assert torch.equal(plain.generator.get_state(), once.generator.get_state())
 
 
-def test_train_returns_the_mean_step_loss_or_none_when_nothing_trains():
+def test_train_returns_the_mean_step_loss():
     site = _site(112)
     losses = []
 
@@ -96,13 +96,13 @@ def test_train_returns_the_mean_step_loss_or_none_when_nothing_trains():
         losses.append(loss.item())
         return loss
 
-    assert site.train(0.5, "all", step_loss) == pytest.approx(sum(losses) / 4)
-    assert site.train(0.5, None, step_loss) is None and len(losses) == 4
+    assert site.train(site.steps(0.5), "model", "all", step_loss) == pytest.approx(sum(losses) / 4)
+    assert len(losses) == 4
 
 
 def test_training_frees_the_gradients():
     site = _site(112)
-    site.train(0.5, "all", lambda batch: site.module.training_step(batch, 0))
+    site.train(site.steps(0.5), "model", "all", lambda batch: site.module.training_step(batch, 0))
     assert all(parameter.grad is None for parameter in site.module.parameters())
 
 

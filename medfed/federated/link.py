@@ -57,7 +57,10 @@ what it still owes.
 Before a key's first message K is the seeded initial model, which both ends
 hold (every site builds it from the run's seed), or zero for keys declared
 against ``"zeros"`` (gradients). Every other entry (sample counts,
-sketches, mixing weights) travels as dense float32.
+sketches, mixing weights) travels as dense float32; a tensor under such a
+key that has the size of a parameter part of the model (``initial``'s
+vectors other than buffers, from ``MIN_CHECKED_SIZE`` values) is refused: a model vector must be declared in ``coded_keys`` so
+that it never silently skips the codec.
 """
 
 from __future__ import annotations
@@ -73,6 +76,10 @@ from medfed.federated.strategies.base import Payload
 
 DIRECTIONS = ("up", "down")
 ZEROS = "zeros"
+#: model parts smaller than this are not guarded against travelling undeclared: a vector of a few
+#: values (a logistic regression's weights) costs nothing dense and cannot be told from a
+#: per-site vector (mixing weights, sample counts) of the same length
+MIN_CHECKED_SIZE = 256
 
 
 class Link:
@@ -109,6 +116,11 @@ class Link:
     ) -> None:
         self.coded_keys = coded_keys
         self.initial = {name: vector.detach().reshape(-1).to(torch.float32).cpu() for name, vector in initial.items()}
+        self._model_sizes = {  # parameter vectors only: buffers (BatchNorm statistics) may travel dense
+            vector.numel(): name
+            for name, vector in reversed(self.initial.items())
+            if vector.numel() >= MIN_CHECKED_SIZE and not name.startswith("buffers")
+        }
         self.device = device
         self._codecs = {direction: _make(spec) for direction, spec in (("up", up), ("down", down))}
         self._small = make_codec("dense")
@@ -125,8 +137,9 @@ class Link:
         The time spent encoding and decoding accumulates in ``codec_seconds``.
 
         Raises:
-            ValueError: an unknown direction, or a coded vector whose length
-                differs from its key's earlier messages.
+            ValueError: an unknown direction, a coded vector whose length
+                differs from its key's earlier messages, or a model-sized
+                tensor under a key not in ``coded_keys``.
         """
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
@@ -138,6 +151,12 @@ class Link:
                 received[key] = value.to(self.device)
                 continue
             reference_name = self._reference_name(key)
+            if reference_name is None and flat.numel() in self._model_sizes:
+                raise ValueError(
+                    f"payload {key!r} ({direction}) holds {flat.numel()} values, the size of the model part "
+                    f"{self._model_sizes[flat.numel()]!r}, but is not declared in the strategy's coded_keys "
+                    f"({', '.join(self.coded_keys) or 'none'}): a model vector must go through the codec"
+                )
             codec = self._small if reference_name is None else self._codecs[direction]
             if codec.lossless:
                 data = codec.encode(flat)

@@ -1,10 +1,11 @@
 """The federated loop: rounds of local training and server steps, on Lightning Fabric.
 
 Lightning 2.x's documented route to a custom loop is Fabric: the loop here
-owns the sites (each a LightningModule + optimiser kept across rounds),
-calls the strategy's hooks by name (see
-:mod:`medfed.federated.strategies.base` for the life cycle) and knows nothing
-about any particular algorithm. Every payload crosses a
+owns the sites (each with its model slots, optimisers and half of the
+strategy, kept across rounds), calls the server half's and the site halves'
+hooks by name (see :mod:`medfed.federated.strategies.base` for the life
+cycle), runs each phase's training plans, and knows nothing about any
+particular algorithm. Every payload crosses a
 :class:`~medfed.federated.link.Link`, which turns it into bytes and counts
 them. After each round every site is evaluated on its own test split (its
 validation split with ``federation.holdout: validation``), extra callbacks
@@ -37,7 +38,7 @@ from medfed.errors import SiteFailure, warn
 from medfed.federated.faults import RoundStartStates, model_parts, non_finite_keys, update_norms, update_outliers
 from medfed.federated.link import Link
 from medfed.federated.site import Site
-from medfed.federated.strategies.base import DELIVER, Payload, Strategy
+from medfed.federated.strategies.base import DELIVER, Payload, Strategy, TrainingPlan
 
 
 class FederatedLoop:
@@ -45,13 +46,13 @@ class FederatedLoop:
 
     Args:
         fabric: device placement, loggers and callbacks (``on_round_end``).
-        sites: the sites, index order.
-        strategy: the algorithm.
+        sites: the sites, index order, each holding its half of ``strategy``.
+        strategy: the algorithm (its server half is ``strategy.server``).
         links: one link per site (same order).
         initial: the initial model as vectors ``{"shared", "personal", "all"}``
             (every site starts from it).
-        local_epochs: local epochs per round; a phase trains its
-            ``strategy.site_epoch_share(phase)`` of them (by default all).
+        local_epochs: the trainer's local epochs per round, which a
+            training plan takes its ``share`` of (by default all).
         participation: fraction of sites taking part in each round; the
             participants of round r are a seeded draw from (seed, r).
         seed: the run's seed.
@@ -85,6 +86,7 @@ class FederatedLoop:
         self.fabric = fabric
         self.sites = sites
         self.strategy = strategy
+        self.server = strategy.server
         self.links = links
         self.initial = initial
         self.local_epochs = local_epochs
@@ -104,8 +106,8 @@ class FederatedLoop:
     # ------------------------------------------------------------------ public
     def setup(self) -> None:
         """Round 0: setup payloads up, server setup, first delivery down."""
-        replies = {site.index: self.links[site.index].send("up", self.strategy.site_setup(site)) for site in self.sites}
-        self.strategy.server_setup(self.initial, replies)
+        replies = {site.index: self.links[site.index].send("up", site.strategy.setup(site)) for site in self.sites}
+        self.server.setup(self.initial, replies)
         self._deliver()
 
     def fit(self, rounds: int, progress: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
@@ -168,9 +170,8 @@ class FederatedLoop:
             failures[site.index] = {"round": round_index, "site": site.name, "phase": phase, "reason": reason}
             self._round_start.restore(site)
 
-        epochs_before = 0.0  # epochs of this round's earlier phases
+        epochs_before = {site.index: 0.0 for site in participants}  # epochs of each site's earlier plans this round
         for phase_index, phase in enumerate(self.strategy.phases):
-            epochs = self.local_epochs * self.strategy.site_epoch_share(phase)
             taking_part = [site for site in participants if site.index not in failures]
             # Sites would train at the same time; simulated one after another,
             # the messages of a phase still cross the links together, before
@@ -182,7 +183,7 @@ class FederatedLoop:
             # as it is sent, so the phase holds one model-sized vector per
             # reply, raw or received, not both.
             messages = {
-                site.index: self.links[site.index].send("down", self.strategy.server_message(phase, site.index))
+                site.index: self.links[site.index].send("down", self.server.message(phase, site.index))
                 for site in taking_part
             }
             outgoing: dict[int, Payload] = {}
@@ -190,12 +191,12 @@ class FederatedLoop:
             for site in taking_part:
                 message, stream = messages.pop(site.index), (round_index, phase_index)
                 try:
-                    loss, reply, site_norms = self._site_work(site, phase, message, epochs, epochs_before, stream, timing)
+                    losses, reply, site_norms = self._site_work(site, phase, message, epochs_before, stream, timing)
                 except Exception as error:  # whatever it is, it happened at the site: the site fails
                     fail(site, phase, f"{type(error).__name__}: {error}")
                     continue
-                if loss is not None:
-                    train_loss.setdefault(site.name, {})[phase] = loss
+                for label, loss in losses.items():
+                    train_loss.setdefault(site.name, {})[phase if label is None else f"{phase}/{label}"] = loss
                 bad = non_finite_keys(reply)
                 if bad:
                     fail(site, phase, f"non-finite reply ({', '.join(repr(key) for key in bad)})")
@@ -209,9 +210,8 @@ class FederatedLoop:
             replies = {index: self.links[index].send("up", outgoing.pop(index)) for index in sorted(outgoing)}
             tic = time.perf_counter()
             if replies:  # a phase no participant came through leaves the server as it was
-                self.strategy.server_aggregate(phase, replies)
+                self.server.aggregate(phase, replies)
             timing["server_s"] += time.perf_counter() - tic
-            epochs_before += epochs
         newly_excluded = self._count_failures(participants, failures)
         self._deliver()
         tic = time.perf_counter()
@@ -231,33 +231,59 @@ class FederatedLoop:
             "mean": {name: float(np.mean([m[name] for m in metrics.values()])) for name in names},
             "train_loss": train_loss,
             "bytes": traffic,
-            "server": self.strategy.server_metrics(),
+            "server": self.server.metrics(),
             "timing": timing,
             "failures": [failures[index] for index in sorted(failures)],
             "excluded": newly_excluded,
         }
 
     def _site_work(
-        self, site: Site, phase: str, message: Payload, epochs: float, after: float, stream: tuple[int, ...], timing: dict[str, float]
-    ) -> tuple[float | None, Payload, dict[str, float]]:
-        """A site's part of a phase, its global generators seeded from ``stream``: receive, train, reply.
+        self,
+        site: Site,
+        phase: str,
+        message: Payload,
+        epochs_before: dict[int, float],
+        stream: tuple[int, ...],
+        timing: dict[str, float],
+    ) -> tuple[dict[str | None, float], Payload, dict[str, float]]:
+        """A site's part of a phase, its global generators seeded from ``stream``: receive, train its plans, reply.
 
-        Returns the mean training loss (``None``: nothing trained), the reply
-        and its update norms (:func:`~medfed.federated.faults.update_norms`;
+        Returns the mean training loss of each plan that trained, keyed by
+        the plan's label (``None`` when the phase has one plan), the reply
+        and its update norms (:func:`~medfed.federated.faults.update_norms`
+        against the slot the phase trains first, or the evaluated slot;
         empty without an outlier check); adds the training time to
-        ``timing["train_s"]``.
+        ``timing["train_s"]`` and the plans' epochs to ``epochs_before``.
         """
         with site.global_rng(*stream):
-            self.strategy.site_receive(site, phase, message)
+            site.strategy.receive(site, phase, message)
+            plans = site.strategy.plan(phase)
             coded_keys = self.strategy.coded_keys if self.update_norm_limit is not None else {}
-            start = {part: site.module.get_vector(part) for part in model_parts(coded_keys)}
+            trained = site.slot(plans[0].slot if plans else site.evaluated_slot).module
+            start = {part: trained.get_vector(part) for part in model_parts(coded_keys)}
             tic = time.perf_counter()
-            loss = site.train(
-                epochs, self.strategy.site_trainable(phase), lambda batch: self.strategy.site_loss(site, phase, batch), after=after
-            )
+            losses = {}
+            for plan in plans:
+                loss = site.train(self._steps(site, plan, epochs_before), plan.slot, plan.part, self._step_loss(site, plan))
+                if loss is not None:
+                    losses[None if len(plans) == 1 else plan.label] = loss
             timing["train_s"] += time.perf_counter() - tic
-            reply = self.strategy.site_reply(site, phase)
-            return loss, reply, update_norms(reply, start, coded_keys)
+            reply = site.strategy.reply(site, phase)
+            return losses, reply, update_norms(reply, start, coded_keys)
+
+    def _steps(self, site: Site, plan: TrainingPlan, epochs_before: dict[int, float]) -> int:
+        """The optimiser steps of ``plan`` at ``site``, cut after the site's earlier epochs of the round (which it adds to)."""
+        epochs = plan.epochs_of(self.local_epochs)
+        if epochs is None:
+            return plan.steps
+        steps = site.steps(epochs, epochs_before[site.index])
+        epochs_before[site.index] += epochs
+        return steps
+
+    @staticmethod
+    def _step_loss(site: Site, plan: TrainingPlan) -> Callable[[Any], torch.Tensor]:
+        """Maps a device batch to the loss of one step of ``plan`` (the site half's ``loss``)."""
+        return lambda batch: site.strategy.loss(site, plan, batch)
 
     def _count_failures(self, participants: list[Site], failures: dict[int, dict[str, Any]]) -> list[str]:
         """Update each participant's run of failing rounds; exclude those reaching the limit (returns their names)."""
@@ -280,8 +306,8 @@ class FederatedLoop:
 
     def _deliver(self) -> None:
         for site in self.sites:
-            payload = self.links[site.index].send("down", self.strategy.server_deliver(site.index))
-            self.strategy.site_receive(site, DELIVER, payload)
+            payload = self.links[site.index].send("down", self.server.deliver(site.index))
+            site.strategy.receive(site, DELIVER, payload)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -291,7 +317,7 @@ class FederatedLoop:
             "history": self.history,
             "sites": [site.state_dict() for site in self.sites],
             "links": [link.state_dict() for link in self.links],
-            "server": self.strategy.server_state_dict(),
+            "server": self.server.state_dict(),
             "failure_streaks": list(self.failure_streaks),
             "excluded": dict(self.excluded),
             "num_threads": torch.get_num_threads(),
@@ -318,7 +344,7 @@ class FederatedLoop:
             site.load_state_dict(site_state)
         for link, link_state in zip(self.links, state["links"], strict=True):
             link.load_state_dict(link_state)
-        self.strategy.load_server_state_dict(state["server"])
+        self.server.load_state_dict(state["server"])
 
 
 def _link_counters(link: Link) -> dict[str, float]:

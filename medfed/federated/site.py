@@ -1,9 +1,10 @@
-"""One hospital site: its model, optimiser, data and randomness, kept across rounds.
+"""One hospital site: its models, optimisers, data and randomness, kept across rounds.
 
-A site is built once per run and never rebuilt: its LightningModule, its
-optimiser state (e.g. Adam moments) and its data-loader RNG survive from
-round to round and go into every checkpoint, so a resumed run continues
-exactly where the interrupted one stopped. Everything else a site's work
+A site is built once per run and never rebuilt: its model slots (each a
+LightningModule with its optimiser state, e.g. Adam moments), its half of
+the strategy and its data-loader RNG survive from round to round and go into
+every checkpoint, so a resumed run continues exactly where the interrupted
+one stopped. Everything else a site's work
 draws at random (dropout, any augmentation: torch's, NumPy's and Python's
 global generators) comes from :meth:`Site.global_rng`, seeded afresh from
 the run's seed, the site and the round before each piece of work, so it
@@ -17,6 +18,7 @@ import math
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -25,7 +27,16 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, RandomSampler
 
 from medfed.data.federation import SiteData
+from medfed.federated.strategies.base import SiteHalf
 from medfed.models.base import FederatedModule
+
+
+@dataclass
+class Slot:
+    """One named model of a site: the module (wrapped by ``fabric.setup``) and its optimiser."""
+
+    module: FederatedModule
+    optimizer: torch.optim.Optimizer
 
 
 class Site:
@@ -34,9 +45,10 @@ class Site:
     Args:
         index: 0-based position of the site in the federation.
         data: the site's train and test splits.
-        module: the site's model (already moved/wrapped by ``fabric.setup``);
-            it first sees ``data`` through ``prepare_for_site``.
-        optimizer: its optimiser (wrapped by ``fabric.setup``).
+        slots: the site's models by name (each already moved/wrapped by
+            ``fabric.setup``); each first sees ``data`` through ``prepare_for_site``.
+        evaluated_slot: the slot evaluated (and ``module``).
+        strategy: the site's half of the strategy (its state is checkpointed with the site).
         fabric: the run's Fabric (device placement, backward).
         batch_size: mini-batch size of local training and evaluation.
         seed: the run's seed: seeds the site's shuffling generator (offset
@@ -47,8 +59,9 @@ class Site:
         self,
         index: int,
         data: SiteData,
-        module: FederatedModule,
-        optimizer: torch.optim.Optimizer,
+        slots: dict[str, Slot],
+        evaluated_slot: str,
+        strategy: SiteHalf,
         fabric: Fabric,
         batch_size: int,
         seed: int,
@@ -56,9 +69,13 @@ class Site:
         self.index = index
         self.name = data.name
         self.data = data
-        self.module = module
-        module.prepare_for_site(data)  # what the model takes from its own site, e.g. class weights
-        self.optimizer = optimizer
+        if evaluated_slot not in slots:
+            raise ValueError(f"evaluated slot {evaluated_slot!r} is not among the slots {sorted(slots)}")
+        self.slots = slots
+        self.evaluated_slot = evaluated_slot
+        for slot in slots.values():
+            slot.module.prepare_for_site(data)  # what the model takes from its own site, e.g. class weights
+        self.strategy = strategy
         self.fabric = fabric
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
@@ -66,7 +83,18 @@ class Site:
         sampler = data.train.sampler(self.generator) if hasattr(data.train, "sampler") else RandomSampler(data.train, generator=self.generator)
         self.train_loader = DataLoader(data.train, batch_size=batch_size, sampler=sampler, generator=self.generator)
         self.test_loader = DataLoader(data.test, batch_size=batch_size * 4, shuffle=False)
-        self.strategy_state: dict[str, Any] = {}
+
+    def slot(self, name: str) -> Slot:
+        """The model slot ``name``."""
+        try:
+            return self.slots[name]
+        except KeyError:
+            raise KeyError(f"{self.name} has no model slot {name!r} (it has {', '.join(self.slots)})") from None
+
+    @property
+    def module(self) -> FederatedModule:
+        """The module of the evaluated slot: the model this site is evaluated with."""
+        return self.slots[self.evaluated_slot].module
 
     @property
     def n_train(self) -> int:
@@ -118,12 +146,9 @@ class Site:
                 np.random.set_state(numpy_state)
                 random.setstate(python_state)
 
-    def train(
-        self, epochs: float, part: str | None, step_loss: Callable[[Any], torch.Tensor], after: float = 0.0
-    ) -> float | None:
-        """Train ``part`` of the module for ``epochs`` (possibly fractional) passes over the training split.
+    def train(self, steps: int, slot: str, part: str, step_loss: Callable[[Any], torch.Tensor]) -> float | None:
+        """Train ``part`` of the model in ``slot`` for ``steps`` optimiser steps (e.g. :meth:`steps` of some epochs).
 
-        The number of optimiser steps is :meth:`steps` ``(epochs, after)``.
         The batches come from fresh passes of the site's seeded shuffled
         loader, one after another; the pass in progress when the steps run
         out is dropped, so the next call starts a new pass (a new permutation).
@@ -132,25 +157,27 @@ class Site:
         batches. A whole number of epochs is that many complete passes.
 
         Args:
-            epochs: local epochs, > 0 (e.g. 0.5: half the batches of one pass).
-            part: ``"all"``, ``"shared"``, ``"personal"`` or ``None`` (no training).
+            steps: optimiser steps, >= 1.
+            slot: the model slot trained (its own optimiser steps it).
+            part: ``"all"``, ``"shared"`` or ``"personal"``.
             step_loss: maps a device batch to the scalar loss of one step.
-            after: epochs the round trained before this call (its earlier
-                phases), which fixes where this call's steps are cut.
 
         The gradients are freed at the end (``set_to_none``): between rounds
         a site holds its model and optimiser state, not a gradient as well.
 
         Returns:
             Mean training loss over the steps, or ``None`` if nothing was
-            trained (no part, or a part without parameters, e.g. the shared
-            part of an all-personal logistic regression).
+            trained (a part without parameters, e.g. the shared part of an
+            all-personal logistic regression).
         """
-        if part is None or self.module.parameter_split.size(part) == 0:
+        module, optimizer = self.slot(slot).module, self.slot(slot).optimizer
+        if module.parameter_split.size(part) == 0:
             return None
-        remaining = self.steps(epochs, after)
-        self.module.set_trainable(part)
-        self.module.train()
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        remaining = steps
+        module.set_trainable(part)
+        module.train()
         total = 0.0
         steps = remaining
         while remaining > 0:
@@ -160,36 +187,39 @@ class Site:
             whole = remaining >= self.batches_per_epoch
             for batch in self.train_loader if whole else itertools.islice(self.train_loader, remaining):
                 batch = self.fabric.to_device(batch)
-                self.optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=True)
                 loss = step_loss(batch)
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"{self.name}: training loss became {loss.item()} (learning rate too high?)")
                 self.fabric.backward(loss)
-                self.optimizer.step()
+                optimizer.step()
                 total += loss.item()
                 remaining -= 1
-        self.optimizer.zero_grad(set_to_none=True)
-        self.module.set_trainable("all")
+        optimizer.zero_grad(set_to_none=True)
+        module.set_trainable("all")
         return total / steps
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """The module's metrics over the whole test split."""
+    def evaluate(self, loader: DataLoader | None = None) -> dict[str, float]:
+        """The evaluated slot's metrics over the whole test split (or over ``loader``)."""
         self.module.eval()
-        for batch_index, batch in enumerate(self.test_loader):
+        for batch_index, batch in enumerate(self.test_loader if loader is None else loader):
             self.module.test_step(self.fabric.to_device(batch), batch_index)
         return self.module.test_results()
 
     def state_dict(self) -> dict[str, Any]:
+        """Every slot's module and optimiser state, the data-order generator and the strategy half's state."""
         return {
-            "module": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "slots": {name: {"module": s.module.state_dict(), "optimizer": s.optimizer.state_dict()} for name, s in self.slots.items()},
             "generator": self.generator.get_state(),
-            "strategy_state": self.strategy_state,
+            "strategy": self.strategy.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["module"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if set(state["slots"]) != set(self.slots):
+            raise ValueError(f"{self.name}: the state holds the model slots {sorted(state['slots'])}, the site {sorted(self.slots)}")
+        for name, slot in self.slots.items():
+            slot.module.load_state_dict(state["slots"][name]["module"])
+            slot.optimizer.load_state_dict(state["slots"][name]["optimizer"])
         self.generator.set_state(state["generator"])
-        self.strategy_state = state["strategy_state"]
+        self.strategy.load_state_dict(state["strategy"])

@@ -1,5 +1,10 @@
 """Federated algorithms, one module each, registered by their config name.
 
+:data:`STRATEGIES` is the registry: the ``strategy.name`` choices, ``python
+-m medfed strategies`` (and the README's list, generated from it), the
+config comments and the registry-driven tests all derive from it. A new
+algorithm is one module plus one entry in :data:`REGISTERED`.
+
 The ``strategy`` config group names the algorithm and may hold options for
 any registered algorithm under its own name, so switching ``strategy.name``
 on the command line never invalidates a config::
@@ -28,9 +33,18 @@ from medfed.federated.strategies.local import Local
 from medfed.federated.strategies.pfednet import PFedNet
 from medfed.federated.strategies.pgfed import PGFed, PGFedMo
 
-STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (Local, FedAvg, FedBN, PFedNet, FedAMP, APPLE, PGFed, PGFedMo)
-}
+#: every algorithm, in the order they are listed
+REGISTERED: tuple[type[Strategy], ...] = (Local, FedAvg, FedBN, PFedNet, FedAMP, APPLE, PGFed, PGFedMo)
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in REGISTERED}
+
+
+def strategy_table(markdown: bool = False) -> str:
+    """The registry as text: one line per strategy (name, summary, reference), or a markdown table."""
+    if markdown:
+        rows = [f"| `{cls.name}` | {cls.summary} | {cls.reference or '—'} |" for cls in REGISTERED]
+        return "\n".join(["| name | what it does | reference |", "|---|---|---|", *rows])
+    width = max(len(name) for name in STRATEGIES)
+    return "\n".join(f"{cls.name:<{width}}  {cls.summary}" + (f"\n{'':<{width}}  ({cls.reference})" if cls.reference else "") for cls in REGISTERED)
 
 
 def strategy_from_config(group: dict[str, Any]) -> tuple[type[Strategy], Any]:

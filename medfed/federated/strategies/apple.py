@@ -49,18 +49,19 @@ cores (no training) and replies with a 0/1 request vector (N floats; p_i
 stays at the site). Phase "fit": the server sends "core/<j>" for each
 requested j, the site trains and replies "core/<i>". Deliveries carry
 nothing except p_0 after setup. Only "fit" trains, so it takes all of
-``trainer.local_epochs`` (the default ``site_epoch_share``), as a FedAvg
+``trainer.local_epochs`` (the default training plan), as a FedAvg
 round does.
 
-**What the module holds.** During training it holds w_i^(c), so the loop's
-optimiser (and its moments) act on the core model. The forward pass runs
-``training_step`` through ``torch.func.functional_call`` with the parameters
+**Model slots.** A site holds two: ``core`` (w_i^(c), trained: its
+optimiser and moments act on the core model) and ``personalised``
+(w_i^(p), evaluated). The forward pass of training runs ``training_step``
+of the core slot through ``torch.func.functional_call`` with the parameters
 p_ii * w_i^(c) + sum_{j != i} p_ij w_j^(c), built from the live core
 parameters and the frozen copies, so gradients reach w_i^(c) (scaled by
 p_ii, eq. 5) and p_i (eq. 6). At every delivery (after setup and at the end
-of each round, when the loop evaluates) the site stores its core model in its
-state and loads w_i^(p) into the module; when it next takes part, the core
-model is restored before anything else. Each site holds N model vectors
+of each round, when the loop evaluates) the site records its core model
+among its copies and loads w_i^(p), with the core slot's buffers (BatchNorm
+statistics), into the personalised slot. Each site holds N model vectors
 (fine for N ~ 5-20).
 """
 
@@ -72,7 +73,7 @@ from dataclasses import dataclass
 import torch
 
 from medfed.config import require
-from medfed.federated.strategies.base import DELIVER, Payload, Strategy, num_samples
+from medfed.federated.strategies.base import DELIVER, Payload, ServerHalf, SiteHalf, Strategy, TrainingPlan, num_samples
 from medfed.federated.strategies.live_parameters import live_parameters, training_loss_with
 
 SCHEDULERS = ("cosine", "exponential")
@@ -154,10 +155,145 @@ def _sgd_in_backward(stored: torch.Tensor, lr: float) -> torch.Tensor:
     return leaf
 
 
+CORE, PERSONALISED = "core", "personalised"
+
+
+class APPLEServer(ServerHalf):
+    """Keeps the N core models; sends each site the cores it requests."""
+
+    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+        self.cores = initial["all"].reshape(1, -1).repeat(self.n_sites, 1)  # (N, d) w_j^(c)
+        sizes = torch.cat([replies[i]["num_samples"] for i in range(self.n_sites)]).to(torch.float64)
+        self.prior = sizes / sizes.sum()  # p_0
+        self.completed_rounds = 0
+        self.requests: dict[int, list[int]] = {}
+
+    def message(self, phase: str, site_index: int) -> Payload:
+        if phase == "select":
+            return {"completed_rounds": torch.tensor([float(self.completed_rounds)])}
+        return {f"core/{j}": self.cores[j] for j in self.requests[site_index]}
+
+    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
+        if phase == "select":
+            self.requests = {i: torch.nonzero(reply["request"]).flatten().tolist() for i, reply in replies.items()}
+            return
+        for index, reply in replies.items():
+            self.cores[index] = reply[f"core/{index}"]
+        self.completed_rounds += 1
+
+    def deliver(self, site_index: int) -> Payload:
+        return {"prior": self.prior} if self.completed_rounds == 0 else {}
+
+    def metrics(self) -> dict[str, float]:
+        return {"cores_sent_per_site": sum(map(len, self.requests.values())) / max(len(self.requests), 1)}
+
+    def state_dict(self) -> dict:
+        return {"cores": self.cores, "prior": self.prior, "completed_rounds": self.completed_rounds}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cores = state["cores"]
+        self.prior = state["prior"]
+        self.completed_rounds = state["completed_rounds"]
+        self.requests = {}
+
+
+#: what a site half keeps (set at the first delivery): p_0, p_i, its copies of the core models (N, d),
+#: its download counts (N,), its download generator's state, and r
+_SITE_STATE = ("prior", "dr", "cores", "downloads", "generator", "completed_rounds")
+
+
+class APPLESite(SiteHalf):
+    """Holds p_i, p_0, its copies of the core models and its download counts; trains its core model."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for name in _SITE_STATE:
+            setattr(self, name, None)
+
+    def setup(self, site) -> Payload:
+        return {"num_samples": num_samples(site)}
+
+    def receive(self, site, phase: str, payload: Payload) -> None:
+        if phase == DELIVER:
+            if "prior" in payload:
+                self._initialise(site, payload["prior"])
+            self._load_personalised_model(site)
+            return
+        if phase == "select":
+            self.completed_rounds = int(payload["completed_rounds"])
+            return
+        for key, core in payload.items():
+            j = int(key.split("/", 1)[1])
+            self.cores[j] = core
+            self.downloads[j] += 1
+
+    def _initialise(self, site, prior: torch.Tensor) -> None:
+        """State before round 1: p_i = p_0, every core model = the seeded initial model."""
+        initial = site.slot(CORE).module.get_vector("all")
+        self.prior = prior.to(initial.dtype)
+        self.dr = self.prior.clone()
+        self.cores = initial.reshape(1, -1).repeat(self.n_sites, 1)
+        self.downloads = torch.zeros(self.n_sites, dtype=torch.int64)
+        self.generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.index).get_state()
+        self.completed_rounds = 0
+
+    def _load_personalised_model(self, site) -> None:
+        """Record the core model among the copies; load w_i^(p) = sum_j p_ij w_j^(c) and the core's buffers."""
+        core, personalised = site.slot(CORE).module, site.slot(PERSONALISED).module
+        self.cores[self.index] = core.get_vector("all")
+        personalised.set_vector("all", self.dr @ self.cores)
+        personalised.set_vector("buffers", core.get_vector("buffers"))
+
+    def plan(self, phase: str) -> tuple[TrainingPlan, ...]:
+        return () if phase == "select" else (TrainingPlan(slot=CORE),)
+
+    def loss(self, site, plan: TrainingPlan, batch) -> torch.Tensor:
+        """Loss of w_i^(p) on ``batch`` plus lambda(r) mu/2 ||p_i - p_0||^2; backward also steps p_i."""
+        core = site.slot(CORE).module
+        dr = _sgd_in_backward(self.dr, self.options.dr_lr)
+        not_self = torch.ones_like(dr)
+        not_self[self.index] = 0.0
+        frozen = (dr * not_self) @ self.cores  # sum_{j != i} p_ij w_j^(c), (d,)
+        names = core.parameter_split.names("all")
+        mixed, offset = {}, 0
+        for name, parameter in zip(names, live_parameters(core, "all"), strict=True):
+            size = parameter.numel()
+            mixed[name] = dr[self.index] * parameter + frozen[offset : offset + size].view_as(parameter)
+            offset += size
+        weight = loss_scheduler(self.options.scheduler, self.completed_rounds, self.options.scheduler_rounds, self.options.scheduler_eps)
+        penalty = weight * self.options.mu / 2.0 * (dr - self.prior).square().sum()
+        return training_loss_with(core, mixed, batch) + penalty
+
+    def reply(self, site, phase: str) -> Payload:
+        if phase == "fit":
+            return {f"core/{self.index}": site.slot(CORE).module.get_vector("all")}
+        budget = self.n_sites - 1 if self.options.download_budget is None else self.options.download_budget
+        generator = torch.Generator()
+        generator.set_state(self.generator)
+        chosen = choose_downloads(self.index, self.downloads, self.dr, budget, self.completed_rounds, generator)
+        self.generator = generator.get_state()
+        request = torch.zeros(self.n_sites)
+        request[chosen] = 1.0
+        return {"request": request}
+
+    def state_dict(self) -> dict:
+        return {name: getattr(self, name) for name in _SITE_STATE}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in _SITE_STATE:
+            setattr(self, name, state[name])
+
+
 class APPLE(Strategy):
     name = "apple"
+    summary = "each site mixes every site's core model with directed relationships it learns"
+    reference = "Luo and Wu, Adapt to adaptation: learning personalization for cross-silo federated learning, IJCAI 2022"
     phases = ("select", "fit")
     coded_keys = {"core": "all"}
+    slots = (CORE, PERSONALISED)
+    evaluated_slot = PERSONALISED
+    Server = APPLEServer
+    Site = APPLESite
 
     @dataclass
     class Options:
@@ -186,122 +322,3 @@ class APPLE(Strategy):
                 self.download_budget,
                 "null or M >= 1",
             )
-
-    # ------------------------------------------------------------------ server side
-    def server_setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
-        self.cores = initial["all"].reshape(1, -1).repeat(self.n_sites, 1)  # (N, d) w_j^(c)
-        sizes = torch.cat([replies[i]["num_samples"] for i in range(self.n_sites)]).to(torch.float64)
-        self.prior = sizes / sizes.sum()  # p_0
-        self.completed_rounds = 0
-        self.requests: dict[int, list[int]] = {}
-
-    def server_message(self, phase: str, site_index: int) -> Payload:
-        if phase == "select":
-            return {"completed_rounds": torch.tensor([float(self.completed_rounds)])}
-        return {f"core/{j}": self.cores[j] for j in self.requests[site_index]}
-
-    def server_aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
-        if phase == "select":
-            self.requests = {i: torch.nonzero(reply["request"]).flatten().tolist() for i, reply in replies.items()}
-            return
-        for index, reply in replies.items():
-            self.cores[index] = reply[f"core/{index}"]
-        self.completed_rounds += 1
-
-    def server_deliver(self, site_index: int) -> Payload:
-        return {"prior": self.prior} if self.completed_rounds == 0 else {}
-
-    def server_metrics(self) -> dict[str, float]:
-        return {"cores_sent_per_site": sum(map(len, self.requests.values())) / max(len(self.requests), 1)}
-
-    def server_state_dict(self) -> dict:
-        return {"cores": self.cores, "prior": self.prior, "completed_rounds": self.completed_rounds}
-
-    def load_server_state_dict(self, state: dict) -> None:
-        self.cores = state["cores"]
-        self.prior = state["prior"]
-        self.completed_rounds = state["completed_rounds"]
-        self.requests = {}
-
-    # ------------------------------------------------------------------ site side
-    def site_setup(self, site) -> Payload:
-        return {"num_samples": num_samples(site)}
-
-    def site_receive(self, site, phase: str, payload: Payload) -> None:
-        state = site.strategy_state
-        if phase == DELIVER:
-            if "prior" in payload:
-                self._initialise_site(site, payload["prior"])
-            self._hold_personalised_model(site)
-            return
-        self._hold_core_model(site)
-        if phase == "select":
-            state["completed_rounds"] = int(payload["completed_rounds"])
-            return
-        for key, core in payload.items():
-            j = int(key.split("/", 1)[1])
-            state["cores"][j] = core
-            state["downloads"][j] += 1
-
-    def _initialise_site(self, site, prior: torch.Tensor) -> None:
-        """State before round 1: p_i = p_0, every core model = the seeded initial model (held now)."""
-        initial = site.module.get_vector("all")
-        site.strategy_state.update(
-            prior=prior.to(initial.dtype),
-            dr=prior.to(initial.dtype).clone(),
-            cores=initial.reshape(1, -1).repeat(self.n_sites, 1),
-            downloads=torch.zeros(self.n_sites, dtype=torch.int64),
-            generator=torch.Generator().manual_seed(self.seed * 1_000_003 + site.index).get_state(),
-            completed_rounds=0,
-            module_holds="core",
-        )
-
-    def _hold_personalised_model(self, site) -> None:
-        """Store the core model (if the module holds it) and load w_i^(p) = sum_j p_ij w_j^(c) for evaluation."""
-        state = site.strategy_state
-        if state["module_holds"] == "core":
-            state["cores"][site.index] = site.module.get_vector("all")
-            site.module.set_vector("all", state["dr"] @ state["cores"])
-            state["module_holds"] = "personalised"
-
-    def _hold_core_model(self, site) -> None:
-        """Put the site's own core model back into the module (before selecting and training)."""
-        state = site.strategy_state
-        if state["module_holds"] == "personalised":
-            site.module.set_vector("all", state["cores"][site.index])
-            state["module_holds"] = "core"
-
-    def site_trainable(self, phase: str) -> str | None:
-        return None if phase == "select" else "all"
-
-    def site_loss(self, site, phase: str, batch) -> torch.Tensor:
-        """Loss of w_i^(p) on ``batch`` plus lambda(r) mu/2 ||p_i - p_0||^2; backward also steps p_i."""
-        state = site.strategy_state
-        dr = _sgd_in_backward(state["dr"], self.options.dr_lr)
-        not_self = torch.ones_like(dr)
-        not_self[site.index] = 0.0
-        frozen = (dr * not_self) @ state["cores"]  # sum_{j != i} p_ij w_j^(c), (d,)
-        names = site.module.parameter_split.names("all")
-        mixed, offset = {}, 0
-        for name, parameter in zip(names, live_parameters(site.module, "all"), strict=True):
-            size = parameter.numel()
-            mixed[name] = dr[site.index] * parameter + frozen[offset : offset + size].view_as(parameter)
-            offset += size
-        weight = loss_scheduler(
-            self.options.scheduler, state["completed_rounds"], self.options.scheduler_rounds, self.options.scheduler_eps
-        )
-        penalty = weight * self.options.mu / 2.0 * (dr - state["prior"]).square().sum()
-        return training_loss_with(site.module, mixed, batch) + penalty
-
-    def site_reply(self, site, phase: str) -> Payload:
-        state = site.strategy_state
-        if phase == "fit":
-            return {f"core/{site.index}": site.module.get_vector("all")}
-        budget = self.n_sites - 1 if self.options.download_budget is None else self.options.download_budget
-        generator = torch.Generator()
-        generator.set_state(state["generator"])
-        chosen = choose_downloads(site.index, state["downloads"], state["dr"], budget, state["completed_rounds"], generator)
-        state["generator"] = generator.get_state()
-        request = torch.zeros(self.n_sites)
-        request[chosen] = 1.0
-        return {"request": request}

@@ -1,52 +1,62 @@
-"""The life cycle every federated algorithm follows, and its defaults.
+"""The life cycle every federated algorithm follows: a server half and a site half that share only messages.
 
-A :class:`Strategy` holds both halves of one algorithm, coupled only by
-payloads (``dict[str, Tensor]``) that cross the site boundary through a
-:class:`~medfed.federated.link.Link` (which encodes them to real bytes):
+A strategy is three classes registered under one name:
 
-* **server hooks** (``server_*``) see only the payloads sites send and the
-  state the server keeps in ``self``; never a site's data or module;
-* **site hooks** (``site_*``) see one :class:`~medfed.federated.site.Site`
-  (its module, optimiser, loaders) and keep per-site state only in
-  ``site.strategy_state``, which the site checkpoints.
+* :class:`Strategy`, the registry entry: the name, the options
+  (the ``strategy.<name>`` config group), the phases of a round, which
+  message keys carry model vectors (``coded_keys``), the model slots a site
+  holds and the one it is evaluated with;
+* :class:`ServerHalf`: the server's state and steps; it sees only the
+  payloads sites send;
+* :class:`SiteHalf`: one per site, the site's own state and local work; it
+  sees its own :class:`~medfed.federated.site.Site` (model slots, loaders)
+  and the payloads the server sends.
 
-Because of this separation the same object could run across a real network
-(e.g. Flower): the server hooks on the server, the site hooks on each client.
+The halves share the options and nothing else; every payload
+(``dict[str, Tensor]``) crosses a :class:`~medfed.federated.link.Link`,
+which encodes it to real bytes, so the rule "the server sees only what sites
+send" holds by construction, and the same halves run in one process (the
+simulator) or on different machines (:mod:`medfed.deploy`).
 
-One run, as :class:`~medfed.federated.loop.FederatedLoop` calls it::
+One run, as :class:`~medfed.federated.loop.FederatedLoop` drives it::
 
-    replies = {i: site_setup(site_i)}                 # e.g. a data sketch
-    server_setup(initial, replies)                    # initial = {"shared", "personal", "all"} vectors
-    deliver to every site                             # round 0
+    replies = {i: site_i.setup(site)}                  # e.g. a data sketch
+    server.setup(initial, replies)                     # initial = {"shared", "personal", "all"} vectors
+    deliver to every site                              # round 0
     for round in 1..R:
         for phase in phases:
-            messages = {i: server_message(phase, i)}   # for each participating site i
+            messages = {i: server.message(phase, i)}   # for each participating site i
             for each participating site i:
-                site_receive(site_i, phase, messages[i])
-                site_i trains the part site_trainable(phase) on site_loss(...)
-                    for local_epochs * site_epoch_share(phase) epochs
-                replies[i] = site_reply(site_i, phase)
-            server_aggregate(phase, replies)          # not called when no reply came through
+                site_i.receive(site, phase, messages[i])
+                for plan in site_i.plan(phase):        # TrainingPlan: slot, part, how long
+                    train plan.part of slot plan.slot on site_i.loss(site, plan, batch)
+                replies[i] = site_i.reply(site, phase)
+            server.aggregate(phase, replies)           # not called when no reply came through
+        for every site i: site_i.receive(site, "deliver", server.deliver(i))
+        every site evaluates its model slot ``evaluated_slot`` on its own test split
 
 (The server's messages of a phase are all made before any site trains, as
-they would be with sites training at the same time: ``server_message`` may
-depend only on server state, and must not change it. A participant that
-fails in a phase, see :mod:`medfed.federated.faults`, is missing from that
-phase's replies and takes no part in the rest of the round; it is put back
-to its start-of-round state and gets the delivery, so the server must treat
-it as a site that did not take part from that phase on: whatever it
-learns about a site, it learns from the replies.)
-        for every site i: site_receive(site_i, "deliver", server_deliver(i))
-        every site evaluates its model on its own test split
+they would be with sites training at the same time: ``message`` may depend
+only on server state, and must not change it. A participant that fails in a
+phase, see :mod:`medfed.federated.faults`, is missing from that phase's
+replies and takes no part in the rest of the round; it is put back to its
+start-of-round state (slots, data order and site-half state) and gets the
+delivery, so the server must treat it as a site that did not take part from
+that phase on: whatever it learns about a site, it learns from the replies.)
 
-"Deliver" hands each site the model it is evaluated with (FedAvg: the
-global model; pFedNet: M x + N z_i); strategies whose model never leaves
-the site deliver nothing.
+"Deliver" hands each site what it is evaluated with (FedAvg: the global
+model; pFedNet: M x + N z_i); strategies whose model never leaves the site
+deliver nothing (``delivered = None``).
+
+*Model slots.* A site holds one model per name in ``slots`` (parameters,
+buffers and optimiser state together, e.g. Ditto's ``global`` and
+``personal``), all initialised from the run's seeded prototype. A training
+plan names the slot it trains; ``evaluated_slot`` is the one evaluated,
+saved for ``predict`` and shown in figures (``site.module`` is its module).
 """
 
 from __future__ import annotations
 
-from abc import ABC
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -61,28 +71,189 @@ if TYPE_CHECKING:
 Payload = dict[str, torch.Tensor]
 
 DELIVER = "deliver"
+#: The slot of a strategy that declares no other: the site's one model.
+MODEL = "model"
 
 
-class Strategy(ABC):
-    """Base class: defaults describe local training with nothing exchanged.
+@dataclass(frozen=True)
+class TrainingPlan:
+    """One stretch of local training in a phase: which model slot, which part of it, for how long.
 
-    Subclasses declare ``name``, an ``Options`` dataclass (the ``strategy``
-    config group) and ``phases``, and override the hooks they need.
+    The length is ``steps`` optimiser steps if given, else ``epochs`` passes
+    over the training split if given, else ``share`` of the trainer's
+    ``local_epochs`` (the default: all of them). Epochs are cut at whole
+    steps by :meth:`~medfed.federated.site.Site.steps`, after the epochs the
+    site's earlier plans of the round took, so plans that split a round's
+    epochs (shares summing to 1) take together the steps one plan with all
+    of them would.
+
+    Attributes:
+        slot: the model slot trained (one of the strategy's ``slots``).
+        part: ``"all"``, ``"shared"`` or ``"personal"``.
+        share: fraction of ``trainer.local_epochs`` (> 0), when neither
+            ``epochs`` nor ``steps`` is given.
+        epochs: passes over the training split (> 0), or None.
+        steps: optimiser steps (>= 1), or None.
+        name: how the plan's mean loss is labelled in a phase with several
+            plans (``train_loss/<phase>/<name>``); default: the slot.
+    """
+
+    slot: str = MODEL
+    part: str = "all"
+    share: float = 1.0
+    epochs: float | None = None
+    steps: int | None = None
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.share <= 0 or (self.epochs is not None and self.epochs <= 0) or (self.steps is not None and self.steps < 1):
+            raise ValueError(f"a training plan needs share > 0, epochs > 0 and steps >= 1 where given, got {self}")
+        if self.epochs is not None and self.steps is not None:
+            raise ValueError(f"a training plan gives epochs or steps, not both: {self}")
+
+    def epochs_of(self, local_epochs: float) -> float | None:
+        """The plan's epochs given the trainer's ``local_epochs`` (None: the plan counts steps)."""
+        if self.steps is not None:
+            return None
+        return self.epochs if self.epochs is not None else local_epochs * self.share
+
+    @property
+    def label(self) -> str:
+        return self.name or self.slot
+
+
+class ServerHalf:
+    """The server's half: defaults describe a server that keeps and sends nothing.
+
+    Args:
+        options: the strategy's validated ``Options``.
+        split: names and sizes of the model's parts (the server knows the
+            architecture, not the weights).
+        n_sites: number of sites in the federation.
+        seed: the run's seed, for any randomness the server needs.
+    """
+
+    def __init__(self, options: Any, split: ParameterSplit, n_sites: int, seed: int) -> None:
+        self.options = options
+        self.split = split
+        self.n_sites = n_sites
+        self.seed = seed
+
+    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+        """Called once before round 1 with the initial model vectors and every site's setup payload."""
+
+    def message(self, phase: str, site_index: int) -> Payload:
+        """What the server sends to a participating site before it trains in ``phase``."""
+        return {}
+
+    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
+        """Combine the replies of the sites that took part in ``phase`` (keys: site indices)."""
+
+    def deliver(self, site_index: int) -> Payload:
+        """What a site receives at the end of a round, to be evaluated with."""
+        return {}
+
+    def metrics(self) -> dict[str, float]:
+        """Diagnostics of the last server step, logged each round (e.g. ADMM iterations)."""
+        return {}
+
+    def figures(self) -> dict[str, Any]:
+        """Figures of the server's state to save with the run (``{file stem: matplotlib Figure}``)."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the server must remember across rounds (checkpointed)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+
+
+class SiteHalf:
+    """One site's half: defaults describe local training of the site's one model with nothing exchanged.
+
+    Per-site state lives on the instance (one instance per site) and is
+    checkpointed through :meth:`state_dict`; the site's models live in its
+    slots (``site.slot(name)``).
+
+    Args:
+        options, split, n_sites, seed: as for :class:`ServerHalf`.
+        index: the site this half runs at.
+    """
+
+    def __init__(self, options: Any, split: ParameterSplit, n_sites: int, seed: int, index: int) -> None:
+        self.options = options
+        self.split = split
+        self.n_sites = n_sites
+        self.seed = seed
+        self.index = index
+
+    def setup(self, site: Site) -> Payload:
+        """Sent once before training (e.g. a data sketch that reveals no sample)."""
+        return {}
+
+    def receive(self, site: Site, phase: str, payload: Payload) -> None:
+        """Load what the server sent into the site's slots (phase ``"deliver"`` included)."""
+
+    def plan(self, phase: str) -> tuple[TrainingPlan, ...]:
+        """The local training of ``phase``, in order (empty: the phase trains nothing)."""
+        return (TrainingPlan(),)
+
+    def loss(self, site: Site, plan: TrainingPlan, batch: Any) -> torch.Tensor:
+        """The loss of one local step of ``plan``: the slot's own training loss plus :meth:`regularizer`."""
+        loss = site.slot(plan.slot).module.training_step(batch, 0)
+        regularizer = self.regularizer(site, plan)
+        return loss if regularizer is None else loss + regularizer
+
+    def regularizer(self, site: Site, plan: TrainingPlan) -> torch.Tensor | None:
+        """A term added to every local step's loss (e.g. a proximal term), or ``None``."""
+        return None
+
+    def reply(self, site: Site, phase: str) -> Payload:
+        """What the site sends back after training in ``phase``."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The site half's own state (plain tensors and numbers; checkpointed with the site)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+
+
+class Strategy:
+    """A registered algorithm: its name, options, round shape and halves.
+
+    Subclasses set the class attributes; an instance wires the halves for
+    one run (``strategy.server`` and ``strategy.site_half(i)``).
 
     Args:
         options: the validated ``Options`` instance.
-        split: names and sizes of the model's shared and personal parts
-            (the server knows the architecture, not the weights).
-        n_sites: number of sites in the federation.
-        seed: the run's seed, for any randomness the strategy needs.
+        split: the model's parts.
+        n_sites: number of sites.
+        seed: the run's seed.
     """
 
     name: ClassVar[str]
+    #: one line for ``python -m medfed strategies`` and the README's list
+    summary: ClassVar[str]
+    #: the paper the implementation follows
+    reference: ClassVar[str] = ""
     phases: ClassVar[tuple[str, ...]] = ("fit",)
-    #: payload keys carrying model-sized vectors, the only ones a (lossy) codec compresses, mapped to
-    #: the initial vector their first message is coded against ("zeros" for gradients); "key/..."
-    #: matches the prefix "key" (e.g. ``{"core": "all"}`` covers "core/0", "core/1", ...).
+    #: payload keys carrying model-sized vectors, the only ones a codec compresses, mapped to the
+    #: initial vector their first message is coded against ("zeros" for gradients); "key/..."
+    #: matches the prefix "key" (e.g. ``{"core": "all"}`` covers "core/0", "core/1", ...). A
+    #: model-sized tensor under any other key is refused by the link.
     coded_keys: ClassVar[dict[str, str]] = {"all": "all", "shared": "shared", "personal": "personal"}
+    #: the model slots every site holds
+    slots: ClassVar[tuple[str, ...]] = (MODEL,)
+    #: the slot each site is evaluated with
+    evaluated_slot: ClassVar[str] = MODEL
+    #: the part of the evaluated model the server's delivery sets at the end of every round
+    #: (None: the delivery never replaces it, so a site that skips a round keeps its model)
+    delivered: ClassVar[str | None] = None
+    Server: ClassVar[type[ServerHalf]] = ServerHalf
+    Site: ClassVar[type[SiteHalf]] = SiteHalf
 
     @dataclass
     class Options:
@@ -93,75 +264,11 @@ class Strategy(ABC):
         self.split = split
         self.n_sites = n_sites
         self.seed = seed
+        self.server = self.Server(options, split, n_sites, seed)
 
-    # ------------------------------------------------------------------ server side
-    def server_setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
-        """Called once before round 1 with the initial model vectors and every site's setup payload."""
-
-    def server_message(self, phase: str, site_index: int) -> Payload:
-        """What the server sends to a participating site before it trains in ``phase``."""
-        return {}
-
-    def server_aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
-        """Combine the replies of the sites that took part in ``phase`` (keys: site indices)."""
-
-    def server_deliver(self, site_index: int) -> Payload:
-        """What a site receives at the end of a round, to be evaluated with."""
-        return {}
-
-    def server_metrics(self) -> dict[str, float]:
-        """Diagnostics of the last server step, logged each round (e.g. ADMM iterations)."""
-        return {}
-
-    def server_figures(self) -> dict[str, Any]:
-        """Figures of the server's state to save with the run (``{file stem: matplotlib Figure}``)."""
-        return {}
-
-    def server_state_dict(self) -> dict[str, Any]:
-        """Everything the server must remember across rounds (checkpointed)."""
-        return {}
-
-    def load_server_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`server_state_dict`."""
-
-    # ------------------------------------------------------------------ site side
-    def site_setup(self, site: Site) -> Payload:
-        """Sent once before training (e.g. a data sketch that reveals no sample)."""
-        return {}
-
-    def site_receive(self, site: Site, phase: str, payload: Payload) -> None:
-        """Load what the server sent into the site's module (phase ``"deliver"`` included)."""
-
-    def site_epoch_share(self, phase: str) -> float:
-        """The share of the round's ``trainer.local_epochs`` a site trains in ``phase`` (> 0).
-
-        The default 1.0 trains every phase for all of them. A strategy with
-        several training phases returns shares summing to 1 to take, over the
-        round, the local steps a one-phase strategy takes (fair compute):
-        phase k then trains local_epochs * share_k epochs, i.e.
-        :meth:`~medfed.federated.site.Site.steps` of them after the epochs of
-        the phases before it. Phases that train nothing (``site_trainable``
-        ``None``) are not affected.
-        """
-        return 1.0
-
-    def site_trainable(self, phase: str) -> str | None:
-        """Which part trains in ``phase``: ``"all"``, ``"shared"``, ``"personal"`` or ``None``."""
-        return "all"
-
-    def site_loss(self, site: Site, phase: str, batch: Any) -> torch.Tensor:
-        """The loss of one local step: the model's own loss plus :meth:`site_regularizer`."""
-        loss = site.module.training_step(batch, 0)
-        regularizer = self.site_regularizer(site, phase)
-        return loss if regularizer is None else loss + regularizer
-
-    def site_regularizer(self, site: Site, phase: str) -> torch.Tensor | None:
-        """A term added to every local step's loss (e.g. a proximal term), or ``None``."""
-        return None
-
-    def site_reply(self, site: Site, phase: str) -> Payload:
-        """What the site sends back after training in ``phase``."""
-        return {}
+    def site_half(self, index: int) -> SiteHalf:
+        """The half that runs at site ``index``."""
+        return self.Site(self.options, self.split, self.n_sites, self.seed, index)
 
 
 def num_samples(site: Site) -> torch.Tensor:

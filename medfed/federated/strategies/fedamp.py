@@ -42,7 +42,7 @@ import torch
 
 from medfed.config import require
 from medfed.errors import ConfigError
-from medfed.federated.strategies.base import DELIVER, Payload, Strategy
+from medfed.federated.strategies.base import DELIVER, Payload, ServerHalf, SiteHalf, Strategy
 from medfed.federated.strategies.live_parameters import live_vector
 
 VARIANTS = ("exponential", "heuristic")
@@ -108,8 +108,64 @@ def heuristic_attention(models: torch.Tensor, self_weight: float, cosine_scale: 
     return xi
 
 
+class FedAMPServer(ServerHalf):
+    """Keeps every site's last model; sends each site its cloud model u_i."""
+
+    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+        self.models = initial["all"].reshape(1, -1).repeat(self.n_sites, 1)  # (N, d): last w_j of every site
+        self.attention = self._attention()
+
+    def _attention(self) -> torch.Tensor:
+        """xi (N, N) float64 from the models the server holds now."""
+        if self.options.variant == "exponential":
+            return exponential_attention(self.models, self.options.alpha, self.options.sigma)
+        return heuristic_attention(self.models, self.options.self_weight, self.options.cosine_scale)
+
+    def message(self, phase: str, site_index: int) -> Payload:
+        weights = self.attention[site_index].to(self.models.dtype)
+        return {"all": weights @ self.models}  # the cloud model u_i
+
+    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
+        for index, reply in replies.items():
+            self.models[index] = reply["all"]
+        self.attention = self._attention()
+
+    def metrics(self) -> dict[str, float]:
+        return {"self_attention_mean": float(self.attention.diagonal().mean())}
+
+    def state_dict(self) -> dict:
+        return {"models": self.models, "attention": self.attention}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.models = state["models"]
+        self.attention = state["attention"]
+
+
+class FedAMPSite(SiteHalf):
+    """Trains w_i from its cloud model u_i on F_i(w) + lam / (2 alpha) ||w - u_i||^2."""
+
+    def receive(self, site, phase: str, payload: Payload) -> None:
+        if phase == DELIVER:
+            return
+        self.cloud = payload["all"]
+        site.module.set_vector("all", self.cloud)
+
+    def regularizer(self, site, plan) -> torch.Tensor:
+        """lam / (2 alpha) * ||w - u_i||^2 on the live parameters w (gradient (lam / alpha)(w - u_i))."""
+        difference = live_vector(site.module, "all") - self.cloud
+        return self.options.lam / (2.0 * self.options.alpha) * difference.square().sum()
+
+    def reply(self, site, phase: str) -> Payload:
+        del self.cloud  # only needed while training; keeps checkpoints small
+        return {"all": site.module.get_vector("all")}
+
+
 class FedAMP(Strategy):
     name = "fedamp"
+    summary = "attentive message passing: each site trains near a cloud model of similar sites' models"
+    reference = "Huang et al., Personalized cross-silo federated learning on non-IID data, AAAI 2021"
+    Server = FedAMPServer
+    Site = FedAMPSite
 
     @dataclass
     class Options:
@@ -144,50 +200,3 @@ class FedAMP(Strategy):
                 f"{1.0 - largest_off_diagonal_sum:.3g} < 0 (u_i would not be a convex combination); "
                 "expected alpha * (N - 1) / sigma <= 1"
             )
-
-    # ------------------------------------------------------------------ server side
-    def server_setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
-        self.models = initial["all"].reshape(1, -1).repeat(self.n_sites, 1)  # (N, d): last w_j of every site
-        self.attention = self._attention()
-
-    def _attention(self) -> torch.Tensor:
-        """xi (N, N) float64 from the models the server holds now."""
-        if self.options.variant == "exponential":
-            return exponential_attention(self.models, self.options.alpha, self.options.sigma)
-        return heuristic_attention(self.models, self.options.self_weight, self.options.cosine_scale)
-
-    def server_message(self, phase: str, site_index: int) -> Payload:
-        weights = self.attention[site_index].to(self.models.dtype)
-        return {"all": weights @ self.models}  # the cloud model u_i
-
-    def server_aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
-        for index, reply in replies.items():
-            self.models[index] = reply["all"]
-        self.attention = self._attention()
-
-    def server_metrics(self) -> dict[str, float]:
-        return {"self_attention_mean": float(self.attention.diagonal().mean())}
-
-    def server_state_dict(self) -> dict:
-        return {"models": self.models, "attention": self.attention}
-
-    def load_server_state_dict(self, state: dict) -> None:
-        self.models = state["models"]
-        self.attention = state["attention"]
-
-    # ------------------------------------------------------------------ site side
-    def site_receive(self, site, phase: str, payload: Payload) -> None:
-        if phase == DELIVER:
-            return
-        cloud = payload["all"]
-        site.module.set_vector("all", cloud)
-        site.strategy_state["cloud"] = cloud
-
-    def site_regularizer(self, site, phase: str) -> torch.Tensor:
-        """lam / (2 alpha) * ||w - u_i||^2 on the live parameters w (gradient (lam / alpha)(w - u_i))."""
-        difference = live_vector(site.module, "all") - site.strategy_state["cloud"]
-        return self.options.lam / (2.0 * self.options.alpha) * difference.square().sum()
-
-    def site_reply(self, site, phase: str) -> Payload:
-        del site.strategy_state["cloud"]  # only needed while training; keeps checkpoints small
-        return {"all": site.module.get_vector("all")}

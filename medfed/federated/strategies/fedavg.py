@@ -17,8 +17,8 @@ buffers travel dense: they are small (2,784 floats against 98,466
 parameters in the LUNA16 DenseNet), and a lossy code of a change could turn a
 running variance negative.
 
-Subclasses change what travels by naming other parts of the model
-(:data:`~medfed.models.split.PARTS`) in ``parameters_part`` and
+Subclasses of the halves change what travels by naming other parts of the
+model (:data:`~medfed.models.split.PARTS`) in ``parameters_part`` and
 ``buffers_part`` (FedBN leaves out the BatchNorm layers).
 """
 
@@ -27,44 +27,61 @@ from __future__ import annotations
 from typing import ClassVar
 
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.strategies.base import DELIVER, Payload, Strategy, num_samples
+from medfed.federated.strategies.base import DELIVER, Payload, ServerHalf, SiteHalf, Strategy, num_samples
 
 
-class FedAvg(Strategy):
-    name = "fedavg"
+class FedAvgServer(ServerHalf):
+    """Holds the global model and buffers; averages the replies weighted by the sites' sample counts."""
+
     #: the vector of parameters averaged (and coded on the wire)
     parameters_part: ClassVar[str] = "all"
     #: the vector of floating-point buffers averaged (dense on the wire)
     buffers_part: ClassVar[str] = "buffers"
-    coded_keys = {"all": "all"}
 
-    def server_setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
         self.global_model = initial[self.parameters_part].clone()
         self.global_buffers = initial[self.buffers_part].clone()
 
-    def server_aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
+    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
         weights = [float(reply["num_samples"]) for reply in replies.values()]
         self.global_model = weighted_average([reply[self.parameters_part] for reply in replies.values()], weights)
         self.global_buffers = weighted_average([reply[self.buffers_part] for reply in replies.values()], weights)
 
-    def server_deliver(self, site_index: int) -> Payload:
+    def deliver(self, site_index: int) -> Payload:
         return {self.parameters_part: self.global_model, self.buffers_part: self.global_buffers}
 
-    def server_state_dict(self) -> dict:
+    def state_dict(self) -> dict:
         return {"global_model": self.global_model, "global_buffers": self.global_buffers}
 
-    def load_server_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> None:
         self.global_model = state["global_model"]
         self.global_buffers = state["global_buffers"]
 
-    def site_receive(self, site, phase: str, payload: Payload) -> None:
+
+class FedAvgSite(SiteHalf):
+    """Trains the delivered global model; replies with its parameters, buffers and sample count."""
+
+    parameters_part: ClassVar[str] = FedAvgServer.parameters_part
+    buffers_part: ClassVar[str] = FedAvgServer.buffers_part
+
+    def receive(self, site, phase: str, payload: Payload) -> None:
         if phase == DELIVER:
             for part, vector in payload.items():
                 site.module.set_vector(part, vector)
 
-    def site_reply(self, site, phase: str) -> Payload:
+    def reply(self, site, phase: str) -> Payload:
         return {
             self.parameters_part: site.module.get_vector(self.parameters_part),
             self.buffers_part: site.module.get_vector(self.buffers_part),
             "num_samples": num_samples(site),
         }
+
+
+class FedAvg(Strategy):
+    name = "fedavg"
+    summary = "one global model, sample-weighted averaging of parameters and buffers"
+    reference = "McMahan et al., Communication-efficient learning of deep networks from decentralized data, AISTATS 2017"
+    coded_keys = {"all": "all"}
+    delivered = "all"
+    Server = FedAvgServer
+    Site = FedAvgSite

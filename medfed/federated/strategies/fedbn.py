@@ -13,11 +13,24 @@ U-Net uses instance normalisation) makes FedBN exactly FedAvg.
 
 from __future__ import annotations
 
-from medfed.federated.strategies.fedavg import FedAvg
+from medfed.federated.strategies.fedavg import FedAvg, FedAvgServer, FedAvgSite
+
+
+class FedBNServer(FedAvgServer):
+    parameters_part = "all_except_batchnorm"
+    buffers_part = "buffers_except_batchnorm"
+
+
+class FedBNSite(FedAvgSite):
+    parameters_part = FedBNServer.parameters_part
+    buffers_part = FedBNServer.buffers_part
 
 
 class FedBN(FedAvg):
     name = "fedbn"
-    parameters_part = "all_except_batchnorm"
-    buffers_part = "buffers_except_batchnorm"
+    summary = "FedAvg with every BatchNorm layer (affine and running statistics) kept at its site"
+    reference = "Li et al., FedBN: Federated learning on non-IID features via local batch normalization, ICLR 2021"
     coded_keys = {"all_except_batchnorm": "all_except_batchnorm"}
+    delivered = "all_except_batchnorm"
+    Server = FedBNServer
+    Site = FedBNSite

@@ -6,6 +6,7 @@ from medfed.federated.strategies.base import Strategy
 
 
 class Local(Strategy):
-    """The lower reference: no federation (all base-class defaults)."""
+    """The lower reference: no federation (the base halves' defaults)."""
 
     name = "local"
+    summary = "every site trains its own model alone; nothing is exchanged (the lower reference)"

@@ -20,7 +20,7 @@ alternates two phases:
    and delivers z_{t+1,n}, so site n is evaluated with M x_{t+1} + N z_{t+1,n}.
 
 **Fair compute.** By default each phase trains half of ``trainer.local_epochs``
-(``site_epoch_share`` = 0.5), so a round takes the local steps a one-phase
+(a training plan with ``share`` = 0.5), so a round takes the local steps a one-phase
 baseline's round takes; ``full_epoch_per_phase`` gives each phase all of
 them (the paper's setting).
 
@@ -78,11 +78,184 @@ from medfed.federated.fusion import fusion_threshold, spread_removed
 from medfed.federated.graph import KNN_RULES, EDGE_WEIGHTINGS, SimilarityGraph, connected_components, similarity_graph
 from medfed.federated.network_lasso import AdmmState, solve_network_lasso
 from medfed.federated.sketch import check_sketch_size, data_sketch, feature_sketch
-from medfed.federated.strategies.base import Payload, Strategy, num_samples
+from medfed.federated.strategies.base import Payload, ServerHalf, SiteHalf, Strategy, TrainingPlan, num_samples
 
 P_NORMS = {"1": 1.0, "2": 2.0, "inf": float("inf")}
 GRAPH_SPACES = ("data", "feature", "model")
 LAM_SCALES = ("fusion", "absolute")
+
+
+class PFedNetServer(ServerHalf):
+    """Holds the shared part x and every site's personal part (columns of Z); averages x, solves the network lasso for Z."""
+
+    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+        self.shared = initial["shared"].clone()
+        self.personal = initial["personal"].reshape(-1, 1).repeat(1, self.n_sites)  # Z: (d2, N)
+        self.graph: SimilarityGraph | None = None
+        self.graph_history: list[tuple[int, SimilarityGraph]] = []  # (round it was built at, graph); 0 = before training
+        if self.options.graph_space != "model":
+            sketches = torch.stack([replies[i]["sketch"] for i in range(self.n_sites)])
+            self._build_graph(sketches, personal_step=0)
+        self.personal_steps = 0
+        self.admm_state = None
+        self.last_solve: dict[str, float] = {}
+        self.sites_holding_shared: set[int] = set()
+
+    def _build_graph(self, points: torch.Tensor, personal_step: int) -> None:
+        """Rebuild the similarity network from ``(N, s)`` points (sketches or personal parts)."""
+        self.graph = similarity_graph(
+            points,
+            self.options.knn_k,
+            rule=self.options.knn_rule,
+            weighting=self.options.edge_weights,
+            standardize=self.options.graph_standardize and self.options.graph_space != "model",
+        )
+        self.graph_history.append((personal_step, self.graph))
+        self.admm_state = None  # the split variable W lives on the edges: a new graph starts cold
+
+    def _graph_due(self) -> bool:
+        """Model space: build at the first personal step, then every ``graph_refresh_rounds``."""
+        if self.options.graph_space != "model":
+            return False
+        if self.graph is None:
+            return True
+        every = self.options.graph_refresh_rounds
+        return every > 0 and (self.personal_steps - self.graph_history[-1][0]) >= every
+
+    def message(self, phase: str, site_index: int) -> Payload:
+        return {"shared": self.shared} if phase == "personal" else {}
+
+    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
+        if phase == "shared":
+            self.shared = weighted_average(
+                [r["shared"] for r in replies.values()], [float(r["num_samples"]) for r in replies.values()]
+            )
+            self.sites_holding_shared = set()
+            return
+        # The sites replying now trained their personal parts from x_{t+1} and hold it; one that got
+        # the message but failed was put back to its start-of-round state, so it needs x_{t+1} delivered.
+        self.sites_holding_shared = set(replies)
+        centre = self.personal.clone()
+        for index, reply in replies.items():
+            centre[:, index] = reply["personal"]
+        self.personal_steps += 1
+        if self._graph_due():
+            self._build_graph(centre.T, self.personal_steps)
+        self.personal = self._network_lasso_step(centre)
+
+    def _network_lasso_step(self, centre: torch.Tensor) -> torch.Tensor:
+        """Solve the server's proximal problem around ``centre`` (d2, N); warm-started."""
+        if centre.shape[0] == 0:
+            return centre
+        eta = self.options.server_lr
+        p = P_NORMS[str(self.options.p)]
+        threshold = fusion_threshold(centre, self.graph, eta, p)
+        lam = self.options.lam * threshold if self.options.lam_scale == "fusion" else self.options.lam
+        result = solve_network_lasso(
+            centre,
+            self.graph.incidence(dtype=centre.dtype, device=centre.device),
+            lam=lam,
+            eta=eta,
+            p=p,
+            rho=self.options.rho,
+            max_iter=self.options.admm_max_iter,
+            abs_tol=self.options.admm_abs_tol,
+            rel_tol=self.options.admm_rel_tol,
+            warm_start=self.admm_state,
+        )
+        self.admm_state = result.state
+        components = connected_components(self.graph.edges, self.n_sites)
+        self.last_solve = {
+            "spread_removed": spread_removed(centre, result.Z, components),
+            "lam_effective": float(lam),
+            "fusion_lam": threshold,
+            "admm_iterations": float(result.iterations),
+            "admm_primal_residual": float(result.primal_residual),
+            "admm_dual_residual": float(result.dual_residual),
+        }
+        return result.Z
+
+    def deliver(self, site_index: int) -> Payload:
+        payload = {"personal": self.personal[:, site_index]}
+        if site_index not in self.sites_holding_shared:
+            payload["shared"] = self.shared
+        return payload
+
+    def metrics(self) -> dict[str, float]:
+        """The last server step (spread_removed, lam_effective, ADMM) and the graph, edge by edge."""
+        metrics = dict(self.last_solve)
+        if self.graph is not None:
+            weight = dict(zip(self.graph.edges, self.graph.weights))
+            metrics["graph_edges"] = float(len(self.graph.edges))
+            for i, j in itertools.combinations(range(self.n_sites), 2):
+                metrics[f"graph/w_{i}_{j}"] = weight.get((i, j), 0.0)
+        return metrics
+
+    def figures(self) -> dict[str, Any]:
+        """``similarity_graph``: the network the penalty ran over, one panel per (re)build."""
+        if not self.graph_history:
+            return {}
+        from medfed.viz.plots import plot_similarity_graphs
+
+        panels = [("before training" if at == 0 else f"built at round {at}", graph) for at, graph in self.graph_history]
+        title = f"pFedNet similarity network, {self.options.graph_space} space, k={self.options.knn_k} ({self.options.knn_rule})"
+        return {"similarity_graph": plot_similarity_graphs(panels, title)}
+
+    def state_dict(self) -> dict:
+        return {
+            "graph_history": [(at, graph.to_dict()) for at, graph in self.graph_history],
+            "personal_steps": self.personal_steps,
+            "shared": self.shared,
+            "personal": self.personal,
+            "admm_state": None if self.admm_state is None else dataclasses.asdict(self.admm_state),
+            "last_solve": self.last_solve,
+            "sites_holding_shared": sorted(self.sites_holding_shared),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.graph_history = [(at, SimilarityGraph.from_dict(graph)) for at, graph in state["graph_history"]]
+        self.graph = self.graph_history[-1][1] if self.graph_history else None
+        self.personal_steps = state["personal_steps"]
+        self.shared = state["shared"]
+        self.personal = state["personal"]
+        self.admm_state = None if state["admm_state"] is None else AdmmState(**state["admm_state"])
+        self.last_solve = state["last_solve"]
+        self.sites_holding_shared = set(state["sites_holding_shared"])
+
+
+class PFedNetSite(SiteHalf):
+    """Trains the shared part, then its personal part, from what the server sent; sends its data sketch once."""
+
+    def setup(self, site) -> Payload:
+        """Data/feature space: the site's sketch of its training split; model space: nothing."""
+        if self.options.graph_space == "model":
+            return {}
+        check_sketch_size(site.data.train, self.options.min_sketch_samples, site.name)
+        if self.options.graph_space == "feature":
+            return {"sketch": feature_sketch(site.data.train)}
+        sketch = data_sketch(
+            site.data.train,
+            site.module.num_classes,
+            features=self.options.kernel_features,
+            bandwidth=self.options.kernel_bandwidth,
+            seed=self.seed,
+        )
+        return {"sketch": sketch}
+
+    def receive(self, site, phase: str, payload: Payload) -> None:
+        for part in ("shared", "personal"):
+            if part in payload:
+                site.module.set_vector(part, payload[part])
+
+    def plan(self, phase: str) -> tuple[TrainingPlan, ...]:
+        """The phase's part ("shared" or "personal") for half the round's epochs (all with full_epoch_per_phase)."""
+        return (TrainingPlan(part=phase, share=1.0 if self.options.full_epoch_per_phase else 0.5),)
+
+    def reply(self, site, phase: str) -> Payload:
+        reply = {phase: site.module.get_vector(phase)}
+        if phase == "shared":
+            reply["num_samples"] = num_samples(site)
+        return reply
 
 
 class PFedNet(Strategy):
@@ -149,172 +322,9 @@ class PFedNet(Strategy):
             )
             require(self.rho is None or self.rho > 0, "rho", self.rho, "null or rho > 0")
             require(self.admm_max_iter >= 1, "admm_max_iter", self.admm_max_iter, ">= 1")
+    summary = "graph-coupled personalisation: shared part averaged, personal parts fused over a site similarity network"
+    reference = "Zhao, Liu, Liu, He, Medical federated model with mixture of personalized and sharing components"
+    delivered = "all"
+    Server = PFedNetServer
+    Site = PFedNetSite
 
-    # ------------------------------------------------------------------ server side
-    def server_setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
-        self.shared = initial["shared"].clone()
-        self.personal = initial["personal"].reshape(-1, 1).repeat(1, self.n_sites)  # Z: (d2, N)
-        self.graph: SimilarityGraph | None = None
-        self.graph_history: list[tuple[int, SimilarityGraph]] = []  # (round it was built at, graph); 0 = before training
-        if self.options.graph_space != "model":
-            sketches = torch.stack([replies[i]["sketch"] for i in range(self.n_sites)])
-            self._build_graph(sketches, personal_step=0)
-        self.personal_steps = 0
-        self.admm_state = None
-        self.last_solve: dict[str, float] = {}
-        self.sites_holding_shared: set[int] = set()
-
-    def _build_graph(self, points: torch.Tensor, personal_step: int) -> None:
-        """Rebuild the similarity network from ``(N, s)`` points (sketches or personal parts)."""
-        self.graph = similarity_graph(
-            points,
-            self.options.knn_k,
-            rule=self.options.knn_rule,
-            weighting=self.options.edge_weights,
-            standardize=self.options.graph_standardize and self.options.graph_space != "model",
-        )
-        self.graph_history.append((personal_step, self.graph))
-        self.admm_state = None  # the split variable W lives on the edges: a new graph starts cold
-
-    def _graph_due(self) -> bool:
-        """Model space: build at the first personal step, then every ``graph_refresh_rounds``."""
-        if self.options.graph_space != "model":
-            return False
-        if self.graph is None:
-            return True
-        every = self.options.graph_refresh_rounds
-        return every > 0 and (self.personal_steps - self.graph_history[-1][0]) >= every
-
-    def server_message(self, phase: str, site_index: int) -> Payload:
-        return {"shared": self.shared} if phase == "personal" else {}
-
-    def server_aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
-        if phase == "shared":
-            self.shared = weighted_average(
-                [r["shared"] for r in replies.values()], [float(r["num_samples"]) for r in replies.values()]
-            )
-            self.sites_holding_shared = set()
-            return
-        # The sites replying now trained their personal parts from x_{t+1} and hold it; one that got
-        # the message but failed was put back to its start-of-round state, so it needs x_{t+1} delivered.
-        self.sites_holding_shared = set(replies)
-        centre = self.personal.clone()
-        for index, reply in replies.items():
-            centre[:, index] = reply["personal"]
-        self.personal_steps += 1
-        if self._graph_due():
-            self._build_graph(centre.T, self.personal_steps)
-        self.personal = self._network_lasso_step(centre)
-
-    def _network_lasso_step(self, centre: torch.Tensor) -> torch.Tensor:
-        """Solve the server's proximal problem around ``centre`` (d2, N); warm-started."""
-        if centre.shape[0] == 0:
-            return centre
-        eta = self.options.server_lr
-        p = P_NORMS[str(self.options.p)]
-        threshold = fusion_threshold(centre, self.graph, eta, p)
-        lam = self.options.lam * threshold if self.options.lam_scale == "fusion" else self.options.lam
-        result = solve_network_lasso(
-            centre,
-            self.graph.incidence(dtype=centre.dtype, device=centre.device),
-            lam=lam,
-            eta=eta,
-            p=p,
-            rho=self.options.rho,
-            max_iter=self.options.admm_max_iter,
-            abs_tol=self.options.admm_abs_tol,
-            rel_tol=self.options.admm_rel_tol,
-            warm_start=self.admm_state,
-        )
-        self.admm_state = result.state
-        components = connected_components(self.graph.edges, self.n_sites)
-        self.last_solve = {
-            "spread_removed": spread_removed(centre, result.Z, components),
-            "lam_effective": float(lam),
-            "fusion_lam": threshold,
-            "admm_iterations": float(result.iterations),
-            "admm_primal_residual": float(result.primal_residual),
-            "admm_dual_residual": float(result.dual_residual),
-        }
-        return result.Z
-
-    def server_deliver(self, site_index: int) -> Payload:
-        payload = {"personal": self.personal[:, site_index]}
-        if site_index not in self.sites_holding_shared:
-            payload["shared"] = self.shared
-        return payload
-
-    def server_metrics(self) -> dict[str, float]:
-        """The last server step (spread_removed, lam_effective, ADMM) and the graph, edge by edge."""
-        metrics = dict(self.last_solve)
-        if self.graph is not None:
-            weight = dict(zip(self.graph.edges, self.graph.weights))
-            metrics["graph_edges"] = float(len(self.graph.edges))
-            for i, j in itertools.combinations(range(self.n_sites), 2):
-                metrics[f"graph/w_{i}_{j}"] = weight.get((i, j), 0.0)
-        return metrics
-
-    def server_figures(self) -> dict[str, Any]:
-        """``similarity_graph``: the network the penalty ran over, one panel per (re)build."""
-        if not self.graph_history:
-            return {}
-        from medfed.viz.plots import plot_similarity_graphs
-
-        panels = [("before training" if at == 0 else f"built at round {at}", graph) for at, graph in self.graph_history]
-        title = f"pFedNet similarity network, {self.options.graph_space} space, k={self.options.knn_k} ({self.options.knn_rule})"
-        return {"similarity_graph": plot_similarity_graphs(panels, title)}
-
-    def server_state_dict(self) -> dict:
-        return {
-            "graph_history": [(at, graph.to_dict()) for at, graph in self.graph_history],
-            "personal_steps": self.personal_steps,
-            "shared": self.shared,
-            "personal": self.personal,
-            "admm_state": None if self.admm_state is None else dataclasses.asdict(self.admm_state),
-            "last_solve": self.last_solve,
-            "sites_holding_shared": sorted(self.sites_holding_shared),
-        }
-
-    def load_server_state_dict(self, state: dict) -> None:
-        self.graph_history = [(at, SimilarityGraph.from_dict(graph)) for at, graph in state["graph_history"]]
-        self.graph = self.graph_history[-1][1] if self.graph_history else None
-        self.personal_steps = state["personal_steps"]
-        self.shared = state["shared"]
-        self.personal = state["personal"]
-        self.admm_state = None if state["admm_state"] is None else AdmmState(**state["admm_state"])
-        self.last_solve = state["last_solve"]
-        self.sites_holding_shared = set(state["sites_holding_shared"])
-
-    # ------------------------------------------------------------------ site side
-    def site_setup(self, site) -> Payload:
-        """Data/feature space: the site's sketch of its training split; model space: nothing."""
-        if self.options.graph_space == "model":
-            return {}
-        check_sketch_size(site.data.train, self.options.min_sketch_samples, site.name)
-        if self.options.graph_space == "feature":
-            return {"sketch": feature_sketch(site.data.train)}
-        sketch = data_sketch(
-            site.data.train,
-            site.module.num_classes,
-            features=self.options.kernel_features,
-            bandwidth=self.options.kernel_bandwidth,
-            seed=self.seed,
-        )
-        return {"sketch": sketch}
-
-    def site_receive(self, site, phase: str, payload: Payload) -> None:
-        for part in ("shared", "personal"):
-            if part in payload:
-                site.module.set_vector(part, payload[part])
-
-    def site_epoch_share(self, phase: str) -> float:
-        return 1.0 if self.options.full_epoch_per_phase else 0.5
-
-    def site_trainable(self, phase: str) -> str:
-        return phase  # "shared" or "personal"
-
-    def site_reply(self, site, phase: str) -> Payload:
-        reply = {phase: site.module.get_vector(phase)}
-        if phase == "shared":
-            reply["num_samples"] = num_samples(site)
-        return reply

@@ -62,7 +62,7 @@ from torch.utils.data import DataLoader
 
 from medfed.config import require
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.strategies.base import DELIVER, Payload, Strategy, num_samples
+from medfed.federated.strategies.base import DELIVER, Payload, ServerHalf, SiteHalf, Strategy, num_samples
 from medfed.federated.strategies.live_parameters import live_parameters, live_vector
 
 
@@ -105,35 +105,15 @@ def training_risk(site) -> tuple[float, torch.Tensor]:
     return risk, gradient.to(parameters[0].dtype)
 
 
-class PGFed(Strategy):
-    """PGFed: momentum beta = 0 (see the module docstring)."""
+class PGFedServer(ServerHalf):
+    """Holds the global model, the learned weights A and the last participants' gradients."""
 
-    name = "pgfed"
-    coded_keys = {"all": "all", "gradient": "zeros", "aux_gradient": "zeros", "mean_gradient": "zeros"}
-
-    @dataclass
-    class Options:
-        mu: float = 0.1
-        """Weight of the auxiliary (other sites') risk in each site's objective (eq. 5)."""
-        alpha_lr: float = 0.01
-        """eta_2: step of the learned weights a_ij (Algorithm 1, line 10)."""
-
-        def __post_init__(self) -> None:
-            require(self.mu >= 0, "mu", self.mu, "mu >= 0")
-            require(self.alpha_lr >= 0, "alpha_lr", self.alpha_lr, "eta_2 >= 0")
-
-    @property
-    def beta(self) -> float:
-        """Momentum on the auxiliary gradient (eq. 15)."""
-        return 0.0
-
-    # ------------------------------------------------------------------ server side
-    def server_setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
         self.global_model = initial["all"].clone()
         self.alpha: torch.Tensor | None = None  # A (N, N), from the end of round 1
         self.previous: dict | None = None  # S_{t-1}: "sites" (k,), "gradients" (k, d), "offsets" (k,)
 
-    def server_message(self, phase: str, site_index: int) -> Payload:
+    def message(self, phase: str, site_index: int) -> Payload:
         message = {"all": self.global_model}
         if self.previous is None:  # round 1
             return message
@@ -153,7 +133,7 @@ class PGFed(Strategy):
         )
         return message
 
-    def server_aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
+    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
         if self.alpha is None:
             self.alpha = torch.full((self.n_sites, self.n_sites), 1.0 / len(replies), device=self.global_model.device)
         sites = sorted(replies)
@@ -169,29 +149,41 @@ class PGFed(Strategy):
             "offsets": torch.cat([replies[i]["alpha_offset"] for i in sites]),
         }
 
-    def server_metrics(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         return {} if self.alpha is None else {"alpha_mean": float(self.alpha.mean()), "alpha_min": float(self.alpha.min())}
 
-    def server_state_dict(self) -> dict:
+    def state_dict(self) -> dict:
         return {"global_model": self.global_model, "alpha": self.alpha, "previous": self.previous}
 
-    def load_server_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> None:
         self.global_model = state["global_model"]
         self.alpha = state["alpha"]
         self.previous = state["previous"]
 
-    # ------------------------------------------------------------------ site side
-    def site_receive(self, site, phase: str, payload: Payload) -> None:
+
+class PGFedSite(SiteHalf):
+    """Trains theta_i on its risk plus the first-order auxiliary risk; learns its row a_i of A."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.aux_gradient: torch.Tensor | None = None  # g~_i, kept across rounds for the momentum (eq. 15)
+        self.this_round: dict | None = None  # while a round's training runs (from round 2 on)
+
+    @property
+    def beta(self) -> float:
+        """Momentum on the auxiliary gradient (eq. 15)."""
+        return 0.0
+
+    def receive(self, site, phase: str, payload: Payload) -> None:
         if phase == DELIVER:
             return
         site.module.set_vector("all", payload["all"])  # theta_i <- theta_glob^{t-1}
         if "aux_gradient" not in payload:  # round 1: FedAvg-style local training
             return
-        state = site.strategy_state
         downloaded = payload["aux_gradient"]
-        previous = state.get("aux_gradient")
-        state["aux_gradient"] = downloaded if previous is None else (1.0 - self.beta) * downloaded + self.beta * previous
-        state["round"] = {
+        previous = self.aux_gradient
+        self.aux_gradient = downloaded if previous is None else (1.0 - self.beta) * downloaded + self.beta * previous
+        self.this_round = {
             "mean_gradient": payload["mean_gradient"],
             "alpha": payload["alpha"].clone(),
             "offsets": payload["previous_offsets"],
@@ -199,20 +191,19 @@ class PGFed(Strategy):
             "alpha_step_due": False,
         }
 
-    def site_loss(self, site, phase: str, batch) -> torch.Tensor:
+    def loss(self, site, plan, batch) -> torch.Tensor:
         """Before batch k's step, do batch k-1's a step (its theta step is done); then the loss of line 8."""
-        this_round = site.strategy_state.get("round")
-        if this_round is not None:
-            if this_round["alpha_step_due"]:
-                self._alpha_step(site, this_round)
-            this_round["alpha_step_due"] = True
-        return super().site_loss(site, phase, batch)
+        if self.this_round is not None:
+            if self.this_round["alpha_step_due"]:
+                self._alpha_step(site, self.this_round)
+            self.this_round["alpha_step_due"] = True
+        return super().loss(site, plan, batch)
 
-    def site_regularizer(self, site, phase: str) -> torch.Tensor | None:
+    def regularizer(self, site, plan) -> torch.Tensor | None:
         """<g~_i, theta_i> on the live parameters: its gradient is the auxiliary gradient g~_i (line 8)."""
-        if "round" not in site.strategy_state:
+        if self.this_round is None:
             return None
-        return torch.dot(site.strategy_state["aux_gradient"], live_vector(site.module, "all"))
+        return torch.dot(self.aux_gradient, live_vector(site.module, "all"))
 
     def _alpha_step(self, site, this_round: dict) -> None:
         """Lines 9-10: a_ij <- max(0, a_ij - eta_2 (g1_{t-1}[j] + gbar^T theta_i)) for j in S_{t-1}."""
@@ -223,8 +214,8 @@ class PGFed(Strategy):
         step = self.options.alpha_lr * (this_round["offsets"][mask].to(torch.float64) + g2)
         alpha[mask] = (alpha[mask].to(torch.float64) - step).clamp_min(0.0).to(alpha.dtype)
 
-    def site_reply(self, site, phase: str) -> Payload:
-        this_round = site.strategy_state.pop("round", None)
+    def reply(self, site, phase: str) -> Payload:
+        this_round, self.this_round = self.this_round, None
         if this_round is not None and this_round["alpha_step_due"]:
             self._alpha_step(site, this_round)  # the last batch's a step
         risk, gradient = training_risk(site)
@@ -240,11 +231,48 @@ class PGFed(Strategy):
             reply["alpha"] = this_round["alpha"]
         return reply
 
+    def state_dict(self) -> dict:
+        return {"aux_gradient": self.aux_gradient}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.aux_gradient = state["aux_gradient"]
+        self.this_round = None
+
+
+class PGFed(Strategy):
+    """PGFed: momentum beta = 0 (see the module docstring)."""
+
+    name = "pgfed"
+    summary = "each site adds a first-order estimate of the other sites' risks, weighted by learned a_ij"
+    reference = "Luo, Chen, Wu, Zhang, PGFed: personalize each client's global objective for federated learning, ICCV 2023"
+    coded_keys = {"all": "all", "gradient": "zeros", "aux_gradient": "zeros", "mean_gradient": "zeros"}
+    Server = PGFedServer
+    Site = PGFedSite
+
+    @dataclass
+    class Options:
+        mu: float = 0.1
+        """Weight of the auxiliary (other sites') risk in each site's objective (eq. 5)."""
+        alpha_lr: float = 0.01
+        """eta_2: step of the learned weights a_ij (Algorithm 1, line 10)."""
+
+        def __post_init__(self) -> None:
+            require(self.mu >= 0, "mu", self.mu, "mu >= 0")
+            require(self.alpha_lr >= 0, "alpha_lr", self.alpha_lr, "eta_2 >= 0")
+
+
+class PGFedMoSite(PGFedSite):
+    @property
+    def beta(self) -> float:
+        return self.options.beta
+
 
 class PGFedMo(PGFed):
     """PGFedMo: PGFed with momentum ``beta`` on each site's auxiliary gradient (eq. 15)."""
 
     name = "pgfedmo"
+    summary = "PGFed with momentum on each site's auxiliary gradient"
+    Site = PGFedMoSite
 
     @dataclass
     class Options(PGFed.Options):
@@ -254,7 +282,3 @@ class PGFedMo(PGFed):
         def __post_init__(self) -> None:
             super().__post_init__()
             require(0.0 <= self.beta < 1.0, "beta", self.beta, "a momentum in [0, 1)")
-
-    @property
-    def beta(self) -> float:
-        return self.options.beta
