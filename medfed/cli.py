@@ -6,6 +6,7 @@ strategy.pfednet.lam=0.1``); unknown keys are rejected with the key named.
 (``--config brats_lack0``). ``predict`` applies one site's model of a
 finished run to a new scan (:mod:`medfed.predict`). ``--print-config`` prints the full resolved config
 (every component default filled in, as ``config.json`` stores it) and exits.
+``strategies`` lists the registered algorithms (``--markdown``: the README's table).
 
 Bad input (config or data) ends with a one-line error naming the key or file
 and exit status 2, never a traceback; the whole config is checked before any
@@ -49,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     predict.add_argument("--out", required=True, type=Path, help="the segmentation to write, e.g. pred.nii.gz")
     predict.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    strategies = commands.add_parser("strategies", help="list the registered strategies (strategy.name choices)")
+    strategies.add_argument("--markdown", action="store_true", help="as the markdown table of the README")
     return parser
 
 
@@ -60,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     _show_warnings()
     try:
+        if args.command == "strategies":
+            from medfed.federated.strategies import strategy_table
+
+            print(strategy_table(markdown=args.markdown))
+            return 0
         if args.command == "predict":
             from medfed.predict import predict
 

@@ -210,3 +210,14 @@ def test_gradient_keys_start_from_zero():
 def test_bad_direction_is_rejected():
     with pytest.raises(ValueError, match="direction"):
         _link().send("sideways", {"all": torch.zeros(4000)})
+
+
+def test_a_model_sized_tensor_under_an_undeclared_key_is_refused():
+    initial = {"all": torch.zeros(D), "shared": torch.zeros(D - 300), "personal": torch.zeros(300), "buffers": torch.zeros(400)}
+    link = Link({"name": "stc", "sparsity": 0.1}, {"name": "dense"}, {"all": "all"}, initial, torch.device("cpu"))
+    for key, size, part in (("weights", D, "all"), ("head", 300, "personal")):
+        with pytest.raises(ValueError, match=f"payload '{key}' \\(up\\) holds {size} values, the size of the model part '{part}'.*coded_keys"):
+            link.send("up", {key: torch.ones(size)})
+    assert link.bytes_sent == {"up": 0, "down": 0}  # refused before anything was sent
+    received = link.send("up", {"all": torch.ones(D), "buffers": torch.ones(400), "num_samples": torch.tensor([3.0])})
+    assert torch.equal(received["buffers"], torch.ones(400))  # buffers and small entries travel dense

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from medfed.federated.strategies.base import SiteHalf, Strategy, TrainingPlan
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation
 
@@ -124,3 +125,54 @@ def test_global_rng_is_seeded_by_site_and_stream_and_leaves_the_outer_generators
     assert draws(site, 2, 0) != draws(site, 2, 1) and draws(site, 2, 0) != draws(site, 3, 0)
     other = build_loop("local", two_group_federation(n_sites=2), seeded(LinearClassifier, 4, 2)).sites[1]
     assert draws(site, 2, 0) != draws(other, 2, 0)
+
+
+class _TwoSlots(Strategy):
+    """Trains slot "a" for 3 steps, then slot "b" for 2 epochs of its own; evaluates "b"; exchanges nothing."""
+
+    name = "two_slots"
+    summary = "test strategy"
+    slots = ("a", "b")
+    evaluated_slot = "b"
+
+    class Site(SiteHalf):
+        def plan(self, phase):
+            return (TrainingPlan(slot="a", steps=3), TrainingPlan(slot="b", epochs=2.0))
+
+
+def test_plans_train_their_own_slot_for_their_own_length_and_the_evaluated_slot_is_evaluated():
+    loop = build_loop(_TwoSlots, two_group_federation(n_sites=2, n_train=112), seeded(LinearClassifier, 4, 2), batch_size=16)
+    site = loop.sites[0]
+    a, b = site.slot("a"), site.slot("b")
+    assert a.module is not b.module and a.optimizer is not b.optimizer and site.module is b.module
+    steps = {"a": 0, "b": 0}
+    for name in steps:
+        forward = site.slot(name).module.training_step
+
+        def counting(batch, index, name=name, forward=forward):
+            steps[name] += 1
+            return forward(batch, index)
+
+        site.slot(name).module.training_step = counting
+    start = {name: site.slot(name).module.get_vector("all") for name in steps}
+    loop.fit(1)
+    assert steps == {"a": 3, "b": 2 * 7}  # B = 7 batches of 16
+    assert set(loop.history[0]["train_loss"]["site0"]) == {"fit/a", "fit/b"}
+    for name in steps:
+        assert not torch.equal(site.slot(name).module.get_vector("all"), start[name])
+    state = site.state_dict()
+    assert set(state["slots"]) == {"a", "b"} and set(state["slots"]["a"]) == {"module", "optimizer"}
+    assert loop.history[0]["metrics"]["site0"] == site.evaluate()  # the round's metrics are slot b's
+
+
+@pytest.mark.parametrize("plan", [dict(share=0.0), dict(epochs=-1.0), dict(steps=0), dict(epochs=1.0, steps=2)])
+def test_an_impossible_training_plan_is_refused(plan):
+    with pytest.raises(ValueError, match="training plan"):
+        TrainingPlan(**plan)
+
+
+def test_a_plan_counts_steps_epochs_or_a_share_of_the_trainers_epochs():
+    assert TrainingPlan(steps=5).epochs_of(2.0) is None
+    assert TrainingPlan(epochs=0.5).epochs_of(2.0) == 0.5
+    assert TrainingPlan(share=0.25).epochs_of(2.0) == 0.5
+    assert TrainingPlan().epochs_of(3.0) == 3.0

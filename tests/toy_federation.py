@@ -191,7 +191,7 @@ def regression_federation(n_sites: int = 3, n_features: int = 3, seed: int = 0) 
 
 
 def build_loop(
-    strategy: str,
+    strategy: str | type,
     federation: Federation,
     model: FederatedModule,
     options: dict[str, Any] | None = None,
@@ -204,7 +204,7 @@ def build_loop(
     """A loop as ``medfed.experiment.run`` builds it (dense links, CPU), without files or loggers.
 
     Args:
-        strategy: registered strategy name.
+        strategy: registered strategy name, or a ``Strategy`` subclass.
         federation: the sites' data.
         model: the prototype every site copies (its parameters are the initial model).
         options: that strategy's options (``strategy.<name>`` config group).
@@ -213,7 +213,10 @@ def build_loop(
         faults: the loop's ``on_site_failure``, ``update_norm_limit``,
             ``max_consecutive_failures`` (the ``federation.*`` keys).
     """
-    strategy_cls, strategy_options = strategy_from_config({"name": strategy, **({strategy: options} if options else {})})
+    if isinstance(strategy, str):
+        strategy_cls, strategy_options = strategy_from_config({"name": strategy, **({strategy: options} if options else {})})
+    else:  # a Strategy class defined by a test
+        strategy_cls, strategy_options = strategy, strategy.Options(**(options or {}))
     strategy_obj = strategy_cls(strategy_options, model.parameter_split, len(federation.sites), seed)
     fabric = Fabric(accelerator="cpu", devices=1, loggers=[], callbacks=[])
     sites = build_sites(fabric, federation, model, strategy_obj, batch_size, seed)
