@@ -513,3 +513,26 @@ def test_solves_on_cuda_like_on_cpu(p):
     on_cuda = solve_network_lasso(torch.tensor(Z_tilde, device="cuda"), Q.cuda(), lam=lam, eta=eta, p=p, **TIGHT)
     assert on_cuda.Z.device.type == on_cuda.state.W.device.type == "cuda"
     torch.testing.assert_close(on_cuda.Z.cpu(), on_cpu.Z, rtol=0, atol=1e-8)
+
+
+def test_the_p2_state_stays_in_the_span_of_the_centres_and_warm_starts_like_its_full_form():
+    rng = np.random.default_rng(5)
+    d, n, eta = 40, 5, 0.5
+    Z_tilde = rng.normal(size=(d, 1)) + 0.5 * rng.normal(size=(d, n))
+    edges = [(0, 1), (1, 2), (2, 3), (3, 4), (0, 4)]
+    Q = incidence_matrix(edges, n)
+    lam = 0.1 * fusion_lam(Z_tilde, edges, eta, 2)
+    first = solve_network_lasso(torch.tensor(Z_tilde), Q, lam=lam, eta=eta, p=2, **TIGHT)
+    state = first.state
+    assert state.basis is not None and state.basis.shape == (d, n) and state.W.shape == state.U.shape == (n, Q.shape[1])
+    torch.testing.assert_close(state.basis.T @ state.basis, torch.eye(n, dtype=torch.float64))  # orthonormal
+    full = state.full()
+    assert full.basis is None and full.W.shape == (d, Q.shape[1])
+    torch.testing.assert_close(full.W, first.Z @ Q, rtol=0, atol=1e-5)  # W = Z Q at convergence
+    moved = torch.tensor(Z_tilde) + 0.05 * torch.randn(d, n, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    compact = solve_network_lasso(moved, Q, lam=lam, eta=eta, p=2, warm_start=state, **TIGHT)
+    expanded = solve_network_lasso(moved, Q, lam=lam, eta=eta, p=2, warm_start=full, **TIGHT)
+    assert compact.iterations == expanded.iterations
+    torch.testing.assert_close(compact.Z, expanded.Z, rtol=0, atol=1e-10)
+    general = solve_network_lasso(moved, Q, lam=lam, eta=eta, p=1, warm_start=state, **TIGHT)  # p = 1 expands it
+    assert general.converged

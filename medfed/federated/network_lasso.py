@@ -88,15 +88,31 @@ _OVER_RELAXATION = 1.6
 class AdmmState:
     """ADMM variables carried from one solve to the next (warm start).
 
+    Held in full, or (``basis`` given) as coordinates in the span of
+    ``basis``: the p = 2 solve keeps its state so, since its iterates lie in
+    the span of the centres, at O(d N) memory instead of O(d M) for M edges
+    (pFedNet carries the state from round to round).
+
     Attributes:
-        W: ``(d, M)`` split variable; equals ``Z Q`` at convergence.
-        U: ``(d, M)`` scaled dual variable (Lagrange multiplier divided by ``rho``).
+        W: ``(d, M)`` split variable, or its ``(k, M)`` coordinates ``basis^T W``;
+            equals ``Z Q`` at convergence.
+        U: ``(d, M)`` scaled dual variable (Lagrange multiplier divided by
+            ``rho``), or its ``(k, M)`` coordinates.
         rho: penalty parameter ``U`` is scaled by, ``> 0``.
+        basis: ``None``, or ``(d, k)`` with orthonormal columns: then the
+            state is ``W = basis @ W``, ``U = basis @ U``.
     """
 
     W: torch.Tensor
     U: torch.Tensor
     rho: float
+    basis: torch.Tensor | None = None
+
+    def full(self) -> AdmmState:
+        """The same state with ``(d, M)`` W and U (itself when already so)."""
+        if self.basis is None:
+            return self
+        return AdmmState(W=self.basis @ self.W.to(self.basis.dtype), U=self.basis @ self.U.to(self.basis.dtype), rho=self.rho)
 
 
 @dataclass
@@ -173,8 +189,10 @@ def solve_network_lasso(
     if warm_start is None:
         rho = 1.0 / eta if rho is None else float(rho)
         w, u = _exact_state_without_penalty(Z_tilde, Q)
+        start = AdmmState(W=w.T, U=u.T, rho=rho)
     else:
-        w, u, rho = _checked_warm_start(warm_start, like=Z_tilde, n_edges=n_edges)
+        _check_warm_start(warm_start, like=Z_tilde, n_edges=n_edges)
+        start, rho = warm_start, float(warm_start.rho)
     if lam == 0 or n_edges == 0:  # Z_tilde is the answer; return its exact state, not the warm one
         w, u = _exact_state_without_penalty(Z_tilde, Q)
         return NetworkLassoResult(
@@ -191,7 +209,11 @@ def solve_network_lasso(
         return fused
     settings = dict(lam=lam, eta=eta, p=p, max_iter=max_iter, abs_tol=abs_tol, rel_tol=rel_tol, adapt_rho=adapt_rho)
     if p == 2 and d > n_sites:
-        return _solve_l2_in_the_span_of_the_centres(Z_tilde, Q, w, u, rho, **settings)
+        return _solve_l2_in_the_span_of_the_centres(Z_tilde, Q, start, rho, **settings)
+    full = start.full()
+    w = full.W.T.to(dtype=Z_tilde.dtype, device=Z_tilde.device).contiguous()
+    u = full.U.T.to(dtype=Z_tilde.dtype, device=Z_tilde.device).contiguous()
+    del start, full
     return _admm(Z_tilde, Q, w, u, rho, **settings)
 
 
@@ -531,7 +553,7 @@ def _fused_solution(
 
 
 def _solve_l2_in_the_span_of_the_centres(
-    Z_tilde: torch.Tensor, Q: torch.Tensor, w: torch.Tensor, u: torch.Tensor, rho: float, *, abs_tol: float, **settings
+    Z_tilde: torch.Tensor, Q: torch.Tensor, start: AdmmState, rho: float, *, abs_tol: float, **settings
 ) -> NetworkLassoResult:
     """p = 2 solved on an ``(N, N)`` problem: the minimiser lies in the span of the centres.
 
@@ -547,27 +569,26 @@ def _solve_l2_in_the_span_of_the_centres(
     ``O(N^2 M)`` instead of ``O(d N M)`` per iteration. ``abs_tol`` is scaled
     by ``sqrt(d / N)`` so the absolute thresholds (Boyd's ``sqrt(d M) abs_tol``)
     are the full problem's. The reduced run is in float64 (it is tiny); the
-    costs are the QR and two ``(d, N)`` products.
+    costs are the QR and two ``(d, N)`` products. The state returned stays in
+    coordinates (``AdmmState.basis`` = B), and a warm start held so is
+    projected through ``B_old^T B`` (``(k, N)``), never expanded to ``(d, M)``.
     """
     d, n_sites = Z_tilde.shape
     basis, coordinates = torch.linalg.qr(Z_tilde)  # (d, N), (N, N)
+    w, u = start.W.to(device=basis.device), start.U.to(device=basis.device)  # (d, M), or (k, M) in start.basis
+    change = basis if start.basis is None else start.basis.to(device=basis.device, dtype=basis.dtype).T @ basis  # (d or k, N)
     reduced = _admm(
         coordinates.double(),
         Q.double(),
-        (w @ basis).double(),  # (M, N): the warm state's coordinates in the basis
-        (u @ basis).double(),
+        (w.T.to(change.dtype) @ change).double(),  # (M, N): the warm state's coordinates in the basis
+        (u.T.to(change.dtype) @ change).double(),
         rho,
         abs_tol=abs_tol * math.sqrt(d / n_sites),
         **settings,
     )
-
-    def in_full(rows: torch.Tensor) -> torch.Tensor:
-        """``(k, N)`` rows of coordinates in the basis -> ``(k, d)`` rows, in Z_tilde's dtype."""
-        return rows.to(Z_tilde.dtype) @ basis.T
-
     return NetworkLassoResult(
-        Z=in_full(reduced.Z.T).T,
-        state=AdmmState(W=in_full(reduced.state.W.T).T, U=in_full(reduced.state.U.T).T, rho=reduced.state.rho),
+        Z=basis @ reduced.Z.to(Z_tilde.dtype),
+        state=AdmmState(W=reduced.state.W.to(Z_tilde.dtype), U=reduced.state.U.to(Z_tilde.dtype), rho=reduced.state.rho, basis=basis),
         iterations=reduced.iterations,
         primal_residual=reduced.primal_residual,
         dual_residual=reduced.dual_residual,
@@ -744,20 +765,21 @@ def _exact_state_without_penalty(Z_tilde: torch.Tensor, Q: torch.Tensor) -> tupl
     return w, torch.zeros_like(w)
 
 
-def _checked_warm_start(
-    state: AdmmState, *, like: torch.Tensor, n_edges: int
-) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """``(W^T, U^T, rho)`` of ``state``, ``(M, d)`` contiguous on ``like``'s dtype and device, after checking."""
-    expected = (like.shape[0], n_edges)
+def _check_warm_start(state: AdmmState, *, like: torch.Tensor, n_edges: int) -> None:
+    """Raise ValueError naming the field if ``state`` does not fit a problem like ``like`` with ``n_edges`` edges."""
+    basis = getattr(state, "basis", None)
+    if basis is None:
+        expected, layout = (like.shape[0], n_edges), "(d, M)"
+    else:
+        if not isinstance(basis, torch.Tensor) or basis.ndim != 2 or basis.shape[0] != like.shape[0]:
+            raise ValueError(f"warm_start.basis: expected shape ({like.shape[0]}, k), found {_describe(basis)}")
+        expected, layout = (basis.shape[1], n_edges), "(k, M) coordinates"
     for name in ("W", "U"):
         value = getattr(state, name, None)
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected:
-            raise ValueError(f"warm_start.{name}: expected shape {expected} (d, M), found {_describe(value)}")
+            raise ValueError(f"warm_start.{name}: expected shape {expected} {layout}, found {_describe(value)}")
     if not _is_real(state.rho) or not state.rho > 0 or not math.isfinite(state.rho):
         raise ValueError(f"warm_start.rho: expected a finite number > 0, found {state.rho!r}")
-    w = state.W.T.to(dtype=like.dtype, device=like.device).contiguous()
-    u = state.U.T.to(dtype=like.dtype, device=like.device).contiguous()
-    return w, u, float(state.rho)
 
 
 def _is_real(value: object) -> bool:

@@ -135,7 +135,7 @@ class PFedNetServer(ServerHalf):
         # The sites replying now trained their personal parts from x_{t+1} and hold it; one that got
         # the message but failed was put back to its start-of-round state, so it needs x_{t+1} delivered.
         self.sites_holding_shared = set(replies)
-        centre = self.personal.clone()
+        centre = self.personal  # written in place (no second (d2, N) copy): the replies' columns, the others as they were
         for index, reply in replies.items():
             centre[:, index] = reply["personal"]
         self.personal_steps += 1
