@@ -47,7 +47,7 @@ def test_shared_phase_is_the_sample_weighted_average():
 def test_lambda_zero_keeps_every_sites_trained_personal_part():
     strategy = _strategy(0.0)
     replies = _personal_replies()
-    strategy.aggregate("personal", replies)
+    strategy.aggregate("personal", dict(replies))
     for i in range(N):
         assert torch.equal(strategy.personal[:, i], replies[i]["personal"])
 
@@ -57,7 +57,7 @@ def test_lambda_zero_keeps_every_sites_trained_personal_part():
 def test_lambda_at_the_fusion_threshold_fuses_connected_sites_to_their_mean(p, lam, lam_scale):
     strategy = _strategy(lam, p=p, lam_scale=lam_scale)
     replies = _personal_replies()
-    strategy.aggregate("personal", replies)
+    strategy.aggregate("personal", dict(replies))
     for group in ([0, 1], [2, 3]):
         mean = torch.stack([replies[i]["personal"] for i in group]).mean(0)
         for i in group:
@@ -70,7 +70,7 @@ def test_a_skipping_site_keeps_its_column_as_the_proximal_centre():
     before = strategy.personal[:, 3].clone()
     replies = _personal_replies()
     del replies[3]
-    strategy.aggregate("personal", replies)
+    strategy.aggregate("personal", dict(replies))
     assert torch.equal(strategy.personal[:, 3], before)
 
 
@@ -90,13 +90,13 @@ def test_server_state_round_trips():
     copy = PFedNet(PFedNet.Options(lam=0.5, knn_k=1), SPLIT, N, seed=0).server
     copy.load_state_dict(strategy.state_dict())
     replies = _personal_replies(seed=1)
-    strategy.aggregate("personal", replies)
-    copy.aggregate("personal", replies)
+    strategy.aggregate("personal", dict(replies))
+    copy.aggregate("personal", dict(replies))
     assert torch.equal(copy.personal, strategy.personal)
 
 
 def _spread_removed(strategy, replies):
-    strategy.aggregate("personal", replies)
+    strategy.aggregate("personal", dict(replies))
     return strategy.metrics()["spread_removed"]
 
 
@@ -116,7 +116,7 @@ def test_spread_removed_is_measured_against_the_centre():
     strategy = _strategy(0.4, knn_k=2)
     replies = _personal_replies()
     centre = torch.stack([replies[i]["personal"] for i in range(N)], dim=1)
-    strategy.aggregate("personal", replies)
+    strategy.aggregate("personal", dict(replies))
     components = [list(range(N))]
     expected = 1 - between_site_spread(strategy.personal, components) / between_site_spread(centre, components)
     assert strategy.metrics()["spread_removed"] == pytest.approx(expected, rel=1e-12)
@@ -128,9 +128,9 @@ def test_relative_lambda_is_free_of_the_models_scale_and_of_eta(scale):
     scaled = {i: {"personal": scale * r["personal"]} for i, r in replies.items()}
     tight = dict(admm_abs_tol=0.0, admm_rel_tol=1e-10, admm_max_iter=20_000)  # scale-free stopping rule
     reference = _strategy(0.4, knn_k=2, server_lr=0.01, **tight)
-    reference.aggregate("personal", replies)
+    reference.aggregate("personal", dict(replies))
     other = _strategy(0.4, knn_k=2, server_lr=7.0, **tight)
-    other.aggregate("personal", scaled)
+    other.aggregate("personal", dict(scaled))
     assert torch.allclose(other.personal / scale, reference.personal, atol=1e-6)
     assert other.metrics()["spread_removed"] == pytest.approx(reference.metrics()["spread_removed"], abs=1e-5)
 
@@ -149,12 +149,12 @@ def test_model_space_graph_is_built_from_trained_personal_parts_and_refreshed():
     # sites {0, 2} and {1, 3} hold nearly the same personal parts
     base = torch.randn(D2, 2, generator=torch.Generator().manual_seed(3))
     replies = {i: {"personal": base[:, i % 2] + 0.01 * i} for i in range(N)}
-    strategy.aggregate("personal", replies)
+    strategy.aggregate("personal", dict(replies))
     assert strategy.graph.edges == [(0, 2), (1, 3)] and [at for at, _ in strategy.graph_history] == [1]
     swapped = {i: {"personal": base[:, int(i >= 2)] + 0.01 * i} for i in range(N)}
-    strategy.aggregate("personal", swapped)  # round 2: not yet due
+    strategy.aggregate("personal", dict(swapped))  # round 2: not yet due
     assert strategy.graph.edges == [(0, 2), (1, 3)]
-    strategy.aggregate("personal", swapped)  # round 3: refreshed
+    strategy.aggregate("personal", dict(swapped))  # round 3: refreshed
     assert strategy.graph.edges == [(0, 1), (2, 3)] and [at for at, _ in strategy.graph_history] == [1, 3]
     figure = strategy.figures()["similarity_graph"]
     assert [axis.get_title() for axis in figure.axes] == ["built at round 1: 2 edges", "built at round 3: 2 edges"]

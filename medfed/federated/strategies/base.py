@@ -147,7 +147,11 @@ class ServerHalf:
         return {}
 
     def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
-        """Combine the replies of the sites that took part in ``phase`` (keys: site indices)."""
+        """Combine the replies of the sites that took part in ``phase`` (keys: site indices).
+
+        The dict is the server's to consume: it may pop the replies as it
+        reads them, releasing their memory before a large server step.
+        """
 
     def deliver(self, site_index: int) -> Payload:
         """What a site receives at the end of a round, to be evaluated with."""

@@ -136,7 +136,8 @@ class PFedNetServer(ServerHalf):
         # the message but failed was put back to its start-of-round state, so it needs x_{t+1} delivered.
         self.sites_holding_shared = set(replies)
         centre = self.personal  # written in place (no second (d2, N) copy): the replies' columns, the others as they were
-        for index, reply in replies.items():
+        while replies:  # consumed as read: no reply is held through the solve
+            index, reply = replies.popitem()
             centre[:, index] = reply["personal"]
         self.personal_steps += 1
         if self._graph_due():
