@@ -26,6 +26,7 @@ from medfed.config import parse_options
 from medfed.errors import ConfigError
 from medfed.federated.strategies.apple import APPLE
 from medfed.federated.strategies.base import Strategy
+from medfed.federated.strategies.ditto import Ditto
 from medfed.federated.strategies.fedamp import FedAMP
 from medfed.federated.strategies.fedavg import FedAvg
 from medfed.federated.strategies.fedbn import FedBN
@@ -35,7 +36,7 @@ from medfed.federated.strategies.pfednet import PFedNet
 from medfed.federated.strategies.pgfed import PGFed, PGFedMo
 
 #: every algorithm, in the order they are listed
-REGISTERED: tuple[type[Strategy], ...] = (Local, FedAvg, FedBN, FedProx, PFedNet, FedAMP, APPLE, PGFed, PGFedMo)
+REGISTERED: tuple[type[Strategy], ...] = (Local, FedAvg, FedBN, FedProx, Ditto, PFedNet, FedAMP, APPLE, PGFed, PGFedMo)
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in REGISTERED}
 
 
