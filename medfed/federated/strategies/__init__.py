@@ -24,6 +24,7 @@ from typing import Any
 
 from medfed.config import parse_options
 from medfed.errors import ConfigError
+from medfed.federated.strategies.apfl import APFL
 from medfed.federated.strategies.apple import APPLE
 from medfed.federated.strategies.base import Strategy
 from medfed.federated.strategies.ditto import Ditto
@@ -36,7 +37,7 @@ from medfed.federated.strategies.pfednet import PFedNet
 from medfed.federated.strategies.pgfed import PGFed, PGFedMo
 
 #: every algorithm, in the order they are listed
-REGISTERED: tuple[type[Strategy], ...] = (Local, FedAvg, FedBN, FedProx, Ditto, PFedNet, FedAMP, APPLE, PGFed, PGFedMo)
+REGISTERED: tuple[type[Strategy], ...] = (Local, FedAvg, FedBN, FedProx, Ditto, APFL, PFedNet, FedAMP, APPLE, PGFed, PGFedMo)
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in REGISTERED}
 
 
