@@ -65,7 +65,12 @@ def test_a_round_is_local_gradient_descent_on_the_proximal_objective_then_the_we
     # f_k(w) = mean (<x, w> - y)^2 / 2, gradient X^T (X w - y) / n + mu (w - w^t).
     mu, lr, epochs = 2.0, 0.1, 3
     federation = regression_federation(n_sites=3)
-    loop = build_loop("fedprox", federation, seeded(LinearRegressor, 3, LinearOptions(lr=lr)), {"mu": mu}, local_epochs=epochs, batch_size=64)
+
+    def loop_with(mu):
+        model = seeded(LinearRegressor, 3, LinearOptions(lr=lr))
+        return build_loop("fedprox", federation, model, {"mu": mu}, local_epochs=epochs, batch_size=64)
+
+    loop = loop_with(mu)
     loop.fit(1)
     start = loop.server.global_model.double()  # w^1, every site's model after round 1
     loop.fit(2)
@@ -81,7 +86,7 @@ def test_a_round_is_local_gradient_descent_on_the_proximal_objective_then_the_we
     torch.testing.assert_close(loop.server.global_model.double(), expected, rtol=1e-5, atol=1e-6)
     for site in loop.sites:
         torch.testing.assert_close(site.module.get_vector("all").double(), expected, rtol=1e-5, atol=1e-6)
-    without = build_loop("fedprox", federation, seeded(LinearRegressor, 3, LinearOptions(lr=lr)), {"mu": 0.0}, local_epochs=epochs, batch_size=64)
+    without = loop_with(0.0)
     without.fit(2)
     assert (without.server.global_model.double() - expected).abs().max() > 1e-3  # the term mattered
 

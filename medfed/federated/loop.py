@@ -273,7 +273,7 @@ class FederatedLoop:
             return losses, reply, update_norms(reply, start, coded_keys)
 
     def _steps(self, site: Site, plan: TrainingPlan, epochs_before: dict[tuple[int, str | None], float]) -> int:
-        """The optimiser steps of ``plan`` at ``site``, cut after the site's earlier epochs of the round in the plan's data order (which it adds to)."""
+        """The optimiser steps of ``plan`` at ``site``, cut after the earlier epochs of the round in its data order (which it adds to)."""
         epochs = plan.epochs_of(self.local_epochs)
         if epochs is None:
             return plan.steps

@@ -27,8 +27,8 @@ default the learning rate of v's optimiser (the paper uses one eta_t for
 all three). ``adaptive: false`` keeps alpha_i at ``alpha`` (the paper's
 fixed-alpha variant). With alpha fixed at 1, v_i follows a Local run's
 model bit for bit (its gradient is grad f_i(v_i), on the batches a Local
-site draws); at 0 the evaluated mixture is the global model; w is FedAvg's
-global model, bit for bit, whatever alpha (``tests/test_apfl.py``).
+site draws); at 0 the evaluated mixture's parameters are the global model's;
+w is FedAvg's global model, bit for bit, whatever alpha (``tests/test_apfl.py``).
 
 **Model slots.** ``global`` (w_i, trained by the round's training plan,
 sent, set by the delivery), ``local`` (v_i) and ``mixed`` (v_bar_i,
@@ -48,9 +48,9 @@ forward passes in training, so they are the running statistics of v_bar
 
 **Where medfed follows the paper rather than the code.** The authors' code
 (FedTorch) mixes the *outputs* of the two networks, alpha f(x; v) +
-(1 - alpha) f(x; w), updates alpha once per round (first batch only) from
-gradients rescaled by alpha, adds 0.02 alpha to alpha's gradient, and its
-default alpha is 0.5, fixed. PFLlib trains v_i on its own loss f_i(v_i)
+(1 - alpha) f(x; w), updates alpha once per round (first batch only) with
+<v - w, alpha g_v + (1 - alpha) g_w> (the two networks' gradients mixed)
+plus 0.02 alpha, and by default keeps alpha fixed at 0.5. PFLlib trains v_i on its own loss f_i(v_i)
 (not on v_bar's), and at the end of each round overwrites v_i with the
 mixture. Here the parameters are mixed, as the paper's v_bar is, and every
 step updates alpha with the exact gradient above, projected onto [0, 1] as

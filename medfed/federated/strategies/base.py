@@ -83,9 +83,9 @@ class TrainingPlan:
     over the training split if given, else ``share`` of the trainer's
     ``local_epochs`` (the default: all of them). Epochs are cut at whole
     steps by :meth:`~medfed.federated.site.Site.steps`, after the epochs the
-    site's earlier plans of the round took, so plans that split a round's
-    epochs (shares summing to 1) take together the steps one plan with all
-    of them would.
+    site's earlier plans of the round took in the same data order, so plans
+    that split a round's epochs (shares summing to 1) take together the steps
+    one plan with all of them would.
 
     Attributes:
         slot: the model slot trained (one of the strategy's ``slots``).
@@ -101,8 +101,7 @@ class TrainingPlan:
             a data order of its own, seeded as the site's is and continued
             only by the plans naming it, so its passes are those a site that
             trained nothing else would draw (Ditto's personal model draws the
-            batches a Local run's model draws). Epochs are cut after the
-            earlier epochs of the round in the same data order.
+            batches a Local run's model draws).
     """
 
     slot: str = MODEL
