@@ -88,6 +88,27 @@ def test_whole_epochs_are_complete_passes_one_call_or_several():
     assert torch.equal(plain.generator.get_state(), once.generator.get_state())
 
 
+def test_a_named_data_order_draws_what_the_sites_own_would_whatever_else_trains_and_round_trips():
+    site, alone = _site(112), _site(112)
+    seen_own, seen_named, seen_alone = [], [], []
+    site.train(site.steps(1.0), "model", "all", _recording_loss(site, seen_own))  # moves the site's own order on
+    site.train(site.steps(1.0), "model", "all", _recording_loss(site, seen_named), data_order="personal")
+    alone.train(alone.steps(1.0), "model", "all", _recording_loss(alone, seen_alone))
+    assert seen_named == seen_alone == seen_own  # each order's first pass, unaffected by the other
+    state = site.state_dict()
+    later = []
+    site.train(site.steps(1.0), "model", "all", _recording_loss(site, later), data_order="personal")
+    assert later != seen_named  # the named order went on to a new pass
+    site.load_state_dict(state)
+    again = []
+    site.train(site.steps(1.0), "model", "all", _recording_loss(site, again), data_order="personal")
+    assert again == later
+    site.load_state_dict(_site(112).state_dict())  # a state taken before the order's first use: it starts afresh
+    fresh = []
+    site.train(site.steps(1.0), "model", "all", _recording_loss(site, fresh), data_order="personal")
+    assert fresh == seen_named
+
+
 def test_train_returns_the_mean_step_loss():
     site = _site(112)
     losses = []

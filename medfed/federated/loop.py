@@ -170,7 +170,7 @@ class FederatedLoop:
             failures[site.index] = {"round": round_index, "site": site.name, "phase": phase, "reason": reason}
             self._round_start.restore(site)
 
-        epochs_before = {site.index: 0.0 for site in participants}  # epochs of each site's earlier plans this round
+        epochs_before: dict[tuple[int, str | None], float] = {}  # (site, data order) -> epochs of its earlier plans this round
         for phase_index, phase in enumerate(self.strategy.phases):
             taking_part = [site for site in participants if site.index not in failures]
             # Sites would train at the same time; simulated one after another,
@@ -242,7 +242,7 @@ class FederatedLoop:
         site: Site,
         phase: str,
         message: Payload,
-        epochs_before: dict[int, float],
+        epochs_before: dict[tuple[int, str | None], float],
         stream: tuple[int, ...],
         timing: dict[str, float],
     ) -> tuple[dict[str | None, float], Payload, dict[str, float]]:
@@ -264,21 +264,23 @@ class FederatedLoop:
             tic = time.perf_counter()
             losses = {}
             for plan in plans:
-                loss = site.train(self._steps(site, plan, epochs_before), plan.slot, plan.part, self._step_loss(site, plan))
+                steps = self._steps(site, plan, epochs_before)
+                loss = site.train(steps, plan.slot, plan.part, self._step_loss(site, plan), data_order=plan.data_order)
                 if loss is not None:
                     losses[None if len(plans) == 1 else plan.label] = loss
             timing["train_s"] += time.perf_counter() - tic
             reply = site.strategy.reply(site, phase)
             return losses, reply, update_norms(reply, start, coded_keys)
 
-    def _steps(self, site: Site, plan: TrainingPlan, epochs_before: dict[int, float]) -> int:
-        """The optimiser steps of ``plan`` at ``site``, cut after the site's earlier epochs of the round (which it adds to)."""
+    def _steps(self, site: Site, plan: TrainingPlan, epochs_before: dict[tuple[int, str | None], float]) -> int:
+        """The optimiser steps of ``plan`` at ``site``, cut after the earlier epochs of the round in its data order (which it adds to)."""
         epochs = plan.epochs_of(self.local_epochs)
         if epochs is None:
             return plan.steps
-        steps = site.steps(epochs, epochs_before[site.index])
-        epochs_before[site.index] += epochs
-        return steps
+        key = (site.index, plan.data_order)
+        before = epochs_before.get(key, 0.0)
+        epochs_before[key] = before + epochs
+        return site.steps(epochs, before)
 
     @staticmethod
     def _step_loss(site: Site, plan: TrainingPlan) -> Callable[[Any], torch.Tensor]:

@@ -78,11 +78,32 @@ class Site:
         self.strategy = strategy
         self.fabric = fabric
         self.seed = seed
-        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
-        # A training set that draws fresh samples (random crops) brings its own sampler; it draws from the same generator.
-        sampler = data.train.sampler(self.generator) if hasattr(data.train, "sampler") else RandomSampler(data.train, generator=self.generator)
-        self.train_loader = DataLoader(data.train, batch_size=batch_size, sampler=sampler, generator=self.generator)
+        self.batch_size = batch_size
+        self.generator = self._new_generator()
+        self.train_loader = self._shuffled_loader(self.generator)
+        #: the data orders training plans name (``TrainingPlan.data_order``): {name: (generator, loader)}
+        self.data_orders: dict[str, tuple[torch.Generator, DataLoader]] = {}
         self.test_loader = DataLoader(data.test, batch_size=batch_size * 4, shuffle=False)
+
+    def _new_generator(self) -> torch.Generator:
+        """A data-order generator seeded from the run's seed and the site's index (every data order starts alike)."""
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + self.index)
+
+    def _shuffled_loader(self, generator: torch.Generator) -> DataLoader:
+        """The training split in mini-batches, shuffled by ``generator``."""
+        train = self.data.train
+        # A training set that draws fresh samples (random crops) brings its own sampler; it draws from the same generator.
+        sampler = train.sampler(generator) if hasattr(train, "sampler") else RandomSampler(train, generator=generator)
+        return DataLoader(train, batch_size=self.batch_size, sampler=sampler, generator=generator)
+
+    def _loader(self, data_order: str | None) -> DataLoader:
+        """The shuffled loader of the data order named ``data_order`` (``None``: the site's own), made at its first use."""
+        if data_order is None:
+            return self.train_loader
+        if data_order not in self.data_orders:
+            generator = self._new_generator()
+            self.data_orders[data_order] = (generator, self._shuffled_loader(generator))
+        return self.data_orders[data_order][1]
 
     def slot(self, name: str) -> Slot:
         """The model slot ``name``."""
@@ -146,7 +167,9 @@ class Site:
                 np.random.set_state(numpy_state)
                 random.setstate(python_state)
 
-    def train(self, steps: int, slot: str, part: str, step_loss: Callable[[Any], torch.Tensor]) -> float | None:
+    def train(
+        self, steps: int, slot: str, part: str, step_loss: Callable[[Any], torch.Tensor], data_order: str | None = None
+    ) -> float | None:
         """Train ``part`` of the model in ``slot`` for ``steps`` optimiser steps (e.g. :meth:`steps` of some epochs).
 
         The batches come from fresh passes of the site's seeded shuffled
@@ -161,6 +184,9 @@ class Site:
             slot: the model slot trained (its own optimiser steps it).
             part: ``"all"``, ``"shared"`` or ``"personal"``.
             step_loss: maps a device batch to the scalar loss of one step.
+            data_order: the data order the batches come from (``None``: the
+                site's own; a name: that data order's generator, made at its
+                first use and then kept and checkpointed like the site's own).
 
         The gradients are freed at the end (``set_to_none``): between rounds
         a site holds its model and optimiser state, not a gradient as well.
@@ -175,6 +201,7 @@ class Site:
             return None
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
+        loader = self._loader(data_order)
         remaining = steps
         module.set_trainable(part)
         module.train()
@@ -185,7 +212,7 @@ class Site:
             # does: the sampler draws from the generator once more when it is exhausted),
             # otherwise only its first `remaining` batches, and the rest of it is dropped.
             whole = remaining >= self.batches_per_epoch
-            for batch in self.train_loader if whole else itertools.islice(self.train_loader, remaining):
+            for batch in loader if whole else itertools.islice(loader, remaining):
                 batch = self.fabric.to_device(batch)
                 optimizer.zero_grad(set_to_none=True)
                 loss = step_loss(batch)
@@ -208,10 +235,11 @@ class Site:
         return self.module.test_results()
 
     def state_dict(self) -> dict[str, Any]:
-        """Every slot's module and optimiser state, the data-order generator and the strategy half's state."""
+        """Every slot's module and optimiser state, the data-order generators and the strategy half's state."""
         return {
             "slots": {name: {"module": s.module.state_dict(), "optimizer": s.optimizer.state_dict()} for name, s in self.slots.items()},
             "generator": self.generator.get_state(),
+            "data_orders": {name: generator.get_state() for name, (generator, _) in self.data_orders.items()},
             "strategy": self.strategy.state_dict(),
         }
 
@@ -222,4 +250,8 @@ class Site:
             slot.module.load_state_dict(state["slots"][name]["module"])
             slot.optimizer.load_state_dict(state["slots"][name]["optimizer"])
         self.generator.set_state(state["generator"])
+        self.data_orders = {}  # a data order first used after ``state`` was taken starts afresh
+        for name, generator_state in state["data_orders"].items():
+            self._loader(name)
+            self.data_orders[name][0].set_state(generator_state)
         self.strategy.load_state_dict(state["strategy"])

@@ -24,17 +24,21 @@ from typing import Any
 
 from medfed.config import parse_options
 from medfed.errors import ConfigError
+from medfed.federated.strategies.apfl import APFL
 from medfed.federated.strategies.apple import APPLE
 from medfed.federated.strategies.base import Strategy
+from medfed.federated.strategies.ditto import Ditto
 from medfed.federated.strategies.fedamp import FedAMP
 from medfed.federated.strategies.fedavg import FedAvg
 from medfed.federated.strategies.fedbn import FedBN
+from medfed.federated.strategies.fedprox import FedProx
+from medfed.federated.strategies.l2gd import L2GD
 from medfed.federated.strategies.local import Local
 from medfed.federated.strategies.pfednet import PFedNet
 from medfed.federated.strategies.pgfed import PGFed, PGFedMo
 
 #: every algorithm, in the order they are listed
-REGISTERED: tuple[type[Strategy], ...] = (Local, FedAvg, FedBN, PFedNet, FedAMP, APPLE, PGFed, PGFedMo)
+REGISTERED: tuple[type[Strategy], ...] = (Local, FedAvg, FedBN, FedProx, Ditto, APFL, L2GD, PFedNet, FedAMP, APPLE, PGFed, PGFedMo)
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in REGISTERED}
 
 

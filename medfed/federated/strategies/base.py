@@ -83,9 +83,9 @@ class TrainingPlan:
     over the training split if given, else ``share`` of the trainer's
     ``local_epochs`` (the default: all of them). Epochs are cut at whole
     steps by :meth:`~medfed.federated.site.Site.steps`, after the epochs the
-    site's earlier plans of the round took, so plans that split a round's
-    epochs (shares summing to 1) take together the steps one plan with all
-    of them would.
+    site's earlier plans of the round took in the same data order, so plans
+    that split a round's epochs (shares summing to 1) take together the steps
+    one plan with all of them would.
 
     Attributes:
         slot: the model slot trained (one of the strategy's ``slots``).
@@ -96,6 +96,12 @@ class TrainingPlan:
         steps: optimiser steps (>= 1), or None.
         name: how the plan's mean loss is labelled in a phase with several
             plans (``train_loss/<phase>/<name>``); default: the slot.
+        data_order: where the batches come from. ``None``: the site's shuffled
+            data order, which every plan naming no other continues; a name:
+            a data order of its own, seeded as the site's is and continued
+            only by the plans naming it, so its passes are those a site that
+            trained nothing else would draw (Ditto's personal model draws the
+            batches a Local run's model draws).
     """
 
     slot: str = MODEL
@@ -104,6 +110,7 @@ class TrainingPlan:
     epochs: float | None = None
     steps: int | None = None
     name: str | None = None
+    data_order: str | None = None
 
     def __post_init__(self) -> None:
         if self.share <= 0 or (self.epochs is not None and self.epochs <= 0) or (self.steps is not None and self.steps < 1):
@@ -253,9 +260,12 @@ class Strategy:
     slots: ClassVar[tuple[str, ...]] = (MODEL,)
     #: the slot each site is evaluated with
     evaluated_slot: ClassVar[str] = MODEL
-    #: the part of the evaluated model the server's delivery sets at the end of every round
-    #: (None: the delivery never replaces it, so a site that skips a round keeps its model)
+    #: the part of the model in ``delivered_slot`` the server's delivery sets at the end of every round
+    #: (None: the delivery never replaces any part of the evaluated model, so a site that skips a round keeps it)
     delivered: ClassVar[str | None] = None
+    #: the slot the delivery sets (None: the evaluated slot); another one where the evaluated model is
+    #: derived from the delivered one (APFL evaluates a mixture of its own model and the delivered global one)
+    delivered_slot: ClassVar[str | None] = None
     Server: ClassVar[type[ServerHalf]] = ServerHalf
     Site: ClassVar[type[SiteHalf]] = SiteHalf
 

@@ -43,7 +43,7 @@ import torch
 from medfed.config import require
 from medfed.errors import ConfigError
 from medfed.federated.strategies.base import DELIVER, Payload, ServerHalf, SiteHalf, Strategy
-from medfed.federated.strategies.live_parameters import live_vector
+from medfed.federated.strategies.live_parameters import proximal_term
 
 VARIANTS = ("exponential", "heuristic")
 
@@ -152,8 +152,7 @@ class FedAMPSite(SiteHalf):
 
     def regularizer(self, site, plan) -> torch.Tensor:
         """lam / (2 alpha) * ||w - u_i||^2 on the live parameters w (gradient (lam / alpha)(w - u_i))."""
-        difference = live_vector(site.module, "all") - self.cloud
-        return self.options.lam / (2.0 * self.options.alpha) * difference.square().sum()
+        return proximal_term(site.module, "all", self.cloud, self.options.lam / self.options.alpha)
 
     def reply(self, site, phase: str) -> Payload:
         del self.cloud  # only needed while training; keeps checkpoints small

@@ -19,7 +19,9 @@ running variance negative.
 
 Subclasses of the halves change what travels by naming other parts of the
 model (:data:`~medfed.models.split.PARTS`) in ``parameters_part`` and
-``buffers_part`` (FedBN leaves out the BatchNorm layers).
+``buffers_part`` (FedBN leaves out the BatchNorm layers), and where the
+global model lives at a site that holds several models in ``global_slot``
+(Ditto, APFL).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.strategies.base import DELIVER, Payload, ServerHalf, SiteHalf, Strategy, num_samples
+from medfed.federated.strategies.base import DELIVER, MODEL, Payload, ServerHalf, SiteHalf, Strategy, num_samples
 
 
 class FedAvgServer(ServerHalf):
@@ -63,16 +65,19 @@ class FedAvgSite(SiteHalf):
 
     parameters_part: ClassVar[str] = FedAvgServer.parameters_part
     buffers_part: ClassVar[str] = FedAvgServer.buffers_part
+    #: the model slot holding the global model (strategies with several slots name theirs)
+    global_slot: ClassVar[str] = MODEL
 
     def receive(self, site, phase: str, payload: Payload) -> None:
         if phase == DELIVER:
             for part, vector in payload.items():
-                site.module.set_vector(part, vector)
+                site.slot(self.global_slot).module.set_vector(part, vector)
 
     def reply(self, site, phase: str) -> Payload:
+        module = site.slot(self.global_slot).module
         return {
-            self.parameters_part: site.module.get_vector(self.parameters_part),
-            self.buffers_part: site.module.get_vector(self.buffers_part),
+            self.parameters_part: module.get_vector(self.parameters_part),
+            self.buffers_part: module.get_vector(self.buffers_part),
             "num_samples": num_samples(site),
         }
 

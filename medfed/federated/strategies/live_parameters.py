@@ -4,7 +4,8 @@
 wire); a proximal or linear term of the local objective must instead be built
 from the *live* parameters so that its gradient reaches the optimiser (a
 detached term has none: bug 6 of ``shared/design/algorithms.md``). The
-helpers here give the live flat vector of a part, and run a module's
+helpers here give the live flat vector of a part, the proximal term
+``weight / 2 * ||w - centre||^2`` on it, and run a module's
 ``training_step`` with substituted parameter tensors (``torch.func.functional_call``),
 which APPLE needs for its mixed personalised model.
 """
@@ -40,6 +41,21 @@ def live_vector(module: nn.Module, part: Part) -> torch.Tensor:
     flow back to the parameters themselves.
     """
     return torch.cat([p.reshape(-1) for p in live_parameters(module, part)])
+
+
+def proximal_term(module: nn.Module, part: Part, centre: torch.Tensor, weight: float) -> torch.Tensor:
+    """``weight / 2 * ||w - centre||^2`` on the live parameters w of ``part``.
+
+    Args:
+        module: the site's module (Fabric-wrapped or not).
+        part: the part of the model the term acts on.
+        centre: ``(size(part),)``, a fixed vector (no gradient flows to it).
+        weight: the term's weight (FedProx's mu, Ditto's lambda, ...).
+
+    Returns:
+        A scalar whose gradient in w is ``weight * (w - centre)``.
+    """
+    return weight / 2.0 * (live_vector(module, part) - centre).square().sum()
 
 
 class _TrainingStep(nn.Module):
