@@ -29,13 +29,14 @@ from medfed.federated.strategies.base import Strategy
 from medfed.federated.strategies.fedamp import FedAMP
 from medfed.federated.strategies.fedavg import FedAvg
 from medfed.federated.strategies.fedbn import FedBN
+from medfed.federated.strategies.fpfc import FPFC
 from medfed.federated.strategies.ifca import IFCA
 from medfed.federated.strategies.local import Local
 from medfed.federated.strategies.pfednet import PFedNet
 from medfed.federated.strategies.pgfed import PGFed, PGFedMo
 
 #: every algorithm, in the order they are listed
-REGISTERED: tuple[type[Strategy], ...] = (Local, FedAvg, FedBN, PFedNet, FedAMP, APPLE, PGFed, PGFedMo, IFCA)
+REGISTERED: tuple[type[Strategy], ...] = (Local, FedAvg, FedBN, PFedNet, FedAMP, APPLE, PGFed, PGFedMo, IFCA, FPFC)
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in REGISTERED}
 
 

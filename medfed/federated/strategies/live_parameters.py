@@ -42,6 +42,21 @@ def live_vector(module: nn.Module, part: Part) -> torch.Tensor:
     return torch.cat([p.reshape(-1) for p in live_parameters(module, part)])
 
 
+def proximal_term(module: nn.Module, part: Part, centre: torch.Tensor, weight: float) -> torch.Tensor:
+    """``weight / 2 * ||w - centre||^2`` on the live parameters w of ``part``: its gradient ``weight (w - centre)`` reaches them.
+
+    Args:
+        module: the site's module (Fabric-wrapped or not).
+        part: the parameters the term acts on.
+        centre: ``(size(part),)``, a constant (no gradient flows to it).
+        weight: the term's weight (e.g. rho, or lambda / alpha).
+
+    Returns:
+        The scalar term.
+    """
+    return weight / 2.0 * (live_vector(module, part) - centre).square().sum()
+
+
 class _TrainingStep(nn.Module):
     """Exposes ``module.training_step`` as ``forward``, so ``functional_call`` can run it."""
 
