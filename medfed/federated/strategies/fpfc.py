@@ -115,7 +115,7 @@ class FPFCServer(ServerHalf):
             self.models[index] = reply["personal"]
         touched = [p for p, (i, j) in enumerate(self.pairs) if i in replies or j in replies]
         if touched:
-            rows = torch.tensor(touched, device=self.models.device)
+            rows = torch.tensor(touched, dtype=torch.int64, device=self.models.device)
             first, second = self._ends(touched)
             difference = self.models[first] - self.models[second]  # (T, d2) w_i - w_j
             rho = self.options.rho

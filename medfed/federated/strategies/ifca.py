@@ -1,8 +1,8 @@
 """IFCA (Ghosh, Chung, Yin and Ramchandran): k cluster models; each site trains the one that fits its data best.
 
 Ghosh et al., "An efficient framework for clustered federated learning",
-NeurIPS 2020 / IEEE Trans. Inf. Theory 68(12), 2022, Algorithm 2 (the
-*model averaging* variant). The server holds k cluster models
+NeurIPS 2020 / IEEE Trans. Inf. Theory 68(12), 2022, Algorithm 1 with
+option II (*model averaging*). The server holds k cluster models
 theta_1 .. theta_k (parameters and float buffers). In round t:
 
 1. the server sends every participant all k models;
@@ -17,7 +17,8 @@ theta_1 .. theta_k (parameters and float buffers). In round t:
 
        theta_j <- sum_{i in S_j} n_i theta~_i / sum_{i in S_j} n_i,   S_j = {participants with j_i = j}
 
-   (float buffers alike); a cluster no participant chose keeps its model.
+   (float buffers alike); a cluster no participant chose keeps its model
+   (the paper leaves that case open).
 
 A site is evaluated with the model of the cluster it last chose, delivered at
 the end of every round (the server knows that choice only from replies; a
@@ -55,7 +56,8 @@ with its own generator so that it leaves the site's data order and global
 generators untouched. The average is sample-weighted (the paper's is
 unweighted: equal with equal sizes), and float buffers are averaged like
 parameters, as in FedAvg. The paper's weight-sharing variant (shared lower
-layers across clusters) is not implemented: the whole model is clustered.
+layers across clusters) and its random restarts are not implemented: the
+whole model is clustered, from one seeded set of initial models.
 
 **Defaults.** ``clusters = 2`` (the paper's CIFAR-10 setting; its rotated
 MNIST uses 4 rotations; medfed's tasks have 5 sites), ``init_scale = 1``.
@@ -105,7 +107,7 @@ def cluster_initialisations(model: torch.Tensor, split: ParameterSplit, clusters
     reference = model.detach().to(device="cpu", dtype=torch.float64)
     if int(sizes.sum()) != reference.numel():
         raise ValueError(f"model: expected {int(sizes.sum())} values (the 'all' part), got {reference.numel()}")
-    segment = torch.repeat_interleave(torch.arange(len(sizes), device="cpu"), sizes)  # (d,) tensor of each entry
+    segment = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int64, device="cpu"), sizes)  # (d,) tensor of each entry
     counts = sizes.to(torch.float64)
     mean = torch.zeros(len(sizes), dtype=torch.float64, device="cpu").index_add_(0, segment, reference) / counts
     variance = torch.zeros_like(mean).index_add_(0, segment, (reference - mean[segment]).square()) / counts
@@ -176,7 +178,7 @@ class IFCASite(SiteHalf):
         module = site.module
         models = cluster_initialisations(module.get_vector("all"), self.split, self.options.clusters, self.seed, self.options.init_scale)
         buffers = module.get_vector("buffers")
-        return {CLUSTER_ID: torch.tensor([float(choose_cluster(site, ((m, buffers) for m in models)))])}
+        return {CLUSTER_ID: _cluster_id(choose_cluster(site, ((m, buffers) for m in models)))}
 
     def receive(self, site, phase: str, payload: Payload) -> None:
         if phase == DELIVER:
@@ -189,11 +191,16 @@ class IFCASite(SiteHalf):
     def reply(self, site, phase: str) -> Payload:
         j, self.cluster = self.cluster, None
         return {
-            CLUSTER_ID: torch.tensor([float(j)]),
+            CLUSTER_ID: _cluster_id(j),
             f"{CLUSTER}/{j}": site.module.get_vector("all"),
             f"{CLUSTER_BUFFERS}/{j}": site.module.get_vector("buffers"),
             "num_samples": num_samples(site),
         }
+
+
+def _cluster_id(j: int) -> torch.Tensor:
+    """The payload entry naming cluster j: float32 ``(1,)`` on the CPU (the link places it)."""
+    return torch.tensor([float(j)], dtype=torch.float32, device="cpu")
 
 
 def choose_cluster(site, candidates: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> int:
@@ -225,14 +232,15 @@ def training_loss(site) -> torch.Tensor:
     """F_i: the evaluated module's mean training loss over the site's training split, evaluation mode, no gradients.
 
     The split is read in order (a random-crop split gives its fixed
-    reference patches) by a loader with its own generator, so neither the
+    reference patches), in batches of the evaluation's size, by a loader
+    with its own generator, so neither the
     site's data order nor the global generators move. Each batch's mean
     loss is weighted by the batch's size. Returns a 0-d tensor on the
     module's device.
     """
     module = site.module
     module.eval()
-    batch_size = site.train_loader.batch_size
+    batch_size = site.test_loader.batch_size  # evaluation batches (no gradients): 4 x the training batch
     loader = DataLoader(site.data.train, batch_size=batch_size, shuffle=False, generator=torch.Generator())
     total = None
     for index, batch in enumerate(loader):
