@@ -73,7 +73,7 @@ def run(
     callbacks = [*_volume_evaluation(federation, run_cfg), tracker]  # volume scores join the round before the tracker logs
     fabric = Fabric(accelerator=trainer.device, devices=1, loggers=tracker.loggers, callbacks=callbacks)
     sites = build_sites(fabric, federation, prototype, strategy, trainer.batch_size, trainer.seed)
-    initial = initial_vectors(prototype, fabric.device)
+    initial = strategy.initial_values(initial_vectors(prototype, fabric.device))
     links = [Link(run_cfg.codec.spec("up"), run_cfg.codec.spec("down"), strategy.coded_keys, initial, fabric.device) for _ in sites]
     loop = FederatedLoop(
         fabric,

@@ -220,7 +220,7 @@ def build_loop(
     strategy_obj = strategy_cls(strategy_options, model.parameter_split, len(federation.sites), seed)
     fabric = Fabric(accelerator="cpu", devices=1, loggers=[], callbacks=[])
     sites = build_sites(fabric, federation, model, strategy_obj, batch_size, seed)
-    initial = initial_vectors(model, fabric.device)
+    initial = strategy_obj.initial_values(initial_vectors(model, fabric.device))
     links = [Link({"name": "dense"}, {"name": "dense"}, strategy_obj.coded_keys, initial, fabric.device) for _ in sites]
     return FederatedLoop(fabric, sites, strategy_obj, links, initial, local_epochs, participation, seed, **faults)
 

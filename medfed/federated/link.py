@@ -56,7 +56,9 @@ what it still owes.
 
 Before a key's first message K is the seeded initial model, which both ends
 hold (every site builds it from the run's seed), or zero for keys declared
-against ``"zeros"`` (gradients). Every other entry (sample counts,
+against ``"zeros"`` (gradients); a key that has an initial vector of its own
+name (``Strategy.initial_values``, e.g. IFCA's seeded "cluster/j") starts from
+that one. Every other entry (sample counts,
 sketches, mixing weights) travels as dense float32; a tensor under such a
 key that has the size of a parameter part of the model (``initial``'s
 vectors other than buffers, from ``MIN_CHECKED_SIZE`` values) is refused: a model vector must be declared in ``coded_keys`` so
@@ -92,7 +94,8 @@ class Link:
             prefix or starting with ``prefix + "/"`` carry model-sized vectors
             (coded by the codecs); a key's first known value K is
             ``initial[vector]``, or zero when the vector is ``"zeros"``.
-        initial: the initial model vectors ``{"shared", "personal", "all"}``.
+        initial: the initial model vectors ``{"shared", "personal", "all", ...}``, and any
+            initial vector of a payload key under the key itself (``Strategy.initial_values``).
         device: where received tensors are placed (the run's device).
 
     Attributes:
@@ -176,7 +179,7 @@ class Link:
 
         K is replaced, never written to, so the tensor handed to the receiver is its own.
         """
-        known = self.known.get(key)
+        known = self.known.get(key, self.initial.get(key))
         if known is None:
             known = torch.zeros_like(target) if reference_name == ZEROS else self.initial[reference_name]
         if known.shape != target.shape:

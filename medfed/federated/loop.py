@@ -49,8 +49,9 @@ class FederatedLoop:
         sites: the sites, index order, each holding its half of ``strategy``.
         strategy: the algorithm (its server half is ``strategy.server``).
         links: one link per site (same order).
-        initial: the initial model as vectors ``{"shared", "personal", "all"}``
-            (every site starts from it).
+        initial: the initial model as vectors ``{"shared", "personal", "all", ...}``
+            (every site starts from it), with any vectors the strategy adds
+            (``Strategy.initial_values``); the server half's setup gets them.
         local_epochs: the trainer's local epochs per round, which a
             training plan takes its ``share`` of (by default all).
         participation: fraction of sites taking part in each round; the

@@ -32,13 +32,17 @@ from medfed.federated.strategies.fedamp import FedAMP
 from medfed.federated.strategies.fedavg import FedAvg
 from medfed.federated.strategies.fedbn import FedBN
 from medfed.federated.strategies.fedprox import FedProx
+from medfed.federated.strategies.fpfc import FPFC
+from medfed.federated.strategies.ifca import IFCA
 from medfed.federated.strategies.l2gd import L2GD
 from medfed.federated.strategies.local import Local
 from medfed.federated.strategies.pfednet import PFedNet
 from medfed.federated.strategies.pgfed import PGFed, PGFedMo
 
 #: every algorithm, in the order they are listed
-REGISTERED: tuple[type[Strategy], ...] = (Local, FedAvg, FedBN, FedProx, Ditto, APFL, L2GD, PFedNet, FedAMP, APPLE, PGFed, PGFedMo)
+REGISTERED: tuple[type[Strategy], ...] = (
+    Local, FedAvg, FedBN, FedProx, Ditto, APFL, L2GD, PFedNet, FedAMP, APPLE, PGFed, PGFedMo, IFCA, FPFC
+)
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in REGISTERED}
 
 

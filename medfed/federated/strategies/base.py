@@ -284,6 +284,21 @@ class Strategy:
         """The half that runs at site ``index``."""
         return self.Site(self.options, self.split, self.n_sites, self.seed, index)
 
+    def initial_values(self, model: Payload) -> Payload:
+        """The vectors both ends of every link hold before any message: by default the initial model's parts.
+
+        A strategy that sends vectors both ends can derive from the seeded
+        initial model and the run's seed (IFCA's seeded cluster models) adds
+        them under the payload key they travel as; a link codes a key's first
+        message against the vector of the key's own name where there is one,
+        else against its ``coded_keys`` part (:mod:`medfed.federated.link`).
+        The server half's ``setup`` receives the same vectors.
+
+        Args:
+            model: ``{part: vector}``, the initial model (every part of :data:`~medfed.models.split.PARTS`).
+        """
+        return model
+
 
 def num_samples(site: Site) -> torch.Tensor:
     """The site's training-set size as a payload entry (for sample-weighted averaging)."""
