@@ -11,7 +11,11 @@ from medfed.federated.strategies import STRATEGIES
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation
 
-OPTIONS = {"fedamp": {"lam": 0.01, "alpha": 0.2, "sigma": 5.0}, "apple": {"download_budget": 2, "scheduler_rounds": 2}}
+OPTIONS = {
+    "fedamp": {"lam": 0.01, "alpha": 0.2, "sigma": 5.0},
+    "apple": {"download_budget": 2, "scheduler_rounds": 2},
+    "pfedme": {"lam": 1.0},  # eta lam < 1 with the toy SGD step 0.5 (lam = 15 overshoots w)
+}
 RAISES, SENDS_NAN, SENDS_HUGE = 1, 2, 3  # the faulty sites of a 6-site federation; 0, 4 and 5 stay healthy
 FAULT_ROUND = 2
 

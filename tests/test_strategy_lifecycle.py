@@ -13,7 +13,11 @@ from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import DropoutClassifier, LinearClassifier, build_loop, seeded, two_group_federation
 
 #: options that make a strategy useful on the toy federation (the others run with their defaults)
-OPTIONS = {"fedamp": {"lam": 0.01, "alpha": 0.5, "sigma": 5.0}, "apple": {"download_budget": 2, "scheduler_rounds": 2}}
+OPTIONS = {
+    "fedamp": {"lam": 0.01, "alpha": 0.5, "sigma": 5.0},
+    "apple": {"download_budget": 2, "scheduler_rounds": 2},
+    "pfedme": {"lam": 1.0},  # eta lam < 1 with the toy SGD step 0.5 (lam = 15 overshoots w)
+}
 
 
 def _loop(name, participation, model=LinearClassifier):

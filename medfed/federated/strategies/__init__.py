@@ -30,11 +30,12 @@ from medfed.federated.strategies.fedamp import FedAMP
 from medfed.federated.strategies.fedavg import FedAvg
 from medfed.federated.strategies.fedbn import FedBN
 from medfed.federated.strategies.local import Local
+from medfed.federated.strategies.pfedme import PFedMe
 from medfed.federated.strategies.pfednet import PFedNet
 from medfed.federated.strategies.pgfed import PGFed, PGFedMo
 
 #: every algorithm, in the order they are listed
-REGISTERED: tuple[type[Strategy], ...] = (Local, FedAvg, FedBN, PFedNet, FedAMP, APPLE, PGFed, PGFedMo)
+REGISTERED: tuple[type[Strategy], ...] = (Local, FedAvg, FedBN, PFedNet, FedAMP, APPLE, PGFed, PGFedMo, PFedMe)
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in REGISTERED}
 
 
