@@ -15,6 +15,7 @@ OPTIONS = {
     "fedamp": {"lam": 0.01, "alpha": 0.2, "sigma": 5.0},
     "apple": {"download_budget": 2, "scheduler_rounds": 2},
     "pfedme": {"lam": 1.0},  # eta lam < 1 with the toy SGD step 0.5 (lam = 15 overshoots w)
+    "superfed": {"start_round": 2},  # mix from round 2: the draws of lambda are part of the runs compared
 }
 RAISES, SENDS_NAN, SENDS_HUGE = 1, 2, 3  # the faulty sites of a 6-site federation; 0, 4 and 5 stay healthy
 FAULT_ROUND = 2

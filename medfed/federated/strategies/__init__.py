@@ -33,9 +33,10 @@ from medfed.federated.strategies.local import Local
 from medfed.federated.strategies.pfedme import PFedMe
 from medfed.federated.strategies.pfednet import PFedNet
 from medfed.federated.strategies.pgfed import PGFed, PGFedMo
+from medfed.federated.strategies.superfed import SuPerFed
 
 #: every algorithm, in the order they are listed
-REGISTERED: tuple[type[Strategy], ...] = (Local, FedAvg, FedBN, PFedNet, FedAMP, APPLE, PGFed, PGFedMo, PFedMe)
+REGISTERED: tuple[type[Strategy], ...] = (Local, FedAvg, FedBN, PFedNet, FedAMP, APPLE, PGFed, PGFedMo, PFedMe, SuPerFed)
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in REGISTERED}
 
 
