@@ -33,10 +33,11 @@ from medfed.federated.strategies.local import Local
 from medfed.federated.strategies.pfedme import PFedMe
 from medfed.federated.strategies.pfednet import PFedNet
 from medfed.federated.strategies.pgfed import PGFed, PGFedMo
+from medfed.federated.strategies.pooled import Pooled
 from medfed.federated.strategies.superfed import SuPerFed
 
 #: every algorithm, in the order they are listed
-REGISTERED: tuple[type[Strategy], ...] = (Local, FedAvg, FedBN, PFedNet, FedAMP, APPLE, PGFed, PGFedMo, PFedMe, SuPerFed)
+REGISTERED: tuple[type[Strategy], ...] = (Local, FedAvg, FedBN, PFedNet, FedAMP, APPLE, PGFed, PGFedMo, PFedMe, SuPerFed, Pooled)
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in REGISTERED}
 
 

@@ -252,6 +252,9 @@ class Strategy:
     #: the part of the evaluated model the server's delivery sets at the end of every round
     #: (None: the delivery never replaces it, so a site that skips a round keeps its model)
     delivered: ClassVar[str | None] = None
+    #: the pooled (centralised) reference only: the run gives site ``medfed.data.pooling.POOL_SITE`` the
+    #: union of every site's training data, deliberately breaking the rule that data stay at their site
+    pools_data: ClassVar[bool] = False
     Server: ClassVar[type[ServerHalf]] = ServerHalf
     Site: ClassVar[type[SiteHalf]] = SiteHalf
 
