@@ -55,7 +55,10 @@ class PooledSite(FedAvgSite):
 class Pooled(Strategy):
     name = "pooled"
     summary = "one model trained on every site's training data pooled, evaluated at each site (NOT federated: the centralised upper reference)"
-    reference = "the pooled (centralised) baseline of du Terrail et al., FLamby: a suite of real-world cross-silo federated datasets, NeurIPS 2022"
+    reference = (
+        "the pooled (centralised) baseline of du Terrail et al., "
+        "FLamby: datasets and benchmarks for cross-silo federated learning in realistic healthcare settings, NeurIPS 2022"
+    )
     coded_keys = FedAvg.coded_keys
     delivered = FedAvg.delivered
     pools_data = True

@@ -9,8 +9,8 @@ them is minimised together with two regularisers::
     W(lambda) = (1 - lambda) w^f + lambda w^l
     L = l(W(lambda); B) + mu ||w^f - w^g||^2 + nu cos^2(w^f, w^l),   cos(a, b) = <a, b> / (||a|| ||b||)
 
-over the whole parameter vectors (paper section 3; the poster and slides:
-"L(h, W) = l(h(x), y; W(lambda)) + mu ||w^f - w^g|| + nu cos^2(w^f, w^l)").
+over the whole parameter vectors (the objective as the authors' KDD poster
+and slides print it: "L(h, W) = l(h(x), y; W(lambda)) + mu ||w^f - w^g|| + nu cos^2(w^f, w^l)").
 Both models get gradients, (1 - lambda) and lambda times the mixture's
 gradient plus their regularisers' (mu pulls w^f to the global model it
 received, FedProx-like; nu pushes the two towards orthogonality, so the
@@ -42,13 +42,13 @@ two models as they stand after its last round, with the federated module's
 buffers (``personalised`` slot, built at every delivery; nothing is
 delivered); before personalisation starts, with w^f. The default
 eval_lambda = 1 is the local model, the personalised model the authors'
-code evaluates (``basic_evaluate``); their final tables report the best of
-lambda = 0, 0.1, ..., 1 chosen on each client's test split, which medfed
-does not do (a choice made on the test split).
+code evaluates (``basic_evaluate``); their code's final evaluation reports,
+per client, the best of lambda = 0, 0.1, ..., 1 on that client's test
+split, which medfed does not do (a choice made on the test split).
 
 **Readings and departures** (the paper's method section was not at hand
-beyond the formula above; the rest follows the authors' code,
-github.com/vaseline555/SuPerFed ``src/algorithm.py``):
+here beyond that formula; the rest follows the authors' code,
+github.com/vaseline555/SuPerFed ``src/algorithm.py``, ``src/server.py``):
 
 * model mixing ("SuPerFed-MM", one lambda for the whole model) is
   implemented; layer-wise mixing ("-LM", one lambda per layer) is not;
