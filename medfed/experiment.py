@@ -29,12 +29,14 @@ import medfed
 from medfed.checkpoint import FOLDER, resume_state, save_checkpoint
 from medfed.components import resolve
 from medfed.config import RunConfig
+from medfed.errors import warn
 from medfed.evaluation.rounds import VolumeEvaluation
 from medfed.federated.link import Link
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.site import Site, Slot
 from medfed.federated.strategies.base import Strategy
 from medfed.data.federation import Federation
+from medfed.data.pooling import pool_training_data, pooled_reference
 from medfed.models.base import FederatedModule
 from medfed.models.classification import BinaryClassifier
 from medfed.models.split import PARTS
@@ -68,6 +70,8 @@ def run(
         torch.manual_seed(trainer.seed)
         prototype = resolved.model_cls(federation.input_shape[0], federation.num_classes, resolved.model_options)
     strategy = resolved.strategy_cls(resolved.strategy_options, prototype.parameter_split, len(federation.sites), trainer.seed)
+    if strategy.pools_data and run_cfg.federation.participation < 1:
+        warn(f"strategy {strategy.name!r} pools the training data at one site: it trains only in the rounds that site takes part in")
 
     tracker = Tracker(run_cfg, config, federation, strategy.name, resume=resume, config_name=config_name)
     callbacks = [*_volume_evaluation(federation, run_cfg), tracker]  # volume scores join the round before the tracker logs
@@ -112,6 +116,7 @@ def run(
         "seed": trainer.seed,
         "num_threads": torch.get_num_threads(),
         "federation": federation.summary(),
+        **({"pooled": pooled_reference(federation.sites)} if strategy.pools_data else {}),
         **summarise(loop.history, {site.name: site.n_test for site in sites}, federation.holdout),
         "failures": [failure for record in loop.history for failure in record["failures"]],
         "excluded": loop.excluded,
@@ -122,6 +127,8 @@ def run(
     }
     write_json_atomic(output_dir / "results.json", results)
     title = f"{strategy.name} on {federation.task}, seed {trainer.seed}; data: {federation.description}"
+    if strategy.pools_data:
+        title += "; POOLED training data (centralised reference)"
     if federation.holdout != "test":
         title += f"; metrics on the {federation.holdout} split"
     figures = {"learning_curves": plot_learning_curves(loop.history, title), **strategy.server.figures()}
@@ -143,9 +150,13 @@ def run(
 def build_sites(
     fabric: Fabric, federation: Federation, prototype: FederatedModule, strategy: Strategy, batch_size: int, seed: int
 ) -> list[Site]:
-    """One site per member of ``federation``: a copy of ``prototype`` with its optimiser per model slot, and its strategy half."""
+    """One site per member of ``federation``: a copy of ``prototype`` with its optimiser per model slot, and its strategy half.
+
+    For a strategy that ``pools_data`` (the pooled reference) the pool site's
+    training split is the union of every site's (:mod:`medfed.data.pooling`).
+    """
     sites = []
-    for index, site_data in enumerate(federation.sites):
+    for index, site_data in enumerate(pool_training_data(federation.sites) if strategy.pools_data else federation.sites):
         slots = {}
         for name in strategy.slots:
             module = copy.deepcopy(prototype)

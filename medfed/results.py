@@ -52,7 +52,9 @@ def format_table(results: dict[str, Any]) -> str:
 
     Metrics on a validation split (``federation.holdout``) say so in the title
     and in the size column's name (``n_validation``). A site excluded for
-    failing is marked ``*`` and a line under the table says when and why.
+    failing is marked ``*`` and a line under the table says when and why. A
+    pooled run (``results["pooled"]``) says above the table that it is the
+    centralised reference, not a federated result.
     """
     split = results["federation"].get("holdout", "test")
     size = f"n_{split}"
@@ -70,6 +72,9 @@ def format_table(results: dict[str, Any]) -> str:
     if split != "test":
         title += f"; metrics on the {split.upper()} split (test split set aside)"
     notes = [f"* {site}: excluded after round {info['round']}, its last failure: {info['reason']}" for site, info in excluded.items()]
+    pooled = results.get("pooled")
+    if pooled:  # not a federated result: say so above the table
+        title += f"\n{pooled['reference']} ({pooled['n_train']} training samples, held at {pooled['pool_site']})"
     return "\n".join([title, rule, line(header), rule, *map(line, body[:-1]), rule, line(body[-1]), *notes])
 
 

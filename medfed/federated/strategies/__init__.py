@@ -36,12 +36,15 @@ from medfed.federated.strategies.fpfc import FPFC
 from medfed.federated.strategies.ifca import IFCA
 from medfed.federated.strategies.l2gd import L2GD
 from medfed.federated.strategies.local import Local
+from medfed.federated.strategies.pfedme import PFedMe
 from medfed.federated.strategies.pfednet import PFedNet
 from medfed.federated.strategies.pgfed import PGFed, PGFedMo
+from medfed.federated.strategies.pooled import Pooled
+from medfed.federated.strategies.superfed import SuPerFed
 
 #: every algorithm, in the order they are listed
 REGISTERED: tuple[type[Strategy], ...] = (
-    Local, FedAvg, FedBN, FedProx, Ditto, APFL, L2GD, PFedNet, FedAMP, APPLE, PGFed, PGFedMo, IFCA, FPFC
+    Local, FedAvg, FedBN, FedProx, Ditto, APFL, L2GD, PFedMe, SuPerFed, IFCA, FPFC, FedAMP, APPLE, PGFed, PGFedMo, PFedNet, Pooled
 )
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in REGISTERED}
 

@@ -266,6 +266,9 @@ class Strategy:
     #: the slot the delivery sets (None: the evaluated slot); another one where the evaluated model is
     #: derived from the delivered one (APFL evaluates a mixture of its own model and the delivered global one)
     delivered_slot: ClassVar[str | None] = None
+    #: the pooled (centralised) reference only: the run gives site ``medfed.data.pooling.POOL_SITE`` the
+    #: union of every site's training data, deliberately breaking the rule that data stay at their site
+    pools_data: ClassVar[bool] = False
     Server: ClassVar[type[ServerHalf]] = ServerHalf
     Site: ClassVar[type[SiteHalf]] = SiteHalf
 

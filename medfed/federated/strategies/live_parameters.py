@@ -4,8 +4,9 @@
 wire); a proximal or linear term of the local objective must instead be built
 from the *live* parameters so that its gradient reaches the optimiser (a
 detached term has none: bug 6 of ``shared/design/algorithms.md``). The
-helpers here give the live flat vector of a part, the proximal term
-``weight / 2 * ||w - centre||^2`` on it, and run a module's
+helpers here give the live flat vector of a part, its squared distance to a
+fixed centre and the proximal term ``weight / 2 * ||w - centre||^2`` built
+from it, and run a module's
 ``training_step`` with substituted parameter tensors (``torch.func.functional_call``),
 which APPLE needs for its mixed personalised model.
 """
@@ -55,7 +56,15 @@ def proximal_term(module: nn.Module, part: Part, centre: torch.Tensor, weight: f
     Returns:
         A scalar whose gradient in w is ``weight * (w - centre)``.
     """
-    return weight / 2.0 * (live_vector(module, part) - centre).square().sum()
+    return weight / 2.0 * squared_distance(module, part, centre)
+def squared_distance(module: nn.Module, part: Part, centre: torch.Tensor) -> torch.Tensor:
+    """||w - c||^2 of ``part``'s live parameters w and a fixed ``centre`` c, shape ``(size(part),)``.
+
+    A scalar whose gradient in w is 2 (w - c) (none reaches ``centre``, which
+    is data: a received or detached vector); a proximal term mu/2 ||w - c||^2
+    is ``mu / 2 * squared_distance(module, part, c)``.
+    """
+    return (live_vector(module, part) - centre).square().sum()
 
 
 class _TrainingStep(nn.Module):
