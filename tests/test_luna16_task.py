@@ -131,7 +131,8 @@ def test_options_are_checked():
 def test_validation_holdout_splits_training_series_stratified_and_seeded(tiny_luna_root):
     def build(seed, holdout):
         options = Options(root=str(tiny_luna_root), generate=None)
-        federation = FederationConfig(n_sites=3, label_ratio=LABEL_RATIO, holdout=holdout)
+        federation = FederationConfig(n_sites=3, label_ratio=LABEL_RATIO, holdout=holdout,
+                                      validation_fraction=0.2 if holdout == "validation" else 0.0)
         return build_federation(options, federation, seed, progress=False)
 
     on_test, on_validation = build(0, "test"), build(0, "validation")
