@@ -285,8 +285,11 @@ BUNDLED_CONFIGS = Path(__file__).parent / "configs"
 """The configs shipped inside the package (``configs/`` in the repository points here)."""
 
 
-def find_config(name: str | Path) -> Path:
+def find_config(name: str | Path, bundled: Path = BUNDLED_CONFIGS, kind: str = "config") -> Path:
     """The config file ``name`` names: a path, or a bundled config's name with or without ``.yaml``.
+
+    ``bundled`` and ``kind`` serve other bundled YAML files the same way
+    (the grids of :mod:`medfed.compare` in ``configs/paper``).
 
     Raises:
         ConfigError: neither a file nor a bundled config (the message lists the bundled ones).
@@ -295,11 +298,11 @@ def find_config(name: str | Path) -> Path:
     if path.is_file():
         return path
     if len(path.parts) == 1:
-        for candidate in (BUNDLED_CONFIGS / path.name, BUNDLED_CONFIGS / f"{path.name}.yaml"):
+        for candidate in (bundled / path.name, bundled / f"{path.name}.yaml"):
             if candidate.is_file():
                 return candidate
-    bundled = ", ".join(sorted(p.stem for p in BUNDLED_CONFIGS.glob("*.yaml")))
-    raise ConfigError(f"config file {path} not found (nor a bundled config of that name: {bundled})")
+    names = ", ".join(sorted(p.stem for p in bundled.glob("*.yaml")))
+    raise ConfigError(f"{kind} file {path} not found (nor a bundled {kind} of that name: {names})")
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
