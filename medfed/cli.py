@@ -1,5 +1,11 @@
 """Command line: ``python -m medfed fit --config configs/brats_lack0.yaml [key=value ...]``.
 
+``compare`` runs every (config, strategy, seed) of a grid as its own ``fit``
+and tabulates them (:mod:`medfed.compare`)::
+
+    python -m medfed compare --grid table3_brats [key=value ...]
+    python -m medfed compare --config brats_lack0 --strategies all --seeds 0 1 2 [key=value ...]
+
 Overrides use OmegaConf's dot-list syntax (``trainer.rounds=3
 strategy.pfednet.lam=0.1``); unknown keys are rejected with the key named.
 ``--config`` takes a path or the name of a config shipped with medfed
@@ -42,6 +48,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--print-config", action="store_true", help="print the full resolved config (every default) and exit without running"
     )
     fit.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. trainer.rounds=3")
+    compare = commands.add_parser("compare", help="run every (config, strategy, seed) of a grid and tabulate them")
+    source = compare.add_mutually_exclusive_group(required=True)
+    source.add_argument("--grid", help="grid YAML: a path, or a bundled grid's name (table2_luna16, table3_brats, table5_clinical)")
+    source.add_argument("--config", nargs="+", help="run configs, the settings (paths or bundled names), instead of a grid")
+    compare.add_argument("--strategies", nargs="+", help="strategy names or 'all' (default: the grid's; without a grid, all)")
+    compare.add_argument("--seeds", nargs="+", type=int, help="seeds (default: the grid's; without a grid, 0)")
+    compare.add_argument("--metrics", nargs="+", help="metrics to tabulate, the first chooses the validation round (default: the grid's, else all)")
+    compare.add_argument("--output", help="comparison folder (default: the grid's, else outputs/compare/<configs>)")
+    compare.add_argument("--jobs", type=int, help="runs at once (default: the cores available); each gets cores // jobs threads")
+    compare.add_argument("--quiet", action="store_true", help="no progress bar")
+    compare.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for every run, after the grid's (anywhere on the line)")
     predict = commands.add_parser("predict", help="segment a new scan with one site's personalised model from a run")
     predict.add_argument("--run", required=True, type=Path, help="the run's output_dir (config.json and checkpoints/)")
     predict.add_argument("--site", required=True, help="whose model, e.g. site3")
@@ -57,8 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    moved = []
+    if argv[:1] == ["compare"]:  # its key=value overrides may follow --seeds 0 1 2 etc., which would take them as values
+        moved = [arg for arg in argv[1:] if "=" in arg and not arg.startswith("-")]
+        argv = argv[:1] + [arg for arg in argv[1:] if not ("=" in arg and not arg.startswith("-"))]
     args, extra = parser.parse_known_args(argv)  # fit's overrides may come before or after the flags
-    stray = [arg for arg in extra if arg.startswith("-") or "=" not in arg or args.command != "fit"]
+    extra = [*moved, *extra]
+    stray = [arg for arg in extra if arg.startswith("-") or "=" not in arg or args.command not in ("fit", "compare")]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     _show_warnings()
@@ -74,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             written = predict(args.run, args.site, args.input, args.out, overwrite=args.overwrite)
             print(f"medfed: wrote {written}", file=sys.stderr)
             return 0
+        if args.command == "compare":
+            return _compare(args, [*args.overrides, *extra])
         return _fit(args, [*args.overrides, *extra])
     except (ConfigError, DataError) as error:
         print(f"medfed: error: {error}", file=sys.stderr)
@@ -97,6 +122,30 @@ def _fit(args: argparse.Namespace, overrides: list[str]) -> int:
     except KeyboardInterrupt:
         print(f"medfed: interrupted; {_how_to_resume(args.config, overrides, Path(cfg.output_dir))}", file=sys.stderr)
         return INTERRUPTED
+    return 0
+
+
+def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``compare``: 0 when every run finished, 1 when some failed (the tables hold the others), 130 on Ctrl-C."""
+    from medfed.compare import compare, make_grid, read_grid
+
+    if args.grid is not None:
+        grid, source = read_grid(args.grid), args.grid
+        changes = {key: getattr(args, key) for key in ("strategies", "seeds", "metrics", "output") if getattr(args, key) is not None}
+        if changes:
+            values = {**vars(grid), **changes}
+            grid = make_grid(values["configs"], values["strategies"], values["seeds"], values["overrides"], values["metrics"], values["output"])
+    else:
+        output = args.output or f"outputs/compare/{'+'.join(Path(config).stem for config in args.config)}"
+        grid, source = make_grid(args.config, args.strategies or "all", args.seeds or [0], [], args.metrics or [], output), "command line"
+    try:
+        failed = compare(grid, overrides, jobs=args.jobs, source=source, progress=not args.quiet)
+    except KeyboardInterrupt:
+        print("medfed: interrupted; run the same command again: finished runs are kept, interrupted ones resume", file=sys.stderr)
+        return INTERRUPTED
+    if failed:
+        print(f"medfed: error: {len(failed)} run(s) failed: {', '.join(failed)} (their logs are in {grid.output / 'logs'})", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from medfed.errors import ConfigError
@@ -68,12 +68,24 @@ ON_SITE_FAILURE = ("drop", "stop")
 class FederationConfig:
     """How the data set is cut into hospital sites and each site's split.
 
-    ``holdout`` names the split the run evaluates on. ``"test"``: each site's
-    test split. ``"validation"``: each site's test subjects are set aside
-    unused, its training subjects are split again (``validation_fraction`` of
-    them to validation, seeded and stratified like the test split) and every
-    metric is on that validation split, so hyper-parameters can be chosen
-    without looking at the test split.
+    ``site_sizes`` says how many subjects each site gets when subjects are
+    dealt to sites by a seeded shuffle (no partition file, no site column):
+    ``"equal"`` (round robin, sizes differ by at most one), a list of
+    ``n_sites`` positive relative weights, or ``"skewed"`` (Zipf-like sizes,
+    see :func:`medfed.data.federation.site_counts`). Subjects placed by a
+    partition file or a site column keep their sites; any other setting than
+    ``equal`` is then refused.
+
+    ``validation_fraction`` (0: none) is the share of each site's training
+    subjects drawn, after the test split and by subject like it (seeded,
+    stratified as the task stratifies), into a validation split; the model is
+    trained on the rest. ``holdout`` names the split the run's metrics are on.
+    ``"test"``: each site's test split; with a validation split, every site's
+    model is also evaluated on it after every round (``validation`` in each
+    round's record, to choose a round or hyper-parameters without the test
+    split). ``"validation"``: each site's test subjects are set aside unused
+    and every metric is on the validation split (which then needs
+    ``validation_fraction`` > 0); there is no separate per-round validation.
 
     A site *fails* in a round when its local training (or reply) raises, when
     its reply holds a NaN or an infinity, or when its update is an outlier:
@@ -89,7 +101,9 @@ class FederationConfig:
     n_sites: int = 5
     test_fraction: float = 0.2
     holdout: str = "test"
-    validation_fraction: float = 0.2
+    validation_fraction: float = 0.0
+    site_sizes: Any = "equal"
+    """``equal``, ``skewed``, or a list of ``n_sites`` positive relative weights (a Union OmegaConf cannot type)."""
     participation: float = 1.0
     missing_channel: MissingChannelConfig | None = None
     label_ratio: LabelRatioConfig | None = None
@@ -102,11 +116,18 @@ class FederationConfig:
         require(0.0 < self.test_fraction < 1.0, "federation.test_fraction", self.test_fraction, "a number in (0, 1)")
         require(self.holdout in HOLDOUTS, "federation.holdout", self.holdout, " or ".join(HOLDOUTS))
         require(
-            0.0 < self.validation_fraction < 1.0,
+            0.0 <= self.validation_fraction < 1.0,
             "federation.validation_fraction",
             self.validation_fraction,
-            "a number in (0, 1)",
+            "a number in [0, 1) (0: no validation split)",
         )
+        require(
+            self.holdout != "validation" or self.validation_fraction > 0.0,
+            "federation.validation_fraction",
+            self.validation_fraction,
+            "a number in (0, 1) with federation.holdout=validation, which evaluates on that split (e.g. 0.2)",
+        )
+        self.site_sizes = _site_sizes(self.site_sizes, self.n_sites)
         require(0.0 < self.participation <= 1.0, "federation.participation", self.participation, "a number in (0, 1]")
         require(self.on_site_failure in ON_SITE_FAILURE, "federation.on_site_failure", self.on_site_failure, "drop or stop")
         require(
@@ -121,6 +142,26 @@ class FederationConfig:
             self.max_consecutive_failures,
             "null or an integer >= 1",
         )
+
+
+SITE_SIZES = ("equal", "skewed")
+
+
+def _site_sizes(value: Any, n_sites: int) -> str | list[float]:
+    """``federation.site_sizes`` checked: ``equal``, ``skewed``, or ``n_sites`` positive finite weights (as floats)."""
+    if isinstance(value, str):
+        require(value in SITE_SIZES, "federation.site_sizes", value, "equal, skewed or a list of relative weights, one per site")
+        return value
+    weights = list(value) if isinstance(value, (list, tuple, ListConfig)) else None
+    require(
+        weights is not None and len(weights) == n_sites,
+        "federation.site_sizes",
+        value,
+        f"equal, skewed or a list of {n_sites} relative weights (one per site: federation.n_sites = {n_sites})",
+    )
+    numeric = all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights)
+    require(numeric and all(0 < w < float("inf") for w in weights), "federation.site_sizes", weights, "positive finite weights")
+    return [float(w) for w in weights]
 
 
 DEVICES = ("cpu", "cuda", "gpu", "mps", "auto")
@@ -244,8 +285,11 @@ BUNDLED_CONFIGS = Path(__file__).parent / "configs"
 """The configs shipped inside the package (``configs/`` in the repository points here)."""
 
 
-def find_config(name: str | Path) -> Path:
+def find_config(name: str | Path, bundled: Path = BUNDLED_CONFIGS, kind: str = "config") -> Path:
     """The config file ``name`` names: a path, or a bundled config's name with or without ``.yaml``.
+
+    ``bundled`` and ``kind`` serve other bundled YAML files the same way
+    (the grids of :mod:`medfed.compare` in ``configs/paper``).
 
     Raises:
         ConfigError: neither a file nor a bundled config (the message lists the bundled ones).
@@ -254,11 +298,11 @@ def find_config(name: str | Path) -> Path:
     if path.is_file():
         return path
     if len(path.parts) == 1:
-        for candidate in (BUNDLED_CONFIGS / path.name, BUNDLED_CONFIGS / f"{path.name}.yaml"):
+        for candidate in (bundled / path.name, bundled / f"{path.name}.yaml"):
             if candidate.is_file():
                 return candidate
-    bundled = ", ".join(sorted(p.stem for p in BUNDLED_CONFIGS.glob("*.yaml")))
-    raise ConfigError(f"config file {path} not found (nor a bundled config of that name: {bundled})")
+    names = ", ".join(sorted(p.stem for p in bundled.glob("*.yaml")))
+    raise ConfigError(f"{kind} file {path} not found (nor a bundled {kind} of that name: {names})")
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:

@@ -7,7 +7,9 @@ same seeded prototype), the strategy, the links and the loop; trains for
 (:mod:`medfed.checkpoint`); and writes ``<output_dir>/results.json``
 (per-site metrics and their mean, the resolved config, the seed and torch
 thread count, the splits, the sites' failures and exclusions, bytes on the
-wire, timings) next to the CSV and W&B logs. The output folder and, with
+wire, timings; with a validation split beside the test split, every round's
+validation metrics, :class:`~medfed.evaluation.rounds.ValidationEvaluation`)
+next to the CSV and W&B logs. The output folder and, with
 ``--resume``, the checkpoint are checked before any data is read
 (:mod:`medfed.output_dir`).
 """
@@ -30,7 +32,7 @@ from medfed.checkpoint import FOLDER, resume_state, save_checkpoint
 from medfed.components import resolve
 from medfed.config import RunConfig
 from medfed.errors import warn
-from medfed.evaluation.rounds import VolumeEvaluation
+from medfed.evaluation.rounds import ValidationEvaluation, VolumeEvaluation
 from medfed.federated.link import Link
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.site import Site, Slot
@@ -74,7 +76,8 @@ def run(
         warn(f"strategy {strategy.name!r} pools the training data at one site: it trains only in the rounds that site takes part in")
 
     tracker = Tracker(run_cfg, config, federation, strategy.name, resume=resume, config_name=config_name)
-    callbacks = [*_volume_evaluation(federation, run_cfg), tracker]  # volume scores join the round before the tracker logs
+    validation = [ValidationEvaluation()] if any(site.validation is not None for site in federation.sites) else []
+    callbacks = [*_volume_evaluation(federation, run_cfg), *validation, tracker]  # scores join the round before the tracker logs
     fabric = Fabric(accelerator=trainer.device, devices=1, loggers=tracker.loggers, callbacks=callbacks)
     sites = build_sites(fabric, federation, prototype, strategy, trainer.batch_size, trainer.seed)
     initial = strategy.initial_values(initial_vectors(prototype, fabric.device))

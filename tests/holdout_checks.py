@@ -9,7 +9,7 @@ def assert_validation_carved_from_training(on_test: Federation, on_validation: F
     """Site by site: the validation run sets aside exactly the test run's test subjects and splits its training subjects.
 
     Args:
-        on_test: the federation built with ``holdout: test`` (same data, seed and fractions).
+        on_test: the federation built with ``holdout: test`` (same data, seed and test fraction, no validation split).
         on_validation: the one built with ``holdout: validation``.
         noun: the subjects' name in ``SiteData.info`` (``cases``, ``series``, ``records``).
     """

@@ -70,7 +70,7 @@ def test_splits_are_by_case_seeded_and_targets_are_whole_tumour(tiny_brats_root)
 
 def test_validation_holdout_splits_training_cases_and_never_reads_test_cases(tiny_brats_root, monkeypatch):
     def build(seed, holdout, validation_fraction=0.5):
-        federation = FederationConfig(n_sites=3, holdout=holdout, validation_fraction=validation_fraction)
+        federation = FederationConfig(n_sites=3, holdout=holdout, validation_fraction=validation_fraction if holdout == "validation" else 0.0)
         return brats.build_federation(_options(tiny_brats_root), federation, seed=seed, progress=False)
 
     on_test = build(0, "test")
@@ -88,15 +88,19 @@ def test_validation_holdout_splits_training_cases_and_never_reads_test_cases(tin
     assert any(validation_subjects(build(s, "validation"), "cases") != validation_subjects(on_validation, "cases") for s in (1, 2))
 
 
-def test_test_holdout_ignores_the_validation_fraction(tiny_brats_root):
+def test_a_validation_split_beside_test_is_carved_from_training_cases_and_keeps_the_test_split(tiny_brats_root):
     def build(**keys):
         return brats.build_federation(_options(tiny_brats_root), FederationConfig(n_sites=3, **keys), seed=0, progress=False)
 
-    default, explicit = build(), build(holdout="test", validation_fraction=0.5)
-    for a, b in zip(default.sites, explicit.sites):
-        assert a.info == b.info and torch.equal(a.test.tensors[0], b.test.tensors[0])
-        assert list(a.info)[:2] == ["train_cases", "test_cases"]
-    assert default.summary()["holdout"] == "test" and "n_test" in default.summary()["sites"][0]
+    plain, validated = build(), build(validation_fraction=0.5)
+    summary = validated.summary()
+    for a, b, row in zip(plain.sites, validated.sites, summary["sites"]):
+        assert a.validation is None and "validation_cases" not in a.info
+        assert b.info["test_cases"] == a.info["test_cases"] and torch.equal(a.test.tensors[0], b.test.tensors[0])
+        train, validation = set(b.info["train_cases"]), set(b.info["validation_cases"])
+        assert train and validation and train.isdisjoint(validation) and train | validation == set(a.info["train_cases"])
+        assert len(b.validation) == 6 * len(validation) == row["n_validation"]  # 4 tumour + 2 background patches per case
+    assert summary["holdout"] == "test" and "n_test" in summary["sites"][0]
 
 
 def test_msd_as_downloaded_gives_a_federation_of_its_training_cases_only(tmp_path):
@@ -121,7 +125,8 @@ def test_too_many_sites_for_the_cases_found_is_a_config_error_before_any_volume_
     root = copy_without_partition(tiny_brats_root, tmp_path / "brats")  # 9 cases shuffled onto sites
     monkeypatch.setattr(brats, "load_case", fail_on_read)
     with pytest.raises(ConfigError) as info:
-        brats.build_federation(_options(root), FederationConfig(n_sites=n_sites, holdout=holdout), seed=0, progress=False)
+        federation = FederationConfig(n_sites=n_sites, holdout=holdout, validation_fraction=0.2 if holdout == "validation" else 0.0)
+        brats.build_federation(_options(root), federation, seed=0, progress=False)
     message = str(info.value)
     assert message.startswith(f"config key 'federation.n_sites' = {n_sites}: too many sites for the 9 cases found ({too_small}): ")
 

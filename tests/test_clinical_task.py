@@ -150,7 +150,8 @@ def test_unknown_embedded_table_is_a_config_error():
 
 def test_validation_holdout_splits_training_records_by_class_and_seeded(breast_cancer):
     def build(seed, holdout, label_ratio=None):
-        federation = FederationConfig(n_sites=5, label_ratio=label_ratio, holdout=holdout)
+        federation = FederationConfig(n_sites=5, label_ratio=label_ratio, holdout=holdout,
+                                      validation_fraction=0.2 if holdout == "validation" else 0.0)
         return build_federation(breast_cancer, federation, seed, progress=False)
 
     on_test, on_validation = build(0, "test"), build(0, "validation")
@@ -168,7 +169,7 @@ def test_validation_holdout_splits_training_records_by_class_and_seeded(breast_c
 
 
 def test_validation_records_get_the_label_ratio_and_test_records_stay_out(breast_cancer):
-    federation = FederationConfig(n_sites=5, label_ratio=LABEL_RATIO, holdout="validation")
+    federation = FederationConfig(n_sites=5, label_ratio=LABEL_RATIO, holdout="validation", validation_fraction=0.2)
     on_validation = build_federation(breast_cancer, federation, 0, progress=False)
     for site, target in zip(on_validation.sites, site_ratios(LABEL_RATIO.delta, 5, LABEL_RATIO.spread)):
         y = site.test.tensors[1]
@@ -220,3 +221,22 @@ def test_records_dropped_by_the_label_ratio_are_counted_and_a_site_losing_most_i
         "federation.label_ratio (delta 1, spread 1) drops more than half of the records of site0 (32 of 40 dropped, "
         "its own ratio 9), site1 (32 of 40 dropped, its own ratio 9)"
     )
+
+
+def test_weighted_site_sizes_deal_the_records_and_are_recorded(breast_cancer):
+    federation = FederationConfig(n_sites=3, site_sizes=[1, 2, 5], validation_fraction=0.2)
+    built = build_federation(breast_cancer, federation, 0, progress=False)
+    # 569 * [1, 2, 5] / 8 = 71.125, 142.25, 355.625: floors 71, 142, 355 (568), +1 to site2
+    assert built.summary()["site_sizes"] == {"setting": [1.0, 2.0, 5.0], "n_records": [71, 142, 356]}
+    for site, n_records in zip(built.sites, [71, 142, 356]):  # no label ratio: every record is in a split
+        splits = [site.info[f"{split}_records"] for split in ("train", "test", "validation")]
+        assert sum(map(len, splits)) == n_records and len(set().union(*splits)) == n_records
+        assert len(site.validation) == len(splits[2]) and set(site.validation.tensors[1].tolist()) == {0, 1}
+
+
+def test_site_sizes_with_a_site_column_are_a_config_error(tmp_path):
+    options = Options(csv=str(two_hospitals(tmp_path / "r.csv")), embedded=None, target="event", positive="yes",
+                      site_column="hospital")
+    federation = FederationConfig(n_sites=2, site_sizes="skewed")
+    with pytest.raises(ConfigError, match=r"'federation\.site_sizes' = 'skewed': data\.site_column 'hospital' places the records"):
+        build_federation(options, federation, 0, progress=False)

@@ -76,8 +76,12 @@ def test_missing_file_is_named(tmp_path):
     "override, message",
     [
         ("federation.holdout=foo", r"config key 'federation\.holdout' = 'foo': expected test or validation"),
-        ("federation.validation_fraction=1.5", r"config key 'federation\.validation_fraction' = 1\.5: expected a number in \(0, 1\)"),
-        ("federation.validation_fraction=0", r"config key 'federation\.validation_fraction' = 0\.0: expected a number in \(0, 1\)"),
+        ("federation.validation_fraction=1.5", r"config key 'federation\.validation_fraction' = 1\.5: expected a number in \[0, 1\)"),
+        ("federation.validation_fraction=-0.1", r"config key 'federation\.validation_fraction' = -0\.1: expected a number in \[0, 1\)"),
+        ("federation.holdout=validation", r"config key 'federation\.validation_fraction' = 0\.0: expected a number in \(0, 1\) with federation\.holdout=validation"),
+        ("federation.site_sizes=[1, 2]", r"config key 'federation\.site_sizes' = \[1, 2\]: expected equal, skewed or a list of 5 relative weights"),
+        ("federation.site_sizes=[1, 1, 0, 1, 1]", r"config key 'federation\.site_sizes' = \[1, 1, 0, 1, 1\]: expected positive finite weights"),
+        ("federation.site_sizes=zipf", r"config key 'federation\.site_sizes' = 'zipf': expected equal, skewed or a list"),
     ],
 )
 def test_bad_holdout_settings_are_one_line_errors_naming_the_key(config_file, override, message):
@@ -88,8 +92,9 @@ def test_bad_holdout_settings_are_one_line_errors_naming_the_key(config_file, ov
 
 def test_holdout_defaults_to_the_test_split(config_file):
     federation = load_config(config_file).federation
-    assert federation.holdout == "test" and federation.validation_fraction == 0.2
-    assert load_config(config_file, ["federation.holdout=validation"]).federation.holdout == "validation"
+    assert federation.holdout == "test" and federation.validation_fraction == 0.0 and federation.site_sizes == "equal"
+    overrides = ["federation.holdout=validation", "federation.validation_fraction=0.2"]
+    assert load_config(config_file, overrides).federation.holdout == "validation"
 
 
 @pytest.mark.parametrize("text, value", [("Yes", "Yes"), ("no", "no"), ("on", "on"), ("'true'", "true"), ("true", True), ("False", False)])

@@ -109,7 +109,7 @@ def test_interrupted_or_stopped_run_resumes_to_the_same_metrics(tiny_run_config,
 
 
 def test_validation_holdout_run_reports_metrics_on_validation_and_never_uses_test_cases(tiny_run_config, tmp_path):
-    overrides = ["--quiet", "federation.holdout=validation", "trainer.rounds=1", "strategy.name=local"]
+    overrides = ["--quiet", "federation.holdout=validation", "federation.validation_fraction=0.2", "trainer.rounds=1", "strategy.name=local"]
     assert main(["fit", "--config", str(tiny_run_config), *overrides]) == 0
     results = _results(tmp_path / "run")
     assert results["federation"]["holdout"] == "validation"

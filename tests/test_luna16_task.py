@@ -131,7 +131,8 @@ def test_options_are_checked():
 def test_validation_holdout_splits_training_series_stratified_and_seeded(tiny_luna_root):
     def build(seed, holdout):
         options = Options(root=str(tiny_luna_root), generate=None)
-        federation = FederationConfig(n_sites=3, label_ratio=LABEL_RATIO, holdout=holdout)
+        federation = FederationConfig(n_sites=3, label_ratio=LABEL_RATIO, holdout=holdout,
+                                      validation_fraction=0.2 if holdout == "validation" else 0.0)
         return build_federation(options, federation, seed, progress=False)
 
     on_test, on_validation = build(0, "test"), build(0, "validation")
@@ -189,3 +190,19 @@ def test_second_build_reads_no_volume_and_gives_the_same_tensors(tiny_luna_root,
     assert first.summary()["sites"] == second.summary()["sites"]
     for a, b in zip(first.sites, second.sites, strict=True):
         assert torch.equal(a.train.tensors[0], b.train.tensors[0]) and torch.equal(a.test.tensors[1], b.test.tensors[1])
+
+
+def test_a_validation_split_beside_test_keeps_the_test_series_and_gets_the_label_ratio(tiny_luna_root):
+    options = Options(root=str(tiny_luna_root), generate=None)
+    plain = build_federation(options, FederationConfig(n_sites=3, label_ratio=LABEL_RATIO), 0, progress=False)
+    federation = FederationConfig(n_sites=3, label_ratio=LABEL_RATIO, validation_fraction=0.3)
+    validated = build_federation(options, federation, 0, progress=False)
+    assert validated.summary()["site_sizes"] == {"setting": "equal", "n_series": [4, 4, 4]}
+    for a, b, target in zip(plain.sites, validated.sites, site_ratios(LABEL_RATIO.delta, 3, LABEL_RATIO.spread)):
+        assert b.info["test_series"] == a.info["test_series"] and torch.equal(a.test.tensors[0], b.test.tensors[0])
+        train, validation = set(b.info["train_series"]), set(b.info["validation_series"])
+        assert train and validation and train.isdisjoint(validation) and train | validation == set(a.info["train_series"])
+        y = b.validation.tensors[1]
+        n_pos, n_neg = int(y.sum()), int((y == 0).sum())
+        assert n_pos >= 1 and abs(n_neg - target * n_pos) <= 0.5
+        assert (b.info["n_validation_positive"], b.info["n_validation_negative"]) == (n_pos, n_neg)

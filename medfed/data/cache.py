@@ -41,7 +41,7 @@ from torch.utils.data import TensorDataset
 from medfed.data.federation import Federation, SiteData
 from medfed.errors import DataError, warn
 
-FORMAT = 2
+FORMAT = 3
 """Version of the entry layout; part of every key."""
 
 
@@ -160,7 +160,7 @@ def _write(path: Path, key: str, federation: Federation) -> None:
 
 
 def _encode(federation: Federation) -> dict[str, Any]:
-    """Plain containers and tensors; ``info`` and ``features`` as JSON text (they go to results.json, so they serialise).
+    """Plain containers and tensors; ``info``, ``features`` and ``site_sizes`` as JSON text (they go to results.json, so they serialise).
 
     A site's ``train_volumes`` (None, or a list of dicts of tensors) are stored as they are.
     """
@@ -172,11 +172,13 @@ def _encode(federation: Federation) -> dict[str, Any]:
         "generated": federation.generated,
         "holdout": federation.holdout,
         "features": json.dumps(federation.features),
+        "site_sizes": json.dumps(federation.site_sizes),
         "sites": [
             {
                 "name": site.name,
                 "train": list(site.train.tensors),
                 "test": list(site.test.tensors),
+                "validation": None if site.validation is None else list(site.validation.tensors),
                 "info": json.dumps(site.info),
                 "train_volumes": site.train_volumes,
             }
@@ -193,6 +195,7 @@ def _decode(encoded: dict[str, Any]) -> Federation:
             test=TensorDataset(*site["test"]),
             info=json.loads(site["info"]),
             train_volumes=site["train_volumes"],
+            validation=None if site["validation"] is None else TensorDataset(*site["validation"]),
         )
         for site in encoded["sites"]
     ]
@@ -205,4 +208,5 @@ def _decode(encoded: dict[str, Any]) -> Federation:
         generated=encoded["generated"],
         holdout=encoded["holdout"],
         features=json.loads(encoded["features"]),
+        site_sizes=json.loads(encoded["site_sizes"]),
     )

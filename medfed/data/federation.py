@@ -7,10 +7,17 @@ site's subjects are split train/test by a seeded draw *per site*, so no
 patient contributes to both splits. The split is recorded in ``SiteData.info``
 and ends up in the run's ``results.json``.
 
-With ``federation.holdout: validation`` (:func:`split_site`) the test
-subjects are set aside and the training subjects are split once more, by the
-task's own draw with seeds of their own, into train and validation; the
-validation split then takes the place of the test split for the whole run.
+How many subjects each shuffled site gets is ``federation.site_sizes``
+(:func:`site_counts`): equal shares dealt round robin (the default), given
+relative weights, or a seeded skewed draw. The counts go into the summary.
+
+With ``federation.validation_fraction`` > 0 (:func:`split_site`) each site's
+training subjects are split once more, by the task's own draw with seeds of
+their own, into train and validation. With ``federation.holdout: test`` the
+validation split is kept beside the test split (``SiteData.validation``,
+evaluated every round by :class:`~medfed.evaluation.rounds.ValidationEvaluation`);
+with ``federation.holdout: validation`` the test subjects are set aside and
+the validation split takes the place of the test split for the whole run.
 """
 
 from __future__ import annotations
@@ -39,6 +46,9 @@ class SiteData:
             its own and keeps a fixed reference set in ``tensors``.
         test: ``TensorDataset`` of ``(x, y)`` samples the run evaluates on:
             the test split, or the validation split with ``holdout: validation``.
+        validation: ``TensorDataset`` of the site's validation split beside
+            its test split (``holdout: test`` with ``validation_fraction`` > 0),
+            prepared exactly as ``test``; None without one.
         info: JSON-serialisable facts about the site (subjects per split,
             missing channel, label ratio ...), written to results.json.
         train_volumes: the training volumes kept in memory to draw fresh
@@ -51,6 +61,7 @@ class SiteData:
     test: TensorDataset
     info: dict[str, Any] = field(default_factory=dict)
     train_volumes: list[dict[str, Any]] | None = None
+    validation: TensorDataset | None = None
 
 
 class VolumeSource(Protocol):
@@ -101,6 +112,9 @@ class Federation:
         volumes: the whole evaluation volumes of each site, for tasks whose
             samples are cut from volumes (:class:`VolumeSource`); None otherwise.
             Not cached: the volumes are read when evaluated.
+        site_sizes: how subjects were dealt to sites (:func:`site_sizes_summary`):
+            the ``federation.site_sizes`` setting and each site's subject count;
+            None when a task does not record it.
     """
 
     task: str
@@ -113,9 +127,10 @@ class Federation:
     features: dict[str, Any] | None = None
     cache: dict[str, Any] | None = None
     volumes: VolumeSource | None = None
+    site_sizes: dict[str, Any] | None = None
 
     def summary(self) -> dict[str, Any]:
-        """JSON-serialisable description for results.json."""
+        """JSON-serialisable description for results.json (``n_validation`` per site where a validation split sits beside the test split)."""
         return {
             "task": self.task,
             "description": self.description,
@@ -125,20 +140,29 @@ class Federation:
             "num_classes": self.num_classes,
             "features": self.features,
             "cache": self.cache,
+            "site_sizes": self.site_sizes,
             "sites": [
-                {"name": s.name, "n_train": len(s.train), f"n_{self.holdout}": len(s.test), **s.info} for s in self.sites
+                {
+                    "name": s.name,
+                    "n_train": len(s.train),
+                    f"n_{self.holdout}": len(s.test),
+                    **({} if s.validation is None else {"n_validation": len(s.validation)}),
+                    **s.info,
+                }
+                for s in self.sites
             ],
         }
 
 
 def assign_subjects_to_sites(
-    subjects: list[str], n_sites: int, seed: int, partition: dict[str, int] | None = None
+    subjects: list[str], federation: FederationConfig, seed: int, partition: dict[str, int] | None = None
 ) -> list[list[str]]:
     """Place subjects at sites.
 
     Args:
         subjects: subject ids (case ids, series uids).
-        n_sites: number of sites wanted.
+        federation: its ``n_sites`` and, without a partition, ``site_sizes``
+            (:func:`site_of_positions`).
         seed: seeds the shuffle used when there is no partition.
         partition: ``{subject: partition_id}`` from a partition file; its
             distinct ids, sorted, become sites 0..P-1 (P must equal n_sites).
@@ -147,10 +171,14 @@ def assign_subjects_to_sites(
         ``n_sites`` sorted lists of subject ids.
 
     Raises:
-        ConfigError: P != n_sites, or fewer subjects than sites.
+        ConfigError: P != n_sites, fewer subjects than sites, a ``site_sizes``
+            other than ``equal`` with a partition, or site sizes the subjects
+            cannot meet.
         DataError: a subject missing from the partition.
     """
+    n_sites = federation.n_sites
     if partition is not None:
+        refuse_site_sizes(federation, "a partition file places the subjects at sites")
         missing = sorted(set(subjects) - set(partition))
         if missing:
             raise DataError(f"partition file does not place {len(missing)} subject(s), e.g. {missing[:3]}")
@@ -167,8 +195,122 @@ def assign_subjects_to_sites(
     if len(subjects) < n_sites:
         raise ConfigError(f"config key 'federation.n_sites' = {n_sites}: only {len(subjects)} subjects to share out")
     order = np.random.default_rng(seed).permutation(len(subjects))
-    shuffled = [sorted(subjects)[i] for i in order]
-    return [sorted(shuffled[i::n_sites]) for i in range(n_sites)]
+    ordered = sorted(subjects)
+    site_of = site_of_positions(len(subjects), federation, seed)
+    sites = [[] for _ in range(n_sites)]
+    for position, index in enumerate(order):
+        sites[site_of[position]].append(ordered[index])
+    return [sorted(s) for s in sites]
+
+
+ZIPF_EXPONENT = 1.5
+"""``site_sizes: skewed``: the site of rank r (1 = largest) weighs r ** -ZIPF_EXPONENT."""
+
+SKEW_PURPOSE = 7
+"""Seeds (with the run's seed) the draw of which site gets which rank under ``site_sizes: skewed``."""
+
+
+def site_of_positions(n_subjects: int, federation: FederationConfig, seed: int) -> np.ndarray:
+    """The site of each position of a seeded shuffle of ``n_subjects`` subjects.
+
+    ``equal``: position p goes to site p mod n_sites (round robin: the sizes
+    differ by at most one). Otherwise site k gets the k-th run of
+    :func:`site_counts` consecutive positions.
+
+    Returns:
+        int64 ``(n_subjects,)`` site indices.
+    """
+    counts = site_counts(n_subjects, federation, seed)
+    if counts is None:
+        return np.arange(n_subjects, dtype=np.int64) % federation.n_sites
+    return np.repeat(np.arange(federation.n_sites, dtype=np.int64), counts)
+
+
+def site_counts(n_subjects: int, federation: FederationConfig, seed: int) -> list[int] | None:
+    """How many of ``n_subjects`` shuffled subjects each site gets (``federation.site_sizes``); None for ``equal``.
+
+    Every site needs at least m = :func:`min_subjects_per_site` subjects.
+
+    * weights w_k: site k gets n w_k / sum(w), rounded by largest remainder
+      (the counts sum to n; ties go to the lower site index).
+    * ``skewed``: each site gets m, and the n - S m others are shared by
+      Zipf weights r ** -1.5 over the ranks r = 1..S, ranks drawn at random
+      (seeded by ``seed``) to sites, again by largest remainder: for 5 sites
+      the shares of the spare subjects are 57, 20, 11, 7 and 5%, for 10 sites
+      the two largest hold 68% of them.
+
+    Raises:
+        ConfigError: naming ``federation.site_sizes``: a weighted site below m,
+            or fewer than S m subjects for ``skewed``.
+    """
+    sizes = federation.site_sizes
+    if sizes == "equal":
+        return None
+    n_sites, minimum = federation.n_sites, min_subjects_per_site(federation)
+    key = f"config key 'federation.site_sizes' = {sizes!r}"
+    if sizes == "skewed":
+        spare = n_subjects - n_sites * minimum
+        if spare < 0:
+            raise ConfigError(
+                f"{key}: {n_sites} sites of at least {minimum} subjects (what each site's splits need) "
+                f"need {n_sites * minimum}, only {n_subjects} found"
+            )
+        ranks = np.random.default_rng(np.random.SeedSequence([seed, SKEW_PURPOSE])).permutation(n_sites) + 1
+        return (minimum + _largest_remainder(spare, ranks ** -ZIPF_EXPONENT)).tolist()
+    counts = _largest_remainder(n_subjects, np.asarray(sizes, dtype=np.float64))
+    small = np.flatnonzero(counts < minimum)
+    if len(small):
+        site = int(small[0])
+        raise ConfigError(
+            f"{key}: site{site} would get {counts[site]} of the {n_subjects} subjects, "
+            f"fewer than the {minimum} its splits need; raise its weight"
+        )
+    return counts.tolist()
+
+
+def _largest_remainder(total: int, weights: np.ndarray) -> np.ndarray:
+    """int64 counts summing to ``total``, proportional to ``weights``: floors, then +1 to the largest remainders (ties: lower index)."""
+    exact = total * weights / weights.sum()
+    counts = np.floor(exact).astype(np.int64)
+    order = np.argsort(-(exact - counts), kind="stable")
+    counts[order[: total - counts.sum()]] += 1
+    return counts
+
+
+def min_subjects_per_site(federation: FederationConfig) -> int:
+    """Fewest subjects a site needs so that its test draw, and its validation draw if any, leave at least one on each side.
+
+    Counted for an unstratified draw (:func:`split_subjects`); a stratified
+    task may need more, and says so, naming the key, when it splits.
+    """
+    n = 2
+    while federation.validation_fraction > 0 and n - n_drawn(n, federation.test_fraction) < 2:
+        n += 1
+    return n
+
+
+def refuse_site_sizes(federation: FederationConfig, placed_by: str) -> None:
+    """ConfigError naming ``federation.site_sizes`` unless it is ``equal``: ``placed_by`` already decides the sites."""
+    if federation.site_sizes != "equal":
+        raise ConfigError(
+            f"config key 'federation.site_sizes' = {federation.site_sizes!r}: {placed_by}; "
+            "site sizes apply only when subjects are shuffled onto sites (set it to equal)"
+        )
+
+
+def site_too_small(federation: FederationConfig, site: str, error: DataError) -> ConfigError:
+    """The error naming ``federation.site_sizes`` for a shuffled site (``site`` says which and its size) too small for its draws."""
+    return ConfigError(f"config key 'federation.site_sizes' = {federation.site_sizes!r}: {site}, too few: {error}")
+
+
+def site_sizes_summary(federation: FederationConfig, counts: Sequence[int], noun: str) -> dict[str, Any]:
+    """``{"setting": federation.site_sizes, "n_<noun>": counts}`` (subjects placed at each site) for :attr:`Federation.site_sizes`."""
+    return {"setting": federation.site_sizes, f"n_{noun}": [int(count) for count in counts]}
+
+
+def n_drawn(n: int, fraction: float) -> int:
+    """Subjects a draw of ``fraction`` of ``n`` takes: round(fraction n), at least 1 and at most n - 1."""
+    return min(max(1, round(fraction * n)), n - 1)
 
 
 def split_subjects(subjects: list[str], test_fraction: float, seed: int) -> tuple[list[str], list[str]]:
@@ -179,7 +321,7 @@ def split_subjects(subjects: list[str], test_fraction: float, seed: int) -> tupl
     """
     if len(subjects) < 2:
         raise DataError(f"a site needs at least 2 subjects for a train/test split, got {subjects}")
-    n_test = min(max(1, round(test_fraction * len(subjects))), len(subjects) - 1)
+    n_test = n_drawn(len(subjects), test_fraction)
     order = np.random.default_rng(seed).permutation(len(subjects))
     ordered = sorted(subjects)
     test = sorted(ordered[i] for i in order[:n_test])
@@ -212,37 +354,51 @@ class SiteSplit:
         evaluation: the subjects the run evaluates on (test or validation).
         set_aside: with ``holdout: validation``, the test subjects, never used;
             empty otherwise.
+        validation: with ``holdout: test`` and a validation fraction, the
+            validation subjects beside the test split; empty otherwise.
     """
 
     holdout: str
     train: Sequence[Any]
     evaluation: Sequence[Any]
     set_aside: Sequence[Any]
+    validation: Sequence[Any] = ()
+
+    @property
+    def n_subjects(self) -> int:
+        """All the site's subjects, in whichever role."""
+        return len(self.train) + len(self.evaluation) + len(self.set_aside) + len(self.validation)
 
     def info(self, noun: str) -> dict[str, list[Any]]:
-        """``{"train_<noun>", "<holdout>_<noun>"}`` and, with a validation holdout, the set-aside ``"test_<noun>"``."""
+        """``{"train_<noun>", "<holdout>_<noun>"}`` and the ``"validation_<noun>"`` beside it, or with a validation
+        holdout the set-aside ``"test_<noun>"``."""
         info = {f"train_{noun}": list(self.train), f"{self.holdout}_{noun}": list(self.evaluation)}
         if self.holdout == "validation":
             info[f"test_{noun}"] = list(self.set_aside)
+        elif len(self.validation):
+            info[f"validation_{noun}"] = list(self.validation)
         return info
 
 
 def split_site(
     subjects: Sequence[Any], draw: SplitDraw, federation: FederationConfig, seed: int, site_index: int
 ) -> SiteSplit:
-    """Split one site's subjects into train and the split the run evaluates on.
+    """Split one site's subjects into train, the split the run evaluates on, and a validation split.
 
-    The test split is drawn first, the same way for either holdout. With
-    ``holdout == "validation"`` it is set aside, and the remaining subjects are
-    drawn again by the same ``draw`` (so by subject and with the task's
-    stratification) with seeds of their own into train and validation.
+    The test split is drawn first, the same way for either holdout. With a
+    ``validation_fraction`` > 0 the remaining subjects are drawn again by the
+    same ``draw`` (so by subject and with the task's stratification) with
+    seeds of their own into train and validation: never a test subject in
+    it. With ``holdout == "validation"`` the test split is then set aside and
+    the validation split is evaluated instead; with ``"test"`` it stays
+    beside the test split (:attr:`SiteSplit.validation`).
 
     Args:
         subjects: the site's subjects (case ids, series uids, record positions).
         draw: the task's seeded split (:data:`SplitDraw`).
         federation: its ``holdout``, ``test_fraction`` (share of the subjects
             drawn for test) and ``validation_fraction`` (share of the
-            remaining, training subjects drawn for validation).
+            remaining, training subjects drawn for validation; 0: none).
         seed: the run's seed.
         site_index: the site's index (each site draws with its own seeds).
 
@@ -255,13 +411,17 @@ def split_site(
         return lambda stratum: site_seed(seed, site_index, SPLIT_PURPOSES[split] + stratum)
 
     train, test = draw(subjects, federation.test_fraction, seed_of("test"))
-    if federation.holdout == "test":
+    if federation.validation_fraction == 0.0:  # (holdout: validation has a fraction > 0)
         return SiteSplit("test", train, test, set_aside=[])
     try:
         train, validation = draw(train, federation.validation_fraction, seed_of("validation"))
     except DataError as error:
-        raise DataError(f"federation.holdout=validation splits site{site_index}'s training subjects again: {error}") from None
-    return SiteSplit("validation", train, validation, set_aside=test)
+        raise DataError(
+            f"federation.validation_fraction={federation.validation_fraction:g} splits site{site_index}'s training subjects again: {error}"
+        ) from None
+    if federation.holdout == "validation":
+        return SiteSplit("validation", train, validation, set_aside=test)
+    return SiteSplit("test", train, test, set_aside=[], validation=validation)
 
 
 def split_sites(
@@ -283,8 +443,9 @@ def split_sites(
             when they were shuffled onto ``federation.n_sites`` sites.
 
     Raises:
-        ConfigError: naming ``federation.n_sites`` and how many subjects were
-            found, when a shuffled site is too small for its draws.
+        ConfigError: when a shuffled site is too small for its draws: naming
+            ``federation.site_sizes`` when that is not ``equal``, else
+            ``federation.n_sites``, and how many subjects were found.
         DataError: naming the partition file, when one of its partitions is.
     """
     n_found = sum(len(subjects) for subjects in site_subjects)
@@ -296,6 +457,8 @@ def split_sites(
             site = f"site{index} gets {len(subjects)} of the {n_found} {noun}"
             if partition_file is not None:
                 raise DataError(f"{partition_file}: {site}, too few: {error}") from None
+            if federation.site_sizes != "equal":
+                raise site_too_small(federation, site, error) from None
             raise ConfigError(
                 f"config key 'federation.n_sites' = {federation.n_sites}: too many sites for the {n_found} {noun} found "
                 f"({site}): {error}"

@@ -1,4 +1,11 @@
-"""Whole-volume evaluation during a run: every k rounds and at the last, each site's model on its own patients.
+"""Evaluation during a run beyond the loop's own: whole volumes, and each site's validation split.
+
+:class:`ValidationEvaluation` is a Fabric callback (``on_round_end``): after
+every round it evaluates every site's current model on the site's validation
+split (``SiteData.validation``, carved from its training subjects) exactly as
+the loop evaluates the test split, and puts the metrics in the round's record
+as ``record["validation"][site][metric]`` (so in the history of results.json
+and in checkpoints), to choose a round without looking at the test split.
 
 :class:`VolumeEvaluation` is a Fabric callback (``on_round_end``). On the
 rounds it runs, it segments every evaluation volume of every site with that
@@ -18,12 +25,35 @@ from typing import Any
 import numpy as np
 import torch
 
+from torch.utils.data import DataLoader
+
 from medfed.data.brats import enhancing_tumour, tumour_core, whole_tumour
 from medfed.data.federation import VolumeSource
 from medfed.evaluation.volume import mean_over_patients, region_scores, segment_volume
 
 REGION_MASKS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"wt": whole_tumour, "tc": tumour_core, "et": enhancing_tumour}
 """Ground-truth mask of each region from a TumourLabel array."""
+
+
+class ValidationEvaluation:
+    """After every round, every site's model on its own validation split: ``record["validation"][site][metric]``.
+
+    The metrics are the module's own (``test_step`` / ``test_results``,
+    e.g. ``auroc`` or ``iou``), computed in eval mode without gradients over
+    a loader of the site's validation samples in order, with the batch size
+    of its test loader. Sites without a validation split are left out.
+    """
+
+    def __init__(self) -> None:
+        self.loaders: dict[int, DataLoader] = {}  # site index -> its validation loader, made on first use
+
+    def on_round_end(self, loop: Any, record: dict[str, Any]) -> None:
+        record["validation"] = {site.name: site.evaluate(self.loader(site)) for site in loop.sites if site.data.validation is not None}
+
+    def loader(self, site: Any) -> DataLoader:
+        if site.index not in self.loaders:
+            self.loaders[site.index] = DataLoader(site.data.validation, batch_size=site.test_loader.batch_size, shuffle=False)
+        return self.loaders[site.index]
 
 
 class VolumeEvaluation:

@@ -5,9 +5,10 @@ Cases are read through :mod:`medfed.data.brats` (BraTS 2017-2019,
 from a FeTS-style ``partitioning.csv`` when the data set has one (the
 generated default does, one partition per simulated scanner) or by a seeded
 shuffle otherwise, and split 80/20 *by case* inside each site with a seeded
-draw (with ``federation.holdout: validation`` the test cases are set aside
-unread and the training cases are split again into train and validation).
-This plan is made, and checked against the federation config, from the file
+draw (with ``federation.validation_fraction`` > 0 the training cases are split
+again into train and validation; with ``federation.holdout: validation`` the
+test cases are then set aside unread). Shuffled sites get
+``federation.site_sizes`` cases each. This plan is made, and checked against the federation config, from the file
 names alone, before any volume is opened. The federation "lack k" zero-fills
 MRI channel k (FLAIR, T1, T1ce, T2 = 0..3) at the configured sites, as a
 hospital without that sequence would deliver it.
@@ -48,7 +49,17 @@ from medfed.config import FederationConfig, require
 from medfed.data.brats import MODALITIES, REGIONS, BratsCase, BratsVolume, find_cases, load_case, tumour_regions
 from medfed.data.cache import cache_key, key_settings, load_or_build
 from medfed.data.crops import Augmentation, RandomCrops, training_volume
-from medfed.data.federation import EvaluationVolume, Federation, SiteData, SiteSplit, assign_subjects_to_sites, split_sites, split_subjects
+from medfed.data.federation import (
+    EvaluationVolume,
+    Federation,
+    SiteData,
+    SiteSplit,
+    assign_subjects_to_sites,
+    refuse_site_sizes,
+    site_sizes_summary,
+    split_sites,
+    split_subjects,
+)
 from medfed.data.partition_csv import find_partition_csv, read_partition_csv
 from medfed.data.patches import extract_axial_patches, sample_centres, tumour_free_centres, zscore_over_brain
 from medfed.data.phantoms.brats import brats_phantoms
@@ -118,6 +129,8 @@ def build_federation(
             cases hold no tumour voxel.
     """
     root = Path(options.root)
+    if options.generate is not None:
+        refuse_site_sizes(federation, "the generated data set places its cases at sites (one partition per scanner)")
     held = _data_set(root, options.generate, federation.n_sites, progress)
     with held():
         return _plan_and_read(root, held, options, federation, seed, progress, target)
@@ -151,7 +164,7 @@ def _plan_and_read(
     cases = {case.case_id: case for case in find_cases(root)}
     partition_file = find_partition_csv(options.partition_csv or None, root)
     partition = read_partition_csv(partition_file) if partition_file is not None else None
-    site_cases = assign_subjects_to_sites(sorted(cases), federation.n_sites, seed, partition)
+    site_cases = assign_subjects_to_sites(sorted(cases), federation, seed, partition)
     site_splits = split_sites(site_cases, _draw_cases, federation, seed, noun="cases", partition_file=partition_file)
     missing_sites, missing_channel = missing_channel_sites(federation)
     drops = [missing_channel if index in missing_sites else None for index in range(federation.n_sites)]
@@ -168,6 +181,7 @@ def _plan_and_read(
         cache_dir=options.cache_dir,
     )
     built.volumes = BratsVolumes(cases, [split.evaluation for split in site_splits], drops, held)
+    built.site_sizes = site_sizes_summary(federation, [split.n_subjects for split in site_splits], "cases")
     if options.train_sampling == "random_crops":
         for site in built.sites:
             site.train = RandomCrops(
@@ -217,17 +231,18 @@ def _read_federation(
     progress: bool,
     target: str,
 ) -> Federation:
-    """Read every train and evaluation case of the plan and cut its patches (set-aside cases are never read).
+    """Read every train, evaluation and validation case of the plan and cut its patches (set-aside cases are never read).
 
     With ``train_sampling: random_crops`` each site's training cases are also
     kept, as :func:`~medfed.data.crops.training_volume` records, in ``SiteData.train_volumes``.
     """
     sites = []
-    n_read = sum(len(split.train) + len(split.evaluation) for split in site_splits)
+    n_read = sum(len(split.train) + len(split.evaluation) + len(split.validation) for split in site_splits)
     bar = tqdm(total=n_read, desc="reading cases", unit="case", disable=not progress, leave=False)
     for index, (split, drop) in enumerate(zip(site_splits, drops)):
         splits, tumour_voxels, train_volumes = {}, {}, []
-        for split_name, ids in (("train", split.train), ("evaluation", split.evaluation)):
+        parts = (("train", split.train), ("evaluation", split.evaluation), ("validation", split.validation))
+        for split_name, ids in (part for part in parts if len(part[1])):
             xs, ys = [], []
             tumour_voxels[split_name] = 0
             for case_id in ids:
@@ -253,6 +268,7 @@ def _read_federation(
                 test=splits["evaluation"],
                 info=info,
                 train_volumes=train_volumes if options.train_sampling == "random_crops" else None,
+                validation=splits.get("validation"),
             )
         )
     bar.close()
@@ -272,12 +288,12 @@ def _read_federation(
 def _check_tumour(root: Path, site: str, split: SiteSplit, tumour_voxels: dict[str, int]) -> None:
     """A site without any tumour voxel is an error (its label IoU would be 0); a split without one is a warning."""
     if not any(tumour_voxels.values()):
-        n_cases = len(split.train) + len(split.evaluation)
+        n_cases = len(split.train) + len(split.evaluation) + len(split.validation)
         raise DataError(
             f"{root}: {site}: none of its {n_cases} cases has a tumour voxel (all segmentations are background); "
             "whole-tumour segmentation needs tumour at every site"
         )
-    names = {"train": "train", "evaluation": split.holdout}
+    names = {"train": "train", "evaluation": split.holdout, "validation": "validation"}
     for split_name, count in tumour_voxels.items():
         if count == 0:
             warn(f"{root}: {site}: its {names[split_name]} cases have no tumour voxel; its tumour metrics there will be 0")

@@ -12,20 +12,22 @@ four seeded steps:
 
 1. **Sites.** From the site column when configured (its distinct values,
    sorted, are sites 0 .. S-1; each must hold both classes), otherwise a
-   seeded shuffle of the records dealt round-robin into S sites.
+   seeded shuffle of the records dealt into S sites of
+   ``federation.site_sizes`` (equal: round robin).
 2. **Train/test by record.** Each site's records are split 80/20 (the
    federation's ``test_fraction``) with a seeded draw per site, stratified by
    class, so train and test each hold both classes. With
-   ``federation.holdout: validation`` the test records are set aside and the
-   training records are split again, by the same stratified draw with seeds
-   of their own, into train and validation, which replaces test for the run.
+   ``federation.validation_fraction`` > 0 the training records are split
+   again, by the same stratified draw with seeds of their own, into train
+   and validation; with ``federation.holdout: validation`` the test records
+   are set aside and the validation split replaces test for the run.
 3. **Label ratio.** Within each split, every site keeps records at its own
    ratio delta_s = n_negative / n_positive around the federation's delta
-   (:mod:`medfed.tasks.label_imbalance`): train and test (or validation)
+   (:mod:`medfed.tasks.label_imbalance`): train, test and validation
    carry the same ratio.
 4. **Scaling to [-1, 1] per site.** Each feature's minimum and maximum are
    fitted on the site's own *training* records only and applied to that
-   site's train and test (or validation) records (values beyond the range
+   site's train, test and validation records (values beyond the range
    are clipped).
    No statistic of one site's data reaches another site, and no test record
    shapes its own scaling.
@@ -52,7 +54,16 @@ import torch
 from torch.utils.data import TensorDataset
 
 from medfed.config import FederationConfig, require
-from medfed.data.federation import Federation, SiteData, SiteSplit, split_site
+from medfed.data.federation import (
+    Federation,
+    SiteData,
+    SiteSplit,
+    refuse_site_sizes,
+    site_of_positions,
+    site_sizes_summary,
+    site_too_small,
+    split_site,
+)
 from medfed.data.tabular import (
     BREAST_CANCER_POSITIVE,
     BREAST_CANCER_TARGET,
@@ -109,15 +120,23 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
         site_column=options.site_column,
         exclude_columns=tuple(options.exclude_columns),
     )
-    site_of_record, site_names = _sites(data, federation.n_sites, seed, path, options.site_column)
+    site_of_record, site_names = _sites(data, federation, seed, path, options.site_column)
     evaluated = np.zeros(len(data), dtype=bool)
     set_aside = np.zeros(len(data), dtype=bool)
+    in_validation = np.zeros(len(data), dtype=bool)
     set_aside_of_site = []
     for index in range(federation.n_sites):
         draw = partial(_draw_records, labels=data.labels, site=f"site{index}", path=path)
-        split = split_site(np.flatnonzero(site_of_record == index), draw, federation, seed, index)
+        records = np.flatnonzero(site_of_record == index)
+        try:
+            split = split_site(records, draw, federation, seed, index)
+        except DataError as error:
+            if options.site_column is None and federation.site_sizes != "equal":
+                raise site_too_small(federation, f"site{index} gets {len(records)} of the {len(data)} records", error) from None
+            raise
         evaluated[split.evaluation] = True
         set_aside[split.set_aside] = True
+        in_validation[np.asarray(split.validation, dtype=np.int64)] = True  # (a bare () would index every record)
         set_aside_of_site.append(np.asarray(split.set_aside, dtype=np.int64).tolist())
     kept = sites_at_label_ratio(
         data.labels,
@@ -130,12 +149,14 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
         set_aside=set_aside,
         evaluation_split=federation.holdout,
         noun="records",
+        in_validation=in_validation if in_validation.any() else None,
     )
 
     sites = []
     for index, samples in enumerate(kept):
         lo, hi = fit_minmax(data.features[samples.train])
-        records = SiteSplit(federation.holdout, samples.train.tolist(), samples.test.tolist(), set_aside_of_site[index])
+        validation = [] if samples.validation is None else samples.validation.tolist()
+        records = SiteSplit(federation.holdout, samples.train.tolist(), samples.test.tolist(), set_aside_of_site[index], validation)
         info = {
             "source_site": site_names[index],
             **records.info("records"),
@@ -148,6 +169,7 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
                 train=_dataset(data, samples.train, lo, hi),
                 test=_dataset(data, samples.test, lo, hi),
                 info=info,
+                validation=None if samples.validation is None else _dataset(data, samples.validation, lo, hi),
             )
         )
     origin = (
@@ -174,6 +196,7 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
         generated=False,
         holdout=federation.holdout,
         features=features,
+        site_sizes=site_sizes_summary(federation, np.bincount(site_of_record, minlength=federation.n_sites), "records"),
     )
 
 
@@ -191,19 +214,26 @@ def _write_embedded_table(path: Path, name: str) -> None:
 
 
 def _sites(
-    data: TabularData, n_sites: int, seed: int, path: Path, site_column: str | None
+    data: TabularData, federation: FederationConfig, seed: int, path: Path, site_column: str | None
 ) -> tuple[np.ndarray, list[str | None]]:
     """int64 (n,) site index of every record, and each site's value in the site column (None without one).
 
+    Without a site column, record r takes position ``permutation[r]`` of a
+    seeded shuffle, dealt to sites by :func:`~medfed.data.federation.site_of_positions`.
+
     Raises:
         ConfigError: the site column has another number of values than ``federation.n_sites``,
-            or there are fewer records than sites.
+            or ``federation.site_sizes`` is not ``equal`` with one; there are fewer records
+            than sites, or too few for the site sizes.
         DataError: a site whose records are all one class.
     """
+    n_sites = federation.n_sites
     if data.sites is None:
         if len(data) < n_sites:
             raise ConfigError(f"config key 'federation.n_sites' = {n_sites}: {path} has only {len(data)} records")
-        return np.random.default_rng(seed).permutation(len(data)) % n_sites, [None] * n_sites
+        position = np.random.default_rng(seed).permutation(len(data))
+        return site_of_positions(len(data), federation, seed)[position], [None] * n_sites
+    refuse_site_sizes(federation, f"data.site_column {site_column!r} places the records at sites")
     names, site_of_record = np.unique(data.sites, return_inverse=True)
     if len(names) != n_sites:
         raise ConfigError(

@@ -8,7 +8,9 @@ then imposes the ratio on *each split separately*, so a site is tested on the
 same class mix it trains on and "every site's ratio as specified" holds in
 train and in test alike. With ``federation.holdout: validation`` the
 validation split is treated exactly as the test split would be, and the
-set-aside test samples are in neither pool.
+set-aside test samples are in neither pool; a validation split beside the
+test split (``holdout: test``, ``validation_fraction`` > 0) is a third split
+at the same ratio.
 
 Site s gets the target delta_s = delta * spread ** ((s - c) / c), c = (S - 1) / 2
 (:func:`medfed.data.label_ratio.site_ratios`; ``federation.label_ratio``), and
@@ -48,6 +50,8 @@ class SiteSamples:
         train: int64 (n_train,), sorted indices of the site's training samples.
         test: int64 (n_test,), sorted indices of the samples it is evaluated on
             (its test split, or its validation split).
+        validation: int64 (n_validation,), sorted indices of its validation
+            split beside the test split; None without one.
         info: JSON-serialisable counts and ratios: ``target_ratio`` (delta_s,
             None without a label ratio) and, for each split (``train`` and the
             evaluation split's name), ``n_<split>_positive``,
@@ -59,6 +63,7 @@ class SiteSamples:
     train: np.ndarray
     test: np.ndarray
     info: dict[str, Any]
+    validation: np.ndarray | None = None
 
 
 def sites_at_label_ratio(
@@ -73,8 +78,9 @@ def sites_at_label_ratio(
     set_aside: np.ndarray | None = None,
     evaluation_split: str = "test",
     noun: str = "samples",
+    in_validation: np.ndarray | None = None,
 ) -> list[SiteSamples]:
-    """Impose each site's label ratio on its train split and on the split it is evaluated on.
+    """Impose each site's label ratio on its train split, on the split it is evaluated on and on a validation split.
 
     Args:
         labels: int (n,) 0/1 labels, 1 = positive.
@@ -90,6 +96,9 @@ def sites_at_label_ratio(
         evaluation_split: the evaluation split's name (``federation.holdout``),
             used in ``info`` keys and error messages.
         noun: what the samples are, plural (``records``), for the log line and the warning.
+        in_validation: bool (n,) samples of the site's validation split beside
+            its test split (``holdout: test``); None: no such split. Its draw
+            has a seed of its own, so the other splits draw as without it.
 
     Returns:
         One :class:`SiteSamples` per site, in site order.
@@ -102,11 +111,16 @@ def sites_at_label_ratio(
     site_of_sample = np.asarray(site_of_sample, dtype=np.int64)
     in_test = np.asarray(in_test, dtype=bool)
     used = np.ones(len(labels), dtype=bool) if set_aside is None else ~np.asarray(set_aside, dtype=bool)
-    splits = ("train", evaluation_split)
+    member = {evaluation_split: in_test & used}
+    splits: tuple[str, ...] = ("train", evaluation_split)
+    if in_validation is not None:
+        member["validation"] = np.asarray(in_validation, dtype=bool) & used
+        splits += ("validation",)
+    member["train"] = used & ~np.any([member[split] for split in splits[1:]], axis=0)
     pools: dict[str, np.ndarray] = {}
     kept: dict[str, list[np.ndarray]] = {}
-    for number, split in enumerate(splits):
-        pool = pools[split] = np.flatnonzero((in_test == (split == evaluation_split)) & used)
+    for number, split in enumerate(splits):  # the seed's stream number: train 0, evaluation 1, validation 2
+        pool = pools[split] = np.flatnonzero(member[split])
         if label_ratio is None:
             kept[split] = [pool[site_of_sample[pool] == site] for site in range(n_sites)]
             continue
@@ -137,7 +151,8 @@ def sites_at_label_ratio(
             info[f"n_{split}_negative"] = n_negative
             info[f"{split}_ratio"] = n_negative / n_positive if n_positive else None
             info[f"n_{split}_dropped"] = int((site_of_sample[pools[split]] == site).sum()) - len(kept[split][site])
-        sites.append(SiteSamples(train=kept["train"][site], test=kept[evaluation_split][site], info=info))
+        validation = kept["validation"][site] if in_validation is not None else None
+        sites.append(SiteSamples(train=kept["train"][site], test=kept[evaluation_split][site], info=info, validation=validation))
     if label_ratio is not None:
         _report_drops(sites, site_of_sample[used], labels[used], splits, label_ratio, noun)
     return sites
@@ -147,7 +162,7 @@ def _report_drops(
     sites: list[SiteSamples],
     site_of_sample: np.ndarray,
     labels: np.ndarray,
-    splits: tuple[str, str],
+    splits: tuple[str, ...],
     label_ratio: LabelRatioConfig,
     noun: str,
 ) -> None:
@@ -156,12 +171,12 @@ def _report_drops(
     Args:
         sites: the sites' kept samples, ``info`` holding ``n_<split>_dropped``.
         site_of_sample, labels: site and 0/1 label of every sample in either split (set-aside ones excluded).
-        splits: ``("train", <evaluation split>)``.
+        splits: ``("train", <evaluation split>)``, and ``"validation"`` when the sites have one beside it.
         label_ratio: the imposed delta and spread, for the messages.
         noun: what the samples are, plural.
     """
     setting = f"federation.label_ratio (delta {label_ratio.delta:g}, spread {label_ratio.spread:g})"
-    kept = [[len(site.train), len(site.test)] for site in sites]
+    kept = [[len(site.train), len(site.test), *([] if site.validation is None else [len(site.validation)])] for site in sites]
     dropped = [[site.info[f"n_{split}_dropped"] for split in splits] for site in sites]
     per_site = "; ".join(
         f"site{index} " + ", ".join(f"{split} {k} of {k + d}" for split, k, d in zip(splits, counts, lost))

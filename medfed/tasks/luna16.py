@@ -9,19 +9,21 @@ does not fit the data fails before any CT volume is read:
 1. **Sites.** CT series are placed at sites from a FeTS-style
    ``partitioning.csv`` when the data set has one (the generated default does:
    one partition per simulated scanner) or by a seeded shuffle of the series
-   otherwise (:func:`~medfed.data.federation.assign_subjects_to_sites`).
+   otherwise (:func:`~medfed.data.federation.assign_subjects_to_sites`, with
+   ``federation.site_sizes`` series per site).
 2. **Train/test by series.** Each site's series are split 80/20 (the
    federation's ``test_fraction``) with a seeded draw per site, so no series
    (patient) has candidates in both splits. The draw is stratified: series
    holding a nodule candidate and series without one are split separately, so
    the test split always has nodules (a site needs at least two series with
    a nodule); a site with a single nodule-free series trains on it. With
-   ``federation.holdout: validation`` the test series are set aside and the
-   training series are split again, by the same stratified draw with seeds
-   of their own, into train and validation, which replaces test for the run.
+   ``federation.validation_fraction`` > 0 the training series are split
+   again, by the same stratified draw with seeds of their own, into train
+   and validation; with ``federation.holdout: validation`` the test series
+   are set aside and the validation split replaces test for the run.
 3. **Label ratio.** Within each split, every site keeps candidates at its own
    ratio delta_s = n_negative / n_positive around the federation's delta
-   (:mod:`medfed.tasks.label_imbalance`): train and test (or validation)
+   (:mod:`medfed.tasks.label_imbalance`): train, test and validation
    carry the same ratio.
 
 Samples: ``x`` float32 (n, 1, P, P), the axial patch through the candidate with
@@ -48,7 +50,16 @@ from torch.utils.data import TensorDataset
 
 from medfed.config import FederationConfig, require
 from medfed.data.cache import cache_key, key_settings, load_or_build
-from medfed.data.federation import Federation, SiteData, SiteSplit, assign_subjects_to_sites, split_sites, split_subjects
+from medfed.data.federation import (
+    Federation,
+    SiteData,
+    SiteSplit,
+    assign_subjects_to_sites,
+    refuse_site_sizes,
+    site_sizes_summary,
+    split_sites,
+    split_subjects,
+)
 from medfed.data.luna16 import CandidateSelection, NoduleCandidates, cut_candidate_patches, select_candidates
 from medfed.data.partition_csv import find_partition_csv, read_partition_csv
 from medfed.data.phantoms.luna16 import luna16_phantoms
@@ -121,6 +132,8 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
             a site's split cannot meet, also before any volume is read.
     """
     root = Path(options.root)
+    if options.generate is not None:
+        refuse_site_sizes(federation, "the generated data set places its series at sites (one partition per scanner)")
     with ExitStack() as held:  # a generated data set stays as it is while it is read, whatever other runs generate
         if options.generate is not None:
             try:
@@ -140,13 +153,15 @@ def _plan_and_cut(root: Path, options: Options, federation: FederationConfig, se
 
     input_files = [*selection.input_files(), *(path for path in (partition_file, root / MARKER) if path is not None and path.is_file())]
     key = cache_key(NAME, PREPROCESSING_VERSION, root, input_files, key_settings(options, federation, seed))
-    return load_or_build(
+    built = load_or_build(
         key,
         lambda: _cut_federation(root, selection, splits, kept, options, federation, progress),
         task=NAME,
         enabled=options.cache,
         cache_dir=options.cache_dir,
     )
+    built.site_sizes = site_sizes_summary(federation, [split.n_subjects for split in splits], "series")
+    return built
 
 
 def _plan(
@@ -174,7 +189,7 @@ def _plan(
     series, series_of_candidate = np.unique(series_uids, return_inverse=True)
     series_has_nodule = np.bincount(series_of_candidate, weights=labels, minlength=len(series)) > 0
     partition = read_partition_csv(partition_file) if partition_file is not None else None
-    site_series = assign_subjects_to_sites(series.tolist(), federation.n_sites, seed, partition)
+    site_series = assign_subjects_to_sites(series.tolist(), federation, seed, partition)
     draw = partial(_draw_series, has_nodule=dict(zip(series.tolist(), series_has_nodule)))
     splits = split_sites(site_series, draw, federation, seed, noun="series", partition_file=partition_file)
 
@@ -182,10 +197,12 @@ def _plan(
     site_of_series = np.empty(len(series), dtype=np.int64)
     series_evaluated = np.zeros(len(series), dtype=bool)
     series_set_aside = np.zeros(len(series), dtype=bool)
+    series_validation = np.zeros(len(series), dtype=bool)
     for index, (uids, split) in enumerate(zip(site_series, splits)):
         site_of_series[[position[uid] for uid in uids]] = index
         series_evaluated[[position[uid] for uid in split.evaluation]] = True
         series_set_aside[[position[uid] for uid in split.set_aside]] = True
+        series_validation[[position[uid] for uid in split.validation]] = True
 
     kept = sites_at_label_ratio(
         labels,
@@ -197,6 +214,7 @@ def _plan(
         source=source,
         set_aside=series_set_aside[series_of_candidate],
         evaluation_split=federation.holdout,
+        in_validation=series_validation[series_of_candidate] if series_validation.any() else None,
     )
     return splits, kept
 
@@ -218,6 +236,7 @@ def _cut_federation(
             train=_dataset(candidates, samples.train),
             test=_dataset(candidates, samples.test),
             info={**split.info("series"), **samples.info},
+            validation=None if samples.validation is None else _dataset(candidates, samples.validation),
         )
         for index, (samples, split) in enumerate(zip(kept, splits))
     ]

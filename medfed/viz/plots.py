@@ -1,4 +1,5 @@
-"""Figures a run writes next to its results: learning curves, segmentation overlays, similarity graphs, ROC curves, confusion matrices.
+"""Figures a run writes next to its results (learning curves, segmentation overlays, similarity graphs, ROC curves,
+confusion matrices), and the bars of a comparison of methods (:mod:`medfed.compare`).
 
 Each carries the data's provenance in its title, so a figure made from
 generated data says so wherever it is shown.
@@ -197,3 +198,39 @@ def save_figure(figure: Figure, path: Path) -> None:
     figure.savefig(tmp, dpi=110)
     tmp.replace(path)
 
+
+
+def plot_comparison(
+    means: dict[str, dict[tuple[str, str], list[float]]], metrics: list[str], settings: list[str], strategies: list[str], title: str
+) -> Figure:
+    """Grouped bars, one panel per metric (rows) and round choice (columns: last round, validation-selected round).
+
+    Args:
+        means: ``{"last_<metric>" or "selected_<metric>": {(setting, strategy): [per seed: mean over sites]}}``.
+        metrics: the metrics, one row of panels each.
+        settings: the groups along x (the grid's configs).
+        strategies: the bars in each group, one colour each; height the mean
+            over seeds, error bar the standard deviation over seeds (ddof 1).
+        title: the figure's title (the data's provenance included).
+    """
+    figure = Figure(figsize=(max(8.0, 2.4 * len(settings)), 3.2 * len(metrics) + 1.2), layout="constrained")
+    axes = figure.subplots(len(metrics), 2, squeeze=False)
+    width = 0.8 / max(len(strategies), 1)
+    colours = [f"C{i % 10}" for i in range(len(strategies))]
+    for row, metric in enumerate(metrics):
+        for column, (prefix, when) in enumerate((("last", "last round"), ("selected", "validation-selected round"))):
+            axis = axes[row][column]
+            values = means[f"{prefix}_{metric}"]
+            for index, strategy in enumerate(strategies):
+                seeds = [values.get((setting, strategy), []) for setting in settings]
+                heights = [float(np.mean(v)) if v else np.nan for v in seeds]
+                errors = [float(np.std(v, ddof=1)) if len(v) > 1 else 0.0 for v in seeds]
+                x = np.arange(len(settings)) - 0.4 + width * (index + 0.5)
+                axis.bar(x, heights, width, yerr=errors, capsize=2, color=colours[index], label=strategy)
+            axis.set_xticks(np.arange(len(settings)), settings, rotation=20, ha="right")
+            axis.set_title(f"{metric}, {when}", fontsize=9)
+            axis.set_ylabel(metric)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="outside lower center", ncols=min(len(strategies), 8), fontsize=8)
+    figure.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=9)
+    return figure
