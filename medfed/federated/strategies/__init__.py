@@ -31,12 +31,13 @@ from medfed.federated.strategies.fedavg import FedAvg
 from medfed.federated.strategies.fedbn import FedBN
 from medfed.federated.strategies.fedper import FedPer
 from medfed.federated.strategies.fedrep import FedRep
+from medfed.federated.strategies.fedrod import FedRoD
 from medfed.federated.strategies.local import Local
 from medfed.federated.strategies.pfednet import PFedNet
 from medfed.federated.strategies.pgfed import PGFed, PGFedMo
 
 #: every algorithm, in the order they are listed
-REGISTERED: tuple[type[Strategy], ...] = (Local, FedAvg, FedBN, PFedNet, FedAMP, APPLE, PGFed, PGFedMo, FedPer, FedRep)
+REGISTERED: tuple[type[Strategy], ...] = (Local, FedAvg, FedBN, PFedNet, FedAMP, APPLE, PGFed, PGFedMo, FedPer, FedRep, FedRoD)
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in REGISTERED}
 
 
