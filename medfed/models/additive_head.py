@@ -104,20 +104,3 @@ def generic_output(model: FederatedModule, shift: torch.Tensor | None = None) ->
         yield
     finally:
         head.generic, head.shift = False, None
-
-
-@contextmanager
-def buffers_kept(model: nn.Module) -> Iterator[None]:
-    """Every buffer of ``model`` (BatchNorm running statistics, step counters) as it was before the block.
-
-    The personalised prediction runs the body twice: in training mode each
-    pass would move the running statistics again, for a batch whose
-    statistics the generic pass has already counted.
-    """
-    saved = [buffer.clone() for buffer in model.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in zip(model.buffers(), saved, strict=True):
-                buffer.copy_(value)

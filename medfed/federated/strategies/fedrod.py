@@ -82,8 +82,8 @@ import torch
 from medfed.config import require
 from medfed.federated.strategies.base import TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
-from medfed.federated.strategies.live_parameters import unwrap
-from medfed.models.additive_head import attach_additive_head, buffers_kept, generic_output
+from medfed.federated.strategies.live_parameters import training_loss_with, unwrap
+from medfed.models.additive_head import attach_additive_head, generic_output
 from medfed.models.base import FederatedModule
 
 
@@ -108,9 +108,14 @@ class FedRoDSite(FedAvgSite):
 
     @staticmethod
     def personal_loss(module: FederatedModule, batch) -> torch.Tensor:
-        """ERM(phi_m): the model's loss of sg(g) + h_P(sg(z); phi_m); the buffers stay as they were."""
-        with buffers_kept(module):
-            return module.training_step(batch, 0)
+        """ERM(phi_m): the model's loss of sg(g) + h_P(sg(z); phi_m), run on copies of the model's buffers.
+
+        Its two body passes would move the BatchNorm running statistics
+        again, for a batch the generic pass has already counted; on copies
+        (dropped after the step) they leave them as the generic pass did.
+        """
+        copies = {name: buffer.clone() for name, buffer in module.named_buffers()}
+        return training_loss_with(module, copies, batch)
 
 
 class FedRoD(FedAvg):
