@@ -33,7 +33,8 @@ personalised prediction; h_P(sg(z); phi_m) is the model's forward with the
 body detached and the head's parameters replaced by phi_m, so this is the
 full two-head architecture for all three models with no model code:
 
-- DenseNet: a second linear classifier on the pooled features, as the paper;
+- DenseNet: a second linear classifier on the pooled features: the paper's
+  linear personalised head (its hypernetwork variant is not implemented);
 - logistic regression: a second logistic regression on the raw features
   (the body is empty), its log-odds added to the generic one; the generic
   model is the whole FedAvg-trained regression, so unlike FedPer and FedRep
@@ -68,9 +69,13 @@ Readings where the paper is silent, and PFLlib's choices:
   reweighted as well: BSM then corrects the imbalance twice (the defaults
   weigh every sample 1).
 
-Options: ``gamma``, the exponent of the class counts (1: Ren et al.'s
-Balanced Softmax, which the paper and PFLlib use; 0: the generic model
-trains on the plain empirical loss).
+Options: ``gamma``, the exponent of the class counts. The default 1 is Ren
+et al.'s Balanced Softmax, the BSM the paper cites and PFLlib computes;
+other values give the logit-adjusted losses of the same family (Menon et
+al., ICLR 2021), and 0 trains the generic model on the plain empirical loss.
+
+Only the personalised predictor is evaluated (the paper also reports the
+generic one on a balanced test set: ``generic_output`` gives it).
 """
 
 from __future__ import annotations
