@@ -34,7 +34,8 @@ def test_the_head_trains_first_then_the_body_for_the_configured_lengths(options)
     loop = build_loop("fedrep", federation, seeded(BodyHeadClassifier, 4, 2), options, batch_size=16)
     calls = _record_training(loop)
     loop.fit(2)
-    assert [(r, i, part) for r, i, _, part, *_ in calls] == [(r, i, part) for r in (1, 2) for i in range(3) for part in ("personal", "shared")]
+    order = [(r, i, part) for r in (1, 2) for i in range(3) for part in ("personal", "shared")]
+    assert [(r, i, part) for r, i, _, part, *_ in calls] == order
     for _, index, steps, part, *_ in calls:
         if "head_steps" in options:
             assert steps == (3 if part == "personal" else 2)

@@ -124,7 +124,8 @@ def test_body_and_generic_head_learn_from_the_balanced_loss_only_and_the_persona
     half.loss(site, plan, (x, y)).backward()
 
     # The same step by hand, on fresh leaves.
-    body_w, body_b, head_w, head_b = (p.detach().clone().requires_grad_(True) for p in (module.body.weight, module.body.bias, module.head.weight, module.head.bias))
+    leaves = [p.detach().clone().requires_grad_(True) for p in (*module.body.parameters(), *module.head.parameters())]
+    body_w, body_b, head_w, head_b = leaves
     phi_w, phi_b = (p.detach().clone().requires_grad_(True) for p in module.additive_head.phi)
     z = torch.tanh(x @ body_w.T + body_b)
     generic = z @ head_w.T + head_b
