@@ -163,6 +163,7 @@ def build_sites(
         slots = {}
         for name in strategy.slots:
             module = copy.deepcopy(prototype)
+            strategy.prepare_slot(name, module)
             slots[name] = Slot(*fabric.setup(module, module.configure_optimizers()))
         sites.append(Site(index, site_data, slots, strategy.evaluated_slot, strategy.site_half(index), fabric, batch_size, seed))
     return sites

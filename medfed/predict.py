@@ -68,7 +68,9 @@ def predict(run_dir: Path, site: str, inputs: list[Path], out: Path, *, overwrit
 
     target = resolved.model_options.target
     model = resolved.model_cls(len(MODALITIES), 2 if target == "wt" else 3, resolved.model_options)
-    model.load_state_dict(state["sites"][index]["slots"][resolved.strategy_cls.evaluated_slot]["module"])  # the model it was evaluated with
+    evaluated = resolved.strategy_cls.evaluated_slot
+    resolved.strategy_cls.prepare_slot(evaluated, model)
+    model.load_state_dict(state["sites"][index]["slots"][evaluated]["module"])  # the model it was evaluated with
     model.eval()
 
     case = case_from_paths(inputs)

@@ -9,9 +9,11 @@
   plain SGD so one step is exactly ``theta - lr * gradient``.
 * :class:`BatchNormClassifier`: a hidden layer with BatchNorm, for what
   strategies do with normalisation layers and running statistics;
+  :class:`BodyHeadClassifier`: a shared body under a personal head;
   :class:`DropoutClassifier`: dropout, for what depends on global generators.
 * :func:`build_loop`: a :class:`FederatedLoop` over a federation, with the
-  strategy chosen and configured exactly as the ``strategy`` config group does.
+  strategy chosen and configured exactly as the ``strategy`` config group does;
+  :func:`record_payloads`: what crosses its links.
 * :func:`one_torch_thread`: an autouse fixture for the test modules that import
   it; tiny models run several times faster on one thread than on two
   contending ones (the tests' machine has two cores).
@@ -36,6 +38,7 @@ from medfed.experiment import build_sites, initial_vectors
 from medfed.federated.link import Link
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.strategies import strategy_from_config
+from medfed.federated.strategies.base import Payload
 from medfed.models.base import FederatedModule
 
 
@@ -113,6 +116,33 @@ class BatchNormClassifier(LinearClassifier):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.output(torch.relu(self.norm(self.hidden(x))))
+
+
+class BodyHeadClassifier(LinearClassifier):
+    """``(B, F) -> body Linear(F, H) -> tanh -> head Linear(H, C)``, SGD: the body is shared, the head personal.
+
+    The two parts body/head methods (FedPer, FedRep, FedRoD) tell apart:
+    shared = ``body.weight`` (H, F) and ``body.bias`` (H,), personal =
+    ``head.weight`` (C, H) and ``head.bias`` (C,); no buffers.
+    """
+
+    default_personal_patterns = (r"^head\.",)
+
+    def __init__(self, in_features: int, num_classes: int, options: LinearOptions | None = None, hidden: int = 5) -> None:
+        FederatedModule.__init__(self)
+        self.options = options or LinearOptions()
+        self.num_classes = num_classes
+        self.body = nn.Linear(in_features, hidden)
+        self.head = nn.Linear(hidden, num_classes)
+        self.test_metrics = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.configure_split()
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """z = tanh(body(x)), ``(B, H)``."""
+        return torch.tanh(self.body(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
 
 
 class LinearRegressor(FederatedModule):
@@ -223,6 +253,18 @@ def build_loop(
     initial = strategy_obj.initial_values(initial_vectors(model, fabric.device))
     links = [Link({"name": "dense"}, {"name": "dense"}, strategy_obj.coded_keys, initial, fabric.device) for _ in sites]
     return FederatedLoop(fabric, sites, strategy_obj, links, initial, local_epochs, participation, seed, **faults)
+
+
+def record_payloads(loop: FederatedLoop) -> list[tuple[int, str, Payload]]:
+    """Wrap every link's ``send``: the returned list fills with ``(site index, direction, payload sent)``."""
+    sent = []
+    for index, link in enumerate(loop.links):
+        def send(direction, payload, index=index, link_send=link.send):
+            sent.append((index, direction, {key: value.clone() for key, value in payload.items()}))
+            return link_send(direction, payload)
+
+        link.send = send
+    return sent
 
 
 def seeded(model_cls, *args, seed: int = 0, **kwargs) -> FederatedModule:

@@ -68,6 +68,31 @@ class FederatedModule(PersonalizationSplit, L.LightningModule):
         be neither a parameter nor a buffer: strategies exchange those.
         """
 
+    def log_prior(self, data: SiteData) -> torch.Tensor:
+        """The site's training-label frequencies as a shift of ``forward``'s output: the Balanced Softmax's log n_c.
+
+        The Balanced Softmax loss (Ren et al., NeurIPS 2020; FedRoD's generic
+        loss) is the model's usual loss of the shifted output
+        ``forward(x) + shift``. Default: ``forward`` gives softmax logits
+        ``(B, K, ...)`` over ``num_classes`` K and the training targets
+        ``data.train.tensors[1]`` are class indices ``(n, ...)`` (per pixel
+        for a segmentation: voxels are counted); the shift is log n_c shaped
+        ``(K, 1, ..., 1)`` (one 1 per target dimension after the first).
+        Models with a sigmoid (log-odds) output override it with
+        :func:`log_odds_shift`. A class absent from the targets counts as 1
+        (log 1 = 0, not -inf: the shift stays finite). In the parameters'
+        dtype, on their device.
+        """
+        targets = data.train.tensors[1]
+        counts = torch.bincount(targets.reshape(-1).long(), minlength=self.num_classes)
+        shift = counts.clamp_min(1).to(torch.float64).log().reshape(-1, *([1] * (targets.ndim - 1)))
+        return self._like_parameters(shift)
+
+    def _like_parameters(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` in the parameters' dtype and on their device."""
+        first = next(self.parameters())
+        return tensor.to(device=first.device, dtype=first.dtype)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """Adam over every parameter; frozen ones get no gradient and are skipped."""
         return torch.optim.Adam(self.parameters(), lr=self.options.lr, weight_decay=self.options.weight_decay)
@@ -77,3 +102,21 @@ class FederatedModule(PersonalizationSplit, L.LightningModule):
         results = self.compute_test_metrics()
         self.test_metrics.reset()
         return {name: float(results[name]) for name in self.metric_names}
+
+
+def log_odds_shift(positives: torch.Tensor, totals: torch.Tensor | int) -> torch.Tensor:
+    """log(n_1 / n_0) of binary targets: the Balanced Softmax shift of a log-odds (sigmoid) output.
+
+    Two softmax logits shifted by (log n_0, log n_1) have the log-odds
+    l + log n_1 - log n_0. A count of 0 counts as 1, as in
+    :meth:`FederatedModule.log_prior`.
+
+    Args:
+        positives: int64 counts of 1s (any shape, e.g. ``(R,)`` per region).
+        totals: the number of targets each count is over.
+
+    Returns:
+        float64 tensor of ``positives``' shape.
+    """
+    negatives = totals - positives
+    return positives.clamp_min(1).to(torch.float64).log() - negatives.clamp_min(1).to(torch.float64).log()

@@ -24,6 +24,7 @@ whole-volume evaluation (:mod:`medfed.evaluation.volume`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from monai.losses import DiceCELoss, DiceLoss
@@ -32,7 +33,10 @@ from torchmetrics.classification import MulticlassJaccardIndex, MultilabelJaccar
 
 from medfed.config import require
 from medfed.data.brats import REGIONS
-from medfed.models.base import FederatedModule, ModelOptions
+from medfed.models.base import FederatedModule, ModelOptions, log_odds_shift
+
+if TYPE_CHECKING:
+    from medfed.data.federation import SiteData
 
 #: MONAI's UNet nests ``Sequential(down, SkipConnection(submodule), up)``; index 2 at any depth is
 #: an up-sampling (decoder) block. Everything else — down blocks and the bottom — is the encoder.
@@ -110,6 +114,15 @@ class UNetSegmenter(FederatedModule):
         if self.target == "wt":
             return (output.argmax(dim=1) == 1).unsqueeze(1)
         return output > 0  # sigmoid(output) > 1/2
+
+    def log_prior(self, data: SiteData) -> torch.Tensor:
+        """``wt``: log n_c of the training pixels of each class, ``(2, 1, 1)``; ``regions``: log(n_1 / n_0) of
+        each region's training pixels, ``(3, 1, 1)`` (its output is a log-odds per region)."""
+        if self.target == "wt":
+            return super().log_prior(data)
+        masks = data.train.tensors[1]  # (n, 3, P, P) 0/1
+        positives = masks.to(torch.int64).sum(dim=(0, 2, 3))
+        return self._like_parameters(log_odds_shift(positives, masks[:, 0].numel()).reshape(-1, 1, 1))
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch

@@ -198,12 +198,19 @@ class PersonalizationSplit:
                 offset += t.numel()
 
     def set_trainable(self, part: Part | None) -> None:
-        """Let only ``part`` (one of :data:`TRAINABLE_PARTS`) receive gradients (``None`` freezes everything)."""
+        """Let only ``part`` (one of :data:`TRAINABLE_PARTS`) of the split receive gradients (``None`` freezes it all).
+
+        Parameters outside the split (added after :meth:`configure_split`, e.g.
+        FedRoD's personal head, :mod:`medfed.models.additive_head`) keep their
+        ``requires_grad``: the loss that uses them decides what they learn.
+        """
         if part is not None and part not in TRAINABLE_PARTS:
             raise ValueError(f"only {TRAINABLE_PARTS} can be trained, got {part!r}")
         trainable = set() if part is None else set(self._parameter_split.names(part))
+        split = set(self._parameter_split.names("all"))
         for name, parameter in self.named_parameters():
-            parameter.requires_grad_(name in trainable)
+            if name in split:
+                parameter.requires_grad_(name in trainable)
 
     def _device_of_parameters(self) -> torch.device:
         first = next(iter(self.parameters()), None)

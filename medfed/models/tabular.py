@@ -15,11 +15,16 @@ the graph penalty couples the sites.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from medfed.models.base import log_odds_shift
 from medfed.models.classification import BinaryClassifier, ClassifierOptions
+
+if TYPE_CHECKING:
+    from medfed.data.federation import SiteData
 
 
 class LogisticRegression(BinaryClassifier):
@@ -44,3 +49,8 @@ class LogisticRegression(BinaryClassifier):
 
     def log_odds(self, x: torch.Tensor) -> torch.Tensor:
         return self(x)
+
+    def log_prior(self, data: SiteData) -> torch.Tensor:
+        """log(n_1 / n_0) of the site's training labels, shape ``()``: the output is a log-odds."""
+        labels = data.train.tensors[1]
+        return self._like_parameters(log_odds_shift((labels == 1).sum(), labels.numel()))

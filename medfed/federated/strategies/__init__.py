@@ -31,7 +31,10 @@ from medfed.federated.strategies.ditto import Ditto
 from medfed.federated.strategies.fedamp import FedAMP
 from medfed.federated.strategies.fedavg import FedAvg
 from medfed.federated.strategies.fedbn import FedBN
+from medfed.federated.strategies.fedper import FedPer
 from medfed.federated.strategies.fedprox import FedProx
+from medfed.federated.strategies.fedrep import FedRep
+from medfed.federated.strategies.fedrod import FedRoD
 from medfed.federated.strategies.fpfc import FPFC
 from medfed.federated.strategies.ifca import IFCA
 from medfed.federated.strategies.l2gd import L2GD
@@ -44,7 +47,8 @@ from medfed.federated.strategies.superfed import SuPerFed
 
 #: every algorithm, in the order they are listed
 REGISTERED: tuple[type[Strategy], ...] = (
-    Local, FedAvg, FedBN, FedProx, Ditto, APFL, L2GD, PFedMe, SuPerFed, IFCA, FPFC, FedAMP, APPLE, PGFed, PGFedMo, PFedNet, Pooled
+    Local, FedAvg, FedBN, FedProx, FedPer, FedRep, FedRoD, Ditto, APFL, L2GD, PFedMe, SuPerFed, IFCA, FPFC,
+    FedAMP, APPLE, PGFed, PGFedMo, PFedNet, Pooled,
 )
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in REGISTERED}
 

@@ -50,7 +50,8 @@ deliver nothing (``delivered = None``).
 
 *Model slots.* A site holds one model per name in ``slots`` (parameters,
 buffers and optimiser state together, e.g. Ditto's ``global`` and
-``personal``), all initialised from the run's seeded prototype. A training
+``personal``), all initialised from the run's seeded prototype (and adapted
+by ``Strategy.prepare_slot``, e.g. given an extra head). A training
 plan names the slot it trains; ``evaluated_slot`` is the one evaluated,
 saved for ``predict`` and shown in figures (``site.module`` is its module).
 """
@@ -66,6 +67,7 @@ from medfed.models.split import ParameterSplit
 
 if TYPE_CHECKING:
     from medfed.federated.site import Site
+    from medfed.models.base import FederatedModule
 
 #: What crosses the site boundary: named flat tensors.
 Payload = dict[str, torch.Tensor]
@@ -282,6 +284,16 @@ class Strategy:
         self.n_sites = n_sites
         self.seed = seed
         self.server = self.Server(options, split, n_sites, seed)
+
+    @classmethod
+    def prepare_slot(cls, slot: str, module: FederatedModule) -> None:
+        """Adapt ``slot``'s fresh copy of the seeded prototype, before its optimiser is made; default: nothing.
+
+        Called wherever a slot's module is built (each site's slots, and the
+        model ``predict`` loads a saved evaluated slot into), so anything it
+        adds to the module (e.g. FedRoD's personal head) is in the optimiser,
+        the checkpoints and the saved model alike.
+        """
 
     def site_half(self, index: int) -> SiteHalf:
         """The half that runs at site ``index``."""

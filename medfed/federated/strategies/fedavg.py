@@ -19,9 +19,10 @@ running variance negative.
 
 Subclasses of the halves change what travels by naming other parts of the
 model (:data:`~medfed.models.split.PARTS`) in ``parameters_part`` and
-``buffers_part`` (FedBN leaves out the BatchNorm layers), and where the
-global model lives at a site that holds several models in ``global_slot``
-(Ditto, APFL).
+``buffers_part`` (FedBN leaves out the BatchNorm layers; FedPer and FedRep
+average the shared part and no buffers: ``buffers_part = None``), and where
+the global model lives at a site that holds several models in
+``global_slot`` (Ditto, APFL).
 """
 
 from __future__ import annotations
@@ -37,20 +38,24 @@ class FedAvgServer(ServerHalf):
 
     #: the vector of parameters averaged (and coded on the wire)
     parameters_part: ClassVar[str] = "all"
-    #: the vector of floating-point buffers averaged (dense on the wire)
-    buffers_part: ClassVar[str] = "buffers"
+    #: the vector of floating-point buffers averaged (dense on the wire); None: buffers stay at their site
+    buffers_part: ClassVar[str | None] = "buffers"
 
     def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
         self.global_model = initial[self.parameters_part].clone()
-        self.global_buffers = initial[self.buffers_part].clone()
+        self.global_buffers = None if self.buffers_part is None else initial[self.buffers_part].clone()
 
     def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
         weights = [float(reply["num_samples"]) for reply in replies.values()]
         self.global_model = weighted_average([reply[self.parameters_part] for reply in replies.values()], weights)
-        self.global_buffers = weighted_average([reply[self.buffers_part] for reply in replies.values()], weights)
+        if self.buffers_part is not None:
+            self.global_buffers = weighted_average([reply[self.buffers_part] for reply in replies.values()], weights)
 
     def deliver(self, site_index: int) -> Payload:
-        return {self.parameters_part: self.global_model, self.buffers_part: self.global_buffers}
+        payload = {self.parameters_part: self.global_model}
+        if self.buffers_part is not None:
+            payload[self.buffers_part] = self.global_buffers
+        return payload
 
     def state_dict(self) -> dict:
         return {"global_model": self.global_model, "global_buffers": self.global_buffers}
@@ -64,7 +69,7 @@ class FedAvgSite(SiteHalf):
     """Trains the delivered global model; replies with its parameters, buffers and sample count."""
 
     parameters_part: ClassVar[str] = FedAvgServer.parameters_part
-    buffers_part: ClassVar[str] = FedAvgServer.buffers_part
+    buffers_part: ClassVar[str | None] = FedAvgServer.buffers_part
     #: the model slot holding the global model (strategies with several slots name theirs)
     global_slot: ClassVar[str] = MODEL
 
@@ -75,11 +80,10 @@ class FedAvgSite(SiteHalf):
 
     def reply(self, site, phase: str) -> Payload:
         module = site.slot(self.global_slot).module
-        return {
-            self.parameters_part: module.get_vector(self.parameters_part),
-            self.buffers_part: module.get_vector(self.buffers_part),
-            "num_samples": num_samples(site),
-        }
+        reply = {self.parameters_part: module.get_vector(self.parameters_part)}
+        if self.buffers_part is not None:
+            reply[self.buffers_part] = module.get_vector(self.buffers_part)
+        return {**reply, "num_samples": num_samples(site)}
 
 
 class FedAvg(Strategy):

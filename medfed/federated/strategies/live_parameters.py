@@ -85,8 +85,9 @@ def training_loss_with(module: nn.Module, parameters: dict[str, torch.Tensor], b
         module: the site's module (Fabric-wrapped or not).
         parameters: ``{parameter name: tensor of that parameter's shape}``;
             any tensor, e.g. a differentiable combination of other tensors
-            (gradients flow to whatever it was computed from). Parameters
-            not named, and all buffers, keep the module's own values.
+            (gradients flow to whatever it was computed from). Buffers may be
+            named too (e.g. copies, for a pass that must not move BatchNorm
+            statistics). Whatever is not named keeps the module's own values.
         batch: a device batch, as ``training_step`` takes it.
 
     Returns:

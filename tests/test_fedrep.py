@@ -1,0 +1,99 @@
+"""FedRep: head plan then body plan of the configured lengths, each with the other part frozen; only bodies travel."""
+
+import math
+
+import pytest
+import torch
+
+from medfed.errors import ConfigError
+from medfed.federated.strategies import strategy_from_config
+from medfed.models.tabular import LogisticRegression
+from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
+from toy_federation import BodyHeadClassifier, build_loop, record_payloads, seeded, two_group_federation
+
+
+def _record_training(loop):
+    """Wrap every site's ``train``: the returned list fills with (round, site index, steps, part, body before,
+    body after, head before, head after)."""
+    calls = []
+    for site in loop.sites:
+        def train(steps, slot, part, step_loss, site=site, site_train=site.train):
+            before = site.module.get_vector("shared"), site.module.get_vector("personal")
+            loss = site_train(steps, slot, part, step_loss)
+            after = site.module.get_vector("shared"), site.module.get_vector("personal")
+            calls.append((loop.round, site.index, steps, part, before[0], after[0], before[1], after[1]))
+            return loss
+
+        site.train = train
+    return calls
+
+
+@pytest.mark.parametrize("options", [{"head_share": 1.5, "body_share": 0.5}, {"head_steps": 3, "body_steps": 2}])
+def test_the_head_trains_first_then_the_body_for_the_configured_lengths(options):
+    federation = two_group_federation(n_sites=3)
+    loop = build_loop("fedrep", federation, seeded(BodyHeadClassifier, 4, 2), options, batch_size=16)
+    calls = _record_training(loop)
+    loop.fit(2)
+    order = [(r, i, part) for r in (1, 2) for i in range(3) for part in ("personal", "shared")]
+    assert [(r, i, part) for r, i, _, part, *_ in calls] == order
+    for _, index, steps, part, *_ in calls:
+        if "head_steps" in options:
+            assert steps == (3 if part == "personal" else 2)
+        else:  # B = ceil(n / 16) batches; the head takes round(1.5 B) steps, the body the rest of round(2 B)
+            batches = math.ceil(len(federation.sites[index].train) / 16)  # 3, 4, 4
+            head = math.floor(1.5 * batches + 0.5)
+            assert steps == (head if part == "personal" else math.floor(2 * batches + 0.5) - head)
+
+
+def test_the_body_is_frozen_while_the_head_trains_and_the_head_while_the_body_trains():
+    loop = build_loop("fedrep", two_group_federation(n_sites=3), seeded(BodyHeadClassifier, 4, 2))
+    calls = _record_training(loop)
+    loop.fit(2)
+    assert len(calls) == 2 * 3 * 2
+    for _, _, _, part, body_before, body_after, head_before, head_after in calls:
+        if part == "personal":
+            assert torch.equal(body_after, body_before) and not torch.equal(head_after, head_before)
+        else:
+            assert torch.equal(head_after, head_before) and not torch.equal(body_after, body_before)
+
+
+def test_heads_never_travel_and_the_body_is_the_sample_weighted_mean():
+    federation = two_group_federation(n_sites=4)
+    loop = build_loop("fedrep", federation, seeded(BodyHeadClassifier, 4, 2))
+    sent = record_payloads(loop)
+    calls = _record_training(loop)
+    loop.fit(2)
+    split = loop.sites[0].module.parameter_split
+    for _, direction, payload in sent:
+        assert set(payload) <= ({"shared", "num_samples"} if direction == "up" else {"shared"})
+        assert all(value.numel() in (0, 1, split.size("shared")) for value in payload.values())  # a head has 12 values
+    replies = [payload for _, direction, payload in sent[-8:-4]]  # round 2: 4 messages down, 4 replies up, 4 deliveries
+    assert all(set(payload) == {"shared", "num_samples"} for payload in replies)
+    trained = {index: body_after for round_index, index, _, part, _, body_after, _, _ in calls if round_index == 2 and part == "shared"}
+    sizes = torch.tensor([float(len(site.train)) for site in federation.sites])
+    for index, payload in enumerate(replies):
+        assert torch.equal(payload["shared"], trained[index]) and float(payload["num_samples"]) == sizes[index]
+    mean = sum(n * trained[i] for i, n in enumerate(sizes)) / sizes.sum()
+    torch.testing.assert_close(loop.server.global_model, mean)
+    heads = {index: head_after for round_index, index, _, part, _, _, _, head_after in calls if round_index == 2 and part == "personal"}
+    for site in loop.sites:
+        torch.testing.assert_close(site.module.get_vector("shared"), mean)
+        assert torch.equal(site.module.get_vector("personal"), heads[site.index])  # the delivery leaves the head alone
+
+
+def test_with_every_parameter_personal_fedrep_is_local_training_for_the_head_epochs():
+    federation = two_group_federation(n_sites=3)
+    fedrep = build_loop("fedrep", federation, seeded(LogisticRegression, 4, 2), {"head_share": 1.0})
+    local = build_loop("local", federation, seeded(LogisticRegression, 4, 2))
+    fedrep.fit(3)
+    local.fit(3)
+    for a, b in zip(fedrep.sites, local.sites):
+        assert torch.equal(a.module.get_vector("all"), b.module.get_vector("all"))
+    assert [r["metrics"] for r in fedrep.history] == [r["metrics"] for r in local.history]
+
+
+def test_options_are_validated_with_the_key_named():
+    assert strategy_from_config({"name": "fedrep"})[1].head_share == 2.0
+    for key, value in (("head_share", 0.0), ("body_share", -1.0), ("head_steps", 0), ("body_steps", 0)):
+        with pytest.raises(ConfigError, match=rf"^config key 'strategy\.fedrep\.{key}' = "):
+            strategy_from_config({"name": "fedrep", "fedrep": {key: value}})
