@@ -17,9 +17,9 @@ def _record_training(loop):
     body after, head before, head after)."""
     calls = []
     for site in loop.sites:
-        def train(steps, slot, part, step_loss, site=site, site_train=site.train):
+        def train(steps, slot, part, step_loss, site=site, site_train=site.train, **kwargs):
             before = site.module.get_vector("shared"), site.module.get_vector("personal")
-            loss = site_train(steps, slot, part, step_loss)
+            loss = site_train(steps, slot, part, step_loss, **kwargs)
             after = site.module.get_vector("shared"), site.module.get_vector("personal")
             calls.append((loop.round, site.index, steps, part, before[0], after[0], before[1], after[1]))
             return loss
