@@ -1,0 +1,266 @@
+"""A Flower federation on this machine: one SuperLink and one SuperNode per site, as child processes.
+
+This is the rehearsal of a deployment (docs/deploy.md), used by the
+integration tests and ``benchmarks/bench_deploy.py``: the same executables
+(``flower-superlink``, ``flower-supernode``, ``flwr run``) a hospital and
+the coordinating server run on their own machines, here on loopback
+addresses with free ports and without TLS (``--insecure``). Each process
+gets its own ``FLWR_HOME`` under the federation's work folder (Flower keeps
+installed app bundles and its CLI config there) and writes its log there.
+
+Every process is started in a session of its own and stopped by its process
+id (its group, whose id is that process id: a SuperNode's SuperExec and
+ClientApp children go with it), SIGTERM first and SIGKILL after
+``stop_timeout_s``; :meth:`LocalFederation.close` (or leaving the ``with``
+block) stops whatever is still running, whatever happened.
+
+No flwr import here: the executables come from the ``deploy`` extra.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+LOOPBACK = "127.0.0.1"
+CONNECTION = "medfed-local"
+"""The name of the SuperLink connection written to the ``flwr`` CLI's config."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS's choice)."""
+    with socket.socket() as probe:
+        probe.bind((LOOPBACK, 0))
+        return probe.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection((LOOPBACK, port), timeout=0.5).close()
+    except OSError:
+        return False
+    return True
+
+
+@dataclass
+class Process:
+    """A started child: its name (``superlink``, ``supernode-1``), process, log file and the port it serves."""
+
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    port: int
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def running(self) -> bool:
+        return self.popen.returncode is None and not _exited(self.pid)
+
+
+class LocalFederation:
+    """A SuperLink and SuperNodes on 127.0.0.1, started and stopped by process id.
+
+    Args:
+        work_dir: where each process's ``FLWR_HOME`` and log go (created).
+        env: extra environment for every process (e.g. ``OMP_NUM_THREADS``).
+        start_timeout_s: seconds a process may take to listen on its port.
+        stop_timeout_s: seconds between SIGTERM and SIGKILL when stopping.
+
+    Raises:
+        FileNotFoundError: (on start) the Flower executables are not installed
+            (``pip install medfed[deploy]``).
+        RuntimeError: a process exited, or did not listen within ``start_timeout_s``
+            (the message ends with its log's last lines).
+    """
+
+    def __init__(
+        self, work_dir: Path, env: dict[str, str] | None = None, start_timeout_s: float = 120.0, stop_timeout_s: float = 15.0
+    ) -> None:
+        self.work_dir = Path(work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, **(env or {})}
+        self.start_timeout_s = start_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.superlink: Process | None = None
+        self.supernodes: dict[int, Process] = {}
+        self._restarts = 0
+
+    # ------------------------------------------------------------------ processes
+    def start_superlink(self) -> Process:
+        """``flower-superlink --insecure`` on a free port (its one HTTP API: Fleet, Control and ServerApp runtime).
+
+        Runtime dependency installation is off: the app runs in this
+        environment, with medfed and torch already installed.
+        """
+        port = free_port()
+        self.superlink = self._start(
+            "superlink",
+            [
+                "flower-superlink", "--insecure", "--host", LOOPBACK, "--port", str(port),
+                "--disable-runtime-dependency-installation",
+            ],
+            port,
+        )
+        return self.superlink
+
+    def start_supernode(self, site_index: int, data_root: Path, **node_config: Any) -> Process:
+        """``flower-supernode`` for one site, its ``--node-config`` giving ``site-index`` and ``data-root``.
+
+        ``node_config`` adds further keys (underscores become hyphens,
+        e.g. ``state_dir=...`` -> ``state-dir``). Its own runtime API (the
+        ClientApp's) listens on a free port.
+
+        Raises:
+            RuntimeError: no SuperLink was started first.
+        """
+        if self.superlink is None:
+            raise RuntimeError("start the SuperLink before its SuperNodes")
+        port = free_port()
+        config = {"site-index": site_index, "data-root": str(data_root), **{k.replace("_", "-"): v for k, v in node_config.items()}}
+        node = self._start(
+            f"supernode-{site_index}" if site_index not in self.supernodes else f"supernode-{site_index}-restart{self._next_restart()}",
+            [
+                "flower-supernode", "--insecure", "--superlink", f"{LOOPBACK}:{self.superlink.port}",
+                "--host", LOOPBACK, "--port", str(port), "--node-config", _node_config(config),
+            ],
+            port,
+        )
+        self.supernodes[site_index] = node
+        return node
+
+    def stop_supernode(self, site_index: int, kill: bool = True) -> None:
+        """Stop site ``site_index``'s SuperNode: SIGKILL (a crash, ``kill=True``) or SIGTERM (a shutdown)."""
+        self._stop(self.supernodes[site_index], signal.SIGKILL if kill else signal.SIGTERM)
+
+    def close(self) -> None:
+        """Stop every process still running (SuperNodes first), each by its process id."""
+        for node in self.supernodes.values():
+            self._stop(node, signal.SIGTERM)
+        if self.superlink is not None:
+            self._stop(self.superlink, signal.SIGTERM)
+
+    def __enter__(self) -> LocalFederation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ runs
+    def flwr_home(self) -> Path:
+        """The ``flwr`` CLI's ``FLWR_HOME``, its config naming this SuperLink as :data:`CONNECTION` (default)."""
+        if self.superlink is None:
+            raise RuntimeError("start the SuperLink before submitting a run")
+        home = self.work_dir / "cli"
+        home.mkdir(exist_ok=True)
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+            f'address = "{LOOPBACK}:{self.superlink.port}"\ninsecure = true\n',
+            encoding="utf-8",
+        )
+        return home
+
+    def run(self, app_dir: Path, run_config: dict[str, Any], timeout_s: float) -> subprocess.CompletedProcess:
+        """``flwr run <app_dir> medfed-local --stream --run-config ...``: submit a run and follow its ServerApp log.
+
+        Returns when the run has finished (its log stream ends); the output is
+        also written to ``flwr-run-<n>.log`` in the work folder.
+
+        Raises:
+            subprocess.TimeoutExpired: the run took longer than ``timeout_s``
+                (the ``flwr`` process is stopped first).
+        """
+        home = self.flwr_home()
+        overrides = " ".join(f"{key}={_toml_value(value)}" for key, value in run_config.items())
+        command = [shutil.which("flwr") or "flwr", "run", str(app_dir), CONNECTION, "--stream"]
+        if overrides:
+            command += ["--run-config", overrides]
+        log = self.work_dir / f"flwr-run-{len(list(self.work_dir.glob('flwr-run-*.log')))}.log"
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(command, env={**self.env, "FLWR_HOME": str(home)}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._stop(Process("flwr-run", popen, log, 0), signal.SIGTERM)
+                raise
+        return subprocess.CompletedProcess(command, popen.returncode, log.read_text(encoding="utf-8", errors="replace"), "")
+
+    # ------------------------------------------------------------------ internals
+    def _next_restart(self) -> int:
+        self._restarts += 1
+        return self._restarts
+
+    def _start(self, name: str, command: list[str], port: int) -> Process:
+        home = self.work_dir / name
+        home.mkdir(exist_ok=True)
+        log = self.work_dir / f"{name}.log"
+        executable = shutil.which(command[0])
+        if executable is None:
+            raise FileNotFoundError(f"{command[0]} not found: install the deploy extra (pip install medfed[deploy])")
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(
+                [executable, *command[1:]], env={**self.env, "FLWR_HOME": str(home)}, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        process = Process(name, popen, log, port)
+        deadline = time.monotonic() + self.start_timeout_s
+        while not _listening(port):
+            if not process.running() or time.monotonic() > deadline:
+                self._stop(process, signal.SIGKILL)
+                tail = log.read_text(encoding="utf-8", errors="replace")[-1500:]
+                raise RuntimeError(f"{name} did not start listening on {LOOPBACK}:{port}:\n{tail}")
+            time.sleep(0.2)
+        return process
+
+    def _stop(self, process: Process, first: signal.Signals) -> None:
+        """Signal ``process``'s group (id = its pid), SIGKILL it if the leader outlives ``stop_timeout_s``; reap it.
+
+        The leader is reaped only after a last SIGKILL to its group (children
+        that outlived it, e.g. a SuperNode's SuperExec): until then its pid,
+        and so the group id, cannot be reused by another process.
+        """
+        if process.popen.returncode is None:
+            _signal_group(process.pid, first)
+            deadline = time.monotonic() + self.stop_timeout_s
+            while not _exited(process.pid):
+                if time.monotonic() > deadline:
+                    _signal_group(process.pid, signal.SIGKILL)
+                    deadline = float("inf")
+                time.sleep(0.05)
+            _signal_group(process.pid, signal.SIGKILL)
+        process.popen.wait()
+
+
+def _exited(pid: int) -> bool:
+    """Whether child ``pid`` has exited, leaving it unreaped (a zombie keeps its pid taken)."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _node_config(config: dict[str, Any]) -> str:
+    """``--node-config``'s text: ``key=value`` pairs, strings quoted as TOML strings."""
+    return " ".join(f"{key}={_toml_value(value)}" for key, value in config.items())
+
+
+def _toml_value(value: Any) -> str:
+    """One TOML value: a bool, int, float or (quoted) string."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    text = str(value)
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
