@@ -221,3 +221,38 @@ def test_a_model_sized_tensor_under_an_undeclared_key_is_refused():
     assert link.bytes_sent == {"up": 0, "down": 0}  # refused before anything was sent
     received = link.send("up", {"all": torch.ones(D), "buffers": torch.ones(400), "num_samples": torch.tensor([3.0])})
     assert torch.equal(received["buffers"], torch.ones(400))  # buffers and small entries travel dense
+
+
+@pytest.mark.parametrize("up,down", [("dense", "dense"), ("cer+stc", "cer+stc"), ("stc", "dense"), ("dense", "cer")])
+def test_two_ends_send_the_same_bytes_and_decode_the_same_values_as_one_link(up, down):
+    # A deployment keeps one Link at the server and one at the site (encode at the sender, decode at the
+    # receiver, each with its own K, A, O); the simulator keeps one Link for both. Same bytes, same values.
+    initial = torch.randn(D, generator=torch.Generator().manual_seed(0))
+    specs = ({"name": up, **CODECS[up]}, {"name": down, **CODECS[down]})
+    one, server, site = (Link(*specs, KEYS, {"all": initial}, torch.device("cpu")) for _ in range(3))
+    ends = {"down": (server, site), "up": (site, server)}
+    sent_bytes = {"up": 0, "down": 0}
+    target = initial.clone()
+    for message in range(12):
+        direction = "down" if message % 3 != 2 else "up"  # two down messages in a row: the site's A waits in O
+        target = target + 0.1 * _model_change(100 + message)
+        payload = {"all": target, "num_samples": torch.tensor([5.0 + message]), "empty": torch.zeros(0), "core/1": target.flip(0).reshape(400, 100)}
+        expected = one.send(direction, payload)
+        sender, receiver = ends[direction]
+        wire = sender.encode(direction, payload)
+        sent_bytes[direction] += sum(len(data) for _, data in wire.values() if data is not None)
+        got = receiver.decode(direction, wire)
+        assert set(got) == set(expected)
+        for key in expected:
+            assert got[key].shape == expected[key].shape and torch.equal(got[key], expected[key]), (message, key)
+    assert one.bytes_sent == sent_bytes == server.bytes_sent == site.bytes_sent
+    for name in ("known", "residuals", "owed"):  # the state either end keeps is the one link's
+        state = getattr(one, name)
+        if name == "known":
+            assert state.keys() == server.known.keys() == site.known.keys()
+            assert all(torch.equal(state[k], server.known[k]) and torch.equal(state[k], site.known[k]) for k in state)
+        else:
+            assert state.keys() == getattr(site, name).keys() and not getattr(server, name)
+            assert all(torch.equal(state[k], getattr(site, name)[k]) for k in state)
+    if up != "dense" or down != "dense":
+        assert one.known, "a lossy codec keeps known values"

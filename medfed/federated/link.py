@@ -83,6 +83,9 @@ ZEROS = "zeros"
 #: per-site vector (mixing weights, sample counts) of the same length
 MIN_CHECKED_SIZE = 256
 
+Wire = tuple[tuple[int, ...], bytes | None]
+"""One payload entry on the wire: the tensor's shape and its codec stream (None: the tensor has no elements)."""
+
 
 class Link:
     """Encodes, counts and decodes everything exchanged with one site.
@@ -137,6 +140,7 @@ class Link:
     def send(self, direction: str, payload: Payload) -> Payload:
         """Encode ``payload`` in ``direction``, count the bytes, return what the receiver decodes.
 
+        Both ends in one object (the simulator): K is held once, for both.
         The time spent encoding and decoding accumulates in ``codec_seconds``.
 
         Raises:
@@ -144,46 +148,105 @@ class Link:
                 differs from its key's earlier messages, or a model-sized
                 tensor under a key not in ``coded_keys``.
         """
-        if direction not in DIRECTIONS:
-            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        _check_direction(direction)
         received = {}
         started = time.perf_counter()
         for key, value in payload.items():
-            flat = value.detach().reshape(-1).to(torch.float32).cpu()
-            if flat.numel() == 0:  # e.g. the shared part of an all-personal model: nothing to send
-                received[key] = value.to(self.device)
-                continue
-            reference_name = self._reference_name(key)
-            if reference_name is None and flat.numel() in self._model_sizes:
-                raise ValueError(
-                    f"payload {key!r} ({direction}) holds {flat.numel()} values, the size of the model part "
-                    f"{self._model_sizes[flat.numel()]!r}, but is not declared in the strategy's coded_keys "
-                    f"({', '.join(self.coded_keys) or 'none'}): a model vector must go through the codec"
-                )
-            codec = self._small if reference_name is None else self._codecs[direction]
-            if codec.lossless:
-                data = codec.encode(flat)
-                decoded = codec.decode(data)
-            else:
-                data, decoded = self._send_change(codec, direction, key, reference_name, flat)
-            self.bytes_sent[direction] += len(data)
-            self.dense_bytes[direction] += 4 * flat.numel()
-            received[key] = decoded.reshape(value.shape).to(self.device)
+            shape, data, decoded = self._encode_key(direction, key, value)
+            received[key] = value.to(self.device) if data is None else decoded.reshape(shape).to(self.device)
         self.codec_seconds += time.perf_counter() - started
         return received
+
+    def encode(self, direction: str, payload: Payload) -> dict[str, Wire]:
+        """The sender's end alone (a deployment): ``payload`` -> ``{key: (shape, bytes)}``, counted here.
+
+        Updates the sender's state only: K (both directions) and, sending
+        up, the site's residual A. The receiver's own :class:`Link` turns the
+        result back with :meth:`decode`; the bytes are those :meth:`send`
+        would count, and what it decodes is what :meth:`send` would return.
+        A key without elements travels as its shape alone (``bytes`` None).
+
+        Raises:
+            ValueError: as :meth:`send` (a model-sized tensor under an undeclared key included).
+        """
+        _check_direction(direction)
+        started = time.perf_counter()
+        wire = {}
+        for key, value in payload.items():
+            shape, data, _ = self._encode_key(direction, key, value)
+            wire[key] = (shape, data)
+        self.codec_seconds += time.perf_counter() - started
+        return wire
+
+    def decode(self, direction: str, wire: dict[str, Wire]) -> Payload:
+        """The receiver's end alone: ``{key: (shape, bytes)}`` from the other end's :meth:`encode` -> the payload.
+
+        Counts the bytes as :meth:`send` does and updates the receiver's
+        state only: K (from the bytes alone) and, receiving down (the site),
+        O <- A. Every tensor is float32 on ``device``, shaped as sent.
+
+        Raises:
+            ValueError: an unknown direction; a coded vector whose length
+                differs from its key's earlier messages; bytes that are not a
+                medfed codec stream (from the codec's decoder).
+        """
+        _check_direction(direction)
+        started = time.perf_counter()
+        received = {}
+        for key, (shape, data) in wire.items():
+            if data is None:
+                received[key] = torch.zeros(shape, dtype=torch.float32, device=self.device)
+                continue
+            reference_name = self._reference_name(key)
+            sent = (self._small if reference_name is None else self._codecs[direction]).decode(data)
+            if reference_name is not None and not self._codecs[direction].lossless:
+                known = self._known(key, reference_name, sent)
+                sent = torch.from_numpy(np.add(known.numpy(), sent.numpy()))
+                self.known[key] = sent
+                if direction == "down":
+                    self._owe(key)
+            self.bytes_sent[direction] += len(data)
+            self.dense_bytes[direction] += 4 * sent.numel()
+            received[key] = sent.reshape(shape).to(self.device)
+        self.codec_seconds += time.perf_counter() - started
+        return received
+
+    def _encode_key(self, direction: str, key: str, value: torch.Tensor) -> tuple[tuple[int, ...], bytes | None, torch.Tensor | None]:
+        """One payload entry: (its shape, its bytes (None: no elements), the (d,) float32 vector the receiver decodes).
+
+        Counts the bytes and updates K and, up, A (the sender's state).
+        """
+        shape = tuple(value.shape)
+        flat = value.detach().reshape(-1).to(torch.float32).cpu()
+        if flat.numel() == 0:  # e.g. the shared part of an all-personal model: nothing to send
+            return shape, None, None
+        reference_name = self._reference_name(key)
+        if reference_name is None and flat.numel() in self._model_sizes:
+            raise ValueError(
+                f"payload {key!r} ({direction}) holds {flat.numel()} values, the size of the model part "
+                f"{self._model_sizes[flat.numel()]!r}, but is not declared in the strategy's coded_keys "
+                f"({', '.join(self.coded_keys) or 'none'}): a model vector must go through the codec"
+            )
+        codec = self._small if reference_name is None else self._codecs[direction]
+        if codec.lossless:
+            data = codec.encode(flat)
+            decoded = codec.decode(data)
+        else:
+            data, decoded = self._send_change(codec, direction, key, reference_name, flat)
+        self.bytes_sent[direction] += len(data)
+        self.dense_bytes[direction] += 4 * flat.numel()
+        return shape, data, decoded
 
     def _send_change(
         self, codec: Codec, direction: str, key: str, reference_name: str, target: torch.Tensor
     ) -> tuple[bytes, torch.Tensor]:
         """Code ``target`` ((d,) float32) against K (+ O up), update K, A and O; return (bytes, new K).
 
+        At a server's own end (a deployment) there is no A, so down messages leave O alone there.
+
         K is replaced, never written to, so the tensor handed to the receiver is its own.
         """
-        known = self.known.get(key, self.initial.get(key))
-        if known is None:
-            known = torch.zeros_like(target) if reference_name == ZEROS else self.initial[reference_name]
-        if known.shape != target.shape:
-            raise ValueError(f"payload {key!r}: expected shape {tuple(known.shape)} like its earlier messages, got {tuple(target.shape)}")
+        known = self._known(key, reference_name, target)
         # NumPy, not torch, for the arithmetic next to the codec: a torch
         # operation wakes PyTorch's OpenMP workers, which then spin for
         # milliseconds on the core CER's two-core solver is about to use.
@@ -196,9 +259,23 @@ class Link:
         self.known[key] = known
         if direction == "up":
             self.residuals[key] = torch.from_numpy(np.subtract(change, sent))
-        elif key in self.residuals:
-            self.owed[key] = self.residuals[key]
+        else:
+            self._owe(key)
         return data, known
+
+    def _known(self, key: str, reference_name: str, like: torch.Tensor) -> torch.Tensor:
+        """K of ``key`` (before its first message: its own initial vector, its part's, or zeros), checked against ``like``'s shape."""
+        known = self.known.get(key, self.initial.get(key))
+        if known is None:
+            known = torch.zeros_like(like) if reference_name == ZEROS else self.initial[reference_name]
+        if known.shape != like.shape:
+            raise ValueError(f"payload {key!r}: expected shape {tuple(known.shape)} like its earlier messages, got {tuple(like.shape)}")
+        return known
+
+    def _owe(self, key: str) -> None:
+        """A down message on ``key`` came: O <- A (where the site has a residual)."""
+        if key in self.residuals:
+            self.owed[key] = self.residuals[key]
 
     def _reference_name(self, key: str) -> str | None:
         """The initial vector a coded key starts from, or None if the key is not a model vector."""
@@ -231,6 +308,11 @@ class Link:
         self.bytes_sent = dict(state["bytes_sent"])
         self.dense_bytes = dict(state["dense_bytes"])
         self.codec_seconds = state["codec_seconds"]
+
+
+def _check_direction(direction: str) -> None:
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
 
 
 def coded_prefix(key: str, coded_keys: dict[str, str]) -> str | None:
