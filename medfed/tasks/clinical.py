@@ -43,6 +43,7 @@ cells per column.
 
 from __future__ import annotations
 
+import csv
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -198,6 +199,100 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
         features=features,
         site_sizes=site_sizes_summary(federation, np.bincount(site_of_record, minlength=federation.n_sites), "records"),
     )
+
+
+def build_site(
+    options: Options, federation: FederationConfig, seed: int, site_index: int, data_root: Path, progress: bool = True
+) -> Federation:
+    """One site's member alone, from its own records (a deployed hospital, :mod:`medfed.deploy`).
+
+    The site's CSV is ``data_root / <the file name of data.csv>``, read by the
+    same reader; every record in it belongs to site ``site_index`` (no site
+    column needed, ``data.embedded`` is not written). The rest is
+    :func:`build_federation`'s for that site: the same stratified train/test
+    (and validation) draw with the site's own seeds, the same per-site
+    scaling. Given the records the simulator deals to site ``site_index``, in
+    the file's order (:func:`site_records`), the member's tensors are the
+    simulator's; ``info`` counts records in the site's own file.
+
+    Returns:
+        A federation of one site, named ``site<site_index>``.
+
+    Raises:
+        ConfigError: ``federation.label_ratio`` is set: its draw runs over
+            every site's records at once, which no single site holds.
+        DataError: the site's file (reader errors), or a class with fewer
+            than 2 records.
+    """
+    del progress  # one small table: nothing to report
+    if federation.label_ratio is not None:
+        raise ConfigError(
+            "config key 'federation.label_ratio': its draw runs over every site's records at once, which a deployed "
+            "site does not hold; set federation.label_ratio=null (each hospital keeps its own ratio)"
+        )
+    path = Path(data_root) / Path(options.csv).name
+    data = read_tabular_csv(
+        path,
+        target=options.target,
+        positive=options.positive,
+        site_column=options.site_column,
+        exclude_columns=tuple(options.exclude_columns),
+    )
+    draw = partial(_draw_records, labels=data.labels, site=f"site{site_index}", path=path)
+    split = split_site(np.arange(len(data), dtype=np.int64), draw, federation, seed, site_index)
+    train, test = np.sort(np.asarray(split.train, dtype=np.int64)), np.sort(np.asarray(split.evaluation, dtype=np.int64))
+    lo, hi = fit_minmax(data.features[train])
+    info = {
+        "source": "the site's own records",
+        **split.info("records"),
+        "scaling": f"min/max per feature fitted on this site's {len(train)} training records only",
+    }
+    site = SiteData(name=f"site{site_index}", train=_dataset(data, train, lo, hi), test=_dataset(data, test, lo, hi), info=info)
+    return Federation(
+        task=NAME,
+        sites=[site],
+        input_shape=(len(data.feature_names),),
+        num_classes=2,
+        description=f"clinical records of site{site_index} ({len(data)} records, {len(data.feature_names)} features)",
+        generated=False,
+        holdout=federation.holdout,
+        features={"names": list(data.feature_names), "categorical": {c: list(v) for c, v in data.categories.items()}},
+    )
+
+
+def site_records(options: Options, federation: FederationConfig, seed: int, out_dir: Path) -> list[Path]:
+    """Write each site's records, as :func:`build_federation` deals them, to ``out_dir/site<i>/<csv name>``.
+
+    A rehearsal of a deployment on one machine: each SuperNode's data root
+    then holds only its own hospital's records (the header and the rows,
+    cells unchanged, in the file's order), and :func:`build_site` builds the
+    simulator's member from them.
+
+    Returns:
+        The written files, site order.
+    """
+    path = Path(options.csv)
+    if options.embedded is not None:
+        _write_embedded_table(path, options.embedded)
+    data = read_tabular_csv(
+        path, target=options.target, positive=options.positive, site_column=options.site_column,
+        exclude_columns=tuple(options.exclude_columns),
+    )
+    site_of_record, _ = _sites(data, federation.n_sites, seed, path, options.site_column)
+    with path.open(newline="") as handle:  # the rows the reader keeps (blank lines skipped), one per record
+        reader = csv.reader(handle)
+        header = next(reader)
+        rows = [row for row in reader if "".join(row).strip()]
+    written = []
+    for index in range(federation.n_sites):
+        target = Path(out_dir) / f"site{index}" / path.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with target.open("w", newline="") as handle:
+            writer = csv.writer(handle, lineterminator="\n")
+            writer.writerow(header)
+            writer.writerows(rows[record] for record in np.flatnonzero(site_of_record == index))
+        written.append(target)
+    return written
 
 
 def _write_embedded_table(path: Path, name: str) -> None:

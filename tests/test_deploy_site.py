@@ -1,0 +1,32 @@
+"""A deployed clinical site builds its own member from its own records alone: the simulator's member, tensor for tensor."""
+
+import pytest
+import torch
+
+from medfed.config import FederationConfig
+from medfed.errors import ConfigError
+from medfed.tasks import clinical
+
+
+@pytest.mark.parametrize("holdout", ["test", "validation"])
+def test_a_site_built_from_its_own_records_is_the_simulators_member(tmp_path, holdout):
+    options = clinical.Options(csv=str(tmp_path / "all" / "breast_cancer.csv"))
+    federation = FederationConfig(n_sites=3, holdout=holdout)
+    whole = clinical.build_federation(options, federation, seed=4)
+    files = clinical.site_records(options, federation, 4, tmp_path / "sites")
+    assert [f.parent.name for f in files] == ["site0", "site1", "site2"]
+    assert sum(len(f.read_text().splitlines()) - 1 for f in files) == 569  # every record at exactly one site
+    for index, simulated in enumerate(whole.sites):
+        alone = clinical.build_site(options, federation, 4, index, files[index].parent)
+        assert len(alone.sites) == 1 and alone.sites[0].name == simulated.name
+        assert alone.input_shape == whole.input_shape
+        for split in ("train", "test"):
+            mine, theirs = getattr(alone.sites[0], split).tensors, getattr(simulated, split).tensors
+            assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)), (index, split)
+
+
+def test_a_label_ratio_cannot_be_imposed_by_one_site(tmp_path):
+    options = clinical.Options(csv=str(tmp_path / "breast_cancer.csv"))
+    federation = FederationConfig(n_sites=3, label_ratio={"delta": 1.0, "spread": 1.5})
+    with pytest.raises(ConfigError, match="federation.label_ratio"):
+        clinical.build_site(options, federation, 0, 0, tmp_path)
