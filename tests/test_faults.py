@@ -60,7 +60,7 @@ def _inject_faults(loop, round_index=FAULT_ROUND):
 def _without_sites(loop, absent, round_index=FAULT_ROUND):
     """The same loop where the ``absent`` site indices simply do not take part in ``round_index``."""
     participants = loop.participants
-    loop.participants = lambda r: [s for s in participants(r) if r != round_index or s.index not in absent]
+    loop.participants = lambda r: [i for i in participants(r) if r != round_index or i not in absent]
     return loop
 
 

@@ -89,7 +89,7 @@ def test_rounds_follow_algorithm_1(name, options, beta):
 
         site.strategy.receive = recording_receive
     loop.fit(ROUNDS)
-    participants = [[s.index for s in loop.participants(t)] for t in range(1, ROUNDS + 1)]
+    participants = [loop.participants(t) for t in range(1, ROUNDS + 1)]
     assert any(participants[t] != participants[t - 1] for t in range(1, ROUNDS)), "S_t should change so S_{t-1} bookkeeping matters"
 
     theta0 = model.get_vector("all").double().numpy()

@@ -35,10 +35,11 @@ import torch
 from lightning.fabric import Fabric
 
 from medfed.errors import SiteFailure, warn
-from medfed.federated.faults import RoundStartStates, model_parts, non_finite_keys, update_norms, update_outliers
+from medfed.federated.executor import InProcessSites, PhaseWork, SiteExecutor
+from medfed.federated.faults import update_outliers
 from medfed.federated.link import Link
 from medfed.federated.site import Site
-from medfed.federated.strategies.base import DELIVER, Payload, Strategy, TrainingPlan
+from medfed.federated.strategies.base import Payload, Strategy
 
 
 class FederatedLoop:
@@ -66,6 +67,12 @@ class FederatedLoop:
         scratch_dir: where the participants' start-of-round states are
             written while a round runs (``None``: the system's temporary
             directory); only with ``on_site_failure="drop"``.
+        executor: where the sites' half of the work runs
+            (:class:`~medfed.federated.executor.SiteExecutor`); ``None``:
+            :class:`~medfed.federated.executor.InProcessSites` over ``sites``
+            and ``links`` (the simulator). A deployment passes its own
+            (``medfed.deploy``) with ``sites`` empty and ``links`` the
+            server's ends of the wires.
     """
 
     def __init__(
@@ -83,6 +90,7 @@ class FederatedLoop:
         update_norm_limit: float | None = 10.0,
         max_consecutive_failures: int | None = 3,
         scratch_dir: Path | None = None,
+        executor: SiteExecutor | None = None,
     ) -> None:
         self.fabric = fabric
         self.sites = sites
@@ -98,24 +106,25 @@ class FederatedLoop:
         self.update_norm_limit = update_norm_limit
         self.max_consecutive_failures = max_consecutive_failures
         self.scratch_dir = scratch_dir
+        self.executor = executor if executor is not None else InProcessSites(sites, links, strategy.coded_keys)
+        self.site_names = self.executor.names
         self.round = 0
         self.history: list[dict[str, Any]] = []
-        self.failure_streaks = [0] * len(sites)  # rounds in a row each site has failed
+        self.failure_streaks = [0] * len(self.site_names)  # rounds in a row each site has failed
         self.excluded: dict[str, dict[str, Any]] = {}  # site name -> {"round", "reason"}
-        self._round_start: RoundStartStates | None = None  # while fit runs, with on_site_failure="drop"
 
     # ------------------------------------------------------------------ public
     def setup(self) -> None:
         """Round 0: setup payloads up, server setup, first delivery down."""
-        replies = {site.index: self.links[site.index].send("up", site.strategy.setup(site)) for site in self.sites}
-        self.server.setup(self.initial, replies)
-        self._deliver()
+        self.server.setup(self.initial, self.executor.setup())
+        self._deliver(evaluate=False)
 
     def fit(self, rounds: int, progress: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
         """Run rounds ``self.round + 1 .. rounds``; returns the per-round history."""
         if self.round == 0 and not self.history:
             self.setup()
-        self._round_start = RoundStartStates(self.scratch_dir) if self.on_site_failure == "drop" else None
+        if self.on_site_failure == "drop":
+            self.executor.open_round_starts(self.scratch_dir)
         try:
             while self.round < rounds:
                 self.round += 1
@@ -128,108 +137,87 @@ class FederatedLoop:
                 if progress is not None:
                     progress(record)
         finally:
-            if self._round_start is not None:
-                self._round_start.close()
+            self.executor.close_round_starts()
         return self.history
 
-    def participants(self, round_index: int) -> list[Site]:
-        """The sites taking part in ``round_index`` (all of them at participation 1), excluded sites left out.
+    def participants(self, round_index: int) -> list[int]:
+        """The indices of the sites taking part in ``round_index`` (all of them at participation 1), excluded sites left out.
 
         The draw is over every site, so excluding one leaves the other sites'
         rounds as they were.
         """
-        n = len(self.sites)
+        n = len(self.site_names)
         k = max(1, math.ceil(self.participation * n - 1e-9))
         if k >= n:
             chosen = range(n)
         else:
             rng = np.random.default_rng(np.random.SeedSequence([self.seed, round_index, 0x5E1EC7]))
             chosen = sorted(rng.choice(n, size=k, replace=False).tolist())
-        return [self.sites[i] for i in chosen if self.sites[i].name not in self.excluded]
+        return [i for i in chosen if self.site_names[i] not in self.excluded]
 
     # ------------------------------------------------------------------ one round
     def _run_round(self, round_index: int) -> dict[str, Any]:
         start = time.perf_counter()
-        if len(self.excluded) == len(self.sites):
+        names = self.site_names
+        if len(self.excluded) == len(names):
             raise SiteFailure(f"every site has been excluded ({_excluded_summary(self.excluded)}); nothing is left to train")
         counters_before = [_link_counters(link) for link in self.links]
         participants = self.participants(round_index)
         timing = {"train_s": 0.0, "server_s": 0.0, "eval_s": 0.0, "round_start_s": 0.0}
         train_loss: dict[str, dict[str, float]] = {}
         failures: dict[int, dict[str, Any]] = {}  # site index -> {"round", "site", "phase", "reason"}
-        if self._round_start is not None:
-            tic = time.perf_counter()
-            for site in participants:
-                self._round_start.save(site)
-            timing["round_start_s"] = time.perf_counter() - tic
+        tic = time.perf_counter()
+        self.executor.save_round_start(participants)
+        timing["round_start_s"] = time.perf_counter() - tic
 
-        def fail(site: Site, phase: str, reason: str) -> None:
-            """Leave ``site`` out of the rest of the round (drop) or end the run (stop)."""
+        def fail(index: int, phase: str, reason: str) -> None:
+            """Leave site ``index`` out of the rest of the round (drop) or end the run (stop)."""
             if self.on_site_failure == "stop":
-                raise SiteFailure(f"site {site.name} failed in round {round_index} ({phase} phase): {reason}")
-            warn(f"round {round_index}: site {site.name} left out of the {phase} phase and the rest of the round: {reason}")
-            failures[site.index] = {"round": round_index, "site": site.name, "phase": phase, "reason": reason}
-            self._round_start.restore(site)
+                raise SiteFailure(f"site {names[index]} failed in round {round_index} ({phase} phase): {reason}")
+            warn(f"round {round_index}: site {names[index]} left out of the {phase} phase and the rest of the round: {reason}")
+            failures[index] = {"round": round_index, "site": names[index], "phase": phase, "reason": reason}
+            self.executor.restore_round_start(index)
 
-        epochs_before: dict[tuple[int, str | None], float] = {}  # (site, data order) -> epochs of its earlier plans this round
         for phase_index, phase in enumerate(self.strategy.phases):
-            taking_part = [site for site in participants if site.index not in failures]
-            # Sites would train at the same time; simulated one after another,
-            # the messages of a phase still cross the links together, before
-            # and after all local training: coding them back to back keeps
-            # CER's two-core solver clear of the OpenMP workers PyTorch leaves
-            # spinning for milliseconds after training. Waiting for every reply
-            # before sending also lets the outlier check compare the replies,
-            # so a refused reply is never encoded. Each raw reply is released
-            # as it is sent, so the phase holds one model-sized vector per
-            # reply, raw or received, not both.
-            messages = {
-                site.index: self.links[site.index].send("down", self.server.message(phase, site.index))
-                for site in taking_part
-            }
-            outgoing: dict[int, Payload] = {}
+            taking_part = [index for index in participants if index not in failures]
+            messages = {index: self.server.message(phase, index) for index in taking_part}
+            work = PhaseWork(round_index, phase_index, phase, self.local_epochs, self.update_norm_limit is not None)
+            results = self.executor.work(work, messages, timing)
             norms: dict[int, dict[str, float]] = {}
-            for site in taking_part:
-                message, stream = messages.pop(site.index), (round_index, phase_index)
-                try:
-                    losses, reply, site_norms = self._site_work(site, phase, message, epochs_before, stream, timing)
-                except Exception as error:  # whatever it is, it happened at the site: the site fails
-                    fail(site, phase, f"{type(error).__name__}: {error}")
+            for index in taking_part:
+                result = results[index]
+                if result.error is not None:
+                    fail(index, phase, result.error)
                     continue
-                for label, loss in losses.items():
-                    train_loss.setdefault(site.name, {})[phase if label is None else f"{phase}/{label}"] = loss
-                bad = non_finite_keys(reply)
-                if bad:
-                    fail(site, phase, f"non-finite reply ({', '.join(repr(key) for key in bad)})")
+                for label, loss in result.losses.items():
+                    train_loss.setdefault(names[index], {})[phase if label is None else f"{phase}/{label}"] = loss
+                if result.non_finite:
+                    fail(index, phase, f"non-finite reply ({', '.join(repr(key) for key in result.non_finite)})")
                     continue
-                outgoing[site.index] = reply
-                norms[site.index] = site_norms
+                norms[index] = result.norms
             if self.update_norm_limit is not None:
                 for index, reason in update_outliers(norms, self.update_norm_limit).items():
-                    fail(self.sites[index], phase, reason)
-                    del outgoing[index]
-            replies = {index: self.links[index].send("up", outgoing.pop(index)) for index in sorted(outgoing)}
+                    fail(index, phase, reason)
+                    del norms[index]
+            replies = self.executor.replies(sorted(norms))
             tic = time.perf_counter()
             if replies:  # a phase no participant came through leaves the server as it was
                 self.server.aggregate(phase, replies)
             timing["server_s"] += time.perf_counter() - tic
         newly_excluded = self._count_failures(participants, failures)
-        self._deliver()
-        tic = time.perf_counter()
-        metrics = {site.name: site.evaluate() for site in self.sites}
-        timing["eval_s"] = time.perf_counter() - tic
+        metrics = self._deliver(evaluate=True, timing=timing)
         timing["round_s"] = time.perf_counter() - start
         traffic = {
-            site.name: {k: v - counters_before[site.index][k] for k, v in _link_counters(self.links[site.index]).items()}
-            for site in self.sites
+            names[index]: {k: v - counters_before[index][k] for k, v in _link_counters(link).items()}
+            for index, link in enumerate(self.links)
         }
         timing["codec_s"] = sum(t.pop("codec_s") for t in traffic.values())
-        names = next(iter(metrics.values())).keys()
+        metric_names = next(iter(metrics.values())).keys()
         return {
             "round": round_index,
-            "participants": [site.name for site in participants],
+            "participants": [names[index] for index in participants],
             "metrics": metrics,
-            "mean": {name: float(np.mean([m[name] for m in metrics.values()])) for name in names},
+            "mean": {name: float(np.mean([m[name] for m in metrics.values()])) for name in metric_names},
             "train_loss": train_loss,
             "bytes": traffic,
             "server": self.server.metrics(),
@@ -238,79 +226,30 @@ class FederatedLoop:
             "excluded": newly_excluded,
         }
 
-    def _site_work(
-        self,
-        site: Site,
-        phase: str,
-        message: Payload,
-        epochs_before: dict[tuple[int, str | None], float],
-        stream: tuple[int, ...],
-        timing: dict[str, float],
-    ) -> tuple[dict[str | None, float], Payload, dict[str, float]]:
-        """A site's part of a phase, its global generators seeded from ``stream``: receive, train its plans, reply.
-
-        Returns the mean training loss of each plan that trained, keyed by
-        the plan's label (``None`` when the phase has one plan), the reply
-        and its update norms (:func:`~medfed.federated.faults.update_norms`
-        against the slot the phase trains first, or the evaluated slot;
-        empty without an outlier check); adds the training time to
-        ``timing["train_s"]`` and the plans' epochs to ``epochs_before``.
-        """
-        with site.global_rng(*stream):
-            site.strategy.receive(site, phase, message)
-            plans = site.strategy.plan(phase)
-            coded_keys = self.strategy.coded_keys if self.update_norm_limit is not None else {}
-            trained = site.slot(plans[0].slot if plans else site.evaluated_slot).module
-            start = {part: trained.get_vector(part) for part in model_parts(coded_keys)}
-            tic = time.perf_counter()
-            losses = {}
-            for plan in plans:
-                steps = self._steps(site, plan, epochs_before)
-                loss = site.train(steps, plan.slot, plan.part, self._step_loss(site, plan), data_order=plan.data_order)
-                if loss is not None:
-                    losses[None if len(plans) == 1 else plan.label] = loss
-            timing["train_s"] += time.perf_counter() - tic
-            reply = site.strategy.reply(site, phase)
-            return losses, reply, update_norms(reply, start, coded_keys)
-
-    def _steps(self, site: Site, plan: TrainingPlan, epochs_before: dict[tuple[int, str | None], float]) -> int:
-        """The optimiser steps of ``plan`` at ``site``, cut after the earlier epochs of the round in its data order (which it adds to)."""
-        epochs = plan.epochs_of(self.local_epochs)
-        if epochs is None:
-            return plan.steps
-        key = (site.index, plan.data_order)
-        before = epochs_before.get(key, 0.0)
-        epochs_before[key] = before + epochs
-        return site.steps(epochs, before)
-
-    @staticmethod
-    def _step_loss(site: Site, plan: TrainingPlan) -> Callable[[Any], torch.Tensor]:
-        """Maps a device batch to the loss of one step of ``plan`` (the site half's ``loss``)."""
-        return lambda batch: site.strategy.loss(site, plan, batch)
-
-    def _count_failures(self, participants: list[Site], failures: dict[int, dict[str, Any]]) -> list[str]:
+    def _count_failures(self, participants: list[int], failures: dict[int, dict[str, Any]]) -> list[str]:
         """Update each participant's run of failing rounds; exclude those reaching the limit (returns their names)."""
         newly_excluded = []
-        for site in participants:
-            if site.index not in failures:
-                self.failure_streaks[site.index] = 0
+        for index in participants:
+            if index not in failures:
+                self.failure_streaks[index] = 0
                 continue
-            self.failure_streaks[site.index] += 1
-            streak = self.failure_streaks[site.index]
+            self.failure_streaks[index] += 1
+            streak = self.failure_streaks[index]
             if self.max_consecutive_failures is not None and streak >= self.max_consecutive_failures:
-                failure = failures[site.index]
-                self.excluded[site.name] = {"round": failure["round"], "reason": failure["reason"]}
-                newly_excluded.append(site.name)
+                failure = failures[index]
+                name = self.site_names[index]
+                self.excluded[name] = {"round": failure["round"], "reason": failure["reason"]}
+                newly_excluded.append(name)
                 warn(
-                    f"round {failure['round']}: site {site.name} excluded from the rest of the run "
+                    f"round {failure['round']}: site {name} excluded from the rest of the run "
                     f"after failing {streak} rounds in a row"
                 )
         return newly_excluded
 
-    def _deliver(self) -> None:
-        for site in self.sites:
-            payload = self.links[site.index].send("down", self.server.deliver(site.index))
-            site.strategy.receive(site, DELIVER, payload)
+    def _deliver(self, evaluate: bool, timing: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
+        """Every site receives the server's delivery; with ``evaluate``, returns each site's metrics (``timing["eval_s"]``)."""
+        payloads = {index: self.server.deliver(index) for index in range(len(self.site_names))}
+        return self.executor.deliver(self.round, payloads, evaluate, timing)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -318,7 +257,7 @@ class FederatedLoop:
         return {
             "round": self.round,
             "history": self.history,
-            "sites": [site.state_dict() for site in self.sites],
+            "sites": self.executor.state_dict(),
             "links": [link.state_dict() for link in self.links],
             "server": self.server.state_dict(),
             "failure_streaks": list(self.failure_streaks),
@@ -343,8 +282,7 @@ class FederatedLoop:
         self.history = list(state["history"])
         self.failure_streaks = list(state["failure_streaks"])
         self.excluded = dict(state["excluded"])
-        for site, site_state in zip(self.sites, state["sites"], strict=True):
-            site.load_state_dict(site_state)
+        self.executor.load_state_dict(state["sites"])
         for link, link_state in zip(self.links, state["links"], strict=True):
             link.load_state_dict(link_state)
         self.server.load_state_dict(state["server"])

@@ -1,0 +1,264 @@
+"""Where the sites' half of a round runs: the seam between the loop's round logic and the sites.
+
+The loop (:mod:`medfed.federated.loop`) decides a round: who takes part,
+the server's messages, the fault checks, the aggregation, the delivery and
+the record. A :class:`SiteExecutor` carries the messages across the wires
+and runs each site's part: receive, train, reply, evaluate.
+:class:`InProcessSites` is the simulator's, every site in this process one
+after another; ``medfed.deploy`` has one whose sites are Flower SuperNodes.
+
+Both ends of every wire go through a :class:`~medfed.federated.link.Link`
+and every message is coded at the moment it would cross the network, so the
+bytes, and what each side decodes, are the same either way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from medfed.federated.faults import RoundStartStates, model_parts, non_finite_keys, update_norms
+from medfed.federated.link import Link
+from medfed.federated.site import Site
+from medfed.federated.strategies.base import DELIVER, Payload, TrainingPlan
+
+
+@dataclass(frozen=True)
+class PhaseWork:
+    """What every site taking part in one phase does.
+
+    Attributes:
+        round_index: the round (1-based).
+        phase_index: the phase's position in ``strategy.phases``.
+        phase: its name.
+        local_epochs: the trainer's local epochs per round, which each
+            training plan takes its share of.
+        norms: whether the sites measure their update norms (the loop's outlier check is on).
+    """
+
+    round_index: int
+    phase_index: int
+    phase: str
+    local_epochs: float
+    norms: bool
+
+
+@dataclass
+class SiteResult:
+    """One site's outcome of a phase, before its reply crosses the wire.
+
+    Attributes:
+        losses: mean training loss of each plan that trained, keyed by the
+            plan's label (``None`` when the phase has one plan).
+        non_finite: payload keys of the reply holding a NaN or an infinity.
+        norms: the reply's update norms (:func:`~medfed.federated.faults.update_norms`; empty without the check).
+        error: ``"<ExceptionType>: <message>"`` when the site's work raised; then nothing else counts.
+    """
+
+    losses: dict[str | None, float] = field(default_factory=dict)
+    non_finite: list[str] = field(default_factory=list)
+    norms: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+class SiteExecutor(Protocol):
+    """The sites' half of the loop (see the module docstring)."""
+
+    names: list[str]
+    """The sites' names, index order."""
+
+    def setup(self) -> dict[int, Payload]:
+        """Every site's setup reply, as the server decodes it."""
+        ...
+
+    def open_round_starts(self, directory: Path | None) -> None:
+        """Keep participants' start-of-round states from now on, to put failing sites back (under ``directory``;
+        None: the system's temporary directory); until then :meth:`save_round_start` keeps nothing."""
+        ...
+
+    def close_round_starts(self) -> None:
+        """Drop the start-of-round states."""
+        ...
+
+    def save_round_start(self, participants: list[int]) -> None:
+        """Record the participants' states at the start of a round."""
+        ...
+
+    def restore_round_start(self, index: int) -> None:
+        """Put site ``index`` back to its start-of-round state (it failed)."""
+        ...
+
+    def work(self, work: PhaseWork, messages: dict[int, Payload], timing: dict[str, float]) -> dict[int, SiteResult]:
+        """Send each site its message (the server's payload, not yet coded), run its part; its reply waits for :meth:`replies`.
+
+        Adds the sites' training time to ``timing["train_s"]``.
+        """
+        ...
+
+    def replies(self, accepted: list[int]) -> dict[int, Payload]:
+        """The waiting replies of the ``accepted`` sites as the server decodes them (the others' are dropped)."""
+        ...
+
+    def deliver(
+        self, round_index: int, payloads: dict[int, Payload], evaluate: bool, timing: dict[str, float] | None
+    ) -> dict[str, dict[str, float]]:
+        """Every site receives its delivery; with ``evaluate``, ``{site name: metrics}`` (time in ``timing["eval_s"]``)."""
+        ...
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        """What a checkpoint keeps of the sites (one entry per site, or none where the sites keep their own)."""
+        ...
+
+    def load_state_dict(self, state: list[dict[str, Any]]) -> None:
+        """Restore :meth:`state_dict`."""
+        ...
+
+
+class InProcessSites:
+    """The simulator's executor: every site in this process, one after another.
+
+    Sites would train at the same time; simulated one after another, the
+    messages of a phase still cross the links together, before and after
+    all local training: coding them back to back keeps CER's two-core solver
+    clear of the OpenMP workers PyTorch leaves spinning for milliseconds after
+    training. Waiting for every reply before sending also lets the outlier
+    check compare the replies, so a refused reply is never encoded. Each raw
+    reply is released as it is sent, so a phase holds one model-sized vector
+    per reply, raw or received, not both.
+
+    Args:
+        sites: the sites, index order, each holding its half of the strategy.
+        links: one link per site (both ends in one object).
+        coded_keys: the strategy's model-vector keys (the update norms are measured on them).
+    """
+
+    def __init__(self, sites: list[Site], links: list[Link], coded_keys: dict[str, str]) -> None:
+        self.sites = sites
+        self.links = links
+        self.coded_keys = coded_keys
+        self.names = [site.name for site in sites]
+        self._round_start: RoundStartStates | None = None
+        self._waiting: dict[int, Payload] = {}
+        self._epochs_before: dict[int, dict[str | None, float]] = {}
+
+    def setup(self) -> dict[int, Payload]:
+        return {site.index: self.links[site.index].send("up", site.strategy.setup(site)) for site in self.sites}
+
+    def open_round_starts(self, directory: Path | None) -> None:
+        self._round_start = RoundStartStates(directory)
+
+    def close_round_starts(self) -> None:
+        if self._round_start is not None:
+            self._round_start.close()
+            self._round_start = None
+
+    def save_round_start(self, participants: list[int]) -> None:
+        if self._round_start is not None:
+            for index in participants:
+                self._round_start.save(self.sites[index])
+
+    def restore_round_start(self, index: int) -> None:
+        self._round_start.restore(self.sites[index])
+
+    def work(self, work: PhaseWork, messages: dict[int, Payload], timing: dict[str, float]) -> dict[int, SiteResult]:
+        received = {index: self.links[index].send("down", payload) for index, payload in messages.items()}
+        results = {}
+        for index in list(received):
+            site, message = self.sites[index], received.pop(index)
+            try:
+                if work.phase_index == 0:
+                    self._epochs_before[index] = {}
+                losses, reply, norms = site_phase(site, work, message, self.coded_keys, self._epochs_before[index], timing)
+            except Exception as error:  # whatever it is, it happened at the site: the site fails
+                results[index] = SiteResult(error=f"{type(error).__name__}: {error}")
+                continue
+            results[index] = SiteResult(losses=losses, non_finite=non_finite_keys(reply), norms=norms)
+            self._waiting[index] = reply
+        return results
+
+    def replies(self, accepted: list[int]) -> dict[int, Payload]:
+        waiting, self._waiting = self._waiting, {}
+        return {index: self.links[index].send("up", waiting.pop(index)) for index in accepted}
+
+    def deliver(
+        self, round_index: int, payloads: dict[int, Payload], evaluate: bool, timing: dict[str, float] | None
+    ) -> dict[str, dict[str, float]]:
+        for site in self.sites:
+            site.strategy.receive(site, DELIVER, self.links[site.index].send("down", payloads[site.index]))
+        if not evaluate:
+            return {}
+        tic = time.perf_counter()
+        metrics = {site.name: site.evaluate() for site in self.sites}
+        if timing is not None:
+            timing["eval_s"] = time.perf_counter() - tic
+        return metrics
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return [site.state_dict() for site in self.sites]
+
+    def load_state_dict(self, state: list[dict[str, Any]]) -> None:
+        for site, site_state in zip(self.sites, state, strict=True):
+            site.load_state_dict(site_state)
+
+
+def site_phase(
+    site: Site,
+    work: PhaseWork,
+    message: Payload,
+    coded_keys: dict[str, str],
+    epochs_before: dict[str | None, float],
+    timing: dict[str, float],
+) -> tuple[dict[str | None, float], Payload, dict[str, float]]:
+    """A site's part of a phase, its global generators seeded from (round, phase): receive, train its plans, reply.
+
+    The same function runs in the simulator and at a deployed site.
+
+    Args:
+        site: the site (holding its half of the strategy).
+        work: the phase.
+        message: the server's message as the site decoded it.
+        coded_keys: the strategy's model-vector keys (for the update norms).
+        epochs_before: per data order (a plan's ``data_order``), the epochs
+            the site's earlier plans of the round trained in it (empty at the
+            round's first phase); this phase's plans add theirs.
+        timing: ``timing["train_s"]`` gets the training time added.
+
+    Returns:
+        The mean training loss of each plan that trained, keyed by its label
+        (``None`` when the phase has one plan); the reply; and its update
+        norms (:func:`~medfed.federated.faults.update_norms` against the slot
+        the phase trains first, or the evaluated slot; empty unless
+        ``work.norms``).
+    """
+    with site.global_rng(work.round_index, work.phase_index):
+        site.strategy.receive(site, work.phase, message)
+        plans = site.strategy.plan(work.phase)
+        keys = coded_keys if work.norms else {}
+        trained = site.slot(plans[0].slot if plans else site.evaluated_slot).module
+        start = {part: trained.get_vector(part) for part in model_parts(keys)}
+        tic = time.perf_counter()
+        losses = {}
+        for plan in plans:
+            epochs = plan.epochs_of(work.local_epochs)
+            if epochs is None:
+                steps = plan.steps
+            else:
+                before = epochs_before.get(plan.data_order, 0.0)
+                epochs_before[plan.data_order] = before + epochs
+                steps = site.steps(epochs, before)
+            loss = site.train(steps, plan.slot, plan.part, _step_loss(site, plan), data_order=plan.data_order)
+            if loss is not None:
+                losses[None if len(plans) == 1 else plan.label] = loss
+        timing["train_s"] = timing.get("train_s", 0.0) + time.perf_counter() - tic
+        reply = site.strategy.reply(site, work.phase)
+        return losses, reply, update_norms(reply, start, keys)
+
+
+def _step_loss(site: Site, plan: TrainingPlan) -> Callable[[Any], torch.Tensor]:
+    """Maps a device batch to the loss of one step of ``plan`` (the site half's ``loss``)."""
+    return lambda batch: site.strategy.loss(site, plan, batch)
