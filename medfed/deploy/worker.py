@@ -1,0 +1,153 @@
+"""A deployed site's half of the work, one message at a time (the ClientApp's logic, without flwr).
+
+Flower starts a fresh ClientApp process for every message, so a
+:class:`SiteWorker` rebuilds the site from the run's config and the node's
+own data (``build_site`` of the task: :mod:`medfed.tasks`), loads the
+site's state from its state folder, does what the message asks, and saves
+the state again (atomically) before it replies. The state folder is the
+node's (``--node-config state-dir=...``); a SuperNode killed and restarted
+with the same node config finds it and rejoins where it stopped. A message
+it has already answered (the server resends when a node goes away) is
+answered again from the saved reply, never worked twice.
+
+What the site sends back: codec streams of its strategy half's replies
+(coded by its own end of the :class:`~medfed.federated.link.Link`), its
+training losses, update norms, the names of non-finite reply keys, its test
+metrics, and its model's input shape and class count. Never a path, a record
+or a sample.
+
+Requests and replies are plain dicts (``kind`` and scalars) plus wires
+(``{key: (shape, bytes)}``); :mod:`medfed.deploy.records` carries them in
+Flower records.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+
+from medfed.atomic import atomic_write
+from medfed.components import resolve
+from medfed.config import load_config
+from medfed.errors import ConfigError
+from medfed.federated.executor import PhaseWork, site_phase
+from medfed.federated.faults import non_finite_keys
+from medfed.federated.link import Link, Wire
+from medfed.federated.site import Site, Slot
+from medfed.federated.strategies.base import DELIVER
+from medfed.models.split import PARTS
+
+STATE_FILE = "site-state.pt"
+
+
+class SiteWorker:
+    """One deployed site, rebuilt for one message.
+
+    Args:
+        config_yaml: the run's resolved config (YAML text, from the server).
+        site_index: this node's site (its ``--node-config site-index``).
+        data_root: this node's data (``data-root``), read by the task's ``build_site``.
+        state_dir: where this node keeps the site's state for this run (created).
+
+    Raises:
+        ConfigError: the config is invalid, or its task has no ``build_site``.
+        DataError: the site's data (from the task's reader).
+    """
+
+    def __init__(self, config_yaml: str, site_index: int, data_root: Path, state_dir: Path) -> None:
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        config_path = Path(state_dir) / "config.yaml"
+        with atomic_write(config_path) as handle:
+            handle.write(config_yaml)
+        resolved = resolve(load_config(config_path))
+        run = resolved.run
+        if resolved.task.build_site is None:
+            raise ConfigError(f"config key 'data.task' = {resolved.task.name!r}: this task cannot build one site alone yet")
+        if run.trainer.num_threads is not None:
+            torch.set_num_threads(run.trainer.num_threads)
+        federation = resolved.task.build_site(
+            resolved.data_options, run.federation, run.trainer.seed, site_index, Path(data_root), progress=False,
+            **resolved.task_inputs,
+        )
+        with torch.random.fork_rng():
+            torch.manual_seed(run.trainer.seed)
+            prototype = resolved.model_cls(federation.input_shape[0], federation.num_classes, resolved.model_options)
+        strategy = resolved.strategy_cls(resolved.strategy_options, prototype.parameter_split, run.federation.n_sites, run.trainer.seed)
+        fabric = Fabric(accelerator=run.trainer.device, devices=1)
+        slots = {}
+        for name in strategy.slots:
+            module = copy.deepcopy(prototype)
+            slots[name] = Slot(*fabric.setup(module, module.configure_optimizers()))
+        data = federation.sites[0]
+        self.site = Site(site_index, data, slots, strategy.evaluated_slot, strategy.site_half(site_index), fabric, run.trainer.batch_size, run.trainer.seed)
+        initial = {part: prototype.get_vector(part).to(fabric.device) for part in PARTS}
+        self.link = Link(run.codec.spec("up"), run.codec.spec("down"), strategy.coded_keys, initial, fabric.device)
+        self.coded_keys = strategy.coded_keys
+        self.description = {"input_shape": list(federation.input_shape), "num_classes": federation.num_classes}
+        self.state_path = Path(state_dir) / STATE_FILE
+        self.state: dict[str, Any] = {"seq": -1}
+        if self.state_path.is_file():
+            self.state = torch.load(self.state_path, map_location="cpu", weights_only=True)
+            self.site.load_state_dict(self.state["site"])
+            self.link.load_state_dict(self.state["link"])
+
+    def handle(self, request: dict[str, Any], wire: dict[str, Wire]) -> tuple[dict[str, Any], dict[str, Wire]]:
+        """Answer one request: ``(reply fields, reply wire)``; the state is saved before returning.
+
+        ``request["seq"]`` numbers the server's messages to this site; one at
+        or below the last answered is answered from the saved reply.
+
+        Raises:
+            ValueError: an unknown ``kind``.
+        """
+        if request["seq"] <= self.state["seq"]:
+            return self.state["reply"], self.state["reply_wire"]
+        kind = request["kind"]
+        if kind == "setup":
+            reply, reply_wire = dict(self.description), self.link.encode("up", self.site.strategy.setup(self.site))
+        elif kind == "work":
+            reply, reply_wire = self._work(request, wire)
+        elif kind == "deliver":
+            reply, reply_wire = self._deliver(request, wire), {}
+        else:
+            raise ValueError(f"unknown request kind {kind!r}")
+        self.state.update(seq=request["seq"], reply=reply, reply_wire=reply_wire, site=self.site.state_dict(), link=self.link.state_dict())
+        with atomic_write(self.state_path, "wb") as handle:
+            torch.save(self.state, handle)
+        return reply, reply_wire
+
+    def _work(self, request: dict[str, Any], wire: dict[str, Wire]) -> tuple[dict[str, Any], dict[str, Wire]]:
+        """Receive, train, reply; the reply is coded now (the server decodes it only if it accepts it)."""
+        work = PhaseWork(request["round"], request["phase_index"], request["phase"], request["local_epochs"], request["norms"])
+        if work.phase_index == 0:  # the round starts here: what a failure puts the site back to
+            self.state["round_start"] = self.site.state_dict()
+            self.state["epochs_before"] = 0.0
+        message = self.link.decode("down", wire)
+        self.state["link_before_reply"] = self.link.state_dict()
+        timing: dict[str, float] = {}
+        try:
+            losses, reply, norms, self.state["epochs_before"] = site_phase(
+                self.site, work, message, self.coded_keys, self.state["epochs_before"], timing
+            )
+        except Exception as error:  # whatever it is, it happened at the site: the site fails
+            return {"error": f"{type(error).__name__}: {error}"}, {}
+        bad = non_finite_keys(reply)
+        fields = {
+            "losses": {("" if label is None else label): loss for label, loss in losses.items()},
+            "non_finite": bad,
+            "norms": norms,
+            "train_s": timing["train_s"],
+        }
+        return fields, ({} if bad else self.link.encode("up", reply))
+
+    def _deliver(self, request: dict[str, Any], wire: dict[str, Wire]) -> dict[str, Any]:
+        """Put the site back first if it failed this round, receive the delivery, evaluate if asked."""
+        if request["restore"]:
+            self.site.load_state_dict(self.state["round_start"])
+            self.link.load_state_dict(self.state["link_before_reply"])
+        self.site.strategy.receive(self.site, DELIVER, self.link.decode("down", wire))
+        return {"metrics": self.site.evaluate()} if request["evaluate"] else {}
