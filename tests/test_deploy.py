@@ -1,70 +1,178 @@
-"""A real Flower deployment on localhost (a SuperLink and three SuperNodes as subprocesses) gives the simulator's numbers.
+"""A real Flower deployment on localhost gives the simulator's numbers, and a killed and restarted SuperNode rejoins.
 
-Each SuperNode gets its site index and its own data folder (that site's
-records only) through --node-config; the per-site metrics and the bytes of
-every round must equal the simulator's run of the same config and seed,
-bit for bit on the CPU. Marked ``deploy``: several minutes on a loaded
-two-core machine (Flower starts a ClientApp process per message).
+Always (CI): pfednet with CER+STC codecs both ways, site 1's SuperNode killed
+and restarted in round 2. With ``MEDFED_DEPLOY_FULL=1`` also: fedavg; pfednet
+with dense messages and a restart; fedavg with CER+STC; a bad run config.
+
+One SuperLink and, per site, a SuperNode (``--isolation process``) and its
+resident runner (:mod:`medfed.deploy.runner`), all child processes on
+127.0.0.1 with free ports, shared by the tests of this module; each test
+submits its runs with ``flwr run``. Each SuperNode gets its site index and
+its own data folder (that site's records only) through ``--node-config``.
+The per-site metrics, training losses and bytes of every round must equal the
+simulator's run of the same config and seed, bit for bit on the CPU; the
+simulator runs in a child process while the deployment runs. Every process
+is stopped by its process id, whatever the outcome: the simulator's when its
+test ends, the federation's when the module's tests end.
 """
 
 import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("flwr")
 
-from medfed.cli import main  # noqa: E402
 from medfed.config import FederationConfig  # noqa: E402
 from medfed.deploy.local import LocalFederation  # noqa: E402
 from medfed.tasks import clinical  # noqa: E402
 
 pytestmark = pytest.mark.deploy
+FULL = pytest.mark.skipif(
+    os.environ.get("MEDFED_DEPLOY_FULL") != "1",
+    reason="the full deployment set, about 5 minutes on a loaded 2-core machine: MEDFED_DEPLOY_FULL=1 python -m pytest -m deploy",
+)
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "clinical_delta1.yaml"
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+RUN_TIMEOUT_S = 300
 
 
-def _overrides(csv: Path, strategy: str, extra: tuple[str, ...] = ()) -> list[str]:
+@dataclass
+class Rehearsal:
+    """The module's running federation, the full table (for the simulator) and each site's own file."""
+
+    local: LocalFederation
+    csv: Path
+    files: list[Path]
+    tmp: Path
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("deploy")
+    csv = tmp / "all" / "breast_cancer.csv"
+    files = clinical.site_records(clinical.Options(csv=str(csv)), FederationConfig(n_sites=3), 0, tmp / "sites")
+    with LocalFederation(tmp / "flwr", env=ENV) as local:  # stops every process it started, whatever happens
+        local.start_superlink()
+        for index, file in enumerate(files):
+            local.start_supernode(index, file.parent, state_dir=str(tmp / f"state{index}"))
+        yield Rehearsal(local, csv, files, tmp)
+
+
+def _overrides(rehearsal: Rehearsal, strategy: str, *extra: str) -> list[str]:
     return [
-        f"data.csv={csv}", "federation.n_sites=3", "federation.label_ratio=null", "trainer.rounds=2",
+        f"data.csv={rehearsal.csv}", "federation.n_sites=3", "federation.label_ratio=null", "trainer.rounds=2",
         "trainer.num_threads=1", "logger.wandb=disabled", f"strategy.name={strategy}", *extra,
     ]
 
 
-def _simulate(tmp: Path, overrides: list[str]) -> dict:
-    assert main(["fit", "--config", str(CONFIG), "--quiet", *overrides, f"output_dir={tmp / 'sim'}"]) == 0
-    return json.loads((tmp / "sim" / "results.json").read_text())
+@contextmanager
+def _simulating(rehearsal: Rehearsal, name: str, overrides: list[str]) -> Iterator[Callable[[], dict]]:
+    """The simulator's run of the same config in a child process; yields a function waiting for its results."""
+    out = rehearsal.tmp / f"sim-{name}"
+    command = [sys.executable, "-m", "medfed", "fit", "--config", str(CONFIG), "--quiet", *overrides, f"output_dir={out}"]
+    popen = subprocess.Popen(command, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def results() -> dict:
+        output, _ = popen.communicate(timeout=RUN_TIMEOUT_S)
+        assert popen.returncode == 0, output.decode(errors="replace")[-3000:]
+        return json.loads((out / "results.json").read_text())
+
+    try:
+        yield results
+    finally:
+        if popen.poll() is None:
+            popen.kill()  # by its pid; it starts no children
+            popen.communicate()
 
 
-def _deploy(tmp: Path, overrides: list[str], files: list[Path]) -> dict:
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    with LocalFederation(tmp / "flwr", env=env) as federation:
-        federation.start_superlink()
-        for index, file in enumerate(files):
-            federation.start_supernode(index, file.parent, state_dir=str(tmp / f"state{index}"))
-        run_config = {"config": str(CONFIG), "overrides": " ".join(overrides), "output-dir": str(tmp / "deployed"), "run-name": "test"}
-        result = federation.run(REPO, run_config, timeout_s=1500)
-        assert result.returncode == 0, result.stdout[-3000:]
-    return json.loads((tmp / "deployed" / "results.json").read_text())
+def _run_config(rehearsal: Rehearsal, name: str, overrides: list[str]) -> dict:
+    return {
+        "config": str(CONFIG), "overrides": " ".join(overrides), "output-dir": str(rehearsal.tmp / f"deployed-{name}"),
+        "run-name": name, "reply-timeout-s": 120.0,
+    }
 
 
-def _site_files(tmp: Path) -> tuple[Path, list[Path]]:
-    csv = tmp / "all" / "breast_cancer.csv"
-    files = clinical.site_records(clinical.Options(csv=str(csv)), FederationConfig(n_sites=3), 0, tmp / "sites")
-    return csv, files
+def _results(rehearsal: Rehearsal, name: str, log: str) -> dict:
+    path = rehearsal.tmp / f"deployed-{name}" / "results.json"
+    assert path.is_file(), f"the run wrote no results.json; its log ends:\n{log[-3000:]}"
+    return json.loads(path.read_text())
 
 
-@pytest.mark.parametrize(
-    "strategy,extra",
-    [("fedavg", ()), ("pfednet", ()), ("fedavg", ("codec.up=cer+stc", "codec.down=cer+stc"))],
-    ids=["fedavg", "pfednet", "fedavg-cer-stc"],
-)
-def test_a_localhost_deployment_gives_the_simulators_metrics_and_bytes(tmp_path, strategy, extra):
-    csv, files = _site_files(tmp_path)
-    overrides = _overrides(csv, strategy, extra)
-    simulated = _simulate(tmp_path, overrides)
-    deployed = _deploy(tmp_path, overrides, files)
-    assert [r["metrics"] for r in deployed["history"]] == [r["metrics"] for r in simulated["history"]]
-    assert [r["bytes"] for r in deployed["history"]] == [r["bytes"] for r in simulated["history"]]
-    assert [r["train_loss"] for r in deployed["history"]] == [r["train_loss"] for r in simulated["history"]]
+def _assert_same_numbers(deployed: dict, simulated: dict) -> None:
+    assert len(deployed["history"]) == len(simulated["history"]) == 2
+    for key in ("metrics", "train_loss", "bytes", "participants", "failures"):
+        assert [r[key] for r in deployed["history"]] == [r[key] for r in simulated["history"]], key
     assert sum(r["bytes"]["site0"]["up"] for r in deployed["history"]) > 0
+
+
+def _run_with_a_restart(rehearsal: Rehearsal, name: str, overrides: list[str]) -> tuple[dict, dict]:
+    """Deploy and simulate ``overrides``; once round 1 is over, kill site 1's SuperNode and runner and start them again.
+
+    Returns:
+        The deployed and the simulated results.
+    """
+    local = rehearsal.local
+    with _simulating(rehearsal, name, overrides) as simulated:
+        submitted = local.submit(REPO, _run_config(rehearsal, name, overrides))
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while "medfed round 1:" not in submitted.log.read_text():  # round 1 is over: round 2's first phase is under way
+            assert submitted.running() and time.monotonic() < deadline, submitted.log.read_text()[-3000:]
+            time.sleep(0.1)
+        local.stop_supernode(1, kill=True)  # SIGKILL: SuperNode and runner gone mid-round, as in a crash
+        restarted = local.start_supernode(1, rehearsal.files[1].parent, state_dir=str(rehearsal.tmp / "state1"))
+        log = local.wait(submitted, RUN_TIMEOUT_S)
+        results = _results(rehearsal, name, log), simulated()
+    assert restarted.running()
+    assert "train message" in local.runners[1].log.read_text(), "the restarted node's runner answered no round-2 message"
+    return results
+
+
+def test_pfednet_with_cer_stc_codecs_and_a_supernode_killed_mid_run_gives_the_simulators_numbers_and_bytes(rehearsal):
+    # The run CI makes: the personalised strategy with two phases, lossy stateful codecs both ways (K at
+    # both ends, the site's residual A and O kept in its state folder), and a crash in the middle of round 2.
+    overrides = _overrides(rehearsal, "pfednet", "codec.up=cer+stc", "codec.down=cer+stc")
+    deployed, simulated = _run_with_a_restart(rehearsal, "pfednet-cer-stc", overrides)
+    _assert_same_numbers(deployed, simulated)
+    assert all(r["bytes"][site]["up"] < r["bytes"][site]["dense_up"] for r in deployed["history"] for site in r["bytes"])
+
+
+@FULL
+def test_fedavg_on_three_supernodes_gives_the_simulators_metrics_and_bytes(rehearsal):
+    overrides = _overrides(rehearsal, "fedavg")
+    with _simulating(rehearsal, "fedavg", overrides) as simulated:
+        log = rehearsal.local.run(REPO, _run_config(rehearsal, "fedavg", overrides), RUN_TIMEOUT_S)
+        _assert_same_numbers(_results(rehearsal, "fedavg", log), simulated())
+
+
+@FULL
+def test_pfednet_with_a_supernode_killed_mid_run_gives_the_simulators_metrics_and_bytes(rehearsal):
+    overrides = _overrides(rehearsal, "pfednet")
+    _assert_same_numbers(*_run_with_a_restart(rehearsal, "pfednet", overrides))
+
+
+@FULL
+def test_fedavg_with_cer_stc_codecs_gives_the_simulators_byte_counts(rehearsal):
+    overrides = _overrides(rehearsal, "fedavg", "codec.up=cer+stc", "codec.down=cer+stc")
+    with _simulating(rehearsal, "fedavg-cer-stc", overrides) as simulated:
+        log = rehearsal.local.run(REPO, _run_config(rehearsal, "fedavg-cer-stc", overrides), RUN_TIMEOUT_S)
+        deployed = _results(rehearsal, "fedavg-cer-stc", log)
+        _assert_same_numbers(deployed, simulated())
+    assert all(r["bytes"]["site0"]["up"] < r["bytes"]["site0"]["dense_up"] for r in deployed["history"])
+
+
+@FULL
+def test_a_bad_run_config_ends_the_run_with_one_line_before_any_site_is_contacted(rehearsal):
+    overrides = [o for o in _overrides(rehearsal, "fedavg") if not o.startswith("federation.label_ratio")]  # the file's ratio
+    log = rehearsal.local.run(REPO, _run_config(rehearsal, "bad", overrides), RUN_TIMEOUT_S)
+    errors = [line for line in log.splitlines() if line.startswith("medfed: error:")]
+    assert len(errors) == 1 and "federation.label_ratio" in errors[0], log[-3000:]
+    assert not (rehearsal.tmp / "deployed-bad").exists()

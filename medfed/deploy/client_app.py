@@ -5,21 +5,50 @@ never from the server: ``site-index`` (0-based), ``data-root`` (the folder
 the task's ``build_site`` reads) and, optionally, ``state-dir`` (where the
 site keeps its state between messages; default
 ``<data-root>/../medfed-state/site<index>``). The server sends the run's
-config with the setup request; every request is answered by
-:class:`~medfed.deploy.worker.SiteWorker`.
+config with every message; the site's
+:class:`~medfed.deploy.worker.SiteWorker` answers them, and this process
+keeps it for the run's next message (a process Flower starts per message
+builds it each time; :mod:`medfed.deploy.runner` keeps one process for all
+of them).
+
+Two message types: a query (``identify``: which site this node is, and the
+shape of its model's input and its class count; it builds the site) and
+train messages (one or more requests for the site's worker, answered in
+order).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from pathlib import Path
 
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from medfed.deploy.records import from_record, to_record
 from medfed.deploy.worker import SiteWorker
 
-app = ClientApp()
+NodeOf = Callable[[Context], tuple[int, Path, Path]]
+"""Maps a message's context to the node's (site index, data root, state folder of this run)."""
+
+_WORKERS: dict[tuple[int, int], SiteWorker] = {}
+"""This process's sites by (run id, site index), the newest run's only."""
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+"""A run name: a folder name in each site's state folder, never a path."""
+
+
+def run_folder(name: str) -> str:
+    """``name`` if it is a valid run name (the folder a site keeps the run's state in).
+
+    Raises:
+        ValueError: a name that is not letters, digits, ``.``, ``_``, ``-``
+            (first a letter or digit, at most 100): the server could
+            otherwise point a site outside its state folder.
+    """
+    if not RUN_NAME.fullmatch(name):
+        raise ValueError(f"run name {name!r}: expected letters, digits, '.', '_' or '-' (first a letter or digit, at most 100)")
+    return name
 
 
 def _node(context: Context) -> tuple[int, Path, Path]:
@@ -28,21 +57,56 @@ def _node(context: Context) -> tuple[int, Path, Path]:
     index = int(config["site-index"])
     root = Path(str(config["data-root"]))
     state = Path(str(config.get("state-dir", root.parent / "medfed-state" / f"site{index}")))
-    return index, root, state / str(context.run_config["run-name"])
+    return index, root, state / run_folder(str(context.run_config["run-name"]))
 
 
-@app.query()
-def identify(message: Message, context: Context) -> Message:
-    """Which site this node is (the server maps sites to Flower node ids with it)."""
-    index, _, _ = _node(context)
-    return Message(RecordDict({"site": ConfigRecord({"site-index": index})}), reply_to=message)
+def _worker(context: Context, node_of: NodeOf, config: str) -> SiteWorker:
+    """The site's worker: this process's, unless none is here yet or another process answered since (then built anew)."""
+    index, root, state = node_of(context)
+    key = (context.run_id, index)
+    worker = _WORKERS.get(key)
+    if worker is None or not worker.current():
+        for other in [other for other in _WORKERS if other[0] != context.run_id or other == key]:
+            del _WORKERS[other]
+        _WORKERS[key] = worker = SiteWorker(config, index, root, state)
+    return worker
 
 
-@app.train()
-def train(message: Message, context: Context) -> Message:
-    """Setup, a phase's work or a delivery (``fields["kind"]``), answered by the site's worker."""
-    index, root, state = _node(context)
-    fields, wire = from_record(message.content)
-    worker = SiteWorker(fields.pop("config"), index, root, state)
-    reply, reply_wire = worker.handle(fields, wire)
-    return Message(to_record({**reply, "site_index": index}, reply_wire), reply_to=message)
+def serving(app: ClientApp, node_of: NodeOf) -> ClientApp:
+    """``app`` with medfed's two handlers, the node's identity and data taken from the context by ``node_of``."""
+
+    @app.query()
+    def identify(message: Message, context: Context) -> Message:
+        """Which site this node is and what its model takes (the server maps sites to node ids with it)."""
+        fields, _ = from_record(message.content)
+        worker = _worker(context, node_of, fields["config"])
+        return Message(to_record({"site_index": worker.site.index, **worker.description}, []), reply_to=message)
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        """The server's requests to this site, answered in order by its worker."""
+        fields, wires = from_record(message.content)
+        worker = _worker(context, node_of, fields["config"])
+        replies = worker.handle(fields["seq"], list(zip(fields["requests"], wires, strict=True)))
+        reply_fields = {"site_index": worker.site.index, "replies": [reply for reply, _ in replies]}
+        return Message(to_record(reply_fields, [wire for _, wire in replies]), reply_to=message)
+
+    return app
+
+
+app = serving(ClientApp(), _node)
+"""medfed's ClientApp on a SuperNode (``[tool.flwr.app.components] clientapp``)."""
+
+
+def simulation_app(data_roots: list[Path], state_root: Path) -> ClientApp:
+    """medfed's ClientApp for Flower's simulation engine (one machine, no ``--node-config``).
+
+    The engine's virtual node with ``partition-id`` i is site i, reading
+    ``data_roots[i]`` and keeping its state in ``state_root/site<i>``.
+    """
+
+    def node_of(context: Context) -> tuple[int, Path, Path]:
+        index = int(context.node_config["partition-id"])
+        return index, data_roots[index], state_root / f"site{index}"
+
+    return serving(ClientApp(), node_of)

@@ -1,16 +1,19 @@
-"""A Flower federation on this machine: one SuperLink and one SuperNode per site, as child processes.
+"""A Flower federation on this machine: one SuperLink, and per site a SuperNode and its runner, as child processes.
 
 This is the rehearsal of a deployment (docs/deploy.md), used by the
 integration tests and ``benchmarks/bench_deploy.py``: the same executables
-(``flower-superlink``, ``flower-supernode``, ``flwr run``) a hospital and
-the coordinating server run on their own machines, here on loopback
-addresses with free ports and without TLS (``--insecure``). Each process
-gets its own ``FLWR_HOME`` under the federation's work folder (Flower keeps
-installed app bundles and its CLI config there) and writes its log there.
+(``flower-superlink``, ``flower-supernode --isolation process``, medfed's
+resident ClientApp runner :mod:`medfed.deploy.runner`, ``flwr run``) a
+hospital and the coordinating server run on their own machines, here on
+loopback addresses with free ports and without TLS (``--insecure``). Each
+process gets its own ``FLWR_HOME`` under the federation's work folder (Flower
+keeps installed app bundles and its CLI config there) and writes its log
+there. The SuperLink's SuperExec looks for a new ServerApp to start every
+0.2 s instead of Flower's 1 s (``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``).
 
 Every process is started in a session of its own and stopped by its process
-id (its group, whose id is that process id: a SuperNode's SuperExec and
-ClientApp children go with it), SIGTERM first and SIGKILL after
+id (its group, whose id is that process id: the SuperLink's SuperExec and
+ServerApp children go with it), SIGTERM first and SIGKILL after
 ``stop_timeout_s``; :meth:`LocalFederation.close` (or leaving the ``with``
 block) stops whatever is still running, whatever happened.
 
@@ -24,6 +27,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +36,8 @@ from typing import Any
 LOOPBACK = "127.0.0.1"
 CONNECTION = "medfed-local"
 """The name of the SuperLink connection written to the ``flwr`` CLI's config."""
+SUPEREXEC_POLL_S = "0.2"
+"""Seconds between the SuperLink's SuperExec's looks for a ServerApp to start (Flower's default: 1)."""
 
 
 def free_port() -> int:
@@ -51,7 +57,7 @@ def _listening(port: int) -> bool:
 
 @dataclass
 class Process:
-    """A started child: its name (``superlink``, ``supernode-1``), process, log file and the port it serves."""
+    """A started child: its name (``superlink``, ``supernode-1``, ``runner-1``), process, log file and the port it serves or uses."""
 
     name: str
     popen: subprocess.Popen
@@ -67,7 +73,7 @@ class Process:
 
 
 class LocalFederation:
-    """A SuperLink and SuperNodes on 127.0.0.1, started and stopped by process id.
+    """A SuperLink, SuperNodes and their runners on 127.0.0.1, started and stopped by process id.
 
     Args:
         work_dir: where each process's ``FLWR_HOME`` and log go (created).
@@ -87,12 +93,14 @@ class LocalFederation:
     ) -> None:
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, **(env or {})}
+        self.env = {**os.environ, "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": SUPEREXEC_POLL_S, **(env or {})}
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.superlink: Process | None = None
         self.supernodes: dict[int, Process] = {}
-        self._restarts = 0
+        self.runners: dict[int, Process] = {}
+        self.submitted: list[Process] = []
+        self._started: dict[str, int] = {}
 
     # ------------------------------------------------------------------ processes
     def start_superlink(self) -> Process:
@@ -113,11 +121,15 @@ class LocalFederation:
         return self.superlink
 
     def start_supernode(self, site_index: int, data_root: Path, **node_config: Any) -> Process:
-        """``flower-supernode`` for one site, its ``--node-config`` giving ``site-index`` and ``data-root``.
+        """One site's ``flower-supernode --isolation process`` and its runner (:mod:`medfed.deploy.runner`).
 
-        ``node_config`` adds further keys (underscores become hyphens,
-        e.g. ``state_dir=...`` -> ``state-dir``). Its own runtime API (the
-        ClientApp's) listens on a free port.
+        The SuperNode's ``--node-config`` gives ``site-index`` and
+        ``data-root``; ``node_config`` adds further keys (underscores become
+        hyphens, e.g. ``state_dir=...`` -> ``state-dir``). Its Runtime API
+        listens on a free port, where the runner claims its messages.
+
+        Returns:
+            The SuperNode's process (the runner's is ``runners[site_index]``).
 
         Raises:
             RuntimeError: no SuperLink was started first.
@@ -127,24 +139,31 @@ class LocalFederation:
         port = free_port()
         config = {"site-index": site_index, "data-root": str(data_root), **{k.replace("_", "-"): v for k, v in node_config.items()}}
         node = self._start(
-            f"supernode-{site_index}" if site_index not in self.supernodes else f"supernode-{site_index}-restart{self._next_restart()}",
+            self._name(f"supernode-{site_index}"),
             [
-                "flower-supernode", "--insecure", "--superlink", f"{LOOPBACK}:{self.superlink.port}",
+                "flower-supernode", "--insecure", "--superlink", f"{LOOPBACK}:{self.superlink.port}", "--isolation", "process",
                 "--host", LOOPBACK, "--port", str(port), "--node-config", _node_config(config),
             ],
             port,
         )
         self.supernodes[site_index] = node
+        self.runners[site_index] = self._start(
+            self._name(f"runner-{site_index}"),
+            [sys.executable, "-m", "medfed.deploy.runner", "--runtime-api-address", f"{LOOPBACK}:{port}", "--insecure"],
+            port,
+            listens=False,
+        )
         return node
 
     def stop_supernode(self, site_index: int, kill: bool = True) -> None:
-        """Stop site ``site_index``'s SuperNode: SIGKILL (a crash, ``kill=True``) or SIGTERM (a shutdown)."""
-        self._stop(self.supernodes[site_index], signal.SIGKILL if kill else signal.SIGTERM)
+        """Stop site ``site_index``'s SuperNode and runner: SIGKILL (a crash, ``kill=True``) or SIGTERM (a shutdown)."""
+        for process in (self.runners[site_index], self.supernodes[site_index]):
+            self._stop(process, signal.SIGKILL if kill else signal.SIGTERM)
 
     def close(self) -> None:
-        """Stop every process still running (SuperNodes first), each by its process id."""
-        for node in self.supernodes.values():
-            self._stop(node, signal.SIGTERM)
+        """Stop every process still running (submitted runs, runners and SuperNodes first), each by its process id."""
+        for process in [*self.submitted, *self.runners.values(), *self.supernodes.values()]:
+            self._stop(process, signal.SIGTERM)
         if self.superlink is not None:
             self._stop(self.superlink, signal.SIGTERM)
 
@@ -168,39 +187,50 @@ class LocalFederation:
         )
         return home
 
-    def run(self, app_dir: Path, run_config: dict[str, Any], timeout_s: float) -> subprocess.CompletedProcess:
-        """``flwr run <app_dir> medfed-local --stream --run-config ...``: submit a run and follow its ServerApp log.
+    def submit(self, app_dir: Path, run_config: dict[str, Any]) -> Process:
+        """``flwr run <app_dir> medfed-local --stream --run-config ...`` in the background.
 
-        Returns when the run has finished (its log stream ends); the output is
-        also written to ``flwr-run-<n>.log`` in the work folder.
+        Submits the run and follows its ServerApp's log into
+        ``flwr-run-<n>.log`` in the work folder (the process's ``log``) until
+        the run ends; :meth:`wait` for it, :meth:`close` stops it if it is
+        still following.
+        """
+        overrides = " ".join(f"{key}={_toml_value(value)}" for key, value in run_config.items())
+        command = ["flwr", "run", str(app_dir), CONNECTION, "--stream", *(["--run-config", overrides] if overrides else [])]
+        process = self._start(f"flwr-run-{len(self.submitted)}", command, 0, listens=False, home=self.flwr_home())
+        self.submitted.append(process)
+        return process
+
+    def wait(self, submitted: Process, timeout_s: float) -> str:
+        """Wait until a submitted run has ended; returns its log (``flwr run`` exits 0 whether or not the run failed).
 
         Raises:
             subprocess.TimeoutExpired: the run took longer than ``timeout_s``
                 (the ``flwr`` process is stopped first).
         """
-        home = self.flwr_home()
-        overrides = " ".join(f"{key}={_toml_value(value)}" for key, value in run_config.items())
-        command = [shutil.which("flwr") or "flwr", "run", str(app_dir), CONNECTION, "--stream"]
-        if overrides:
-            command += ["--run-config", overrides]
-        log = self.work_dir / f"flwr-run-{len(list(self.work_dir.glob('flwr-run-*.log')))}.log"
-        with open(log, "wb") as out:
-            popen = subprocess.Popen(command, env={**self.env, "FLWR_HOME": str(home)}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self._stop(Process("flwr-run", popen, log, 0), signal.SIGTERM)
-                raise
-        return subprocess.CompletedProcess(command, popen.returncode, log.read_text(encoding="utf-8", errors="replace"), "")
+        try:
+            submitted.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self._stop(submitted, signal.SIGTERM)
+            raise
+        return submitted.log.read_text(encoding="utf-8", errors="replace")
+
+    def run(self, app_dir: Path, run_config: dict[str, Any], timeout_s: float) -> str:
+        """:meth:`submit` and :meth:`wait`: the run's log once it has ended."""
+        return self.wait(self.submit(app_dir, run_config), timeout_s)
 
     # ------------------------------------------------------------------ internals
-    def _next_restart(self) -> int:
-        self._restarts += 1
-        return self._restarts
+    def _name(self, base: str) -> str:
+        """``base``, then ``base-restart1``, ``base-restart2``... for the same site's later processes."""
+        count = self._started.get(base, 0)
+        self._started[base] = count + 1
+        return base if count == 0 else f"{base}-restart{count}"
 
-    def _start(self, name: str, command: list[str], port: int) -> Process:
-        home = self.work_dir / name
-        home.mkdir(exist_ok=True)
+    def _start(self, name: str, command: list[str], port: int, listens: bool = True, home: Path | None = None) -> Process:
+        """Start ``command`` as ``name`` (``FLWR_HOME``: ``home``, else a folder of its own); with ``listens``, wait until it listens on ``port``."""
+        if home is None:
+            home = self.work_dir / name
+            home.mkdir(exist_ok=True)
         log = self.work_dir / f"{name}.log"
         executable = shutil.which(command[0])
         if executable is None:
@@ -212,7 +242,7 @@ class LocalFederation:
             )
         process = Process(name, popen, log, port)
         deadline = time.monotonic() + self.start_timeout_s
-        while not _listening(port):
+        while listens and not _listening(port):
             if not process.running() or time.monotonic() > deadline:
                 self._stop(process, signal.SIGKILL)
                 tail = log.read_text(encoding="utf-8", errors="replace")[-1500:]

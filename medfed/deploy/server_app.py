@@ -1,38 +1,49 @@
 """The ServerApp: a medfed strategy's server half and the loop's round logic, the sites on Flower SuperNodes.
 
 Run config (``[tool.flwr.app.config]`` in pyproject.toml, ``flwr run
---run-config``): ``config`` (a medfed config file or bundled name),
-``overrides`` (space-separated ``key=value``, as the CLI's), ``run-name``
-(the sites key their state by it), ``output-dir`` (the server's
-results.json and checkpoints), ``resume`` (continue from the newest
-checkpoint there), ``reply-timeout-s``.
+--run-config``): ``config`` (a medfed config file or bundled name, read by
+the ServerApp), ``overrides`` (space-separated ``key=value``, as the CLI's),
+``run-name`` (the sites key their state by it), ``output-dir`` (the server's
+results.json), ``reply-timeout-s`` (how long the server waits for a site).
+A bad run config or medfed config (an unknown key, a wrong value, a task
+that cannot build one site alone, a ``federation.label_ratio``) ends the run
+before any site is contacted, with one line ``medfed: error: ...`` in the
+run's log; the run is marked failed with that line as its reason.
 
 The round logic is :class:`~medfed.federated.loop.FederatedLoop`'s, the
 simulator's own; :class:`FlowerSites` is its executor: it codes every
 message with the server's end of each site's
 :class:`~medfed.federated.link.Link` and sends it to the node that
 identified itself as that site. Sites are matched to Flower node ids by a
-query each node answers with its ``site-index``; a node that appears later
-(a SuperNode restarted after a crash gets a new id) is asked too, and the
-messages still waiting for its site are sent to it.
+query each node answers with its ``site-index`` (and its model's input
+shape and class count); a node that appears later (a SuperNode restarted
+after a crash gets a new id) is asked too, and the message still waiting for
+its site is sent to it again.
+
+Round trips are what a deployment waits for (a SuperNode looks for messages
+every 3 s when idle): one per phase and one per round's delivery and
+evaluation, plus the query and the setup; the delivery of round 0, which
+needs no answer, rides with each site's first message of round 1.
 """
 
 from __future__ import annotations
 
 import shlex
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Context, Message
 from flwr.serverapp import Grid, ServerApp
 from lightning.fabric import Fabric
 
-from medfed.checkpoint import FOLDER, resume_state, save_checkpoint
-from medfed.components import resolve
+from medfed.components import ResolvedRun, resolve
 from medfed.config import load_config, to_yaml
+from medfed.deploy.client_app import run_folder
 from medfed.deploy.records import from_record, to_record
+from medfed.errors import ConfigError
 from medfed.federated.executor import PhaseWork, SiteResult
 from medfed.federated.link import Link, Wire
 from medfed.federated.loop import FederatedLoop
@@ -41,7 +52,12 @@ from medfed.models.split import PARTS
 from medfed.results import communication_totals, write_json_atomic
 
 app = ServerApp()
-POLL_S = 0.5
+POLL_S = 0.1
+"""Seconds between the server's looks for replies (and for new nodes) while it waits."""
+RUN_CONFIG = {"config": str, "overrides": str, "run-name": str, "output-dir": str, "reply-timeout-s": float}
+"""The run config's keys and types (``[tool.flwr.app.config]``)."""
+Request = tuple[dict[str, Any], dict[str, Wire]]
+"""One request to a site's worker, or its reply: fields and wire (:mod:`medfed.deploy.worker`)."""
 
 
 class FlowerSites:
@@ -50,7 +66,7 @@ class FlowerSites:
     Args:
         grid: the run's Grid (messages to and from the SuperNodes).
         n_sites: the federation's sites; this many nodes must identify themselves.
-        config_yaml: the resolved run config, sent with every request.
+        config_yaml: the resolved run config, sent with every message.
         timeout_s: how long one exchange may wait for a site's reply.
     """
 
@@ -61,42 +77,42 @@ class FlowerSites:
         self.timeout_s = timeout_s
         self.links: list[Link] = []
         self.node_of_site: dict[int, int] = {}
+        self.descriptions: dict[int, tuple[tuple[int, ...], int]] = {}
         self._known_nodes: set[int] = set()
         self.seq = [0] * n_sites
+        self._pending: dict[int, list[Request]] = {}  # requests that ride with the site's next message
         self._waiting: dict[int, dict[str, Wire]] = {}
-        self._setup_wires: dict[int, dict[str, Wire]] = {}
         self._restore: set[int] = set()
 
     # ------------------------------------------------------------------ before the loop
     def handshake(self) -> dict[str, Any]:
-        """Find every site's node, send the setup request; returns the sites' common description.
+        """Find every site's node; returns the sites' common description of the model's input and output.
 
         Returns:
             ``{"input_shape", "num_classes"}`` as the sites report them.
 
         Raises:
-            RuntimeError: the sites describe different models, or not every
-                site answered within ``timeout_s``.
+            RuntimeError: the sites describe different models, a node could
+                not build its site, or not every site joined within ``timeout_s``.
         """
         deadline = time.monotonic() + self.timeout_s
         while len(self.node_of_site) < len(self.names):
             self._identify_new_nodes()
+            if len(self.node_of_site) == len(self.names):
+                break
             if time.monotonic() > deadline:
                 missing = sorted(set(range(len(self.names))) - set(self.node_of_site))
                 raise RuntimeError(f"sites {missing} did not join within {self.timeout_s} s")
             time.sleep(POLL_S)
-        replies = self._exchange({index: ({"kind": "setup"}, {}) for index in range(len(self.names))}, round_index=0)
-        descriptions = {index: (tuple(fields["input_shape"]), fields["num_classes"]) for index, (fields, _) in replies.items()}
-        if len(set(descriptions.values())) != 1:
-            raise RuntimeError(f"the sites describe different models (input shape, classes): {descriptions}")
-        self._setup_wires = {index: wire for index, (_, wire) in replies.items()}
-        shape, classes = descriptions[0]
+        if len(set(self.descriptions.values())) != 1:
+            raise RuntimeError(f"the sites describe different models (input shape, classes): {self.descriptions}")
+        shape, classes = self.descriptions[0]
         return {"input_shape": shape, "num_classes": classes}
 
     # ------------------------------------------------------------------ SiteExecutor
     def setup(self) -> dict[int, Payload]:
-        wires, self._setup_wires = self._setup_wires, {}
-        return {index: self.links[index].decode("up", wire) for index, wire in wires.items()}
+        replies = self._exchange({index: ({"kind": "setup"}, {}) for index in range(len(self.names))}, round_index=0)
+        return {index: self.links[index].decode("up", wire) for index, (_, wire) in replies.items()}
 
     def open_round_starts(self, directory: Path | None) -> None:
         """Nothing here: each site keeps its own start-of-round state."""
@@ -133,14 +149,17 @@ class FlowerSites:
     def deliver(
         self, round_index: int, payloads: dict[int, Payload], evaluate: bool, timing: dict[str, float] | None
     ) -> dict[str, dict[str, float]]:
+        """Code each site's delivery now; without ``evaluate`` (round 0's) it waits to ride with the site's next message."""
         tic = time.perf_counter()
         requests = {
             index: ({"kind": "deliver", "restore": index in self._restore, "evaluate": evaluate}, self.links[index].encode("down", payload))
             for index, payload in payloads.items()
         }
-        replies = self._exchange(requests, round_index)
         if not evaluate:
+            for index, request in requests.items():
+                self._pending.setdefault(index, []).append(request)
             return {}
+        replies = self._exchange(requests, round_index)
         if timing is not None:
             timing["eval_s"] = time.perf_counter() - tic
         return {self.names[index]: replies[index][0]["metrics"] for index in sorted(replies)}
@@ -154,29 +173,45 @@ class FlowerSites:
 
     # ------------------------------------------------------------------ messages
     def _identify_new_nodes(self) -> None:
-        """Ask every node not seen before which site it is; a site's newest node replaces its old one."""
+        """Ask every node not seen before which site it is; a site's newest node replaces its old one.
+
+        Raises:
+            RuntimeError: a node could not build its site (the reason its
+                ClientApp gave), or names a site the federation does not have.
+        """
         new = set(self.grid.get_node_ids()) - self._known_nodes
         if not new:
             return
-        queries = [Message(RecordDict(), dst_node_id=node, message_type="query") for node in sorted(new)]
+        content = to_record({"config": self.config_yaml}, [])
+        queries = [Message(content, dst_node_id=node, message_type="query") for node in sorted(new)]
         for reply in self.grid.send_and_receive(queries, timeout=self.timeout_s):
+            node = reply.metadata.src_node_id
             if reply.has_error():
-                continue
-            self._known_nodes.add(reply.metadata.src_node_id)
-            self.node_of_site[int(reply.content["site"]["site-index"])] = reply.metadata.src_node_id
+                raise RuntimeError(f"node {node} could not build its site: {reply.error.reason}")
+            fields, _ = from_record(reply.content)
+            index = fields["site_index"]
+            if not 0 <= index < len(self.names):
+                raise RuntimeError(f"node {node} says it is site-index {index}; this federation has sites 0..{len(self.names) - 1}")
+            self._known_nodes.add(node)
+            self.node_of_site[index] = node
+            self.descriptions[index] = (tuple(fields["input_shape"]), fields["num_classes"])
 
-    def _exchange(
-        self, requests: dict[int, tuple[dict[str, Any], dict[str, Wire]]], round_index: int
-    ) -> dict[int, tuple[dict[str, Any], dict[str, Wire]]]:
-        """Send each site its request and wait for every reply, resending to a site's new node if one appears.
+    def _exchange(self, requests: dict[int, Request], round_index: int) -> dict[int, Request]:
+        """Send each site its request (after any waiting to ride with it), wait for every reply; resend to a site's new node.
+
+        Returns:
+            Each site's reply to its request (the replies to the requests
+            that rode along are empty).
 
         Raises:
             RuntimeError: a site did not answer within ``timeout_s``, or answered with a Flower error.
         """
         content = {}
-        for index, (fields, wire) in requests.items():
+        for index, request in requests.items():
+            carried = [*self._pending.pop(index, []), request]
             self.seq[index] += 1
-            content[index] = to_record({**fields, "seq": self.seq[index], "config": self.config_yaml}, wire)
+            fields = {"seq": self.seq[index], "config": self.config_yaml, "requests": [fields for fields, _ in carried]}
+            content[index] = to_record(fields, [wire for _, wire in carried])
         sent: dict[int, tuple[int, str]] = {}  # site -> (node, message id)
 
         def push(indices: list[int]) -> None:
@@ -188,7 +223,7 @@ class FlowerSites:
                 sent[index] = (self.node_of_site[index], message_id)
 
         push(sorted(requests))
-        replies: dict[int, tuple[dict[str, Any], dict[str, Wire]]] = {}
+        replies: dict[int, Request] = {}
         deadline = time.monotonic() + self.timeout_s
         while len(replies) < len(requests):
             site_of_message = {message_id: index for index, (_, message_id) in sent.items() if index not in replies}
@@ -196,7 +231,8 @@ class FlowerSites:
                 index = site_of_message[reply.metadata.reply_to_message_id]
                 if reply.has_error():
                     raise RuntimeError(f"{self.names[index]}: {reply.error.reason}")
-                replies[index] = from_record(reply.content)
+                fields, wires = from_record(reply.content)
+                replies[index] = (fields["replies"][-1], wires[-1])
             if len(replies) == len(requests):
                 break
             self._identify_new_nodes()
@@ -210,21 +246,74 @@ class FlowerSites:
         return replies
 
 
+@dataclass(frozen=True)
+class RunSettings:
+    """A checked run config: the resolved medfed config and the ServerApp's own settings."""
+
+    resolved: ResolvedRun
+    output_dir: Path
+    reply_timeout_s: float
+
+
+def run_settings(run_config: dict[str, Any]) -> RunSettings:
+    """Check the run config and the medfed config it names, before any site is contacted.
+
+    Raises:
+        ConfigError: a run config key missing or of the wrong type, a bad
+            medfed config (:func:`~medfed.config.load_config`,
+            :func:`~medfed.components.resolve`), a task without
+            ``build_site``, or a ``federation.label_ratio`` (its draw needs every
+            site's records at once).
+    """
+    for key, kind in RUN_CONFIG.items():
+        value = run_config.get(key)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number if kind is float else isinstance(value, kind)):
+            raise ConfigError(f"run config key {key!r}: expected a {kind.__name__}, got {value!r} (flwr run --run-config '{key}=...')")
+    if not float(run_config["reply-timeout-s"]) > 0:
+        raise ConfigError(f"run config key 'reply-timeout-s': expected seconds > 0, got {run_config['reply-timeout-s']!r}")
+    try:
+        run_folder(run_config["run-name"])
+    except ValueError as error:
+        raise ConfigError(f"run config key 'run-name': {error}") from None
+    if not str(run_config["output-dir"]).strip():
+        raise ConfigError("run config key 'output-dir': expected a folder, got an empty string")
+    try:
+        overrides = shlex.split(str(run_config["overrides"]))
+    except ValueError as error:
+        raise ConfigError(f"run config key 'overrides': {error}") from None
+    resolved = resolve(load_config(str(run_config["config"]), overrides))
+    if resolved.task.build_site is None:
+        raise ConfigError(f"config key 'data.task' = {resolved.task.name!r}: this task cannot build one site alone yet")
+    if resolved.run.federation.label_ratio is not None:
+        raise ConfigError(
+            "config key 'federation.label_ratio': its draw runs over every site's records at once, which no deployed "
+            "site holds; set federation.label_ratio=null"
+        )
+    return RunSettings(resolved, Path(str(run_config["output-dir"])), float(run_config["reply-timeout-s"]))
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Build the server half from the run config, run the rounds, write results.json and a checkpoint per round."""
-    run_config = context.run_config
-    cfg = load_config(str(run_config["config"]), shlex.split(str(run_config["overrides"])))
-    resolved = resolve(cfg)
+    """Build the server half from the run config, run the rounds, write results.json.
+
+    Raises:
+        ConfigError: bad input (one line ``medfed: error: ...`` in the run's log first).
+        RuntimeError: a site failed to answer or to build itself (:class:`FlowerSites`).
+    """
+    try:
+        settings = run_settings(dict(context.run_config))
+    except ConfigError as error:
+        print(f"medfed: error: {error}", flush=True)
+        raise
+    resolved, output_dir = settings.resolved, settings.output_dir
     config, run = resolved.config, resolved.run
     trainer = run.trainer
     if trainer.num_threads is not None:
         torch.set_num_threads(trainer.num_threads)
-    output_dir = Path(str(run_config["output-dir"]))
-    resumed = resume_state(output_dir, config) if bool(run_config["resume"]) else None
     started = time.perf_counter()
 
-    sites = FlowerSites(grid, run.federation.n_sites, to_yaml(config), float(run_config["reply-timeout-s"]))
+    sites = FlowerSites(grid, run.federation.n_sites, to_yaml(config), settings.reply_timeout_s)
     described = sites.handshake()
     with torch.random.fork_rng():
         torch.manual_seed(trainer.seed)
@@ -237,13 +326,9 @@ def main(grid: Grid, context: Context) -> None:
     ]
     loop = FederatedLoop(
         fabric, [], strategy, sites.links, initial, local_epochs=trainer.local_epochs,
-        participation=run.federation.participation, seed=trainer.seed,
-        save_checkpoint=lambda state: save_checkpoint(output_dir / FOLDER, {**state, "config": config}, trainer.keep_checkpoints),
-        on_site_failure=run.federation.on_site_failure, update_norm_limit=run.federation.update_norm_limit,
+        participation=run.federation.participation, seed=trainer.seed, on_site_failure=run.federation.on_site_failure, update_norm_limit=run.federation.update_norm_limit,
         max_consecutive_failures=run.federation.max_consecutive_failures, executor=sites,
     )
-    if resumed is not None:
-        loop.load_state_dict(resumed)
     loop.fit(trainer.rounds, progress=lambda record: print(f"medfed round {record['round']}: {record['mean']}", flush=True))
     results = {
         "strategy": strategy.name,

@@ -1,14 +1,17 @@
 """A deployed site's half of the work, one message at a time (the ClientApp's logic, without flwr).
 
-Flower starts a fresh ClientApp process for every message, so a
-:class:`SiteWorker` rebuilds the site from the run's config and the node's
-own data (``build_site`` of the task: :mod:`medfed.tasks`), loads the
-site's state from its state folder, does what the message asks, and saves
-the state again (atomically) before it replies. The state folder is the
-node's (``--node-config state-dir=...``); a SuperNode killed and restarted
-with the same node config finds it and rejoins where it stopped. A message
-it has already answered (the server resends when a node goes away) is
-answered again from the saved reply, never worked twice.
+A :class:`SiteWorker` builds the site from the run's config and the node's
+own data (``build_site`` of the task: :mod:`medfed.tasks`), loads the site's
+state from its state folder if one is there, and then answers message after
+message: it does what the message asks and saves the state again
+(atomically) before it replies. The ClientApp keeps the worker in memory
+between the messages of a run (:mod:`medfed.deploy.runner` keeps one process
+alive for them); the state folder stays the source of truth: a worker whose
+state file another process has replaced since (:meth:`SiteWorker.current`)
+is built again from it, and a SuperNode killed and restarted with the same
+node config (``--node-config state-dir=...``) finds it and rejoins where it
+stopped. A message it has already answered (the server resends when a node
+goes away) is answered again from the saved reply, never worked twice.
 
 What the site sends back: codec streams of its strategy half's replies
 (coded by its own end of the :class:`~medfed.federated.link.Link`), its
@@ -45,7 +48,7 @@ STATE_FILE = "site-state.pt"
 
 
 class SiteWorker:
-    """One deployed site, rebuilt for one message.
+    """One deployed site, built from its own data and its saved state, answering the server's messages.
 
     Args:
         config_yaml: the run's resolved config (YAML text, from the server).
@@ -94,40 +97,53 @@ class SiteWorker:
             self.state = torch.load(self.state_path, map_location="cpu", weights_only=True)
             self.site.load_state_dict(self.state["site"])
             self.link.load_state_dict(self.state["link"])
+        self._stamp = _stamp(self.state_path)
 
-    def handle(self, request: dict[str, Any], wire: dict[str, Wire]) -> tuple[dict[str, Any], dict[str, Wire]]:
-        """Answer one request: ``(reply fields, reply wire)``; the state is saved before returning.
+    def current(self) -> bool:
+        """Whether the state file is still the one this worker last read or wrote (no other process answered since)."""
+        return _stamp(self.state_path) == self._stamp
 
-        ``request["seq"]`` numbers the server's messages to this site; one at
-        or below the last answered is answered from the saved reply.
+    def handle(self, seq: int, requests: list[tuple[dict[str, Any], dict[str, Wire]]]) -> list[tuple[dict[str, Any], dict[str, Wire]]]:
+        """Answer one message's requests in order: each one's ``(reply fields, reply wire)``; the state is saved once, before returning.
+
+        A request's ``kind``: ``setup`` (the strategy half's setup reply),
+        ``work`` (a phase: receive, train, reply) or ``deliver`` (receive the
+        round's delivery, evaluate if asked). ``seq`` numbers the server's
+        messages to this site: the last one answered again (the server resent
+        it to this site's new node) is answered from the saved replies.
 
         Raises:
-            ValueError: an unknown ``kind``.
+            ValueError: an unknown ``kind``, or a message older than the last answered.
         """
-        if request["seq"] <= self.state["seq"]:
-            return self.state["reply"], self.state["reply_wire"]
-        kind = request["kind"]
-        if kind == "setup":
-            reply, reply_wire = dict(self.description), self.link.encode("up", self.site.strategy.setup(self.site))
-        elif kind == "work":
-            reply, reply_wire = self._work(request, wire)
-        elif kind == "deliver":
-            reply, reply_wire = self._deliver(request, wire), {}
-        else:
-            raise ValueError(f"unknown request kind {kind!r}")
-        self.state.update(seq=request["seq"], reply=reply, reply_wire=reply_wire, site=self.site.state_dict(), link=self.link.state_dict())
+        if seq == self.state["seq"]:
+            return self.state["replies"]
+        if seq < self.state["seq"]:
+            raise ValueError(f"message {seq} to site {self.site.index} is older than the last one it answered ({self.state['seq']})")
+        replies = []
+        for request, wire in requests:
+            kind = request["kind"]
+            if kind == "setup":
+                replies.append(({}, self.link.encode("up", self.site.strategy.setup(self.site))))
+            elif kind == "work":
+                replies.append(self._work(request, wire))
+            elif kind == "deliver":
+                replies.append((self._deliver(request, wire), {}))
+            else:
+                raise ValueError(f"unknown request kind {kind!r}")
+        self.state.update(seq=seq, replies=replies, site=self.site.state_dict(), link=self.link.state_dict())
         with atomic_write(self.state_path, "wb") as handle:
             torch.save(self.state, handle)
-        return reply, reply_wire
+        self._stamp = _stamp(self.state_path)
+        return replies
 
     def _work(self, request: dict[str, Any], wire: dict[str, Wire]) -> tuple[dict[str, Any], dict[str, Wire]]:
         """Receive, train, reply; the reply is coded now (the server decodes it only if it accepts it)."""
         work = PhaseWork(request["round"], request["phase_index"], request["phase"], request["local_epochs"], request["norms"])
         if work.phase_index == 0:  # the round starts here: what a failure puts the site back to
-            self.state["round_start"] = self.site.state_dict()
+            self.state["round_start"] = copy.deepcopy(self.site.state_dict())  # copies: the live tensors train on
             self.state["epochs_before"] = 0.0
         message = self.link.decode("down", wire)
-        self.state["link_before_reply"] = self.link.state_dict()
+        self.state["link_before_reply"] = copy.deepcopy(self.link.state_dict())
         timing: dict[str, float] = {}
         try:
             losses, reply, norms, self.state["epochs_before"] = site_phase(
@@ -151,3 +167,12 @@ class SiteWorker:
             self.link.load_state_dict(self.state["link_before_reply"])
         self.site.strategy.receive(self.site, DELIVER, self.link.decode("down", wire))
         return {"metrics": self.site.evaluate()} if request["evaluate"] else {}
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    """(inode, size, modification time) of ``path``, None if it does not exist: an atomic write always changes it."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns

@@ -1,0 +1,78 @@
+"""The deployment's pieces that need no running federation: run config checks, the runner's options, medfed records."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import Array, Context, RecordDict  # noqa: E402
+
+from medfed.deploy import runner, server_app  # noqa: E402
+from medfed.deploy.records import from_record, to_record  # noqa: E402
+from medfed.errors import ConfigError  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+RUN_CONFIG = {
+    "config": str(REPO / "configs" / "clinical_delta1.yaml"), "overrides": "federation.n_sites=3 federation.label_ratio=null",
+    "run-name": "r1", "output-dir": "/tmp/out", "reply-timeout-s": 60.0,
+}
+
+
+def test_a_good_run_config_is_resolved():
+    settings = server_app.run_settings(RUN_CONFIG)
+    assert settings.resolved.run.federation.n_sites == 3 and settings.reply_timeout_s == 60.0
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"run-name": None}, "run config key 'run-name': expected a str"),
+        ({"run-name": "../elsewhere"}, "run config key 'run-name': run name '../elsewhere'"),
+        ({"reply-timeout-s": "soon"}, "run config key 'reply-timeout-s': expected a float"),
+        ({"reply-timeout-s": 0}, "expected seconds > 0"),
+        ({"overrides": "federation.n_sites=3 'unclosed"}, "run config key 'overrides': No closing quotation"),
+        ({"overrides": "federation.n_sites=3 trainer.nope=1"}, "unknown config key 'trainer.nope'"),
+        ({"overrides": "federation.n_sites=3"}, "config key 'federation.label_ratio'"),
+        ({"config": "no-such-config"}, "config file no-such-config not found"),
+        ({"config": str(REPO / "configs" / "luna16_delta1.yaml"), "overrides": "federation.label_ratio=null"}, "config key 'data.task' = 'luna16'"),
+    ],
+)
+def test_a_bad_run_config_is_one_line_naming_the_key(change, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as error:
+        server_app.run_settings({**RUN_CONFIG, **change})
+    assert "\n" not in str(error.value)
+
+
+def test_the_server_app_prints_one_error_line_and_contacts_no_site(capsys):
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={**RUN_CONFIG, "overrides": ""})
+    with pytest.raises(ConfigError):
+        server_app.main(grid=None, context=context)  # no grid: a site contacted would be an AttributeError
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("medfed: error: config key 'federation.label_ratio'")
+
+
+@pytest.mark.parametrize(
+    "arguments,message",
+    [
+        (["--runtime-api-address", "localhost", "--insecure"], "--runtime-api-address: expected host:port"),
+        (["--runtime-api-address", "127.0.0.1:99999", "--insecure"], "expected host:port"),
+        (["--runtime-api-address", "127.0.0.1:9094", "--root-certificates", "/no/such/ca.pem"], "--root-certificates: no file"),
+        (["--runtime-api-address", "127.0.0.1:9094", "--insecure", "--poll-s", "0"], "--poll-s: expected seconds in (0, 60]"),
+    ],
+)
+def test_the_runner_refuses_bad_options_in_one_line_with_status_2(arguments, message, capsys):
+    assert runner.main(arguments) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("medfed runner: error: ") and message in lines[0]
+
+
+def test_records_carry_codec_streams_unchanged_and_refuse_other_arrays():
+    wires = [{"all": ((2, 3), b"\x00\x01\xff"), "empty": ((0,), None), "odd:key/1": ((1,), b"x")}, {}, {"all": ((4,), b"yz")}]
+    fields, back = from_record(to_record({"seq": 3, "requests": [{"kind": "work"}]}, wires))
+    assert fields == {"seq": 3, "requests": [{"kind": "work"}]} and back == wires
+    record = to_record({}, [{"all": ((1,), b"ab")}])
+    record["wire"]["0:all"] = Array(dtype="uint8", shape=(2,), stype="numpy.ndarray", data=b"ab")
+    with pytest.raises(ValueError, match="expected a medfed-codec stream"):
+        from_record(record)
