@@ -1,11 +1,12 @@
-"""A deployed clinical site builds its own member from its own records alone: the simulator's member, tensor for tensor."""
+"""A deployed site builds its own member from its own data alone (clinical records, BraTS cases): the simulator's member, tensor for tensor."""
 
 import pytest
 import torch
 
-from medfed.config import FederationConfig
+from medfed.config import FederationConfig, MissingChannelConfig
+from medfed.data.brats import find_cases
 from medfed.errors import ConfigError
-from medfed.tasks import clinical
+from medfed.tasks import brats, clinical
 
 
 @pytest.mark.parametrize("holdout", ["test", "validation"])
@@ -30,3 +31,26 @@ def test_a_label_ratio_cannot_be_imposed_by_one_site(tmp_path):
     federation = FederationConfig(n_sites=3, label_ratio={"delta": 1.0, "spread": 1.5})
     with pytest.raises(ConfigError, match="federation.label_ratio"):
         clinical.build_site(options, federation, 0, 0, tmp_path)
+
+
+@pytest.mark.parametrize("target", ["wt", "regions"])
+def test_a_brats_site_built_from_its_own_cases_is_the_simulators_member(tmp_path, tiny_brats_root, target):
+    options = brats.Options(
+        root=str(tiny_brats_root), generate=None, patch_size=32, tumour_patches_per_case=4, background_patches_per_case=2,
+        cache=False,
+    )
+    federation = FederationConfig(n_sites=3, missing_channel=MissingChannelConfig(channel=1, sites=[2]))
+    whole = brats.build_federation(options, federation, seed=0, progress=False, target=target)
+    folders = brats.site_cases(options, federation, 0, tmp_path / "sites", progress=False)
+    assert [folder.name for folder in folders] == ["site0", "site1", "site2"]
+    found = [sorted(case.case_id for case in find_cases(folder)) for folder in folders]
+    assert sorted(sum(found, [])) == sorted(case.case_id for case in find_cases(tiny_brats_root))  # each case at one site
+    for index, simulated in enumerate(whole.sites):
+        alone = brats.build_site(options, federation, 0, index, folders[index], progress=False, target=target)
+        assert len(alone.sites) == 1 and alone.sites[0].name == simulated.name
+        assert (alone.input_shape, alone.num_classes) == (whole.input_shape, whole.num_classes)
+        assert alone.sites[0].info == simulated.info
+        for split in ("train", "test"):
+            mine, theirs = getattr(alone.sites[0], split).tensors, getattr(simulated, split).tensors
+            assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)), (index, split)
+    assert float(alone.sites[0].train.tensors[0][:, 1].abs().sum()) == 0  # site 2 lacks channel 1, as in the simulator

@@ -25,6 +25,10 @@ volumes, are kept in the preprocessed-data cache (:mod:`medfed.data.cache`,
 federation and seed reads no volume. ``data.augment`` acts on each drawn crop,
 not on what is stored, so it is not part of the cache key.
 
+A deployed hospital builds its own site alone from its own case folders
+(:func:`build_site`); :func:`site_cases` copies each simulated site's cases
+into a folder of its own for a rehearsal on one machine.
+
 A generated data set is held (:func:`~medfed.data.phantoms.store.hold`)
 whenever it is read, while the federation is built and while whole volumes
 are evaluated, so another run generating other parameters at the same root
@@ -33,6 +37,7 @@ waits instead of replacing the files under this one.
 
 from __future__ import annotations
 
+import shutil
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -57,6 +62,7 @@ from medfed.data.federation import (
     assign_subjects_to_sites,
     refuse_site_sizes,
     site_sizes_summary,
+    split_site,
     split_sites,
     split_subjects,
 )
@@ -175,25 +181,102 @@ def _plan_and_read(
     key = cache_key(NAME, PREPROCESSING_VERSION, root, input_files, settings)
     built = load_or_build(
         key,
-        lambda: _read_federation(root, cases, site_splits, drops, options, federation, seed, progress, target),
+        lambda: _read_federation(root, cases, site_splits, range(federation.n_sites), drops, options, federation, seed, progress, target),
         task=NAME,
         enabled=options.cache,
         cache_dir=options.cache_dir,
     )
     built.volumes = BratsVolumes(cases, [split.evaluation for split in site_splits], drops, held)
     built.site_sizes = site_sizes_summary(federation, [split.n_subjects for split in site_splits], "cases")
-    if options.train_sampling == "random_crops":
-        for site in built.sites:
-            site.train = RandomCrops(
-                site.train.tensors,
-                site.train_volumes,
-                options.tumour_patches_per_case,
-                options.background_patches_per_case,
-                options.patch_size,
-                target,
-                options.augment,
-            )
+    _train_on_random_crops(built, options, target)
     return built
+
+
+def _train_on_random_crops(built: Federation, options: Options, target: str) -> None:
+    """With ``train_sampling: random_crops``, each site trains on fresh crops of its kept volumes (:class:`RandomCrops`)."""
+    if options.train_sampling != "random_crops":
+        return
+    for site in built.sites:
+        site.train = RandomCrops(
+            site.train.tensors,
+            site.train_volumes,
+            options.tumour_patches_per_case,
+            options.background_patches_per_case,
+            options.patch_size,
+            target,
+            options.augment,
+        )
+
+
+def build_site(
+    options: Options, federation: FederationConfig, seed: int, site_index: int, data_root: Path, progress: bool = True,
+    target: str = "wt",
+) -> Federation:
+    """One site's member alone, from its own cases (a deployed hospital, :mod:`medfed.deploy`).
+
+    Every labelled case under ``data_root`` (in any layout
+    :func:`~medfed.data.brats.find_cases` reads) belongs to site
+    ``site_index``. The rest is :func:`build_federation`'s for that site: the
+    same split draw with the site's own seeds, the same patches (each case's
+    draw is seeded by the run's seed and its case id), the same zeroed
+    channel where ``federation.missing_channel`` names this site (a rehearsal
+    of "lack k"; a hospital without a sequence leaves it out of the config).
+    Given the cases the simulator places at the site (:func:`site_cases`),
+    the member's tensors are the simulator's. ``data.root``,
+    ``data.generate``, ``data.partition_csv`` and the preprocessed-data cache
+    are not used, and the member has no whole volumes (a deployment
+    evaluates patches only).
+
+    Returns:
+        A federation of one site, named ``site<site_index>``.
+
+    Raises:
+        ConfigError: a bad ``federation.missing_channel``.
+        DataError: the site's data (see :mod:`medfed.data.brats`), too few
+            cases for the split, or no tumour voxel in any of its cases.
+    """
+    root = Path(data_root)
+    cases = {case.case_id: case for case in find_cases(root)}
+    split = split_site(sorted(cases), _draw_cases, federation, seed, site_index)
+    missing_sites, missing_channel = missing_channel_sites(federation)
+    drop = missing_channel if site_index in missing_sites else None
+    built = _read_federation(root, cases, [split], [site_index], [drop], options, federation, seed, progress, target)
+    _train_on_random_crops(built, options, target)
+    return built
+
+
+def site_cases(options: Options, federation: FederationConfig, seed: int, out_dir: Path, progress: bool = True) -> list[Path]:
+    """Copy each site's cases, as :func:`build_federation` places them, to ``out_dir/site<i>/`` (generated first if need be).
+
+    A rehearsal of a deployment on one machine: each SuperNode's data root
+    then holds only its own hospital's case folders (at their paths relative
+    to ``data.root``, e.g. ``HGG/<case>``), and :func:`build_site` builds the
+    simulator's member from them.
+
+    Returns:
+        The sites' folders, site order.
+
+    Raises:
+        ConfigError, DataError: as :func:`build_federation`'s plan; DataError
+            for a data set in the MSD layout (one ``dataset.json`` for all
+            cases: its cases are not folders of their own).
+    """
+    root = Path(options.root)
+    with _data_set(root, options.generate, federation.n_sites, progress)():
+        cases = {case.case_id: case for case in find_cases(root)}
+        partition_file = find_partition_csv(options.partition_csv or None, root)
+        partition = read_partition_csv(partition_file) if partition_file is not None else None
+        folders = []
+        for index, ids in enumerate(assign_subjects_to_sites(sorted(cases), federation, seed, partition)):
+            folder = Path(out_dir) / f"site{index}"
+            for case_id in ids:
+                case = cases[case_id]
+                if case.layout == "msd":
+                    raise DataError(f"{root}: an MSD data set (dataset.json) cannot be split into per-site folders; use the BraTS layout")
+                source = case.image_files[0].parent
+                shutil.copytree(source, folder / source.relative_to(root), dirs_exist_ok=True)
+            folders.append(folder)
+    return folders
 
 
 @dataclass(frozen=True)
@@ -224,6 +307,7 @@ def _read_federation(
     root: Path,
     cases: dict[str, BratsCase],
     site_splits: list[SiteSplit],
+    site_indices: Sequence[int],
     drops: list[int | None],
     options: Options,
     federation: FederationConfig,
@@ -233,13 +317,15 @@ def _read_federation(
 ) -> Federation:
     """Read every train, evaluation and validation case of the plan and cut its patches (set-aside cases are never read).
 
+    ``site_indices`` are the sites' indices (their names ``site<i>``), one per split.
+
     With ``train_sampling: random_crops`` each site's training cases are also
     kept, as :func:`~medfed.data.crops.training_volume` records, in ``SiteData.train_volumes``.
     """
     sites = []
     n_read = sum(len(split.train) + len(split.evaluation) + len(split.validation) for split in site_splits)
     bar = tqdm(total=n_read, desc="reading cases", unit="case", disable=not progress, leave=False)
-    for index, (split, drop) in enumerate(zip(site_splits, drops)):
+    for index, split, drop in zip(site_indices, site_splits, drops, strict=True):
         splits, tumour_voxels, train_volumes = {}, {}, []
         parts = (("train", split.train), ("evaluation", split.evaluation), ("validation", split.validation))
         for split_name, ids in (part for part in parts if len(part[1])):
