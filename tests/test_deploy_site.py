@@ -9,10 +9,10 @@ from medfed.errors import ConfigError
 from medfed.tasks import brats, clinical
 
 
-@pytest.mark.parametrize("holdout", ["test", "validation"])
-def test_a_site_built_from_its_own_records_is_the_simulators_member(tmp_path, holdout):
+@pytest.mark.parametrize("holdout,validation_fraction", [("test", 0.0), ("test", 0.25), ("validation", 0.25)])
+def test_a_site_built_from_its_own_records_is_the_simulators_member(tmp_path, holdout, validation_fraction):
     options = clinical.Options(csv=str(tmp_path / "all" / "breast_cancer.csv"))
-    federation = FederationConfig(n_sites=3, holdout=holdout)
+    federation = FederationConfig(n_sites=3, holdout=holdout, validation_fraction=validation_fraction)
     whole = clinical.build_federation(options, federation, seed=4)
     files = clinical.site_records(options, federation, 4, tmp_path / "sites")
     assert [f.parent.name for f in files] == ["site0", "site1", "site2"]
@@ -21,7 +21,8 @@ def test_a_site_built_from_its_own_records_is_the_simulators_member(tmp_path, ho
         alone = clinical.build_site(options, federation, 4, index, files[index].parent)
         assert len(alone.sites) == 1 and alone.sites[0].name == simulated.name
         assert alone.input_shape == whole.input_shape
-        for split in ("train", "test"):
+        assert (alone.sites[0].validation is None) == (simulated.validation is None)
+        for split in ("train", "test", "validation")[: 2 if simulated.validation is None else 3]:
             mine, theirs = getattr(alone.sites[0], split).tensors, getattr(simulated, split).tensors
             assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)), (index, split)
 

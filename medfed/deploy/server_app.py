@@ -262,8 +262,9 @@ def run_settings(run_config: dict[str, Any]) -> RunSettings:
         ConfigError: a run config key missing or of the wrong type, a bad
             medfed config (:func:`~medfed.config.load_config`,
             :func:`~medfed.components.resolve`), a task without
-            ``build_site``, or a ``federation.label_ratio`` (its draw needs every
-            site's records at once).
+            ``build_site``, a strategy that pools the sites' data (the
+            centralised reference), or a ``federation.label_ratio`` (its draw
+            needs every site's records at once).
     """
     for key, kind in RUN_CONFIG.items():
         value = run_config.get(key)
@@ -285,6 +286,11 @@ def run_settings(run_config: dict[str, Any]) -> RunSettings:
     resolved = resolve(load_config(str(run_config["config"]), overrides))
     if resolved.task.build_site is None:
         raise ConfigError(f"config key 'data.task' = {resolved.task.name!r}: this task cannot build one site alone yet")
+    if resolved.strategy_cls.pools_data:
+        raise ConfigError(
+            f"config key 'strategy.name' = {resolved.strategy_cls.name!r}: it pools every site's training data at one site, "
+            "which a deployment never does"
+        )
     if resolved.run.federation.label_ratio is not None:
         raise ConfigError(
             "config key 'federation.label_ratio': its draw runs over every site's records at once, which no deployed "
@@ -320,7 +326,7 @@ def main(grid: Grid, context: Context) -> None:
         prototype = resolved.model_cls(described["input_shape"][0], described["num_classes"], resolved.model_options)
     strategy = resolved.strategy_cls(resolved.strategy_options, prototype.parameter_split, run.federation.n_sites, trainer.seed)
     fabric = Fabric(accelerator=trainer.device, devices=1)
-    initial = {part: prototype.get_vector(part).to(fabric.device) for part in PARTS}
+    initial = strategy.initial_values({part: prototype.get_vector(part).to(fabric.device) for part in PARTS})
     sites.links = [
         Link(run.codec.spec("up"), run.codec.spec("down"), strategy.coded_keys, initial, fabric.device) for _ in sites.names
     ]

@@ -84,10 +84,11 @@ class SiteWorker:
         slots = {}
         for name in strategy.slots:
             module = copy.deepcopy(prototype)
+            strategy.prepare_slot(name, module)
             slots[name] = Slot(*fabric.setup(module, module.configure_optimizers()))
         data = federation.sites[0]
         self.site = Site(site_index, data, slots, strategy.evaluated_slot, strategy.site_half(site_index), fabric, run.trainer.batch_size, run.trainer.seed)
-        initial = {part: prototype.get_vector(part).to(fabric.device) for part in PARTS}
+        initial = strategy.initial_values({part: prototype.get_vector(part).to(fabric.device) for part in PARTS})
         self.link = Link(run.codec.spec("up"), run.codec.spec("down"), strategy.coded_keys, initial, fabric.device)
         self.coded_keys = strategy.coded_keys
         self.description = {"input_shape": list(federation.input_shape), "num_classes": federation.num_classes}
@@ -141,14 +142,12 @@ class SiteWorker:
         work = PhaseWork(request["round"], request["phase_index"], request["phase"], request["local_epochs"], request["norms"])
         if work.phase_index == 0:  # the round starts here: what a failure puts the site back to
             self.state["round_start"] = copy.deepcopy(self.site.state_dict())  # copies: the live tensors train on
-            self.state["epochs_before"] = 0.0
+            self.state["epochs_before"] = {}
         message = self.link.decode("down", wire)
         self.state["link_before_reply"] = copy.deepcopy(self.link.state_dict())
         timing: dict[str, float] = {}
         try:
-            losses, reply, norms, self.state["epochs_before"] = site_phase(
-                self.site, work, message, self.coded_keys, self.state["epochs_before"], timing
-            )
+            losses, reply, norms = site_phase(self.site, work, message, self.coded_keys, self.state["epochs_before"], timing)
         except Exception as error:  # whatever it is, it happened at the site: the site fails
             return {"error": f"{type(error).__name__}: {error}"}, {}
         bad = non_finite_keys(reply)

@@ -240,14 +240,17 @@ def build_site(
     )
     draw = partial(_draw_records, labels=data.labels, site=f"site{site_index}", path=path)
     split = split_site(np.arange(len(data), dtype=np.int64), draw, federation, seed, site_index)
-    train, test = np.sort(np.asarray(split.train, dtype=np.int64)), np.sort(np.asarray(split.evaluation, dtype=np.int64))
+    train, test, validation = (np.sort(np.asarray(records, dtype=np.int64)) for records in (split.train, split.evaluation, split.validation))
     lo, hi = fit_minmax(data.features[train])
     info = {
         "source": "the site's own records",
         **split.info("records"),
         "scaling": f"min/max per feature fitted on this site's {len(train)} training records only",
     }
-    site = SiteData(name=f"site{site_index}", train=_dataset(data, train, lo, hi), test=_dataset(data, test, lo, hi), info=info)
+    site = SiteData(
+        name=f"site{site_index}", train=_dataset(data, train, lo, hi), test=_dataset(data, test, lo, hi), info=info,
+        validation=_dataset(data, validation, lo, hi) if len(validation) else None,
+    )
     return Federation(
         task=NAME,
         sites=[site],
@@ -278,7 +281,7 @@ def site_records(options: Options, federation: FederationConfig, seed: int, out_
         path, target=options.target, positive=options.positive, site_column=options.site_column,
         exclude_columns=tuple(options.exclude_columns),
     )
-    site_of_record, _ = _sites(data, federation.n_sites, seed, path, options.site_column)
+    site_of_record, _ = _sites(data, federation, seed, path, options.site_column)
     with path.open(newline="") as handle:  # the rows the reader keeps (blank lines skipped), one per record
         reader = csv.reader(handle)
         header = next(reader)
