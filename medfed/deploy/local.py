@@ -12,10 +12,14 @@ there. The SuperLink's SuperExec looks for a new ServerApp to start every
 0.2 s instead of Flower's 1 s (``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``).
 
 Every process is started in a session of its own and stopped by its process
-id (its group, whose id is that process id: the SuperLink's SuperExec and
-ServerApp children go with it), SIGTERM first and SIGKILL after
-``stop_timeout_s``; :meth:`LocalFederation.close` (or leaving the ``with``
-block) stops whatever is still running, whatever happened.
+id (its group, whose id is that process id), SIGTERM first and SIGKILL after
+``stop_timeout_s``. Flower starts the SuperLink's SuperExec, and the
+SuperExec each run's ServerApp, in sessions of their own; they would exit
+once their parent is gone (Flower watches it every 0.2 s), but they are not
+left to that: their process ids are read (``/proc``) before the SuperLink
+is stopped and each still running afterwards is stopped by its id too.
+:meth:`LocalFederation.close` (or leaving the ``with`` block) stops whatever
+is still running, whatever happened.
 
 No flwr import here: the executables come from the ``deploy`` extra.
 """
@@ -157,15 +161,13 @@ class LocalFederation:
 
     def stop_supernode(self, site_index: int, kill: bool = True) -> None:
         """Stop site ``site_index``'s SuperNode and runner: SIGKILL (a crash, ``kill=True``) or SIGTERM (a shutdown)."""
-        for process in (self.runners[site_index], self.supernodes[site_index]):
-            self._stop(process, signal.SIGKILL if kill else signal.SIGTERM)
+        self._stop([self.runners[site_index], self.supernodes[site_index]], signal.SIGKILL if kill else signal.SIGTERM)
 
     def close(self) -> None:
-        """Stop every process still running (submitted runs, runners and SuperNodes first), each by its process id."""
-        for process in [*self.submitted, *self.runners.values(), *self.supernodes.values()]:
-            self._stop(process, signal.SIGTERM)
+        """Stop every process still running, each by its process id: submitted runs, runners and SuperNodes together, then the SuperLink."""
+        self._stop([*self.submitted, *self.runners.values(), *self.supernodes.values()], signal.SIGTERM)
         if self.superlink is not None:
-            self._stop(self.superlink, signal.SIGTERM)
+            self._stop([self.superlink], signal.SIGTERM)
 
     def __enter__(self) -> LocalFederation:
         return self
@@ -211,7 +213,7 @@ class LocalFederation:
         try:
             submitted.popen.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            self._stop(submitted, signal.SIGTERM)
+            self._stop([submitted], signal.SIGTERM)
             raise
         return submitted.log.read_text(encoding="utf-8", errors="replace")
 
@@ -244,29 +246,54 @@ class LocalFederation:
         deadline = time.monotonic() + self.start_timeout_s
         while listens and not _listening(port):
             if not process.running() or time.monotonic() > deadline:
-                self._stop(process, signal.SIGKILL)
+                self._stop([process], signal.SIGKILL)
                 tail = log.read_text(encoding="utf-8", errors="replace")[-1500:]
                 raise RuntimeError(f"{name} did not start listening on {LOOPBACK}:{port}:\n{tail}")
             time.sleep(0.2)
         return process
 
-    def _stop(self, process: Process, first: signal.Signals) -> None:
-        """Signal ``process``'s group (id = its pid), SIGKILL it if the leader outlives ``stop_timeout_s``; reap it.
+    def _stop(self, processes: list[Process], first: signal.Signals) -> None:
+        """Signal each process's group (id = its pid) at once, SIGKILL those whose leader outlives ``stop_timeout_s``; reap them.
 
-        The leader is reaped only after a last SIGKILL to its group (children
-        that outlived it, e.g. a SuperNode's SuperExec): until then its pid,
-        and so the group id, cannot be reused by another process.
+        A leader is reaped only after a last SIGKILL to its group (children
+        that outlived it): until then its pid, and so the group id, cannot be
+        reused by another process. Processes Flower detached from a group
+        (:func:`_descendants`, read before the first signal) are stopped by
+        their ids after it.
         """
-        if process.popen.returncode is None:
+        running = [process for process in processes if process.popen.returncode is None]
+        detached = [child for process in running for child in _descendants(process.pid)]
+        for process in running:
             _signal_group(process.pid, first)
-            deadline = time.monotonic() + self.stop_timeout_s
-            while not _exited(process.pid):
-                if time.monotonic() > deadline:
+        deadline = time.monotonic() + self.stop_timeout_s
+        while any(not _exited(process.pid) for process in running):
+            if time.monotonic() > deadline:
+                for process in running:
                     _signal_group(process.pid, signal.SIGKILL)
-                    deadline = float("inf")
-                time.sleep(0.05)
+                deadline = float("inf")
+            time.sleep(0.05)
+        for process in running:
             _signal_group(process.pid, signal.SIGKILL)
-        process.popen.wait()
+        self._stop_detached(detached, first)
+        for process in processes:
+            process.popen.wait()
+
+    def _stop_detached(self, processes: list[tuple[int, str]], first: signal.Signals) -> None:
+        """Stop each of ``processes`` (pid, start time) still running: ``first``, then SIGKILL after ``stop_timeout_s``.
+
+        The start time tells a process from a later one given the same pid.
+        """
+
+        def alive() -> list[int]:
+            return [pid for pid, started in processes if _start_time(pid) == started]
+
+        for pid in alive():
+            _signal_pid(pid, first)
+        deadline = time.monotonic() + self.stop_timeout_s
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for pid in alive():
+            _signal_pid(pid, signal.SIGKILL)
 
 
 def _exited(pid: int) -> bool:
@@ -279,6 +306,45 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
     except ProcessLookupError:
         pass
+
+
+def _signal_pid(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state, ppid, ..., start time), None if there is none."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()
+
+
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot), None if it is gone or a zombie."""
+    fields = _stat(pid)
+    return None if fields is None or fields[0] == "Z" else fields[19]
+
+
+def _descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, start time) of every process descending from ``pid`` now (``/proc``; none where there is no ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = _stat(int(entry.name))
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, queue = [], list(children.get(pid, []))
+    while queue:
+        child = queue.pop()
+        started = _start_time(child)
+        if started is not None:
+            found.append((child, started))
+        queue.extend(children.get(child, []))
+    return found
 
 
 def _node_config(config: dict[str, Any]) -> str:
