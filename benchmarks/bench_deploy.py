@@ -7,8 +7,11 @@ alike, and any further ``key=value`` overrides given) runs
 
 * through the simulator (``python -m medfed fit``, every site in one process),
 * through Flower's simulation engine (``flwr.simulation.run_simulation``
-  with ray: medfed's ServerApp and, per virtual node, medfed's ClientApp on
-  that site's own folder; one CPU per ray actor),
+  with ray, ``pip install "flwr[simulation]>=1.41,<1.42"``: medfed's
+  ServerApp and, per virtual node, medfed's ClientApp on that site's own
+  folder; one CPU per ray actor, so a site's messages may go to different
+  actors, each building the site from its state folder when it has not
+  answered the site's previous message),
 * through a localhost deployment (:class:`~medfed.deploy.local.LocalFederation`:
   a SuperLink, per site a SuperNode and its resident runner, ``flwr run``),
 
