@@ -59,7 +59,8 @@ def _site_folders(config: Path, overrides: list[str], out: Path) -> list[Path]:
         from medfed.tasks.clinical import site_records
 
         return [path.parent for path in site_records(resolved.data_options, run.federation, run.trainer.seed, out / "sites")]
-    raise SystemExit(f"bench_deploy: error: task {task.name!r} has no per-site writer for a rehearsal")
+    print(f"bench_deploy: error: config key 'data.task' = {task.name!r}: no per-site data writer for a rehearsal (clinical, brats)", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _simulator(config: Path, overrides: list[str], out: Path) -> tuple[float, dict]:

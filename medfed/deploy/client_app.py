@@ -106,6 +106,7 @@ def simulation_app(data_roots: list[Path], state_root: Path) -> ClientApp:
     """
 
     def node_of(context: Context) -> tuple[int, Path, Path]:
+        """Site ``partition-id``, its folder and its state folder."""
         index = int(context.node_config["partition-id"])
         return index, data_roots[index], state_root / f"site{index}"
 

@@ -52,6 +52,7 @@ def free_port() -> int:
 
 
 def _listening(port: int) -> bool:
+    """Whether something accepts connections on ``LOOPBACK:port``."""
     try:
         socket.create_connection((LOOPBACK, port), timeout=0.5).close()
     except OSError:
@@ -70,9 +71,11 @@ class Process:
 
     @property
     def pid(self) -> int:
+        """Its process id (also its process group's)."""
         return self.popen.pid
 
     def running(self) -> bool:
+        """Whether it has not exited yet."""
         return self.popen.returncode is None and not _exited(self.pid)
 
 
@@ -302,6 +305,7 @@ def _exited(pid: int) -> bool:
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    """Send ``sig`` to process group ``pgid`` if it still has a member."""
     try:
         os.killpg(pgid, sig)
     except ProcessLookupError:
@@ -309,6 +313,7 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 
 
 def _signal_pid(pid: int, sig: signal.Signals) -> None:
+    """Send ``sig`` to process ``pid`` if it still exists."""
     try:
         os.kill(pid, sig)
     except ProcessLookupError:

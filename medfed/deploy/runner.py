@@ -229,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _error(message: str) -> int:
+    """Print ``message`` as the runner's one error line; the exit status for bad options (2)."""
     print(f"medfed runner: error: {message}", file=sys.stderr)
     return 2
 
