@@ -1,8 +1,9 @@
 """A real Flower deployment on localhost gives the simulator's numbers, and a killed and restarted SuperNode rejoins.
 
-Always (CI): pfednet with CER+STC codecs both ways, site 1's SuperNode killed
-and restarted in round 2. With ``MEDFED_DEPLOY_FULL=1`` also: fedavg; pfednet
-with dense messages and a restart; fedavg with CER+STC; a bad run config.
+Always (CI): fedavg with dense messages, and pfednet with CER+STC codecs both
+ways, site 1's SuperNode killed and restarted in round 2. With
+``MEDFED_DEPLOY_FULL=1`` also: pfednet with dense messages and a restart;
+fedavg with CER+STC; a bad run config.
 
 One SuperLink and, per site, a SuperNode (``--isolation process``) and its
 resident runner (:mod:`medfed.deploy.runner`), all child processes on
@@ -145,7 +146,6 @@ def test_pfednet_with_cer_stc_codecs_and_a_supernode_killed_mid_run_gives_the_si
     assert all(r["bytes"][site]["up"] < r["bytes"][site]["dense_up"] for r in deployed["history"] for site in r["bytes"])
 
 
-@FULL
 def test_fedavg_on_three_supernodes_gives_the_simulators_metrics_and_bytes(rehearsal):
     overrides = _overrides(rehearsal, "fedavg")
     with _simulating(rehearsal, "fedavg", overrides) as simulated:
