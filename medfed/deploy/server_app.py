@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from flwr.app import Context, Message
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 from lightning.fabric import Fabric
 
@@ -175,6 +176,9 @@ class FlowerSites:
     def _identify_new_nodes(self) -> None:
         """Ask every node not seen before which site it is; a site's newest node replaces its old one.
 
+        A node the SuperLink reports unavailable (one that stopped, e.g. a
+        SuperNode restarted under a new node id, not yet expired) is skipped.
+
         Raises:
             RuntimeError: a node could not build its site (the reason its
                 ClientApp gave), or names a site the federation does not have.
@@ -186,6 +190,9 @@ class FlowerSites:
         queries = [Message(content, dst_node_id=node, message_type="query") for node in sorted(new)]
         for reply in self.grid.send_and_receive(queries, timeout=self.timeout_s):
             node = reply.metadata.src_node_id
+            if reply.has_error() and reply.error.code == ErrorCode.NODE_UNAVAILABLE:
+                self._known_nodes.add(node)  # a node gone (e.g. killed and restarted under a new id): never a site
+                continue
             if reply.has_error():
                 raise RuntimeError(f"node {node} could not build its site: {reply.error.reason}")
             fields, _ = from_record(reply.content)
