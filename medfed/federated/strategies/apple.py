@@ -233,7 +233,7 @@ class APPLESite(SiteHalf):
         self.prior = prior.to(initial.dtype)
         self.dr = self.prior.clone()
         self.cores = initial.reshape(1, -1).repeat(self.n_sites, 1)
-        self.downloads = torch.zeros(self.n_sites, dtype=torch.int64)
+        self.downloads = torch.zeros(self.n_sites, dtype=torch.int64, device="cpu")  # bookkeeping for the CPU draw of choose_downloads
         self.generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.index).get_state()
         self.completed_rounds = 0
 

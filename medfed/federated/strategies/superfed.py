@@ -95,7 +95,7 @@ class SuPerFedServer(FedAvgServer):
         self.completed_rounds = 0
 
     def message(self, phase: str, site_index: int) -> Payload:
-        return {"all": self.global_model, "buffers": self.global_buffers, "round": torch.tensor([float(self.completed_rounds + 1)])}
+        return {"all": self.global_model, "buffers": self.global_buffers, "round": torch.tensor([float(self.completed_rounds + 1)], device=self.global_model.device)}
 
     def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
         super().aggregate(phase, replies)
