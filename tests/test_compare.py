@@ -244,3 +244,19 @@ def test_validation_evaluation_scores_each_sites_model_on_its_validation_split()
             accuracy = (site.module(x).argmax(dim=1) == y).float().mean().item()
         assert record["validation"][site.name]["accuracy"] == pytest.approx(accuracy)
         assert not site.module.training  # evaluated in eval mode
+
+
+def test_a_run_that_fails_is_reported_with_its_exit_status_and_log_and_the_others_finish(tmp_path, capsys):
+    grid = write_grid(tmp_path, tmp_path / "out", strategies="[local]", seeds="[0]")
+    broken_folder = tmp_path / "broken"
+    broken_folder.mkdir()
+    (broken_folder / "breast_cancer.csv").write_text("diagnosis,radius\nmalignant,1.0\nbenign,not-a-number\n")
+    broken = tmp_path / "broken_clinical.yaml"
+    broken.write_text(TINY_CLINICAL.format(data=broken_folder))  # planned like the others; its data are read only when it runs
+    grid.write_text(grid.read_text().replace("configs: [", f"configs: [{broken}, "))
+    assert main(["compare", "--grid", str(grid), "--quiet"]) == 1
+    error = capsys.readouterr().err
+    assert re.search(r"run broken_clinical/local/seed0 failed \(exit status 2\): .*medfed: error: .*breast_cancer\.csv", error), error
+    assert (tmp_path / "out" / "tiny_clinical" / "local" / "seed0" / "results.json").is_file()
+    assert not (tmp_path / "out" / "broken_clinical" / "local" / "seed0" / "results.json").exists()
+    assert {row["config"] for row in read_rows(tmp_path / "out")} == {"tiny_clinical"}
