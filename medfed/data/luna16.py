@@ -33,12 +33,15 @@ from __future__ import annotations
 import csv
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import SimpleITK as sitk
 from tqdm import tqdm
 
 from medfed.errors import DataError
+
+if TYPE_CHECKING:  # SimpleITK is imported where series are read: the other tasks run without it
+    import SimpleITK as sitk
 
 CANDIDATES_HEADER = ("seriesuid", "coordX", "coordY", "coordZ", "class")
 ANNOTATIONS_HEADER = ("seriesuid", "coordX", "coordY", "coordZ", "diameter_mm")
@@ -283,6 +286,8 @@ def cut_candidate_patches(selection: CandidateSelection, *, patch_size: int = 32
         DataError: naming the file, for a candidate outside its volume, a
             missing voxel data file, or an unreadable MetaImage.
     """
+    import SimpleITK as sitk
+
     if patch_size < 1:
         raise ValueError(f"patch_size must be a positive number of voxels, got {patch_size}")
     table, keep = selection.table, selection.keep
@@ -398,6 +403,8 @@ def _keep_mask(
 
 def _read_axial_image(mhd_path: Path) -> sitk.Image:
     """The series as a 3-D SimpleITK image in ITK's identity (LPS) axis orientation."""
+    import SimpleITK as sitk
+
     try:
         image = sitk.ReadImage(str(mhd_path))
     except RuntimeError as error:

@@ -58,15 +58,18 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import SimpleITK as sitk
 from scipy import ndimage
 from tqdm import tqdm
 
 from medfed.data.luna16 import ANNOTATIONS_HEADER, CANDIDATES_HEADER
 from medfed.data.partition_csv import write_partition_csv
 from medfed.data.phantoms.store import hold, write_marker
+
+if TYPE_CHECKING:  # SimpleITK is imported where series are written: the other tasks run without it
+    import SimpleITK as sitk
 
 GENERATOR_VERSION = 2  # 2: marker written by phantoms.store (with a description)
 GENERATOR = __name__
@@ -307,6 +310,8 @@ def _check_parameters(p: dict) -> None:
 
 
 def _write_dataset(out: Path, p: dict, progress: bool) -> None:
+    import SimpleITK as sitk
+
     acquisitions = _site_acquisitions(p["n_sites"], np.random.default_rng([p["seed"], 0]))
     candidate_rows, annotation_rows, partition = [], [], {}
     site_summaries = [dict(asdict(a), n_series=0, n_nodules=0, n_candidates=0) for a in acquisitions]
@@ -385,6 +390,8 @@ def _series_uid(rng: np.random.Generator) -> str:
 
 def _generate_series(rng: np.random.Generator, acquisition: SiteAcquisition, p: dict) -> _Series:
     """Draw the anatomy, nodules and candidates of one series and acquire it at the site."""
+    import SimpleITK as sitk
+
     grid = _make_grid(rng, p["matrix_size"], p["pixel_spacing_mm"], p["z_extent_mm"], acquisition.slice_thickness_mm)
     chest = _draw_chest(rng, grid)
     segments = _draw_vessel_trees(rng, chest, grid)
