@@ -269,7 +269,7 @@ def _inspect(output_dir: Path, config: dict[str, Any], threads: int) -> tuple[st
     return "resume", saved_threads
 
 
-RUN_SERVER_PRELOAD = ("medfed.cli", "medfed.experiment", "medfed.tasks.brats", "medfed.tasks.luna16", "medfed.tasks.clinical")
+RUN_SERVER_PRELOAD = ("medfed.cli", "medfed.compare", "medfed.experiment", "medfed.tasks.brats", "medfed.tasks.luna16", "medfed.tasks.clinical")
 """Modules the run server imports once, so a run does not spend ~10 s importing torch, Lightning and MONAI again."""
 
 
@@ -338,7 +338,10 @@ def _fit(context: Any, run: Run, running: dict[str, Any], lock: threading.Lock, 
     with lock:
         del running[run.name]
     # fit's exit status as the run reported it: the forkserver's own report can be lost (Python 3.11 gave 255 for a run that ended with 0)
-    code = status_reader.recv() if status_reader.poll() else process.exitcode
+    try:
+        code = status_reader.recv()
+    except EOFError:  # it ended before fit returned (a crash, a signal): the process's own status
+        code = process.exitcode
     status_reader.close()
     code = 1 if code is None else 128 - code if code < 0 else code  # killed by signal n: 128 + n, as a shell reports it
     lines = [line for line in run.log.read_text(errors="replace").splitlines() if line.strip()]

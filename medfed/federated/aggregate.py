@@ -19,7 +19,7 @@ def weighted_average(vectors: list[torch.Tensor], weights: list[float] | torch.T
     """
     if not vectors:
         raise ValueError("weighted_average needs at least one vector")
-    w = torch.as_tensor(weights, dtype=torch.float64).flatten()
+    w = torch.as_tensor(weights, dtype=torch.float64, device="cpu").flatten()  # a few numbers, read on the host
     if w.numel() != len(vectors) or bool((w < 0).any()) or float(w.sum()) <= 0:
         raise ValueError(f"weights must be {len(vectors)} non-negative numbers with a positive sum, got {w.tolist()}")
     total = torch.zeros_like(vectors[0])

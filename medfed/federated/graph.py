@@ -261,7 +261,7 @@ def pairwise_distances(features: torch.Tensor) -> torch.Tensor:
     computed once and mirrored so that ``d(i, j) == d(j, i)`` bit for bit.
     """
     n_sites = features.shape[0]
-    distances = torch.zeros(n_sites, n_sites, dtype=features.dtype)
+    distances = torch.zeros(n_sites, n_sites, dtype=features.dtype, device=features.device)
     for i in range(n_sites - 1):
         row = torch.linalg.vector_norm(features[i + 1 :] - features[i], dim=1)
         distances[i, i + 1 :] = row

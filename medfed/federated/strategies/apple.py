@@ -132,7 +132,7 @@ def choose_downloads(
         return sorted(never[k] for k in order.tolist())
     seen = [j for j in others if int(downloads[j]) > 0]
     base = max(1.5, completed_rounds * budget / n)
-    weights = torch.tensor([base ** abs(float(dr[j])) for j in seen], dtype=torch.float64)
+    weights = torch.tensor([base ** abs(float(dr[j])) for j in seen], dtype=torch.float64, device="cpu")  # drawn with a CPU generator
     drawn = torch.multinomial(weights, budget - len(never), replacement=False, generator=generator)
     return sorted(never + [seen[k] for k in drawn.tolist()])
 
@@ -170,7 +170,7 @@ class APPLEServer(ServerHalf):
 
     def message(self, phase: str, site_index: int) -> Payload:
         if phase == "select":
-            return {"completed_rounds": torch.tensor([float(self.completed_rounds)])}
+            return {"completed_rounds": torch.tensor([float(self.completed_rounds)], device="cpu")}
         return {f"core/{j}": self.cores[j] for j in self.requests[site_index]}
 
     def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
@@ -272,7 +272,7 @@ class APPLESite(SiteHalf):
         generator.set_state(self.generator)
         chosen = choose_downloads(self.index, self.downloads, self.dr, budget, self.completed_rounds, generator)
         self.generator = generator.get_state()
-        request = torch.zeros(self.n_sites)
+        request = torch.zeros(self.n_sites, device="cpu")  # indexed by the CPU draw; the link carries it
         request[chosen] = 1.0
         return {"request": request}
 

@@ -317,4 +317,4 @@ class Strategy:
 
 def num_samples(site: Site) -> torch.Tensor:
     """The site's training-set size as a payload entry (for sample-weighted averaging)."""
-    return torch.tensor([float(site.n_train)])
+    return torch.tensor([float(site.n_train)], device="cpu")  # one number; the link carries it to the server's device

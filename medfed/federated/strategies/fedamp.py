@@ -98,13 +98,13 @@ def heuristic_attention(models: torch.Tensor, self_weight: float, cosine_scale: 
     """
     n = models.shape[0]
     if n == 1:
-        return torch.ones(1, 1, dtype=torch.float64)
+        return torch.ones(1, 1, dtype=torch.float64, device=models.device)
     gram = gram_matrix(models)
     norms = gram.diagonal().sqrt().clamp_min(torch.finfo(torch.float64).tiny)
     logits = cosine_scale * gram / (norms[:, None] * norms[None, :])
     logits.fill_diagonal_(-torch.inf)
     xi = (1.0 - self_weight) * torch.softmax(logits, dim=1)
-    xi += torch.diag(torch.full((n,), self_weight, dtype=torch.float64))
+    xi += torch.diag(torch.full((n,), self_weight, dtype=torch.float64, device=models.device))
     return xi
 
 

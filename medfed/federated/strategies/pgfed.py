@@ -224,7 +224,7 @@ class PGFedSite(SiteHalf):
         reply = {
             "all": theta,
             "gradient": gradient,
-            "alpha_offset": torch.tensor([offset]),
+            "alpha_offset": torch.tensor([offset], device=theta.device),
             "num_samples": num_samples(site),
         }
         if this_round is not None:
