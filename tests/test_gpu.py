@@ -1,4 +1,4 @@
-"""Every registered strategy, with dense and with CER+STC messages, for 2 rounds on a CUDA GPU.
+"""Every registered strategy, with dense and with CER+STC messages, for 2 rounds on a CUDA GPU, and resumed there.
 
 Marked ``gpu`` and skipped where torch sees no CUDA device (CI, laptops). Each
 case is the real CLI job (``medfed fit``) on the tiny generated BraTS
@@ -53,3 +53,16 @@ def test_two_rounds_on_the_device(tiny_run_config, tmp_path, variant, codec):
         assert communication["bytes_up"] > 0
         if codec == "cer+stc":  # real encoded bytes, far fewer than the dense vectors
             assert communication["compression_ratio_up"] > 10
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_a_run_resumed_on_the_device_goes_on_from_its_checkpoint(tiny_run_config, tmp_path, variant):
+    """Round 1, then --resume to round 2: the halves' states come back from a CPU-mapped checkpoint onto the device."""
+    name = variant.split("-")[0]
+    overrides = [f"strategy.name={name}", *VARIANTS[variant], f"trainer.device={DEVICE}"]
+    assert main(["fit", "--config", str(tiny_run_config), "--quiet", *overrides, "trainer.rounds=1"]) == 0
+    assert main(["fit", "--config", str(tiny_run_config), "--quiet", *overrides, "trainer.rounds=2", "--resume"]) == 0
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert [record["round"] for record in results["history"]] == [1, 2]
+    for row in results["sites"]:
+        assert 0.0 <= row["label_iou"] <= 1.0

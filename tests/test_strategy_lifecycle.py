@@ -130,3 +130,20 @@ def test_a_phase_codes_its_messages_before_and_after_all_local_training():
     delivery = [("down", site.index) for site in loop.sites]
     assert len(taking_part) == 3
     assert events == one_phase * len(loop.strategy.phases) + delivery
+
+
+def test_a_resumed_state_has_its_floats_on_the_runs_device_and_its_counters_and_generator_states_on_the_cpu():
+    from medfed.federated.strategies.base import state_on_device
+
+    state = {
+        "models": torch.zeros(3, 4),
+        "pair": (torch.ones(2, dtype=torch.float64), [torch.zeros(1)]),
+        "downloads": torch.zeros(3, dtype=torch.int64),
+        "generator": torch.Generator().get_state(),
+        "round": 2,
+    }
+    moved = state_on_device(state, torch.device("meta"))  # a device other than the checkpoint's CPU, on any machine
+    assert moved["models"].device.type == "meta" and moved["models"].shape == (3, 4)
+    assert moved["pair"][0].device.type == "meta" and moved["pair"][0].dtype == torch.float64
+    assert isinstance(moved["pair"], tuple) and moved["pair"][1][0].device.type == "meta"
+    assert moved["downloads"] is state["downloads"] and moved["generator"] is state["generator"] and moved["round"] == 2

@@ -39,7 +39,7 @@ from medfed.federated.executor import InProcessSites, PhaseWork, SiteExecutor
 from medfed.federated.faults import update_outliers
 from medfed.federated.link import Link
 from medfed.federated.site import Site
-from medfed.federated.strategies.base import Payload, Strategy
+from medfed.federated.strategies.base import Payload, Strategy, state_on_device
 
 
 class FederatedLoop:
@@ -285,7 +285,7 @@ class FederatedLoop:
         self.executor.load_state_dict(state["sites"])
         for link, link_state in zip(self.links, state["links"], strict=True):
             link.load_state_dict(link_state)
-        self.server.load_state_dict(state["server"])
+        self.server.load_state_dict(state_on_device(state["server"], self.fabric.device))
 
 
 def _link_counters(link: Link) -> dict[str, float]:

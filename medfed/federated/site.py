@@ -27,7 +27,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, RandomSampler
 
 from medfed.data.federation import SiteData
-from medfed.federated.strategies.base import SiteHalf
+from medfed.federated.strategies.base import SiteHalf, state_on_device
 from medfed.models.base import FederatedModule
 
 
@@ -254,4 +254,4 @@ class Site:
         for name, generator_state in state["data_orders"].items():
             self._loader(name)
             self.data_orders[name][0].set_state(generator_state)
-        self.strategy.load_state_dict(state["strategy"])
+        self.strategy.load_state_dict(state_on_device(state["strategy"], self.fabric.device))

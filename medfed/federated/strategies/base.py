@@ -179,7 +179,7 @@ class ServerHalf:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+        """Restore :meth:`state_dict`; ``state`` comes through :func:`state_on_device` (floats on the run's device)."""
 
 
 class SiteHalf:
@@ -231,7 +231,7 @@ class SiteHalf:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+        """Restore :meth:`state_dict`; ``state`` comes through :func:`state_on_device` (floats on the run's device)."""
 
 
 class Strategy:
@@ -313,6 +313,24 @@ class Strategy:
             model: ``{part: vector}``, the initial model (every part of :data:`~medfed.models.split.PARTS`).
         """
         return model
+
+
+def state_on_device(state: Any, device: torch.device) -> Any:
+    """``state`` (nested dicts, lists, tuples) with every floating-point tensor moved to ``device``.
+
+    A checkpoint is read onto the CPU; a half's state goes through this before
+    its ``load_state_dict``, so a resumed run on cuda computes with its
+    models, duals and mixing weights where a fresh run has them. Integer and
+    byte tensors (counters, generator states, indices) stay where they are:
+    medfed keeps those on the CPU on purpose.
+    """
+    if isinstance(state, torch.Tensor):
+        return state.to(device) if state.is_floating_point() else state
+    if isinstance(state, dict):
+        return {key: state_on_device(value, device) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(state_on_device(value, device) for value in state)
+    return state
 
 
 def num_samples(site: Site) -> torch.Tensor:
