@@ -8,7 +8,9 @@ results.json), ``reply-timeout-s`` (how long the server waits for a site).
 A bad run config or medfed config (an unknown key, a wrong value, a
 ``federation.label_ratio``, the pooled reference) ends the run before any
 site is contacted, with one line ``medfed: error: ...`` in the run's log;
-the run is marked failed with that line as its reason.
+the run is marked failed with that line as its reason. ``python -m medfed
+deploy submit`` (:mod:`medfed.deploy.submit`) makes the same check before it
+submits a run, and exits with status 2 instead.
 
 The round logic is :class:`~medfed.federated.loop.FederatedLoop`'s, the
 simulator's own; :class:`FlowerSites` is its executor: it codes every
