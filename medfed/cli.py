@@ -13,6 +13,9 @@ strategy.pfednet.lam=0.1``); unknown keys are rejected with the key named.
 finished run to a new scan (:mod:`medfed.predict`). ``--print-config`` prints the full resolved config
 (every component default filled in, as ``config.json`` stores it) and exits.
 ``strategies`` lists the registered algorithms (``--markdown``: the README's table).
+``deploy submit <app-dir> <superlink> --run-config '...'`` submits a run to
+a Flower deployment after checking its config here, and exits with the run's
+outcome (:mod:`medfed.deploy.submit`; needs the ``deploy`` extra).
 
 Bad input (config or data) ends with a one-line error naming the key or file
 and exit status 2, never a traceback; the whole config is checked before any
@@ -69,6 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     strategies = commands.add_parser("strategies", help="list the registered strategies (strategy.name choices)")
     strategies.add_argument("--markdown", action="store_true", help="as the markdown table of the README")
+    deploy = commands.add_parser("deploy", help="a Flower deployment across machines (docs/deploy.md; the deploy extra)")
+    deploy_commands = deploy.add_subparsers(dest="deploy_command", required=True)
+    submit = deploy_commands.add_parser(
+        "submit", help="check a run config, submit the run (flwr run --stream), exit 0 if it finished, 1 if it failed"
+    )
+    submit.add_argument("app_dir", type=Path, help="the Flower app: medfed's repository (its pyproject.toml)")
+    submit.add_argument("superlink", help="the flwr CLI's SuperLink connection name ($FLWR_HOME/config.toml)")
+    submit.add_argument(
+        "--run-config", action="append", default=[], metavar="'key=value ...'",
+        help="run config overrides as flwr run takes them, e.g. 'config=\"/abs/clinical.yaml\" run-name=\"r1\"' (repeatable)",
+    )
     return parser
 
 
@@ -99,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "compare":
             return _compare(args, [*args.overrides, *extra])
+        if args.command == "deploy":
+            return _deploy_submit(args)
         return _fit(args, [*args.overrides, *extra])
     except (ConfigError, DataError) as error:
         print(f"medfed: error: {error}", file=sys.stderr)
@@ -147,6 +163,16 @@ def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"medfed: error: {len(failed)} run(s) failed: {', '.join(failed)} (their logs are in {grid.output / 'logs'})", file=sys.stderr)
         return 1
     return 0
+
+
+def _deploy_submit(args: argparse.Namespace) -> int:
+    """``deploy submit``: 0 when the run finished, 1 when it failed, 2 for a bad run config (nothing submitted), 130 on Ctrl-C."""
+    try:
+        from medfed.deploy.submit import submit
+    except ModuleNotFoundError as error:  # flwr is the deploy extra's; the simulator never imports it
+        print(f"medfed: error: deploy submit needs Flower: pip install 'medfed[deploy]' ({error})", file=sys.stderr)
+        return 2
+    return submit(args.app_dir, args.superlink, args.run_config)
 
 
 def _how_to_resume(config: str, overrides: list[str], output_dir: Path) -> str:

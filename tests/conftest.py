@@ -1,4 +1,4 @@
-"""Shared fixtures: a private preprocessed-data cache, a tiny generated BraTS data set, a tiny run config on it, a finished run, no data reading."""
+"""Shared fixtures: a private preprocessed-data cache, tiny generated BraTS and LUNA16 data sets, a tiny run config on it, a finished run, no data reading."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import medfed.tasks.brats
 from medfed.cli import main
 from medfed.data.phantoms.brats import generate_brats_phantoms
+from medfed.data.phantoms.luna16 import generate_luna16_phantoms
 
 TINY_RUN = """
 data:
@@ -65,6 +66,15 @@ def tiny_brats_root(tmp_path_factory) -> Path:
     """3 sites x 3 generated cases at 4 mm, written once per test session."""
     root = tmp_path_factory.mktemp("data") / "brats2017"
     return generate_brats_phantoms(root, n_sites=3, cases_per_site=3, seed=0, resolution_mm=4.0, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_luna_root(tmp_path_factory) -> Path:
+    """3 sites x 4 generated series, 64 x 64 in-plane, 2-3 nodules and 12 other candidates each, written once per test session."""
+    return generate_luna16_phantoms(
+        tmp_path_factory.mktemp("luna") / "luna16", seed=1, n_sites=3, series_per_site=4, matrix_size=64, z_extent_mm=20.0,
+        nodules_per_series=(2, 3), nodule_diameter_mm=(3.0, 6.0), negatives_per_series=12, progress=False,
+    )
 
 
 @pytest.fixture

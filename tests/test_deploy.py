@@ -3,7 +3,9 @@
 Always (CI): fedavg with dense messages, and pfednet with CER+STC codecs both
 ways, site 1's SuperNode killed and restarted in round 2. With
 ``MEDFED_DEPLOY_FULL=1`` also: pfednet with dense messages and a restart;
-fedavg with CER+STC; a bad run config.
+fedavg with CER+STC; ``python -m medfed deploy submit`` refusing a bad run
+config (exit status 2, nothing submitted) and reporting a run whose sites
+cannot build themselves (exit status 1, Flower's failed status and reason).
 
 One SuperLink and, per site, a SuperNode (``--isolation process``) and its
 resident runner (:mod:`medfed.deploy.runner`), all child processes on
@@ -32,7 +34,7 @@ import pytest
 pytest.importorskip("flwr")
 
 from medfed.config import FederationConfig  # noqa: E402
-from medfed.deploy.local import LocalFederation  # noqa: E402
+from medfed.deploy.local import CONNECTION, LocalFederation, run_config_text  # noqa: E402
 from medfed.tasks import clinical  # noqa: E402
 
 pytestmark = pytest.mark.deploy
@@ -169,10 +171,27 @@ def test_fedavg_with_cer_stc_codecs_gives_the_simulators_byte_counts(rehearsal):
     assert all(r["bytes"]["site0"]["up"] < r["bytes"]["site0"]["dense_up"] for r in deployed["history"])
 
 
+def _deploy_submit(rehearsal: Rehearsal, run_config: dict) -> subprocess.CompletedProcess:
+    """``python -m medfed deploy submit`` of ``run_config`` to the rehearsal's SuperLink (its output captured)."""
+    command = [sys.executable, "-m", "medfed", "deploy", "submit", str(REPO), CONNECTION, "--run-config", run_config_text(run_config)]
+    env = {**os.environ, **ENV, "FLWR_HOME": str(rehearsal.local.flwr_home())}
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+
+
 @FULL
-def test_a_bad_run_config_ends_the_run_with_one_line_before_any_site_is_contacted(rehearsal):
+def test_deploy_submit_refuses_a_bad_run_config_in_one_line_with_status_2_before_submitting(rehearsal):
     overrides = [o for o in _overrides(rehearsal, "fedavg") if not o.startswith("federation.label_ratio")]  # the file's ratio
-    log = rehearsal.local.run(REPO, _run_config(rehearsal, "bad", overrides), RUN_TIMEOUT_S)
-    errors = [line for line in log.splitlines() if line.startswith("medfed: error:")]
-    assert len(errors) == 1 and "federation.label_ratio" in errors[0], log[-3000:]
-    assert not (rehearsal.tmp / "deployed-bad").exists()
+    submitted = _deploy_submit(rehearsal, _run_config(rehearsal, "bad", overrides))
+    assert submitted.returncode == 2, submitted.stdout[-3000:] + submitted.stderr[-3000:]
+    errors = submitted.stderr.splitlines()
+    assert len(errors) == 1 and errors[0].startswith("medfed: error: config key 'federation.label_ratio'"), submitted.stderr
+    assert "started run" not in submitted.stdout and not (rehearsal.tmp / "deployed-bad").exists()
+
+
+@FULL
+def test_deploy_submit_exits_1_with_the_reason_when_the_run_fails(rehearsal):
+    overrides = [*_overrides(rehearsal, "fedavg"), "data.csv=/nowhere/records.csv"]  # no site holds records.csv
+    submitted = _deploy_submit(rehearsal, _run_config(rehearsal, "failing", overrides))
+    assert submitted.returncode == 1, submitted.stdout[-3000:] + submitted.stderr[-3000:]
+    errors = [line for line in submitted.stderr.splitlines() if line.startswith("medfed: error:")]
+    assert len(errors) == 1 and "finished:failed" in errors[0] and "could not build its site" in errors[0], submitted.stderr

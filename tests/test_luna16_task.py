@@ -11,30 +11,13 @@ from medfed.config import FederationConfig, LabelRatioConfig
 from medfed.data.label_ratio import site_ratios
 from medfed.data.luna16 import extract_candidate_patches
 from medfed.data.partition_csv import read_partition_csv
-from medfed.data.phantoms.luna16 import generate_luna16_phantoms
 from medfed.errors import ConfigError, DataError
 from medfed.data.federation import split_site
 from medfed.tasks.luna16 import Options, _draw_series, _split_series, build_federation
 
 from holdout_checks import assert_validation_carved_from_training, validation_subjects
 
-TINY_PHANTOMS = dict(
-    n_sites=3,
-    series_per_site=4,
-    matrix_size=64,
-    z_extent_mm=20.0,
-    nodules_per_series=(2, 3),
-    nodule_diameter_mm=(3.0, 6.0),
-    negatives_per_series=12,
-    progress=False,
-)
 LABEL_RATIO = LabelRatioConfig(delta=2.0, spread=1.5)
-
-
-@pytest.fixture(scope="module")
-def tiny_luna_root(tmp_path_factory):
-    """3 sites x 4 generated series, 64 x 64 in-plane, written once for this module."""
-    return generate_luna16_phantoms(tmp_path_factory.mktemp("luna") / "luna16", seed=1, **TINY_PHANTOMS)
 
 
 def federation_of(root, seed=0, label_ratio=LABEL_RATIO, n_sites=3):

@@ -31,6 +31,7 @@ already have identity directions; other MetaImage data need not.
 from __future__ import annotations
 
 import csv
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -224,8 +225,13 @@ class CandidateSelection:
 
     def input_files(self) -> list[Path]:
         """The files the patches are cut from: the CSV, and each series' header and voxel data file."""
-        data_files = (_element_data_file(path) for path in self.series_paths.values())
-        return [self.csv_path, *self.series_paths.values(), *(path for path in data_files if path is not None)]
+        return [self.csv_path, *(path for header in self.series_paths.values() for path in series_files(header))]
+
+
+def series_files(mhd_path: Path) -> list[Path]:
+    """A series' files: its ``.mhd`` header and, when the header names one, its voxel data file (``ElementDataFile``)."""
+    data_file = _element_data_file(mhd_path)
+    return [mhd_path] if data_file is None else [mhd_path, data_file]
 
 
 def select_candidates(
@@ -242,7 +248,9 @@ def select_candidates(
         candidates_csv: candidates file; default ``root/candidates_V2.csv``,
             else ``root/candidates.csv``.
         max_negatives_per_series: keep at most this many class-0 candidates
-            per series, drawn uniformly with ``seed`` (all positives are kept);
+            per series, drawn uniformly with a seed of the series' own (from
+            ``seed`` and its uid: a series keeps the same candidates whatever
+            other series the data set holds); all positives are kept;
             ``None`` keeps every candidate. Real LUNA16 has 551k candidates
             (2.3 GB of float32 32 x 32 patches), 1.2k of them nodules.
         seed: seed of the negative subsampling.
@@ -262,7 +270,7 @@ def select_candidates(
         raise DataError(
             f"{csv_path}: {len(unknown)} candidate series not found under {root}/subset*/, e.g. {unknown[0]}"
         )
-    keep = _keep_mask(table.labels, _rows_by_series(table)[1], max_negatives_per_series, seed)
+    keep = _keep_mask(table.labels, *_rows_by_series(table), max_negatives_per_series, seed)
     kept_series = sorted(set(table.series_uids[keep].tolist()))
     return CandidateSelection(csv_path, table, keep, {uid: series_paths[uid] for uid in kept_series})
 
@@ -386,16 +394,22 @@ def _candidates_csv_path(root: Path, candidates_csv: str | Path | None) -> Path:
 
 
 def _keep_mask(
-    labels: np.ndarray, rows_by_series: list[np.ndarray], max_negatives: int | None, seed: int
+    labels: np.ndarray, uids: np.ndarray, rows_by_series: list[np.ndarray], max_negatives: int | None, seed: int
 ) -> np.ndarray:
-    """bool (n,): every positive, and per series at most ``max_negatives`` negatives drawn with ``seed``."""
+    """bool (n,): every positive, and per series at most ``max_negatives`` negatives.
+
+    Series ``uids[k]`` (rows ``rows_by_series[k]``, in file order) draws its
+    negatives with a generator seeded by ``seed`` and its uid, so what it
+    keeps depends neither on the file's order nor on the other series (a
+    deployed site holding only its own series keeps what the simulator keeps).
+    """
     if max_negatives is None:
         return np.ones(len(labels), dtype=bool)
-    rng = np.random.default_rng(seed)
     keep = labels == 1
-    for rows in rows_by_series:  # series in sorted uid order, so the draw does not depend on file order
+    for uid, rows in zip(uids, rows_by_series, strict=True):
         negatives = rows[labels[rows] == 0]
         if negatives.size > max_negatives:
+            rng = np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(str(uid).encode())]))
             negatives = rng.choice(negatives, size=max_negatives, replace=False)
         keep[negatives] = True
     return keep

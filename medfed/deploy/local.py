@@ -200,7 +200,7 @@ class LocalFederation:
         the run ends; :meth:`wait` for it, :meth:`close` stops it if it is
         still following.
         """
-        overrides = " ".join(f"{key}={_toml_value(value)}" for key, value in run_config.items())
+        overrides = run_config_text(run_config)
         command = ["flwr", "run", str(app_dir), CONNECTION, "--stream", *(["--run-config", overrides] if overrides else [])]
         process = self._start(f"flwr-run-{len(self.submitted)}", command, 0, listens=False, home=self.flwr_home())
         self.submitted.append(process)
@@ -352,9 +352,14 @@ def _descendants(pid: int) -> list[tuple[int, str]]:
     return found
 
 
+def run_config_text(run_config: dict[str, Any]) -> str:
+    """``flwr run --run-config``'s text (also ``python -m medfed deploy submit``'s): ``key=value`` pairs, strings quoted as TOML strings."""
+    return " ".join(f"{key}={_toml_value(value)}" for key, value in run_config.items())
+
+
 def _node_config(config: dict[str, Any]) -> str:
-    """``--node-config``'s text: ``key=value`` pairs, strings quoted as TOML strings."""
-    return " ".join(f"{key}={_toml_value(value)}" for key, value in config.items())
+    """``--node-config``'s text: ``key=value`` pairs, as :func:`run_config_text`'s."""
+    return run_config_text(config)
 
 
 def _toml_value(value: Any) -> str:

@@ -5,10 +5,12 @@ Run config (``[tool.flwr.app.config]`` in pyproject.toml, ``flwr run
 the ServerApp), ``overrides`` (space-separated ``key=value``, as the CLI's),
 ``run-name`` (the sites key their state by it), ``output-dir`` (the server's
 results.json), ``reply-timeout-s`` (how long the server waits for a site).
-A bad run config or medfed config (an unknown key, a wrong value, a task
-that cannot build one site alone, a ``federation.label_ratio``) ends the run
-before any site is contacted, with one line ``medfed: error: ...`` in the
-run's log; the run is marked failed with that line as its reason.
+A bad run config or medfed config (an unknown key, a wrong value, a
+``federation.label_ratio``, the pooled reference) ends the run before any
+site is contacted, with one line ``medfed: error: ...`` in the run's log;
+the run is marked failed with that line as its reason. ``python -m medfed
+deploy submit`` (:mod:`medfed.deploy.submit`) makes the same check before it
+submits a run, and exits with status 2 instead.
 
 The round logic is :class:`~medfed.federated.loop.FederatedLoop`'s, the
 simulator's own; :class:`FlowerSites` is its executor: it codes every
@@ -51,6 +53,7 @@ from medfed.federated.loop import FederatedLoop
 from medfed.federated.strategies.base import Payload
 from medfed.models.split import PARTS
 from medfed.results import communication_totals, write_json_atomic
+from medfed.tasks.label_imbalance import refuse_label_ratio
 
 app = ServerApp()
 POLL_S = 0.1
@@ -268,10 +271,9 @@ def run_settings(run_config: dict[str, Any]) -> RunSettings:
     Raises:
         ConfigError: a run config key missing or of the wrong type, a bad
             medfed config (:func:`~medfed.config.load_config`,
-            :func:`~medfed.components.resolve`), a task without
-            ``build_site``, a strategy that pools the sites' data (the
-            centralised reference), or a ``federation.label_ratio`` (its draw
-            needs every site's records at once).
+            :func:`~medfed.components.resolve`), a strategy that pools the
+            sites' data (the centralised reference), or a
+            ``federation.label_ratio`` (its draw needs every site's samples at once).
     """
     for key, kind in RUN_CONFIG.items():
         value = run_config.get(key)
@@ -291,18 +293,12 @@ def run_settings(run_config: dict[str, Any]) -> RunSettings:
     except ValueError as error:
         raise ConfigError(f"run config key 'overrides': {error}") from None
     resolved = resolve(load_config(str(run_config["config"]), overrides))
-    if resolved.task.build_site is None:
-        raise ConfigError(f"config key 'data.task' = {resolved.task.name!r}: this task cannot build one site alone yet")
     if resolved.strategy_cls.pools_data:
         raise ConfigError(
             f"config key 'strategy.name' = {resolved.strategy_cls.name!r}: it pools every site's training data at one site, "
             "which a deployment never does"
         )
-    if resolved.run.federation.label_ratio is not None:
-        raise ConfigError(
-            "config key 'federation.label_ratio': its draw runs over every site's records at once, which no deployed "
-            "site holds; set federation.label_ratio=null"
-        )
+    refuse_label_ratio(resolved.run.federation)
     return RunSettings(resolved, Path(str(run_config["output-dir"])), float(run_config["reply-timeout-s"]))
 
 

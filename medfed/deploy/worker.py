@@ -36,7 +36,6 @@ from lightning.fabric import Fabric
 from medfed.atomic import atomic_write
 from medfed.components import resolve
 from medfed.config import load_config
-from medfed.errors import ConfigError
 from medfed.federated.executor import PhaseWork, site_phase
 from medfed.federated.faults import non_finite_keys
 from medfed.federated.link import Link, Wire
@@ -57,7 +56,7 @@ class SiteWorker:
         state_dir: where this node keeps the site's state for this run (created).
 
     Raises:
-        ConfigError: the config is invalid, or its task has no ``build_site``.
+        ConfigError: the config is invalid, or no site can build itself alone under it (a ``federation.label_ratio``).
         DataError: the site's data (from the task's reader).
     """
 
@@ -68,8 +67,6 @@ class SiteWorker:
             handle.write(config_yaml)
         resolved = resolve(load_config(config_path))
         run = resolved.run
-        if resolved.task.build_site is None:
-            raise ConfigError(f"config key 'data.task' = {resolved.task.name!r}: this task cannot build one site alone yet")
         if run.trainer.num_threads is not None:
             torch.set_num_threads(run.trainer.num_threads)
         federation = resolved.task.build_site(

@@ -20,21 +20,21 @@ class Task:
     Options: type
     build_federation: Callable[..., Federation]
     """``build_federation(options, federation: FederationConfig, seed, progress=True) -> Federation``"""
+    build_site: Callable[..., Federation]
+    """``build_site(options, federation, seed, site_index, data_root, progress=True) -> Federation`` of one
+    site built from its own data alone (a deployed site, :mod:`medfed.deploy`)."""
     default_model: str
     models: tuple[str, ...]
     """The model names whose input the task's samples fit (``default_model`` first)."""
     targets: tuple[str, ...] = ()
     """The ``model.target`` values the task can label samples for (``build_federation(..., target=...)``);
     empty: one fixed target, no ``target`` argument."""
-    build_site: Callable[..., Federation] | None = None
-    """``build_site(options, federation, seed, site_index, data_root, progress=True) -> Federation`` of one
-    site built from its own data alone (a deployed site, :mod:`medfed.deploy`); None: the task has none yet."""
 
 
 TASKS: dict[str, Task] = {
     module.NAME: Task(
-        module.NAME, module.Options, module.build_federation, module.DEFAULT_MODEL, (module.DEFAULT_MODEL,),
-        getattr(module, "TARGETS", ()), getattr(module, "build_site", None),
+        module.NAME, module.Options, module.build_federation, module.build_site, module.DEFAULT_MODEL, (module.DEFAULT_MODEL,),
+        getattr(module, "TARGETS", ()),
     )
     for module in (brats, luna16, clinical)
 }

@@ -76,7 +76,7 @@ from medfed.data.tabular import (
     write_breast_cancer_csv,
 )
 from medfed.errors import ConfigError, DataError
-from medfed.tasks.label_imbalance import sites_at_label_ratio
+from medfed.tasks.label_imbalance import refuse_label_ratio, sites_at_label_ratio
 
 NAME = "clinical"
 DEFAULT_MODEL = "logreg"
@@ -225,11 +225,7 @@ def build_site(
             than 2 records.
     """
     del progress  # one small table: nothing to report
-    if federation.label_ratio is not None:
-        raise ConfigError(
-            "config key 'federation.label_ratio': its draw runs over every site's records at once, which a deployed "
-            "site does not hold; set federation.label_ratio=null (each hospital keeps its own ratio)"
-        )
+    refuse_label_ratio(federation)
     path = Path(data_root) / Path(options.csv).name
     data = read_tabular_csv(
         path,

@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from medfed.config import LabelRatioConfig
+from medfed.config import FederationConfig, LabelRatioConfig
 from medfed.data.label_ratio import partition_by_label_ratio, site_ratios
-from medfed.errors import DataError, warn
+from medfed.errors import ConfigError, DataError, warn
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,19 @@ class SiteSamples:
     test: np.ndarray
     info: dict[str, Any]
     validation: np.ndarray | None = None
+
+
+def refuse_label_ratio(federation: FederationConfig) -> None:
+    """ConfigError naming ``federation.label_ratio`` unless it is null: a deployed site (:mod:`medfed.deploy`) cannot impose it.
+
+    The draw runs over every site's samples at once (:func:`sites_at_label_ratio`),
+    which no site built from its own data alone holds.
+    """
+    if federation.label_ratio is not None:
+        raise ConfigError(
+            "config key 'federation.label_ratio': its draw runs over every site's samples at once, which a deployed "
+            "site does not hold; set federation.label_ratio=null (each hospital keeps its own ratio)"
+        )
 
 
 def sites_at_label_ratio(

@@ -34,12 +34,19 @@ ratios and class counts; they end up in results.json. The patches are then
 cut from the volumes, or taken from the preprocessed-data cache
 (:mod:`medfed.data.cache`, ``data.cache``) when the same files, options,
 federation and seed were built before.
+
+A deployed hospital builds its own site alone from its own series
+(:func:`build_site`); :func:`site_series` copies each simulated site's series
+and candidate rows into a LUNA16-layout folder of its own for a rehearsal on
+one machine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+import csv
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -57,19 +64,20 @@ from medfed.data.federation import (
     assign_subjects_to_sites,
     refuse_site_sizes,
     site_sizes_summary,
+    split_site,
     split_sites,
     split_subjects,
 )
-from medfed.data.luna16 import CandidateSelection, NoduleCandidates, cut_candidate_patches, select_candidates
+from medfed.data.luna16 import CandidateSelection, NoduleCandidates, cut_candidate_patches, select_candidates, series_files
 from medfed.data.partition_csv import find_partition_csv, read_partition_csv
 from medfed.data.phantoms.luna16 import luna16_phantoms
 from medfed.data.phantoms.store import MARKER, describe_generated
 from medfed.errors import ConfigError, DataError
-from medfed.tasks.label_imbalance import SiteSamples, sites_at_label_ratio
+from medfed.tasks.label_imbalance import SiteSamples, refuse_label_ratio, sites_at_label_ratio
 
 NAME = "luna16"
 DEFAULT_MODEL = "densenet"
-PREPROCESSING_VERSION = 1
+PREPROCESSING_VERSION = 2
 """Part of the cache key: bump it when a change here changes the tensors a federation holds."""
 
 
@@ -132,30 +140,46 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
             a site's split cannot meet, also before any volume is read.
     """
     root = Path(options.root)
-    if options.generate is not None:
-        refuse_site_sizes(federation, "the generated data set places its series at sites (one partition per scanner)")
-    with ExitStack() as held:  # a generated data set stays as it is while it is read, whatever other runs generate
+    with _data_set(root, options, federation, progress):
+        return _plan_and_cut(root, options, federation, seed, progress)
+
+
+@contextmanager
+def _data_set(root: Path, options: Options, federation: FederationConfig, progress: bool) -> Iterator[None]:
+    """Holds the data at ``root`` while the ``with`` block reads them: the generated set (written first if need be), or nothing.
+
+    A generated data set stays as it is while it is read, whatever other runs generate.
+    """
+    with ExitStack() as held:
         if options.generate is not None:
+            refuse_site_sizes(federation, "the generated data set places its series at sites (one partition per scanner)")
             try:
                 held.enter_context(luna16_phantoms(root, n_sites=federation.n_sites, progress=progress, **asdict(options.generate)))
             except ValueError as error:  # the generator names the impossible parameter
                 raise ConfigError(f"config key 'data.generate': {error}") from None
-        return _plan_and_cut(root, options, federation, seed, progress)
+        yield
+
+
+def _select(root: Path, candidates_csv: str | Path | None, options: Options, seed: int) -> CandidateSelection:
+    """The candidates of the data set at ``root`` (:func:`~medfed.data.luna16.select_candidates` with the options' subsampling)."""
+    return select_candidates(root, candidates_csv=candidates_csv, max_negatives_per_series=options.max_negatives_per_series, seed=seed)
 
 
 def _plan_and_cut(root: Path, options: Options, federation: FederationConfig, seed: int, progress: bool) -> Federation:
     """:func:`build_federation` once the data set at ``root`` is there."""
-    selection = select_candidates(
-        root, candidates_csv=options.candidates_csv, max_negatives_per_series=options.max_negatives_per_series, seed=seed
-    )
+    selection = _select(root, options.candidates_csv, options, seed)
     partition_file = find_partition_csv(options.partition_csv or None, root)
-    splits, kept = _plan(selection.labels, selection.series_uids, federation, seed, partition_file, source=str(root))
+    series, has_nodule = _series(selection)
+    site_series = _place_series(series, federation, seed, partition_file)
+    draw = partial(_draw_series, has_nodule=has_nodule)
+    splits = split_sites(site_series, draw, federation, seed, noun="series", partition_file=partition_file)
+    kept = _kept(selection, site_series, splits, federation, seed, source=str(root))
 
     input_files = [*selection.input_files(), *(path for path in (partition_file, root / MARKER) if path is not None and path.is_file())]
     key = cache_key(NAME, PREPROCESSING_VERSION, root, input_files, key_settings(options, federation, seed))
     built = load_or_build(
         key,
-        lambda: _cut_federation(root, selection, splits, kept, options, federation, progress),
+        lambda: _cut_federation(root, selection, splits, kept, range(federation.n_sites), options, federation, progress),
         task=NAME,
         enabled=options.cache,
         cache_dir=options.cache_dir,
@@ -164,59 +188,145 @@ def _plan_and_cut(root: Path, options: Options, federation: FederationConfig, se
     return built
 
 
-def _plan(
-    labels: np.ndarray,
-    series_uids: np.ndarray,
+def build_site(
+    options: Options, federation: FederationConfig, seed: int, site_index: int, data_root: Path, progress: bool = True
+) -> Federation:
+    """One site's member alone, from its own series (a deployed hospital, :mod:`medfed.deploy`).
+
+    ``data_root`` is a LUNA16-layout folder holding only the site's series
+    (``subset*/<uid>.mhd`` and their voxel files) and its candidates CSV
+    (the file name of ``data.candidates_csv``, else ``candidates_V2.csv`` or
+    ``candidates.csv``); every series with a candidate there belongs to
+    site ``site_index``. The rest is :func:`build_federation`'s for that
+    site: the same negative subsampling (each series' draw is seeded by the
+    run's seed and its uid), the same stratified train/test (and validation)
+    draw with the site's own seeds, the same patches. Given the series and
+    candidate rows the simulator places at the site (:func:`site_series`),
+    the member's tensors are the simulator's. ``data.root``,
+    ``data.generate``, ``data.partition_csv`` and the preprocessed-data
+    cache are not used.
+
+    Returns:
+        A federation of one site, named ``site<site_index>``.
+
+    Raises:
+        ConfigError: ``federation.label_ratio`` is set (its draw runs over
+            every site's candidates at once).
+        DataError: the site's data (see :mod:`medfed.data.luna16`), or fewer
+            than 2 series with a nodule candidate.
+    """
+    refuse_label_ratio(federation)
+    root = Path(data_root)
+    selection = _select(root, _site_csv(root, options), options, seed)
+    series, has_nodule = _series(selection)
+    split = split_site(series, partial(_draw_series, has_nodule=has_nodule), federation, seed, site_index)
+    kept = _kept(selection, [series], [split], federation, seed, source=str(root))
+    return _cut_federation(root, selection, [split], kept, [site_index], options, federation, progress)
+
+
+def site_series(options: Options, federation: FederationConfig, seed: int, out_dir: Path, progress: bool = True) -> list[Path]:
+    """Copy each site's series, as :func:`build_federation` places them, to ``out_dir/site<i>/`` in the LUNA16 layout (generated first if need be).
+
+    A rehearsal of a deployment on one machine: each site's folder holds its
+    series' headers and voxel files at their paths relative to ``data.root``
+    (``subset<k>/<uid>.mhd``, ``.raw``), the candidates CSV under its own
+    file name restricted to those series' rows, and ``annotations.csv``
+    likewise when the data set has one (rows in file order). :func:`build_site`
+    builds the simulator's member from it.
+
+    Returns:
+        The sites' folders, site order.
+
+    Raises:
+        ConfigError, DataError: as :func:`build_federation`'s plan.
+    """
+    root = Path(options.root)
+    with _data_set(root, options, federation, progress):
+        selection = _select(root, options.candidates_csv, options, seed)
+        partition_file = find_partition_csv(options.partition_csv or None, root)
+        folders = []
+        for index, uids in enumerate(_place_series(_series(selection)[0], federation, seed, partition_file)):
+            folder = Path(out_dir) / f"site{index}"
+            for uid in uids:
+                for path in series_files(selection.series_paths[uid]):
+                    target = folder / path.relative_to(root)
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(path, target)
+            for table in (selection.csv_path, root / "annotations.csv"):
+                if table.is_file():
+                    _copy_rows(table, folder / table.name, set(uids))
+            folders.append(folder)
+    return folders
+
+
+def _site_csv(root: Path, options: Options) -> Path | None:
+    """A site's candidates CSV: ``root`` / the file name of ``data.candidates_csv``; None: the default names in ``root``."""
+    return None if options.candidates_csv is None else root / Path(options.candidates_csv).name
+
+
+def _copy_rows(source: Path, target: Path, uids: set[str]) -> None:
+    """Write ``source``'s header and its rows whose first field (``seriesuid``) is in ``uids``, cells unchanged, to ``target``."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(source, newline="", encoding="utf-8") as read, open(target, "w", newline="", encoding="utf-8") as written:
+        rows = csv.reader(read)
+        out = csv.writer(written, lineterminator="\n")
+        out.writerow(next(rows))
+        out.writerows(row for row in rows if row and row[0] in uids)
+
+
+def _series(selection: CandidateSelection) -> tuple[list[str], dict[str, bool]]:
+    """The series with a selected candidate (sorted) and whether each holds a nodule candidate."""
+    series, series_of_candidate = np.unique(selection.series_uids, return_inverse=True)
+    has_nodule = np.bincount(series_of_candidate, weights=selection.labels, minlength=len(series)) > 0
+    return series.tolist(), dict(zip(series.tolist(), has_nodule.tolist()))
+
+
+def _place_series(series: list[str], federation: FederationConfig, seed: int, partition_file: Path | None) -> list[list[str]]:
+    """Each site's series (sorted): by the partition file when there is one, else a seeded shuffle."""
+    partition = read_partition_csv(partition_file) if partition_file is not None else None
+    return assign_subjects_to_sites(series, federation, seed, partition)
+
+
+def _kept(
+    selection: CandidateSelection,
+    site_series: list[list[str]],
+    splits: list[SiteSplit],
     federation: FederationConfig,
     seed: int,
-    partition_file: Path | None,
     source: str,
-) -> tuple[list[SiteSplit], list[SiteSamples]]:
-    """Each site's series split and the candidates it keeps at its label ratio.
+) -> list[SiteSamples]:
+    """The candidates each site keeps at its label ratio, split as its series are.
 
     Args:
-        labels: int64 (n,), the candidates' labels (1 = nodule).
-        series_uids: str (n,), each candidate's series.
-        federation: the federation config.
+        selection: the selected candidates (labels and series in CSV order).
+        site_series: each site's series, one list per entry of ``splits``.
+        splits: each site's :class:`SiteSplit` of its series.
+        federation: the federation config (label ratio, holdout).
         seed: the run's seed.
-        partition_file: places series at sites, or None for a seeded shuffle.
         source: the data, for error messages.
 
     Returns:
-        Per site, its :class:`SiteSplit` of series and its :class:`SiteSamples`
-        (indices into ``labels``).
+        Per site, its :class:`SiteSamples` (indices into the selected candidates).
     """
-    series, series_of_candidate = np.unique(series_uids, return_inverse=True)
-    series_has_nodule = np.bincount(series_of_candidate, weights=labels, minlength=len(series)) > 0
-    partition = read_partition_csv(partition_file) if partition_file is not None else None
-    site_series = assign_subjects_to_sites(series.tolist(), federation, seed, partition)
-    draw = partial(_draw_series, has_nodule=dict(zip(series.tolist(), series_has_nodule)))
-    splits = split_sites(site_series, draw, federation, seed, noun="series", partition_file=partition_file)
-
-    position = {uid: i for i, uid in enumerate(series.tolist())}
-    site_of_series = np.empty(len(series), dtype=np.int64)
-    series_evaluated = np.zeros(len(series), dtype=bool)
-    series_set_aside = np.zeros(len(series), dtype=bool)
-    series_validation = np.zeros(len(series), dtype=bool)
-    for index, (uids, split) in enumerate(zip(site_series, splits)):
-        site_of_series[[position[uid] for uid in uids]] = index
-        series_evaluated[[position[uid] for uid in split.evaluation]] = True
-        series_set_aside[[position[uid] for uid in split.set_aside]] = True
-        series_validation[[position[uid] for uid in split.validation]] = True
-
-    kept = sites_at_label_ratio(
+    labels, series_uids = selection.labels, selection.series_uids
+    site_of = {uid: index for index, uids in enumerate(site_series) for uid in uids}
+    roles = {"evaluation": set(), "set_aside": set(), "validation": set()}
+    for split in splits:
+        for role, members in roles.items():
+            members.update(getattr(split, role))
+    member = {role: np.isin(series_uids, sorted(members)) for role, members in roles.items()}
+    return sites_at_label_ratio(
         labels,
-        site_of_series[series_of_candidate],
-        series_evaluated[series_of_candidate],
-        n_sites=federation.n_sites,
+        np.array([site_of[uid] for uid in series_uids], dtype=np.int64),
+        member["evaluation"],
+        n_sites=len(splits),
         label_ratio=federation.label_ratio,
         seed=seed,
         source=source,
-        set_aside=series_set_aside[series_of_candidate],
+        set_aside=member["set_aside"],
         evaluation_split=federation.holdout,
-        in_validation=series_validation[series_of_candidate] if series_validation.any() else None,
+        in_validation=member["validation"] if member["validation"].any() else None,
     )
-    return splits, kept
 
 
 def _cut_federation(
@@ -224,11 +334,15 @@ def _cut_federation(
     selection: CandidateSelection,
     splits: list[SiteSplit],
     kept: list[SiteSamples],
+    site_indices: Sequence[int],
     options: Options,
     federation: FederationConfig,
     progress: bool,
 ) -> Federation:
-    """Read every selected series, cut its candidates' patches, and deal them out as planned."""
+    """Read every selected series, cut its candidates' patches, and deal them out as planned.
+
+    ``site_indices`` are the sites' indices (their names ``site<i>``), one per split.
+    """
     candidates = cut_candidate_patches(selection, patch_size=options.patch_size, progress=progress)
     sites = [
         SiteData(
@@ -238,7 +352,7 @@ def _cut_federation(
             info={**split.info("series"), **samples.info},
             validation=None if samples.validation is None else _dataset(candidates, samples.validation),
         )
-        for index, (samples, split) in enumerate(zip(kept, splits))
+        for index, samples, split in zip(site_indices, kept, splits, strict=True)
     ]
     generated = describe_generated(root)
     return Federation(
