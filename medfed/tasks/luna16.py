@@ -9,8 +9,9 @@ does not fit the data fails before any CT volume is read:
 1. **Sites.** CT series are placed at sites from a FeTS-style
    ``partitioning.csv`` when the data set has one (the generated default does:
    one partition per simulated scanner) or by a seeded shuffle of the series
-   otherwise (:func:`~medfed.data.federation.assign_subjects_to_sites`, with
-   ``federation.site_sizes`` series per site).
+   otherwise (:func:`~medfed.data.federation.place_subjects`, with
+   ``federation.site_sizes`` series per site; a partition's sites then keep a
+   seeded draw of that many of their series, the others' candidates unused).
 2. **Train/test by series.** Each site's series are split 80/20 (the
    federation's ``test_fraction``) with a seeded draw per site, so no series
    (patient) has candidates in both splits. The draw is stratified: series
@@ -54,9 +55,8 @@ from medfed.data.federation import (
     Federation,
     SiteData,
     SiteSplit,
-    assign_subjects_to_sites,
-    refuse_site_sizes,
-    site_sizes_summary,
+    Placement,
+    place_subjects,
     split_sites,
     split_subjects,
 )
@@ -127,13 +127,12 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
 
     Raises:
         ConfigError: the federation config does not fit the series found
-            (too many sites), before any volume is read.
+            (too many sites, site sizes too small for a site's splits),
+            before any volume is read.
         DataError: bad data (see :mod:`medfed.data.luna16`), or a label ratio
             a site's split cannot meet, also before any volume is read.
     """
     root = Path(options.root)
-    if options.generate is not None:
-        refuse_site_sizes(federation, "the generated data set places its series at sites (one partition per scanner)")
     with ExitStack() as held:  # a generated data set stays as it is while it is read, whatever other runs generate
         if options.generate is not None:
             try:
@@ -149,10 +148,10 @@ def _plan_and_cut(root: Path, options: Options, federation: FederationConfig, se
         root, candidates_csv=options.candidates_csv, max_negatives_per_series=options.max_negatives_per_series, seed=seed
     )
     partition_file = find_partition_csv(options.partition_csv or None, root)
-    splits, kept = _plan(selection.labels, selection.series_uids, federation, seed, partition_file, source=str(root))
+    placement, splits, kept = _plan(selection.labels, selection.series_uids, federation, seed, partition_file, source=str(root))
 
     input_files = [*selection.input_files(), *(path for path in (partition_file, root / MARKER) if path is not None and path.is_file())]
-    key = cache_key(NAME, PREPROCESSING_VERSION, root, input_files, key_settings(options, federation, seed))
+    key = cache_key(NAME, PREPROCESSING_VERSION, root, input_files, key_settings(options, federation, seed, placement=placement))
     built = load_or_build(
         key,
         lambda: _cut_federation(root, selection, splits, kept, options, federation, progress),
@@ -160,7 +159,7 @@ def _plan_and_cut(root: Path, options: Options, federation: FederationConfig, se
         enabled=options.cache,
         cache_dir=options.cache_dir,
     )
-    built.site_sizes = site_sizes_summary(federation, [split.n_subjects for split in splits], "series")
+    built.site_sizes = placement.summary(federation, seed, "series")
     return built
 
 
@@ -171,8 +170,8 @@ def _plan(
     seed: int,
     partition_file: Path | None,
     source: str,
-) -> tuple[list[SiteSplit], list[SiteSamples]]:
-    """Each site's series split and the candidates it keeps at its label ratio.
+) -> tuple[Placement, list[SiteSplit], list[SiteSamples]]:
+    """Each site's series, their split and the candidates each site keeps at its label ratio.
 
     Args:
         labels: int64 (n,), the candidates' labels (1 = nodule).
@@ -183,23 +182,26 @@ def _plan(
         source: the data, for error messages.
 
     Returns:
-        Per site, its :class:`SiteSplit` of series and its :class:`SiteSamples`
-        (indices into ``labels``).
+        The series placed at sites (a partition's sites may keep only some of
+        theirs: the others' candidates are in no site), and per site its
+        :class:`SiteSplit` of series and its :class:`SiteSamples` (indices into ``labels``).
     """
     series, series_of_candidate = np.unique(series_uids, return_inverse=True)
     series_has_nodule = np.bincount(series_of_candidate, weights=labels, minlength=len(series)) > 0
     partition = read_partition_csv(partition_file) if partition_file is not None else None
-    site_series = assign_subjects_to_sites(series.tolist(), federation, seed, partition)
+    placement = place_subjects(series.tolist(), federation, seed, partition, noun="series")
+    site_series = placement.sites
     draw = partial(_draw_series, has_nodule=dict(zip(series.tolist(), series_has_nodule)))
     splits = split_sites(site_series, draw, federation, seed, noun="series", partition_file=partition_file)
 
     position = {uid: i for i, uid in enumerate(series.tolist())}
-    site_of_series = np.empty(len(series), dtype=np.int64)
+    site_of_series = np.zeros(len(series), dtype=np.int64)
     series_evaluated = np.zeros(len(series), dtype=bool)
-    series_set_aside = np.zeros(len(series), dtype=bool)
+    series_set_aside = np.ones(len(series), dtype=bool)  # a series no site kept stays in no split
     series_validation = np.zeros(len(series), dtype=bool)
     for index, (uids, split) in enumerate(zip(site_series, splits)):
         site_of_series[[position[uid] for uid in uids]] = index
+        series_set_aside[[position[uid] for uid in uids]] = False
         series_evaluated[[position[uid] for uid in split.evaluation]] = True
         series_set_aside[[position[uid] for uid in split.set_aside]] = True
         series_validation[[position[uid] for uid in split.validation]] = True
@@ -216,7 +218,7 @@ def _plan(
         evaluation_split=federation.holdout,
         in_validation=series_validation[series_of_candidate] if series_validation.any() else None,
     )
-    return splits, kept
+    return placement, splits, kept
 
 
 def _cut_federation(
