@@ -228,3 +228,13 @@ def test_site_sizes_too_small_for_a_cut_site_are_a_config_error_before_any_volum
 def test_equal_site_sizes_keep_the_generated_partitions_whole(tiny_brats_root):
     built = brats.build_federation(_options(tiny_brats_root), FederationConfig(n_sites=3), seed=0, progress=False)
     assert built.site_sizes == {"setting": "equal", "n_cases": [3, 3, 3]}
+
+
+def test_weights_that_keep_every_case_give_the_equal_federations_tensors(tiny_brats_root):
+    equal = brats.build_federation(_options(tiny_brats_root), FederationConfig(n_sites=3), seed=0, progress=False)
+    kept_all = brats.build_federation(_options(tiny_brats_root), FederationConfig(n_sites=3, site_sizes=[1, 1, 1]), seed=0, progress=False)
+    assert kept_all.site_sizes["n_cases"] == [3, 3, 3] and kept_all.cache["key"] != equal.cache["key"]
+    for a, b in zip(equal.sites, kept_all.sites, strict=True):  # the same cases, the same splits and patches as equal
+        assert a.info == b.info
+        for x, y in zip([*a.train.tensors, *a.test.tensors], [*b.train.tensors, *b.test.tensors], strict=True):
+            assert torch.equal(x, y)
