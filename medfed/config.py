@@ -68,13 +68,18 @@ ON_SITE_FAILURE = ("drop", "stop")
 class FederationConfig:
     """How the data set is cut into hospital sites and each site's split.
 
-    ``site_sizes`` says how many subjects each site gets when subjects are
-    dealt to sites by a seeded shuffle (no partition file, no site column):
-    ``"equal"`` (round robin, sizes differ by at most one), a list of
-    ``n_sites`` positive relative weights, or ``"skewed"`` (Zipf-like sizes,
-    see :func:`medfed.data.federation.site_counts`). Subjects placed by a
-    partition file or a site column keep their sites; any other setting than
-    ``equal`` is then refused.
+    ``site_sizes`` says how many subjects each site gets: ``"equal"``, a list
+    of ``n_sites`` positive relative weights, or ``"skewed"`` (Zipf-like
+    sizes, see :func:`medfed.data.federation.site_counts`). Subjects dealt
+    to sites by a seeded shuffle (no partition file, no site column) are
+    shared out in those sizes (``equal``: round robin, sizes differ by at
+    most one). Subjects placed by a partition file (a FeTS
+    ``partitioning.csv``, the generated BraTS and LUNA16 data sets' one
+    partition per scanner) keep their sites; ``equal`` keeps every partition
+    whole, any other setting keeps a seeded draw of each partition's
+    subjects, in the sizes the setting gives the largest number of subjects
+    the partitions allow (:func:`medfed.data.federation.partition_site_counts`).
+    With a site column any setting but ``equal`` is refused.
 
     ``validation_fraction`` (0: none) is the share of each site's training
     subjects drawn, after the test split and by subject like it (seeded,

@@ -190,3 +190,51 @@ def test_evaluation_volumes_are_the_evaluation_cases_prepared_like_the_patches(t
             assert volume.image.shape[0] == 4 and volume.image.shape[1:] == volume.label.shape
             assert volume.spacing_mm == pytest.approx((4.0, 4.0, 4.0))
             assert (not volume.image[2].any()) == (index == 1)  # the missing channel is zero there, as in training
+
+
+def test_site_sizes_cut_the_partitions_sites_to_seeded_subsets_and_read_only_those(tiny_brats_root, monkeypatch):
+    partition = read_partition_csv(tiny_brats_root / "partitioning.csv")  # 3 partitions of 3 cases
+    own = [sorted(case for case, pid in partition.items() if pid == partition_id) for partition_id in sorted(set(partition.values()))]
+    read = []
+    real_load_case = brats.load_case
+    monkeypatch.setattr(brats, "load_case", lambda case: read.append(case.case_id) or real_load_case(case))
+    federation = FederationConfig(n_sites=3, site_sizes=[2, 2, 3])  # 7 * [2, 2, 3] / 7: sizes 2, 2, 3 fit the partitions
+    built = brats.build_federation(_options(tiny_brats_root), federation, seed=0, progress=False)
+    kept = built.site_sizes["kept_cases"]
+    assert built.site_sizes == {"setting": [2.0, 2.0, 3.0], "n_cases": [2, 2, 3], "n_cases_in_partition": [3, 3, 3], "seed": 0, "kept_cases": kept}
+    assert kept[2] == own[2]  # the largest weight keeps its whole partition
+    for site, cases, partition_cases in zip(built.sites, kept, own):
+        assert set(cases) <= set(partition_cases)  # a subset of the site's own partition
+        assert sorted(site.info["train_cases"] + site.info["test_cases"]) == cases
+        assert len(site.train) == 6 * len(site.info["train_cases"])
+    assert sorted(read) == sorted(case for cases in kept for case in cases)  # the dropped cases are never read
+    assert built.summary()["site_sizes"] == built.site_sizes
+    again = brats.build_federation(_options(tiny_brats_root), federation, seed=0, progress=False)
+    assert again.site_sizes == built.site_sizes and torch.equal(again.sites[0].train.tensors[0], built.sites[0].train.tensors[0])
+    draws = {tuple(map(tuple, brats.build_federation(_options(tiny_brats_root), federation, seed=s, progress=False).site_sizes["kept_cases"])) for s in range(4)}
+    assert len(draws) > 1  # another seed, another draw
+
+
+def test_site_sizes_too_small_for_a_cut_site_are_a_config_error_before_any_volume_is_read(tiny_brats_root, monkeypatch):
+    monkeypatch.setattr(brats, "load_case", fail_on_read)
+    with pytest.raises(ConfigError) as info:  # [1, 1, 3]: sizes 1, 1, 3 fit 3 cases per site; a split needs 2
+        brats.build_federation(_options(tiny_brats_root), FederationConfig(n_sites=3, site_sizes=[1, 1, 3]), seed=0, progress=False)
+    assert str(info.value) == (
+        "config key 'federation.site_sizes' = [1.0, 1.0, 3.0]: site0 would keep 1 of the 3 cases its partition holds "
+        "(sizes [1, 1, 3] of the partitions' [3, 3, 3]), fewer than the 2 its splits need; raise its weight or give every partition more cases"
+    )
+
+
+def test_equal_site_sizes_keep_the_generated_partitions_whole(tiny_brats_root):
+    built = brats.build_federation(_options(tiny_brats_root), FederationConfig(n_sites=3), seed=0, progress=False)
+    assert built.site_sizes == {"setting": "equal", "n_cases": [3, 3, 3]}
+
+
+def test_weights_that_keep_every_case_give_the_equal_federations_tensors(tiny_brats_root):
+    equal = brats.build_federation(_options(tiny_brats_root), FederationConfig(n_sites=3), seed=0, progress=False)
+    kept_all = brats.build_federation(_options(tiny_brats_root), FederationConfig(n_sites=3, site_sizes=[1, 1, 1]), seed=0, progress=False)
+    assert kept_all.site_sizes["n_cases"] == [3, 3, 3] and kept_all.cache["key"] != equal.cache["key"]
+    for a, b in zip(equal.sites, kept_all.sites, strict=True):  # the same cases, the same splits and patches as equal
+        assert a.info == b.info
+        for x, y in zip([*a.train.tensors, *a.test.tensors], [*b.train.tensors, *b.test.tensors], strict=True):
+            assert torch.equal(x, y)

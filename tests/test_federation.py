@@ -1,10 +1,17 @@
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 
 from medfed.config import FederationConfig
+from medfed.data.cache import key_settings
 from medfed.data.federation import (
+    KEEP_PURPOSE,
+    Placement,
     assign_subjects_to_sites,
     min_subjects_per_site,
+    partition_site_counts,
+    place_subjects,
     site_counts,
     site_seed,
     split_site,
@@ -138,10 +145,104 @@ def test_site_sizes_the_subjects_cannot_meet_are_config_errors_naming_the_key(ke
     assert "\n" not in str(caught.value)
 
 
-def test_a_partition_file_refuses_site_sizes():
-    partition = {s: i % 2 for i, s in enumerate(SUBJECTS)}
-    with pytest.raises(ConfigError, match=r"'federation\.site_sizes' = 'skewed': a partition file places the subjects"):
-        assign_subjects_to_sites(SUBJECTS, FederationConfig(n_sites=2, site_sizes="skewed"), seed=0, partition=partition)
+PARTITIONED = [f"case{i:03d}" for i in range(40)]
+EQUAL_PARTITION = {subject: 10 + i // 8 for i, subject in enumerate(PARTITIONED)}  # 5 partitions of 8, ids 10..14
+
+
+def test_equal_site_sizes_keep_every_partition_whole_as_before():
+    placement = place_subjects(PARTITIONED, FederationConfig(n_sites=5), seed=3, partition=EQUAL_PARTITION)
+    assert placement == Placement([PARTITIONED[8 * k:8 * k + 8] for k in range(5)])  # partition_sizes None: nothing drawn
+    assert placement.summary(FederationConfig(n_sites=5), 3, "cases") == {"setting": "equal", "n_cases": [8] * 5}
+
+
+def test_weighted_sizes_cut_a_partitions_sites_to_seeded_subsets():
+    federation = FederationConfig(n_sites=5, site_sizes=[1, 2, 3, 4, 5])
+    # the largest T whose largest-remainder shares fit 8 per site: T = 25, 25 * [1..5] / 15 = 1.67, 3.33, 5, 6.67, 8.33
+    # -> floors 1, 3, 5, 6, 8, +1 to the two largest remainders (.67 at site0 and site3): 2, 3, 5, 7, 8 (T = 26 would give site4 9)
+    assert partition_site_counts([8] * 5, federation, seed=0) == [2, 3, 5, 7, 8] == site_counts(25, federation, seed=0)
+    placement = place_subjects(PARTITIONED, federation, seed=0, partition=EQUAL_PARTITION)
+    assert [len(site) for site in placement.sites] == [2, 3, 5, 7, 8] and placement.partition_sizes == [8] * 5
+    for k, site in enumerate(placement.sites):
+        assert site == sorted(site) and set(site) <= set(PARTITIONED[8 * k:8 * k + 8])  # a subset of the site's own partition
+    assert placement.sites[4] == PARTITIONED[32:40]  # the largest weight keeps its whole partition
+    again = place_subjects(list(reversed(PARTITIONED)), federation, seed=0, partition=EQUAL_PARTITION)
+    assert again == placement  # same seed, same subjects (whatever the input order)
+    other = place_subjects(PARTITIONED, federation, seed=1, partition=EQUAL_PARTITION)
+    assert [len(site) for site in other.sites] == [2, 3, 5, 7, 8] and other.sites[:4] != placement.sites[:4]  # another draw
+    assert assign_subjects_to_sites(PARTITIONED, federation, seed=0, partition=EQUAL_PARTITION) == placement.sites
+    # the draw of site k: the first sizes[k] of a permutation seeded by (seed, k, KEEP_PURPOSE)
+    order = np.random.default_rng(site_seed(0, 1, KEEP_PURPOSE)).permutation(8)
+    assert placement.sites[1] == sorted(PARTITIONED[8 + i] for i in order[:3])
+
+
+def test_sizes_are_relative_to_the_largest_the_partitions_allow_not_to_each_partition():
+    uneven = {f"s{i:02d}": 0 if i < 20 else 1 if i < 26 else 2 for i in range(36)}  # partitions of 20, 6 and 10 subjects
+    subjects = sorted(uneven)
+    placement = place_subjects(subjects, FederationConfig(n_sites=3, site_sizes=[1, 1, 1]), seed=0, partition=uneven)
+    # equal weights: a shuffle's shares of T = 19 (20 would give the 6-subject site 7): sizes differ by at most one
+    assert [len(site) for site in placement.sites] == [7, 6, 6] == site_counts(19, FederationConfig(n_sites=3, site_sizes=[1, 1, 1]), 0)
+    assert placement.sites[1] == subjects[20:26]  # the binding site keeps its whole partition, the others a draw
+    assert partition_site_counts([20, 6, 10], FederationConfig(n_sites=3, site_sizes=[4, 1, 1]), seed=0) == [20, 5, 5]
+
+
+def test_skewed_sizes_of_a_partition_are_the_shuffles_skewed_sizes_that_fit():
+    federation = FederationConfig(n_sites=5, site_sizes="skewed", validation_fraction=0.2)  # every site at least 3
+    draws = {}
+    for seed in range(6):
+        counts = partition_site_counts([12] * 5, federation, seed)
+        assert counts == site_counts(sum(counts), federation, seed)  # the same Zipf sizes over the same seeded ranks
+        assert sorted(counts, reverse=True) == [12, 6, 5, 4, 4] and min(counts) >= min_subjects_per_site(federation)
+        draws[seed] = counts
+    assert len({tuple(counts) for counts in draws.values()}) > 1  # the seed decides which site is large
+    twelve = {f"c{i:02d}": i // 12 for i in range(60)}
+    placement = place_subjects(sorted(twelve), federation, seed=0, partition=twelve)
+    largest = int(np.argmax(draws[0]))
+    assert placement.sites[largest] == sorted(c for c, p in twelve.items() if p == largest)
+    summary = placement.summary(federation, 0, "cases")
+    assert summary == {
+        "setting": "skewed", "n_cases": draws[0], "n_cases_in_partition": [12] * 5, "seed": 0, "kept_cases": placement.sites,
+    }
+
+
+@pytest.mark.parametrize(
+    "sizes, available, message",
+    [
+        ([1, 1, 1, 1, 4], [8] * 5, r"^config key 'federation\.site_sizes' = \[1\.0, 1\.0, 1\.0, 1\.0, 4\.0\]: site0 would keep 2 of the 8 cases "
+         r"its partition holds \(sizes \[2, 2, 2, 2, 8\] of the partitions' \[8, 8, 8, 8, 8\]\), fewer than the 3 its splits need; "),
+        ("skewed", [8, 8, 2, 8, 8], r"^config key 'federation\.site_sizes' = 'skewed': site2 would keep 2 of the 2 cases its partition holds "),
+    ],
+)
+def test_a_partitions_site_cut_below_its_splits_needs_is_a_config_error_naming_the_key(sizes, available, message):
+    federation = FederationConfig(n_sites=5, site_sizes=sizes, validation_fraction=0.2)
+    partition = {f"c{i:02d}": k for k, n in enumerate(available) for i in range(10 * k, 10 * k + n)}
+    with pytest.raises(ConfigError, match=message) as caught:
+        place_subjects(sorted(partition), federation, seed=0, partition=partition, noun="cases")
+    assert "\n" not in str(caught.value)
+
+
+def test_a_stratified_draw_too_small_for_a_cut_partition_site_names_site_sizes_not_the_file():
+    def draw_needing_four(subjects, fraction, seed_of):
+        if len(subjects) < 4:
+            raise DataError(f"{len(subjects)} subjects, a stratified draw needs 4")
+        return split_subjects(list(subjects), fraction, seed_of(0))
+
+    federation = FederationConfig(n_sites=5, site_sizes=[1, 2, 3, 4, 5])
+    sites = assign_subjects_to_sites(PARTITIONED, federation, seed=0, partition=EQUAL_PARTITION)  # 2, 3, 5, 7, 8
+    with pytest.raises(ConfigError, match=r"^config key 'federation\.site_sizes' = \[1\.0, .*\]: site0 gets 2 of the 25 cases, too few: 2 subjects"):
+        split_sites(sites, draw_needing_four, federation, seed=0, noun="cases", partition_file="sites.csv")
+
+
+def test_the_cache_key_holds_the_subjects_a_cut_partition_kept_and_nothing_new_otherwise():
+    @dataclass
+    class Options:
+        patch_size: int = 32
+
+    plain = FederationConfig(n_sites=5)
+    whole = place_subjects(PARTITIONED, plain, seed=0, partition=EQUAL_PARTITION)
+    assert key_settings(Options(), plain, 0, placement=whole) == key_settings(Options(), plain, 0)  # equal: the key as before
+    skewed = FederationConfig(n_sites=5, site_sizes="skewed")
+    cut = place_subjects(PARTITIONED, skewed, seed=0, partition=EQUAL_PARTITION)
+    assert key_settings(Options(), skewed, 0, placement=cut)["kept_subjects"] == cut.sites
 
 
 def test_a_stratified_draw_too_small_for_a_weighted_site_names_site_sizes():

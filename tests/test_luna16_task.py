@@ -189,3 +189,24 @@ def test_a_validation_split_beside_test_keeps_the_test_series_and_gets_the_label
         n_pos, n_neg = int(y.sum()), int((y == 0).sum())
         assert n_pos >= 1 and abs(n_neg - target * n_pos) <= 0.5
         assert (b.info["n_validation_positive"], b.info["n_validation_negative"]) == (n_pos, n_neg)
+
+
+def test_site_sizes_cut_the_partitions_sites_and_drop_the_other_series_candidates(tiny_luna_root, monkeypatch):
+    from medfed.data.luna16 import select_candidates
+
+    selection = select_candidates(tiny_luna_root)
+    candidates_of = {uid: int((selection.series_uids == uid).sum()) for uid in np.unique(selection.series_uids)}
+    partition = read_partition_csv(tiny_luna_root / "partitioning.csv")
+    options = Options(root=str(tiny_luna_root), generate=None)
+    federation = FederationConfig(n_sites=3, site_sizes=[1, 1, 2], label_ratio=None)  # 8 * [1, 1, 2] / 4: 2, 2, 4 series
+    built = build_federation(options, federation, 0, progress=False)
+    kept = built.site_sizes["kept_series"]
+    assert built.site_sizes["n_series"] == [2, 2, 4] and built.site_sizes["n_series_in_partition"] == [4, 4, 4]
+    for index, (site, uids) in enumerate(zip(built.sites, kept)):
+        assert {partition[uid] for uid in uids} == {sorted(set(partition.values()))[index]}  # the site's own partition
+        assert sorted(site.info["train_series"] + site.info["test_series"]) == uids
+        assert len(site.train) + len(site.test) == sum(candidates_of[uid] for uid in uids)  # no candidate of a dropped series
+    assert build_federation(options, federation, 0, progress=False).site_sizes == built.site_sizes
+    monkeypatch.setattr(medfed.data.luna16, "_read_axial_image", fail_on_read)
+    with pytest.raises(ConfigError, match=r"^config key 'federation\.site_sizes' = \[1\.0, 1\.0, 4\.0\]: site0 would keep 1 of the 4 series"):
+        build_federation(options, FederationConfig(n_sites=3, site_sizes=[1, 1, 4]), 0, progress=False)

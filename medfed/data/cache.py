@@ -10,7 +10,9 @@ SHA-256 key (:func:`cache_key`) of
   changes the tensors it makes),
 * the resolved data root,
 * every input file's path, size and modification time (ns),
-* the task options, the federation config and the seed.
+* the task options, the federation config and the seed,
+* where ``federation.site_sizes`` cut a partition's sites down, the subjects
+  each site kept (:class:`~medfed.data.federation.Placement`).
 
 Touching, replacing or adding an input file changes the key, so a stale entry
 is never read; entries are never deleted (remove the folder to reclaim space).
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 from torch.utils.data import TensorDataset
 
-from medfed.data.federation import Federation, SiteData
+from medfed.data.federation import Federation, Placement, SiteData
 from medfed.errors import DataError, warn
 
 FORMAT = 3
@@ -82,8 +84,11 @@ def cache_key(task: str, version: int, root: str | Path, files: Iterable[Path], 
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
-def key_settings(options: Any, federation: Any, seed: int, not_stored: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The ``settings`` of :func:`cache_key`: every task option but ``cache``, ``cache_dir`` and ``not_stored``, the federation config, the seed.
+def key_settings(
+    options: Any, federation: Any, seed: int, not_stored: tuple[str, ...] = (), placement: Placement | None = None
+) -> dict[str, Any]:
+    """The ``settings`` of :func:`cache_key`: every task option but ``cache``, ``cache_dir`` and ``not_stored``, the federation config, the seed,
+    and the subjects each site kept where ``federation.site_sizes`` cut a partition's sites down.
 
     Args:
         options: the task's options dataclass.
@@ -91,9 +96,16 @@ def key_settings(options: Any, federation: Any, seed: int, not_stored: tuple[str
         seed: the run's seed.
         not_stored: options that act only after the cache (e.g. augmentation
             of drawn samples), so that changing them reuses the entry.
+        placement: the subjects placed at sites; its ``sites`` enter the key
+            (as ``kept_subjects``) when they are a draw of a partition's
+            (``partition_sizes`` not None). Every other key is as it was
+            before sites could be cut down, so existing entries stay valid.
     """
     task_options = {name: value for name, value in asdict(options).items() if name not in ("cache", "cache_dir", *not_stored)}
-    return {"options": task_options, "federation": asdict(federation), "seed": seed}
+    settings = {"options": task_options, "federation": asdict(federation), "seed": seed}
+    if placement is not None and placement.partition_sizes is not None:
+        settings["kept_subjects"] = placement.sites
+    return settings
 
 
 def load_or_build(

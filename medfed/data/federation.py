@@ -7,9 +7,28 @@ site's subjects are split train/test by a seeded draw *per site*, so no
 patient contributes to both splits. The split is recorded in ``SiteData.info``
 and ends up in the run's ``results.json``.
 
-How many subjects each shuffled site gets is ``federation.site_sizes``
+How many subjects each site gets is ``federation.site_sizes``
 (:func:`site_counts`): equal shares dealt round robin (the default), given
 relative weights, or a seeded skewed draw. The counts go into the summary.
+
+Where a partition file places the subjects (a FeTS ``partitioning.csv``, or
+the generated data sets' one partition per simulated scanner), ``equal``
+keeps every partition whole, as it is. Any other setting cuts the
+partitions' sites down to sizes that follow it (:func:`partition_site_counts`):
+the sites keep the sizes :func:`site_counts` gives a shuffle of T subjects,
+for the largest T at which no site needs more subjects than its partition
+holds. The sizes are thus relative to the largest the partitions allow, not
+to each partition's own size: the site that binds keeps its whole partition
+(for equal partitions, the largest weight's site), every other site k keeps
+about T w_k / sum(w) subjects, and ``skewed`` means what it means for a
+shuffle (every site the minimum its splits need, the rest by Zipf weights
+over seeded ranks). Each site keeps a seeded draw of its partition's
+subjects (:func:`keep_subjects`: the run's seed, the site's index and
+:data:`KEEP_PURPOSE`); a size below what the site's train/test (and
+validation) split needs is a ConfigError naming ``federation.site_sizes``,
+raised while the federation is planned, before any volume is read. The
+partition sizes, the seed and the subjects each site kept go into the
+summary (:meth:`Placement.summary`).
 
 With ``federation.validation_fraction`` > 0 (:func:`split_site`) each site's
 training subjects are split once more, by the task's own draw with seeds of
@@ -154,52 +173,93 @@ class Federation:
         }
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Subjects placed at sites (:func:`place_subjects`).
+
+    Attributes:
+        sites: each site's subjects (those it keeps), sorted, in site order.
+        partition_sizes: where a partition file placed the subjects and
+            ``federation.site_sizes`` cut its sites down, how many subjects
+            each site's partition holds (each site kept a seeded draw of
+            them); None otherwise (every placed subject is kept).
+    """
+
+    sites: list[list[str]]
+    partition_sizes: list[int] | None = None
+
+    def summary(self, federation: FederationConfig, seed: int, noun: str) -> dict[str, Any]:
+        """:func:`site_sizes_summary` of the sites' sizes; for a cut partition also ``n_<noun>_in_partition``,
+        the ``seed`` of the draw and the ``kept_<noun>`` of every site."""
+        summary = site_sizes_summary(federation, [len(site) for site in self.sites], noun)
+        if self.partition_sizes is not None:
+            summary.update({f"n_{noun}_in_partition": list(self.partition_sizes), "seed": seed, f"kept_{noun}": self.sites})
+        return summary
+
+
 def assign_subjects_to_sites(
     subjects: list[str], federation: FederationConfig, seed: int, partition: dict[str, int] | None = None
 ) -> list[list[str]]:
+    """Each site's subjects: :attr:`Placement.sites` of :func:`place_subjects`."""
+    return place_subjects(subjects, federation, seed, partition).sites
+
+
+def place_subjects(
+    subjects: list[str], federation: FederationConfig, seed: int, partition: dict[str, int] | None = None, noun: str = "subjects"
+) -> Placement:
     """Place subjects at sites.
 
     Args:
         subjects: subject ids (case ids, series uids).
-        federation: its ``n_sites`` and, without a partition, ``site_sizes``
-            (:func:`site_of_positions`).
-        seed: seeds the shuffle used when there is no partition.
+        federation: its ``n_sites`` and ``site_sizes``: without a partition
+            the sizes of the shuffled sites (:func:`site_of_positions`); with
+            one, ``equal`` keeps every partition whole and any other setting
+            keeps :func:`partition_site_counts` subjects of each.
+        seed: seeds the shuffle used when there is no partition, and with one
+            the draw of the subjects each site keeps (:func:`keep_subjects`).
         partition: ``{subject: partition_id}`` from a partition file; its
             distinct ids, sorted, become sites 0..P-1 (P must equal n_sites).
-
-    Returns:
-        ``n_sites`` sorted lists of subject ids.
+        noun: what the subjects are (``"cases"``, ``"series"``), for messages.
 
     Raises:
-        ConfigError: P != n_sites, fewer subjects than sites, a ``site_sizes``
-            other than ``equal`` with a partition, or site sizes the subjects
-            cannot meet.
+        ConfigError: P != n_sites, fewer subjects than sites, or site sizes
+            the subjects (or the partitions) cannot meet.
         DataError: a subject missing from the partition.
     """
     n_sites = federation.n_sites
     if partition is not None:
-        refuse_site_sizes(federation, "a partition file places the subjects at sites")
-        missing = sorted(set(subjects) - set(partition))
-        if missing:
-            raise DataError(f"partition file does not place {len(missing)} subject(s), e.g. {missing[:3]}")
-        ids = sorted({partition[s] for s in subjects})
-        if len(ids) != n_sites:
-            raise ConfigError(
-                f"config key 'federation.n_sites' = {n_sites}: the partition file has {len(ids)} partitions {ids}; set them equal"
-            )
-        position = {pid: i for i, pid in enumerate(ids)}
-        sites: list[list[str]] = [[] for _ in range(n_sites)]
-        for subject in subjects:
-            sites[position[partition[subject]]].append(subject)
-        return [sorted(s) for s in sites]
+        sites = _partition_sites(subjects, federation, partition)
+        if federation.site_sizes == "equal":
+            return Placement(sites)
+        available = [len(site) for site in sites]
+        counts = partition_site_counts(available, federation, seed, noun)
+        return Placement([keep_subjects(site, count, seed, index) for index, (site, count) in enumerate(zip(sites, counts))], available)
     if len(subjects) < n_sites:
         raise ConfigError(f"config key 'federation.n_sites' = {n_sites}: only {len(subjects)} subjects to share out")
     order = np.random.default_rng(seed).permutation(len(subjects))
     ordered = sorted(subjects)
     site_of = site_of_positions(len(subjects), federation, seed)
-    sites = [[] for _ in range(n_sites)]
+    shuffled: list[list[str]] = [[] for _ in range(n_sites)]
     for position, index in enumerate(order):
-        sites[site_of[position]].append(ordered[index])
+        shuffled[site_of[position]].append(ordered[index])
+    return Placement([sorted(s) for s in shuffled])
+
+
+def _partition_sites(subjects: list[str], federation: FederationConfig, partition: dict[str, int]) -> list[list[str]]:
+    """Every subject at the site of its partition (partition ids sorted: sites 0..P-1), each site sorted."""
+    n_sites = federation.n_sites
+    missing = sorted(set(subjects) - set(partition))
+    if missing:
+        raise DataError(f"partition file does not place {len(missing)} subject(s), e.g. {missing[:3]}")
+    ids = sorted({partition[s] for s in subjects})
+    if len(ids) != n_sites:
+        raise ConfigError(
+            f"config key 'federation.n_sites' = {n_sites}: the partition file has {len(ids)} partitions {ids}; set them equal"
+        )
+    position = {pid: i for i, pid in enumerate(ids)}
+    sites: list[list[str]] = [[] for _ in range(n_sites)]
+    for subject in subjects:
+        sites[position[partition[subject]]].append(subject)
     return [sorted(s) for s in sites]
 
 
@@ -248,16 +308,12 @@ def site_counts(n_subjects: int, federation: FederationConfig, seed: int) -> lis
         return None
     n_sites, minimum = federation.n_sites, min_subjects_per_site(federation)
     key = f"config key 'federation.site_sizes' = {sizes!r}"
-    if sizes == "skewed":
-        spare = n_subjects - n_sites * minimum
-        if spare < 0:
-            raise ConfigError(
-                f"{key}: {n_sites} sites of at least {minimum} subjects (what each site's splits need) "
-                f"need {n_sites * minimum}, only {n_subjects} found"
-            )
-        ranks = np.random.default_rng(np.random.SeedSequence([seed, SKEW_PURPOSE])).permutation(n_sites) + 1
-        return (minimum + _largest_remainder(spare, ranks ** -ZIPF_EXPONENT)).tolist()
-    counts = _largest_remainder(n_subjects, np.asarray(sizes, dtype=np.float64))
+    counts = _shares(n_subjects, federation, _size_weights(federation, seed), minimum)
+    if counts is None:
+        raise ConfigError(
+            f"{key}: {n_sites} sites of at least {minimum} subjects (what each site's splits need) "
+            f"need {n_sites * minimum}, only {n_subjects} found"
+        )
     small = np.flatnonzero(counts < minimum)
     if len(small):
         site = int(small[0])
@@ -266,6 +322,66 @@ def site_counts(n_subjects: int, federation: FederationConfig, seed: int) -> lis
             f"fewer than the {minimum} its splits need; raise its weight"
         )
     return counts.tolist()
+
+
+def partition_site_counts(available: Sequence[int], federation: FederationConfig, seed: int, noun: str = "subjects") -> list[int]:
+    """How many of its partition's ``available[k]`` subjects site k keeps under ``federation.site_sizes`` (not ``equal``).
+
+    The sizes :func:`site_counts` gives a shuffle of T subjects (the same
+    weights, or the same skewed ranks for ``seed``), for the largest T at
+    which every site's size is at most its partition's: the sizes follow the
+    setting, as large as the partitions allow.
+
+    Raises:
+        ConfigError: naming ``federation.site_sizes``, when a site would keep
+            fewer than :func:`min_subjects_per_site` subjects (``skewed``: a
+            partition holds fewer than that).
+    """
+    key = f"config key 'federation.site_sizes' = {federation.site_sizes!r}"
+    minimum, weights = min_subjects_per_site(federation), _size_weights(federation, seed)
+    room = np.asarray(available, dtype=np.int64)
+    for total in range(int(room.sum()), 0, -1):
+        counts = _shares(total, federation, weights, minimum)
+        if counts is not None and np.all(counts <= room):
+            break
+    else:  # skewed: some partition cannot give every site the minimum
+        counts = np.minimum(room, minimum)
+    small = np.flatnonzero(counts < minimum)
+    if len(small):
+        site = int(small[0])
+        raise ConfigError(
+            f"{key}: site{site} would keep {counts[site]} of the {room[site]} {noun} its partition holds "
+            f"(sizes {counts.tolist()} of the partitions' {room.tolist()}), fewer than the {minimum} its splits need; "
+            f"raise its weight or give every partition more {noun}"
+        )
+    return counts.tolist()
+
+
+def _size_weights(federation: FederationConfig, seed: int) -> np.ndarray:
+    """float64 (n_sites,) relative site sizes: the given weights, or for ``skewed`` r ** -ZIPF_EXPONENT over seeded ranks r."""
+    if federation.site_sizes == "skewed":
+        ranks = np.random.default_rng(np.random.SeedSequence([seed, SKEW_PURPOSE])).permutation(federation.n_sites) + 1
+        return ranks ** -ZIPF_EXPONENT
+    return np.asarray(federation.site_sizes, dtype=np.float64)
+
+
+def _shares(n_subjects: int, federation: FederationConfig, weights: np.ndarray, minimum: int) -> np.ndarray | None:
+    """int64 site sizes summing to ``n_subjects``: by ``weights`` (largest remainder); ``skewed``: ``minimum``
+    each and the spare subjects by ``weights``, None when there are fewer than n_sites * minimum."""
+    if federation.site_sizes != "skewed":
+        return _largest_remainder(n_subjects, weights)
+    spare = n_subjects - federation.n_sites * minimum
+    return None if spare < 0 else minimum + _largest_remainder(spare, weights)
+
+
+KEEP_PURPOSE = 201
+"""``site_seed`` purpose of the draw of the subjects a site keeps of its partition (after :data:`SPLIT_PURPOSES`' 1..200)."""
+
+
+def keep_subjects(subjects: Sequence[str], count: int, seed: int, site_index: int) -> list[str]:
+    """A seeded draw of ``count`` of a site's sorted ``subjects`` (seed: ``site_seed(seed, site_index, KEEP_PURPOSE)``), sorted."""
+    order = np.random.default_rng(site_seed(seed, site_index, KEEP_PURPOSE)).permutation(len(subjects))
+    return sorted(subjects[i] for i in order[:count])
 
 
 def _largest_remainder(total: int, weights: np.ndarray) -> np.ndarray:
@@ -290,16 +406,16 @@ def min_subjects_per_site(federation: FederationConfig) -> int:
 
 
 def refuse_site_sizes(federation: FederationConfig, placed_by: str) -> None:
-    """ConfigError naming ``federation.site_sizes`` unless it is ``equal``: ``placed_by`` already decides the sites."""
+    """ConfigError naming ``federation.site_sizes`` unless it is ``equal``: ``placed_by`` already decides the sites (a site column)."""
     if federation.site_sizes != "equal":
         raise ConfigError(
             f"config key 'federation.site_sizes' = {federation.site_sizes!r}: {placed_by}; "
-            "site sizes apply only when subjects are shuffled onto sites (set it to equal)"
+            "site sizes apply only when subjects are shuffled onto sites or placed by a partition file (set it to equal)"
         )
 
 
 def site_too_small(federation: FederationConfig, site: str, error: DataError) -> ConfigError:
-    """The error naming ``federation.site_sizes`` for a shuffled site (``site`` says which and its size) too small for its draws."""
+    """The error naming ``federation.site_sizes`` for a site it sized (``site`` says which and its size) too small for its draws."""
     return ConfigError(f"config key 'federation.site_sizes' = {federation.site_sizes!r}: {site}, too few: {error}")
 
 
@@ -443,10 +559,11 @@ def split_sites(
             when they were shuffled onto ``federation.n_sites`` sites.
 
     Raises:
-        ConfigError: when a shuffled site is too small for its draws: naming
-            ``federation.site_sizes`` when that is not ``equal``, else
+        ConfigError: when a site is too small for its draws: naming
+            ``federation.site_sizes`` when that is not ``equal`` (a shuffled
+            site, or a partition's site cut down), else for a shuffled site
             ``federation.n_sites``, and how many subjects were found.
-        DataError: naming the partition file, when one of its partitions is.
+        DataError: naming the partition file, when one of its whole partitions is.
     """
     n_found = sum(len(subjects) for subjects in site_subjects)
     splits = []
@@ -455,10 +572,10 @@ def split_sites(
             splits.append(split_site(subjects, draw, federation, seed, index))
         except DataError as error:
             site = f"site{index} gets {len(subjects)} of the {n_found} {noun}"
+            if federation.site_sizes != "equal":  # the setting chose the size, also of a partition's site
+                raise site_too_small(federation, site, error) from None
             if partition_file is not None:
                 raise DataError(f"{partition_file}: {site}, too few: {error}") from None
-            if federation.site_sizes != "equal":
-                raise site_too_small(federation, site, error) from None
             raise ConfigError(
                 f"config key 'federation.n_sites' = {federation.n_sites}: too many sites for the {n_found} {noun} found "
                 f"({site}): {error}"

@@ -7,8 +7,11 @@ generated default does, one partition per simulated scanner) or by a seeded
 shuffle otherwise, and split 80/20 *by case* inside each site with a seeded
 draw (with ``federation.validation_fraction`` > 0 the training cases are split
 again into train and validation; with ``federation.holdout: validation`` the
-test cases are then set aside unread). Shuffled sites get
-``federation.site_sizes`` cases each. This plan is made, and checked against the federation config, from the file
+test cases are then set aside unread). ``federation.site_sizes`` sizes the
+sites: shuffled sites get that many cases each, and a partition's sites
+(also the generated data set's) keep a seeded draw of that many of their
+cases (:func:`~medfed.data.federation.place_subjects`; the rest are never
+read). This plan is made, and checked against the federation config, from the file
 names alone, before any volume is opened. The federation "lack k" zero-fills
 MRI channel k (FLAIR, T1, T1ce, T2 = 0..3) at the configured sites, as a
 hospital without that sequence would deliver it.
@@ -60,8 +63,7 @@ from medfed.data.federation import (
     SiteData,
     SiteSplit,
     assign_subjects_to_sites,
-    refuse_site_sizes,
-    site_sizes_summary,
+    place_subjects,
     split_site,
     split_sites,
     split_subjects,
@@ -130,13 +132,12 @@ def build_federation(
 
     Raises:
         ConfigError: the federation config does not fit the cases found (too
-            many sites, a bad missing channel), before any volume is read.
+            many sites, site sizes too small for a site's splits, a bad
+            missing channel), before any volume is read.
         DataError: bad data (see :mod:`medfed.data.brats`), or a site whose
             cases hold no tumour voxel.
     """
     root = Path(options.root)
-    if options.generate is not None:
-        refuse_site_sizes(federation, "the generated data set places its cases at sites (one partition per scanner)")
     held = _data_set(root, options.generate, federation.n_sites, progress)
     with held():
         return _plan_and_read(root, held, options, federation, seed, progress, target)
@@ -170,14 +171,14 @@ def _plan_and_read(
     cases = {case.case_id: case for case in find_cases(root)}
     partition_file = find_partition_csv(options.partition_csv or None, root)
     partition = read_partition_csv(partition_file) if partition_file is not None else None
-    site_cases = assign_subjects_to_sites(sorted(cases), federation, seed, partition)
-    site_splits = split_sites(site_cases, _draw_cases, federation, seed, noun="cases", partition_file=partition_file)
+    placement = place_subjects(sorted(cases), federation, seed, partition, noun="cases")
+    site_splits = split_sites(placement.sites, _draw_cases, federation, seed, noun="cases", partition_file=partition_file)
     missing_sites, missing_channel = missing_channel_sites(federation)
     drops = [missing_channel if index in missing_sites else None for index in range(federation.n_sites)]
 
     input_files = [path for case in cases.values() for path in (*case.image_files, case.label_file)]
     input_files += [path for path in (partition_file, root / MARKER) if path is not None and path.is_file()]
-    settings = {**key_settings(options, federation, seed, not_stored=("augment",)), "target": target}
+    settings = {**key_settings(options, federation, seed, not_stored=("augment",), placement=placement), "target": target}
     key = cache_key(NAME, PREPROCESSING_VERSION, root, input_files, settings)
     built = load_or_build(
         key,
@@ -187,7 +188,7 @@ def _plan_and_read(
         cache_dir=options.cache_dir,
     )
     built.volumes = BratsVolumes(cases, [split.evaluation for split in site_splits], drops, held)
-    built.site_sizes = site_sizes_summary(federation, [split.n_subjects for split in site_splits], "cases")
+    built.site_sizes = placement.summary(federation, seed, "cases")
     _train_on_random_crops(built, options, target)
     return built
 

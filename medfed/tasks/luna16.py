@@ -9,8 +9,9 @@ does not fit the data fails before any CT volume is read:
 1. **Sites.** CT series are placed at sites from a FeTS-style
    ``partitioning.csv`` when the data set has one (the generated default does:
    one partition per simulated scanner) or by a seeded shuffle of the series
-   otherwise (:func:`~medfed.data.federation.assign_subjects_to_sites`, with
-   ``federation.site_sizes`` series per site).
+   otherwise (:func:`~medfed.data.federation.place_subjects`, with
+   ``federation.site_sizes`` series per site; a partition's sites then keep a
+   seeded draw of that many of their series, the others' candidates unused).
 2. **Train/test by series.** Each site's series are split 80/20 (the
    federation's ``test_fraction``) with a seeded draw per site, so no series
    (patient) has candidates in both splits. The draw is stratified: series
@@ -61,9 +62,8 @@ from medfed.data.federation import (
     Federation,
     SiteData,
     SiteSplit,
-    assign_subjects_to_sites,
-    refuse_site_sizes,
-    site_sizes_summary,
+    Placement,
+    place_subjects,
     split_site,
     split_sites,
     split_subjects,
@@ -135,7 +135,8 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
 
     Raises:
         ConfigError: the federation config does not fit the series found
-            (too many sites), before any volume is read.
+            (too many sites, site sizes too small for a site's splits),
+            before any volume is read.
         DataError: bad data (see :mod:`medfed.data.luna16`), or a label ratio
             a site's split cannot meet, also before any volume is read.
     """
@@ -152,7 +153,6 @@ def _data_set(root: Path, options: Options, federation: FederationConfig, progre
     """
     with ExitStack() as held:
         if options.generate is not None:
-            refuse_site_sizes(federation, "the generated data set places its series at sites (one partition per scanner)")
             try:
                 held.enter_context(luna16_phantoms(root, n_sites=federation.n_sites, progress=progress, **asdict(options.generate)))
             except ValueError as error:  # the generator names the impossible parameter
@@ -170,13 +170,13 @@ def _plan_and_cut(root: Path, options: Options, federation: FederationConfig, se
     selection = _select(root, options.candidates_csv, options, seed)
     partition_file = find_partition_csv(options.partition_csv or None, root)
     series, has_nodule = _series(selection)
-    site_series = _place_series(series, federation, seed, partition_file)
+    placement = _place_series(series, federation, seed, partition_file)
     draw = partial(_draw_series, has_nodule=has_nodule)
-    splits = split_sites(site_series, draw, federation, seed, noun="series", partition_file=partition_file)
-    kept = _kept(selection, site_series, splits, federation, seed, source=str(root))
+    splits = split_sites(placement.sites, draw, federation, seed, noun="series", partition_file=partition_file)
+    kept = _kept(selection, placement.sites, splits, federation, seed, source=str(root))
 
     input_files = [*selection.input_files(), *(path for path in (partition_file, root / MARKER) if path is not None and path.is_file())]
-    key = cache_key(NAME, PREPROCESSING_VERSION, root, input_files, key_settings(options, federation, seed))
+    key = cache_key(NAME, PREPROCESSING_VERSION, root, input_files, key_settings(options, federation, seed, placement=placement))
     built = load_or_build(
         key,
         lambda: _cut_federation(root, selection, splits, kept, range(federation.n_sites), options, federation, progress),
@@ -184,7 +184,7 @@ def _plan_and_cut(root: Path, options: Options, federation: FederationConfig, se
         enabled=options.cache,
         cache_dir=options.cache_dir,
     )
-    built.site_sizes = site_sizes_summary(federation, [split.n_subjects for split in splits], "series")
+    built.site_sizes = placement.summary(federation, seed, "series")
     return built
 
 
@@ -245,7 +245,7 @@ def site_series(options: Options, federation: FederationConfig, seed: int, out_d
         selection = _select(root, options.candidates_csv, options, seed)
         partition_file = find_partition_csv(options.partition_csv or None, root)
         folders = []
-        for index, uids in enumerate(_place_series(_series(selection)[0], federation, seed, partition_file)):
+        for index, uids in enumerate(_place_series(_series(selection)[0], federation, seed, partition_file).sites):
             folder = Path(out_dir) / f"site{index}"
             for uid in uids:
                 for path in series_files(selection.series_paths[uid]):
@@ -281,10 +281,10 @@ def _series(selection: CandidateSelection) -> tuple[list[str], dict[str, bool]]:
     return series.tolist(), dict(zip(series.tolist(), has_nodule.tolist()))
 
 
-def _place_series(series: list[str], federation: FederationConfig, seed: int, partition_file: Path | None) -> list[list[str]]:
-    """Each site's series (sorted): by the partition file when there is one, else a seeded shuffle."""
+def _place_series(series: list[str], federation: FederationConfig, seed: int, partition_file: Path | None) -> Placement:
+    """Each site's series (sorted): by the partition file when there is one (each site a seeded draw of its partition unless ``federation.site_sizes`` is equal), else a seeded shuffle."""
     partition = read_partition_csv(partition_file) if partition_file is not None else None
-    return assign_subjects_to_sites(series, federation, seed, partition)
+    return place_subjects(series, federation, seed, partition, noun="series")
 
 
 def _kept(
@@ -306,7 +306,9 @@ def _kept(
         source: the data, for error messages.
 
     Returns:
-        Per site, its :class:`SiteSamples` (indices into the selected candidates).
+        Per site, its :class:`SiteSamples` (indices into the selected candidates);
+        the candidates of a series no site kept (a partition cut to
+        ``federation.site_sizes``) are in no site's split.
     """
     labels, series_uids = selection.labels, selection.series_uids
     site_of = {uid: index for index, uids in enumerate(site_series) for uid in uids}
@@ -315,15 +317,16 @@ def _kept(
         for role, members in roles.items():
             members.update(getattr(split, role))
     member = {role: np.isin(series_uids, sorted(members)) for role, members in roles.items()}
+    placed = np.isin(series_uids, sorted(site_of))
     return sites_at_label_ratio(
         labels,
-        np.array([site_of[uid] for uid in series_uids], dtype=np.int64),
+        np.array([site_of.get(uid, 0) for uid in series_uids], dtype=np.int64),
         member["evaluation"],
         n_sites=len(splits),
         label_ratio=federation.label_ratio,
         seed=seed,
         source=source,
-        set_aside=member["set_aside"],
+        set_aside=member["set_aside"] | ~placed,
         evaluation_split=federation.holdout,
         in_validation=member["validation"] if member["validation"].any() else None,
     )
