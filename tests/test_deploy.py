@@ -1,9 +1,12 @@
-"""A real Flower deployment on localhost gives the simulator's numbers, and a killed and restarted SuperNode rejoins.
+"""A real Flower deployment on localhost gives the simulator's numbers; a killed and restarted SuperNode rejoins; a resumed server continues.
 
-Always (CI): fedavg with dense messages, and pfednet with CER+STC codecs both
-ways, site 1's SuperNode killed and restarted in round 2. With
-``MEDFED_DEPLOY_FULL=1`` also: pfednet with dense messages and a restart;
-fedavg with CER+STC; a bad run config.
+Always (CI): fedavg with dense messages; pfednet with CER+STC codecs both
+ways, site 1's SuperNode killed and restarted in round 2; pfednet with
+CER+STC resumed from the server's round-1 checkpoint while the sites had
+finished round 2 (a site without its snapshot of round 1 refused first).
+With ``MEDFED_DEPLOY_FULL=1`` also: pfednet with dense messages and a
+restart; fedavg with CER+STC; a bad run config; fedavg run for 1 round and
+resumed with ``trainer.rounds=2``.
 
 One SuperLink and, per site, a SuperNode (``--isolation process``) and its
 resident runner (:mod:`medfed.deploy.runner`), all child processes on
@@ -176,3 +179,42 @@ def test_a_bad_run_config_ends_the_run_with_one_line_before_any_site_is_contacte
     errors = [line for line in log.splitlines() if line.startswith("medfed: error:")]
     assert len(errors) == 1 and "federation.label_ratio" in errors[0], log[-3000:]
     assert not (rehearsal.tmp / "deployed-bad").exists()
+
+
+def _errors(log: str) -> list[str]:
+    return [line for line in log.splitlines() if line.startswith("medfed: error:")]
+
+
+def test_a_resumed_server_whose_sites_are_a_round_ahead_gives_the_simulators_numbers_and_bytes(rehearsal):
+    # The server died after the sites had finished round 2 but before it checkpointed it: its newest
+    # checkpoint is round 1's. The resumed run puts every site back to its end of round 1 (models,
+    # optimisers, data orders, pFedNet's state, the codecs' residuals at the site) and runs round 2 again.
+    name, local = "resume-ahead", rehearsal.local
+    overrides = _overrides(rehearsal, "pfednet", "codec.up=cer+stc", "codec.down=cer+stc")
+    run_config = _run_config(rehearsal, name, overrides)
+    out = rehearsal.tmp / f"deployed-{name}"
+    with _simulating(rehearsal, name, overrides) as simulated:
+        _results(rehearsal, name, local.run(REPO, run_config, RUN_TIMEOUT_S))
+        (out / "checkpoints" / "round-2.ckpt").unlink()
+        (out / "results.json").unlink()
+        snapshot = rehearsal.tmp / "state1" / name / "rounds" / "round-1.ckpt"
+        aside = snapshot.with_name("aside")
+        snapshot.rename(aside)  # site 1 cannot go back to round 1: the run ends with one line naming it
+        errors = _errors(local.run(REPO, {**run_config, "resume": True}, RUN_TIMEOUT_S))
+        assert len(errors) == 1 and "site1 cannot go back to the end of round 1" in errors[0], errors
+        assert not (out / "results.json").exists()
+        aside.rename(snapshot)
+        log = local.run(REPO, {**run_config, "resume": True}, RUN_TIMEOUT_S)
+        assert "medfed: resumed after round 1" in log, log[-3000:]
+        _assert_same_numbers(_results(rehearsal, name, log), simulated())
+
+
+@FULL
+def test_a_deployment_run_for_one_round_and_resumed_for_two_gives_the_simulators_numbers(rehearsal):
+    name, local = "resume-rounds", rehearsal.local
+    overrides = _overrides(rehearsal, "fedavg")
+    first = [o.replace("trainer.rounds=2", "trainer.rounds=1") for o in overrides]
+    with _simulating(rehearsal, name, overrides) as simulated:
+        assert len(_results(rehearsal, name, local.run(REPO, _run_config(rehearsal, name, first), RUN_TIMEOUT_S))["history"]) == 1
+        log = local.run(REPO, {**_run_config(rehearsal, name, overrides), "resume": True}, RUN_TIMEOUT_S)
+        _assert_same_numbers(_results(rehearsal, name, log), simulated())

@@ -9,14 +9,15 @@ pytest.importorskip("flwr")
 
 from flwr.app import Array, Context, RecordDict  # noqa: E402
 
+from medfed.checkpoint import FOLDER, save_checkpoint  # noqa: E402
 from medfed.deploy import runner, server_app  # noqa: E402
 from medfed.deploy.records import from_record, to_record  # noqa: E402
-from medfed.errors import ConfigError  # noqa: E402
+from medfed.errors import ConfigError, DataError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_CONFIG = {
     "config": str(REPO / "configs" / "clinical_delta1.yaml"), "overrides": "federation.n_sites=3 federation.label_ratio=null",
-    "run-name": "r1", "output-dir": "/tmp/out", "reply-timeout-s": 60.0,
+    "run-name": "r1", "output-dir": "/tmp/out", "reply-timeout-s": 60.0, "resume": False,
 }
 
 
@@ -46,9 +47,7 @@ def test_a_bad_run_config_is_one_line_naming_the_key(change, message):
 
 
 def test_the_server_app_prints_one_error_line_and_contacts_no_site(capsys):
-    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={**RUN_CONFIG, "overrides": ""})
-    with pytest.raises(ConfigError):
-        server_app.main(grid=None, context=context)  # no grid: a site contacted would be an AttributeError
+    _main({**RUN_CONFIG, "overrides": ""})
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and lines[0].startswith("medfed: error: config key 'federation.label_ratio'")
 
@@ -76,3 +75,45 @@ def test_records_carry_codec_streams_unchanged_and_refuse_other_arrays():
     record["wire"]["0:all"] = Array(dtype="uint8", shape=(2,), stype="numpy.ndarray", data=b"ab")
     with pytest.raises(ValueError, match="expected a medfed-codec stream"):
         from_record(record)
+
+
+def _main(run_config: dict) -> None:
+    """The ServerApp's main on ``run_config`` without a grid (a site contacted would be an AttributeError): it must refuse."""
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    with pytest.raises((ConfigError, DataError)):
+        server_app.main(grid=None, context=context)
+
+
+def _checkpointed(tmp_path: Path, rounds: int) -> dict:
+    """RUN_CONFIG with its output-dir in ``tmp_path`` holding a checkpoint of round 1 of its config run for ``rounds`` rounds."""
+    run_config = {**RUN_CONFIG, "output-dir": str(tmp_path / "out"), "overrides": f"{RUN_CONFIG['overrides']} trainer.rounds={rounds}"}
+    config = server_app.run_settings(run_config).resolved.config
+    save_checkpoint(tmp_path / "out" / FOLDER, {"round": 1, "config": config, "sites": []}, keep=2)
+    return run_config
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"resume": True, "overrides": "federation.n_sites=3 federation.label_ratio=null trainer.batch_size=7"},
+         "run config resume=true: the config differs from the checkpoint's"),
+        ({"resume": False}, "holds an earlier run's checkpoints; resume=true continues that run"),
+        ({"resume": True, "output-dir": "elsewhere"}, "run config resume=true: no checkpoint in "),
+    ],
+)
+def test_a_refused_resume_is_one_line_before_any_site_is_contacted(tmp_path, capsys, change, message):
+    run_config = {**_checkpointed(tmp_path, rounds=1), **change}
+    if "output-dir" in change:
+        run_config["output-dir"] = str(tmp_path / change["output-dir"])
+    _main(run_config)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("medfed: error: ") and message in lines[0], lines
+    if "differs" in message:
+        assert lines[0].endswith("at trainer.batch_size")
+
+
+def test_a_resume_may_raise_trainer_rounds(tmp_path):
+    run_config = _checkpointed(tmp_path, rounds=1)
+    raised = {**run_config, "resume": True, "overrides": run_config["overrides"].replace("trainer.rounds=1", "trainer.rounds=2")}
+    state = server_app.resumed_state(server_app.run_settings(raised))
+    assert state["round"] == 1
