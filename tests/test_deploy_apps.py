@@ -1,4 +1,4 @@
-"""The deployment's pieces that need no running federation: run config checks, the runner's options, medfed records."""
+"""The deployment's pieces that need no running federation: run config and resume checks, a site's rewind, the runner's options, medfed records."""
 
 import re
 from pathlib import Path
@@ -10,9 +10,12 @@ pytest.importorskip("flwr")
 from flwr.app import Array, Context, RecordDict  # noqa: E402
 
 from medfed.checkpoint import FOLDER, save_checkpoint  # noqa: E402
+from medfed.config import FederationConfig, to_yaml  # noqa: E402
 from medfed.deploy import runner, server_app  # noqa: E402
 from medfed.deploy.records import from_record, to_record  # noqa: E402
+from medfed.deploy.worker import SiteWorker  # noqa: E402
 from medfed.errors import ConfigError, DataError  # noqa: E402
+from medfed.tasks import clinical  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_CONFIG = {
@@ -117,3 +120,34 @@ def test_a_resume_may_raise_trainer_rounds(tmp_path):
     raised = {**run_config, "resume": True, "overrides": run_config["overrides"].replace("trainer.rounds=1", "trainer.rounds=2")}
     state = server_app.resumed_state(server_app.run_settings(raised))
     assert state["round"] == 1
+
+
+def test_a_site_goes_back_only_to_an_intact_snapshot_of_its_own_config_and_forgets_the_later_rounds(tmp_path):
+    csv = tmp_path / "all" / "breast_cancer.csv"
+    files = clinical.site_records(clinical.Options(csv=str(csv)), FederationConfig(n_sites=3), 0, tmp_path / "sites")
+    run_config = {**RUN_CONFIG, "overrides": f"{RUN_CONFIG['overrides']} data.csv={csv}"}
+    config = server_app.run_settings(run_config).resolved.config
+    worker = SiteWorker(to_yaml(config), 1, files[1].parent, tmp_path / "state")
+
+    def rewind(seq: int, round_index: int) -> dict:
+        [(fields, wire)] = worker.handle(seq, [({"kind": "rewind", "round": round_index}, {})])
+        assert wire == {}
+        return fields
+
+    def snapshot(round_index: int, snapshot_config: dict) -> Path:
+        state = {"round": round_index, "config": snapshot_config, "sites": [worker.site.state_dict()], "links": [worker.link.state_dict()]}
+        return save_checkpoint(worker.snapshots, state, keep=3)
+
+    assert rewind(5, 1) == {"error": "site1 cannot go back to the end of round 1: its state folder keeps the ends of rounds none"}
+    other = {**config, "trainer": {**config["trainer"], "batch_size": 7, "rounds": 9}}  # rounds may change, the batch size not
+    snapshot(1, other)
+    assert rewind(5, 1)["error"].endswith("its snapshot was written with another config (at trainer.batch_size)")
+    damaged = snapshot(1, config)
+    damaged.write_bytes(damaged.read_bytes()[:-80] + bytes(80))
+    assert "its snapshot of that round is damaged" in rewind(5, 1)["error"]
+    snapshot(1, config)
+    later = snapshot(2, config)
+    assert rewind(5, 1) == {} and not later.exists()
+    assert rewind(5, 1) == {}  # a rewind is answered again whatever its number (a resumed server numbers from its checkpoint)
+    with pytest.raises(ValueError, match="older than the last one it answered"):
+        worker.handle(4, [({"kind": "deliver"}, {})])

@@ -209,7 +209,8 @@ class SiteWorker:
         """
         path = self._snapshot(round_index)
         cannot = f"site{self.site.index} cannot go back to the end of round {round_index}"
-        kept = [int(found.stem.split("-")[1]) for found in checkpoints(self.snapshots)]
+        found = {int(file.stem.split("-")[1]): file for file in checkpoints(self.snapshots)}
+        kept = list(found)
         if not path.is_file():
             return {"error": f"{cannot}: its state folder keeps the ends of rounds {kept or 'none'}"}
         try:
@@ -221,8 +222,9 @@ class SiteWorker:
             return {"error": f"{cannot}: its snapshot was written with another config (at {', '.join(changed)})"}
         self.site.load_state_dict(snapshot["sites"][0])
         self.link.load_state_dict(snapshot["links"][0])
-        for later in [found for found, number in zip(checkpoints(self.snapshots), kept) if number > round_index]:
-            later.unlink()
+        for number, file in found.items():
+            if number > round_index:
+                file.unlink()
         self.state = {"seq": -1}
         return {}
 
