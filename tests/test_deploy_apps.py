@@ -1,5 +1,6 @@
 """The deployment's pieces that need no running federation: run config and resume checks, a site's rewind, the runner's options, medfed records."""
 
+import copy
 import re
 from pathlib import Path
 
@@ -7,9 +8,10 @@ import pytest
 
 pytest.importorskip("flwr")
 
+import torch  # noqa: E402
 from flwr.app import Array, Context, RecordDict  # noqa: E402
 
-from medfed.checkpoint import FOLDER, save_checkpoint  # noqa: E402
+from medfed.checkpoint import FOLDER, read_checkpoint, save_checkpoint  # noqa: E402
 from medfed.config import FederationConfig, to_yaml  # noqa: E402
 from medfed.deploy import runner, server_app  # noqa: E402
 from medfed.deploy.records import from_record, to_record  # noqa: E402
@@ -122,12 +124,47 @@ def test_a_resume_may_raise_trainer_rounds(tmp_path):
     assert state["round"] == 1
 
 
-def test_a_site_goes_back_only_to_an_intact_snapshot_of_its_own_config_and_forgets_the_later_rounds(tmp_path):
+def _worker(tmp_path: Path) -> tuple[SiteWorker, dict]:
+    """Site 1 of the clinical federation (fedavg, dense messages) built from its own records, and its run's config."""
     csv = tmp_path / "all" / "breast_cancer.csv"
     files = clinical.site_records(clinical.Options(csv=str(csv)), FederationConfig(n_sites=3), 0, tmp_path / "sites")
-    run_config = {**RUN_CONFIG, "overrides": f"{RUN_CONFIG['overrides']} data.csv={csv}"}
+    run_config = {**RUN_CONFIG, "overrides": f"{RUN_CONFIG['overrides']} data.csv={csv} strategy.name=fedavg"}
     config = server_app.run_settings(run_config).resolved.config
-    worker = SiteWorker(to_yaml(config), 1, files[1].parent, tmp_path / "state")
+    return SiteWorker(to_yaml(config), 1, files[1].parent, tmp_path / "state"), config
+
+
+def test_a_site_that_failed_in_a_round_is_put_back_to_its_snapshot_of_the_previous_round(tmp_path):
+    worker, _ = _worker(tmp_path)
+    server = copy.deepcopy(worker.link)  # the server's end starts where the site's does
+    global_model = {"all": worker.site.slot(worker.site.evaluated_slot).module.get_vector("all").clone()}
+
+    def delivery(round_index: int, restore: bool) -> tuple[dict, dict]:
+        request = {"kind": "deliver", "round": round_index, "restore": restore, "evaluate": round_index > 0}
+        return request, server.encode("down", global_model)
+
+    worker.handle(1, [delivery(0, restore=False)])
+    start = read_checkpoint(worker.snapshots / "round-0.ckpt")["sites"][0]
+    work = {"kind": "work", "round": 1, "phase_index": 0, "phase": "fit", "local_epochs": 1, "norms": False}
+    [(fields, _)] = worker.handle(2, [(work, server.encode("down", global_model))])
+    assert "error" not in fields and not _same(worker.site.state_dict(), start)  # it trained; say its reply was refused
+    worker.handle(3, [delivery(1, restore=True)])  # back to round 1's start, then round 1's delivery (the same model)
+    assert _same(worker.site.state_dict(), start)
+    assert _same(worker.link.state_dict()["known"], server.state_dict()["known"])
+
+
+def _same(a, b) -> bool:
+    """Whether two nested states (dicts, lists, tensors, numbers) are equal, tensors element for element."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[key], b[key]) for key in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_a_site_goes_back_only_to_an_intact_snapshot_of_its_own_config_and_forgets_the_later_rounds(tmp_path):
+    worker, config = _worker(tmp_path)
 
     def rewind(seq: int, round_index: int) -> dict:
         [(fields, wire)] = worker.handle(seq, [({"kind": "rewind", "round": round_index}, {})])
