@@ -364,10 +364,12 @@ def resumed_state(settings: RunSettings) -> dict[str, Any] | None:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Build the server half from the run config, run the rounds, write results.json.
+    """Build the server half from the run config (resumed from its checkpoint with ``resume``), run the rounds, write results.json.
 
     Raises:
-        ConfigError: bad input (one line ``medfed: error: ...`` in the run's log first).
+        ConfigError: bad input, or a resume refused (one line ``medfed: error: ...`` in the run's log first).
+        DataError: a resume whose newest checkpoint is damaged (one line first).
+        SiteFailure: a site cannot go back to the checkpoint's round (one line first).
         RuntimeError: a site failed to answer or to build itself (:class:`FlowerSites`).
     """
     try:
