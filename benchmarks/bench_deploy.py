@@ -99,10 +99,10 @@ def _run_flower_simulation(spec: dict[str, Any]) -> None:
     from medfed.deploy.client_app import simulation_app
 
     out = Path(spec["out"])
-    shutil.rmtree(out / "state", ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)  # an earlier bench's checkpoints and site states would be refused
     run_config = {
         "config": spec["config"], "overrides": " ".join(spec["overrides"]), "run-name": "simulation", "output-dir": str(out),
-        "reply-timeout-s": 3600.0,
+        "reply-timeout-s": 3600.0, "resume": False,
     }
     server = ServerApp()
 
@@ -124,6 +124,7 @@ def _deployment_runs(
 
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     runs = {}
+    shutil.rmtree(out, ignore_errors=True)  # an earlier bench's checkpoints and site states would be refused
     with LocalFederation(out / "flwr", env=env) as local:
         tic = time.perf_counter()
         local.start_superlink()

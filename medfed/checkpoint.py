@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import io
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -53,6 +54,11 @@ def save_checkpoint(folder: Path, state: dict[str, Any], keep: int) -> Path:
     for old in checkpoints(folder)[:-keep]:
         old.unlink()
     return path
+
+
+def round_checkpoints(output_dir: Path, config: dict[str, Any], keep: int) -> Callable[[dict[str, Any]], Path]:
+    """The loop's ``save_checkpoint``: each round's state with ``config`` into ``output_dir``'s checkpoints' folder, the newest ``keep`` kept."""
+    return lambda state: save_checkpoint(output_dir / FOLDER, {**state, "config": config}, keep)
 
 
 def checkpoints(folder: Path) -> list[Path]:
@@ -87,11 +93,15 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
-def resume_state(output_dir: Path, config: dict[str, Any]) -> dict[str, Any]:
+def resume_state(
+    output_dir: Path, config: dict[str, Any], switch: str = "--resume", fresh: str = "start the run again with --overwrite"
+) -> dict[str, Any]:
     """The newest checkpoint's state in ``output_dir``, checked against the resolved ``config`` of the run resuming it.
 
     Temporary files interrupted writes left in ``output_dir`` and its
-    checkpoints' folder are removed first.
+    checkpoints' folder are removed first. ``switch`` (how the user asked
+    to resume) and ``fresh`` (how to start anew) go into the messages: the
+    command line's by default, a deployment's run config keys there.
 
     Raises:
         ConfigError: no checkpoint; the config differs from the checkpoint's
@@ -105,20 +115,20 @@ def resume_state(output_dir: Path, config: dict[str, Any]) -> dict[str, Any]:
         remove_stale_temporaries(written_to)
     found = checkpoints(folder)
     if not found:
-        raise ConfigError(f"--resume: no checkpoint in {folder} (was the run started with this output_dir?)")
+        raise ConfigError(f"{switch}: no checkpoint in {folder} (was the run started with this output_dir?)")
     newest = found[-1]
     try:
         state = read_checkpoint(newest)
     except DataError as error:
-        raise DataError(f"--resume: {error}; {_fallback(found[:-1], newest)}") from None
+        raise DataError(f"{switch}: {error}; {_fallback(found[:-1], newest, switch, fresh)}") from None
     changed = config_differences(state["config"], config)
     if changed:
-        raise ConfigError(f"--resume: the config differs from the checkpoint's ({newest}) at {', '.join(changed)}")
+        raise ConfigError(f"{switch}: the config differs from the checkpoint's ({newest}) at {', '.join(changed)}")
     rounds = config["trainer"]["rounds"]
     if rounds < state["round"]:
         raise ConfigError(
             f"config key 'trainer.rounds' = {rounds}: the run to resume has done {state['round']} rounds; "
-            f"--resume needs trainer.rounds >= {state['round']} (for fewer rounds start a new run)"
+            f"{switch} needs trainer.rounds >= {state['round']} (for fewer rounds start a new run)"
         )
     return state
 
@@ -161,7 +171,7 @@ def _verify(file: BinaryIO, path: Path) -> int:
     return payload
 
 
-def _fallback(earlier: list[Path], damaged: Path) -> str:
+def _fallback(earlier: list[Path], damaged: Path, switch: str, fresh: str) -> str:
     """What to do when ``damaged`` (the newest checkpoint) cannot be used: the newest intact earlier one, if any."""
     for path in reversed(earlier):
         try:
@@ -171,9 +181,9 @@ def _fallback(earlier: list[Path], damaged: Path) -> str:
             continue
         return (
             f"the previous checkpoint {path.name} is intact: move {damaged.name} out of {damaged.parent} "
-            f"and run with --resume again to continue from {path.name}"
+            f"and run with {switch} again to continue from {path.name}"
         )
-    return "no earlier checkpoint is intact; start the run again with --overwrite"
+    return f"no earlier checkpoint is intact; {fresh}"
 
 
 class _HashingWriter:

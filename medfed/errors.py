@@ -24,4 +24,5 @@ def warn(message: str) -> None:
 
 
 class SiteFailure(RuntimeError):
-    """A site failed in a round under ``federation.on_site_failure: stop``, or every site has been excluded."""
+    """A site failed in a round under ``federation.on_site_failure: stop``, every site has been excluded, or a
+    deployed site cannot go back to the round its resumed server continues from."""

@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 import medfed
-from medfed.checkpoint import FOLDER, resume_state, save_checkpoint
+from medfed.checkpoint import FOLDER, resume_state, round_checkpoints
 from medfed.components import resolve
 from medfed.config import RunConfig
 from medfed.errors import warn
@@ -91,7 +91,7 @@ def run(
         local_epochs=trainer.local_epochs,
         participation=run_cfg.federation.participation,
         seed=trainer.seed,
-        save_checkpoint=lambda state: save_checkpoint(output_dir / FOLDER, {**state, "config": config}, trainer.keep_checkpoints),
+        save_checkpoint=round_checkpoints(output_dir, config, trainer.keep_checkpoints),
         on_site_failure=run_cfg.federation.on_site_failure,
         update_norm_limit=run_cfg.federation.update_norm_limit,
         max_consecutive_failures=run_cfg.federation.max_consecutive_failures,

@@ -1,11 +1,14 @@
-"""A real Flower deployment on localhost gives the simulator's numbers, and a killed and restarted SuperNode rejoins.
+"""A real Flower deployment on localhost gives the simulator's numbers; a killed and restarted SuperNode rejoins; a resumed server continues.
 
-Always (CI): fedavg with dense messages, and pfednet with CER+STC codecs both
-ways, site 1's SuperNode killed and restarted in round 2. With
-``MEDFED_DEPLOY_FULL=1`` also: pfednet with dense messages and a restart;
-fedavg with CER+STC; ``python -m medfed deploy submit`` refusing a bad run
-config (exit status 2, nothing submitted) and reporting a run whose sites
-cannot build themselves (exit status 1, Flower's failed status and reason).
+Always (CI): fedavg with dense messages; pfednet with CER+STC codecs both
+ways, site 1's SuperNode killed and restarted in round 2, then the server
+resumed from its round-1 checkpoint while the sites had finished round 2.
+With ``MEDFED_DEPLOY_FULL=1`` also: pfednet with dense messages and a
+restart; fedavg with CER+STC; fedavg run for 1 round and resumed with
+``trainer.rounds=2``, a site without its snapshot of round 1 refused first;
+``python -m medfed deploy submit`` refusing a bad run config (exit status
+2, nothing submitted) and reporting a run whose sites cannot build
+themselves (exit status 1, Flower's failed status and reason).
 
 One SuperLink and, per site, a SuperNode (``--isolation process``) and its
 resident runner (:mod:`medfed.deploy.runner`), all child processes on
@@ -40,7 +43,7 @@ from medfed.tasks import clinical  # noqa: E402
 pytestmark = pytest.mark.deploy
 FULL = pytest.mark.skipif(
     os.environ.get("MEDFED_DEPLOY_FULL") != "1",
-    reason="the full deployment set, about 5 minutes on a loaded 2-core machine: MEDFED_DEPLOY_FULL=1 python -m pytest -m deploy",
+    reason="the full deployment set, about 6 minutes on a loaded 2-core machine: MEDFED_DEPLOY_FULL=1 python -m pytest -m deploy",
 )
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "clinical_delta1.yaml"
@@ -117,11 +120,27 @@ def _assert_same_numbers(deployed: dict, simulated: dict) -> None:
     assert sum(r["bytes"]["site0"]["up"] for r in deployed["history"]) > 0
 
 
-def _run_with_a_restart(rehearsal: Rehearsal, name: str, overrides: list[str]) -> tuple[dict, dict]:
+def _errors(log: str) -> list[str]:
+    """The ServerApp's ``medfed: error:`` lines in a run's log."""
+    return [line for line in log.splitlines() if line.startswith("medfed: error:")]
+
+
+def _resume(rehearsal: Rehearsal, name: str, overrides: list[str]) -> dict:
+    """Submit the run ``name`` again with ``resume=true`` and wait for it; its results."""
+    log = rehearsal.local.run(REPO, {**_run_config(rehearsal, name, overrides), "resume": True}, RUN_TIMEOUT_S)
+    assert "medfed: resumed after round 1" in log, log[-3000:]
+    return _results(rehearsal, name, log)
+
+
+def _run_with_a_restart(rehearsal: Rehearsal, name: str, overrides: list[str], resume: bool = False) -> tuple[dict, ...]:
     """Deploy and simulate ``overrides``; once round 1 is over, kill site 1's SuperNode and runner and start them again.
 
+    With ``resume``, once the run is over its server loses round 2 (its
+    checkpoint and results.json deleted: it died after the sites had
+    finished round 2, before checkpointing it) and the run is resumed.
+
     Returns:
-        The deployed and the simulated results.
+        The deployed and the simulated results, then the resumed run's with ``resume``.
     """
     local = rehearsal.local
     with _simulating(rehearsal, name, overrides) as simulated:
@@ -134,18 +153,28 @@ def _run_with_a_restart(rehearsal: Rehearsal, name: str, overrides: list[str]) -
         restarted = local.start_supernode(1, rehearsal.files[1].parent, state_dir=str(rehearsal.tmp / "state1"))
         log = local.wait(submitted, RUN_TIMEOUT_S)
         results = _results(rehearsal, name, log), simulated()
+        if resume:
+            out = rehearsal.tmp / f"deployed-{name}"
+            (out / "checkpoints" / "round-2.ckpt").unlink()
+            (out / "results.json").unlink()
+            results += (_resume(rehearsal, name, overrides),)
     assert restarted.running()
     assert "train message" in local.runners[1].log.read_text(), "the restarted node's runner answered no round-2 message"
     return results
 
 
-def test_pfednet_with_cer_stc_codecs_and_a_supernode_killed_mid_run_gives_the_simulators_numbers_and_bytes(rehearsal):
+def test_pfednet_with_cer_stc_codecs_a_supernode_killed_mid_run_and_a_server_resumed_behind_its_sites_gives_the_simulators_numbers(
+    rehearsal,
+):
     # The run CI makes: the personalised strategy with two phases, lossy stateful codecs both ways (K at
     # both ends, the site's residual A and O kept in its state folder), and a crash in the middle of round 2.
+    # Then the server loses round 2 and is resumed from round 1: every site goes back to its end of round 1
+    # (models, optimisers, data orders, pFedNet's state, its codec state) and round 2 runs again.
     overrides = _overrides(rehearsal, "pfednet", "codec.up=cer+stc", "codec.down=cer+stc")
-    deployed, simulated = _run_with_a_restart(rehearsal, "pfednet-cer-stc", overrides)
+    deployed, simulated, resumed = _run_with_a_restart(rehearsal, "pfednet-cer-stc", overrides, resume=True)
     _assert_same_numbers(deployed, simulated)
     assert all(r["bytes"][site]["up"] < r["bytes"][site]["dense_up"] for r in deployed["history"] for site in r["bytes"])
+    _assert_same_numbers(resumed, simulated)
 
 
 def test_fedavg_on_three_supernodes_gives_the_simulators_metrics_and_bytes(rehearsal):
@@ -195,3 +224,23 @@ def test_deploy_submit_exits_1_with_the_reason_when_the_run_fails(rehearsal):
     assert submitted.returncode == 1, submitted.stdout[-3000:] + submitted.stderr[-3000:]
     errors = [line for line in submitted.stderr.splitlines() if line.startswith("medfed: error:")]
     assert len(errors) == 1 and "finished:failed" in errors[0] and "could not build its site" in errors[0], submitted.stderr
+
+
+@FULL
+def test_a_deployment_run_for_one_round_and_resumed_for_two_gives_the_simulators_numbers(rehearsal):
+    # The server's checkpoint and the sites at the same round; trainer.rounds raised. A site whose snapshot
+    # of round 1 is missing refuses first: the run ends with one line naming it and the round.
+    name, local = "resume-rounds", rehearsal.local
+    overrides = _overrides(rehearsal, "fedavg")
+    first = [o.replace("trainer.rounds=2", "trainer.rounds=1") for o in overrides]
+    with _simulating(rehearsal, name, overrides) as simulated:
+        assert len(_results(rehearsal, name, local.run(REPO, _run_config(rehearsal, name, first), RUN_TIMEOUT_S))["history"]) == 1
+        (rehearsal.tmp / f"deployed-{name}" / "results.json").unlink()
+        snapshot = rehearsal.tmp / "state1" / name / "rounds" / "round-1.ckpt"
+        snapshot.rename(snapshot.with_name("aside"))
+        log = local.run(REPO, {**_run_config(rehearsal, name, overrides), "resume": True}, RUN_TIMEOUT_S)
+        errors = _errors(log)
+        assert len(errors) == 1 and "site1 cannot go back to the end of round 1" in errors[0], log[-3000:]
+        assert not (rehearsal.tmp / f"deployed-{name}" / "results.json").exists()
+        snapshot.with_name("aside").rename(snapshot)
+        _assert_same_numbers(_resume(rehearsal, name, overrides), simulated())

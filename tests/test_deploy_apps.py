@@ -1,5 +1,6 @@
-"""The deployment's pieces that need no running federation: run config checks, the runner's options, medfed records."""
+"""The deployment's pieces that need no running federation: run config and resume checks, a site's rewind, the runner's options, medfed records."""
 
+import copy
 import re
 from pathlib import Path
 
@@ -7,16 +8,21 @@ import pytest
 
 pytest.importorskip("flwr")
 
+import torch  # noqa: E402
 from flwr.app import Array, Context, RecordDict  # noqa: E402
 
+from medfed.checkpoint import FOLDER, read_checkpoint, save_checkpoint  # noqa: E402
+from medfed.config import FederationConfig, to_yaml  # noqa: E402
 from medfed.deploy import runner, server_app  # noqa: E402
 from medfed.deploy.records import from_record, to_record  # noqa: E402
-from medfed.errors import ConfigError  # noqa: E402
+from medfed.deploy.worker import SiteWorker  # noqa: E402
+from medfed.errors import ConfigError, DataError  # noqa: E402
+from medfed.tasks import clinical  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_CONFIG = {
     "config": str(REPO / "configs" / "clinical_delta1.yaml"), "overrides": "federation.n_sites=3 federation.label_ratio=null",
-    "run-name": "r1", "output-dir": "/tmp/out", "reply-timeout-s": 60.0,
+    "run-name": "r1", "output-dir": "/tmp/out", "reply-timeout-s": 60.0, "resume": False,
 }
 
 
@@ -52,9 +58,7 @@ def test_a_bad_run_config_is_one_line_naming_the_key(change, message):
 
 
 def test_the_server_app_prints_one_error_line_and_contacts_no_site(capsys):
-    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={**RUN_CONFIG, "overrides": ""})
-    with pytest.raises(ConfigError):
-        server_app.main(grid=None, context=context)  # no grid: a site contacted would be an AttributeError
+    _main({**RUN_CONFIG, "overrides": ""})
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and lines[0].startswith("medfed: error: config key 'federation.label_ratio'")
 
@@ -82,3 +86,111 @@ def test_records_carry_codec_streams_unchanged_and_refuse_other_arrays():
     record["wire"]["0:all"] = Array(dtype="uint8", shape=(2,), stype="numpy.ndarray", data=b"ab")
     with pytest.raises(ValueError, match="expected a medfed-codec stream"):
         from_record(record)
+
+
+def _main(run_config: dict) -> None:
+    """The ServerApp's main on ``run_config`` without a grid (a site contacted would be an AttributeError): it must refuse."""
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    with pytest.raises((ConfigError, DataError)):
+        server_app.main(grid=None, context=context)
+
+
+def _checkpointed(tmp_path: Path, rounds: int) -> dict:
+    """RUN_CONFIG with its output-dir in ``tmp_path`` holding a checkpoint of round 1 of its config run for ``rounds`` rounds."""
+    run_config = {**RUN_CONFIG, "output-dir": str(tmp_path / "out"), "overrides": f"{RUN_CONFIG['overrides']} trainer.rounds={rounds}"}
+    config = server_app.run_settings(run_config).resolved.config
+    save_checkpoint(tmp_path / "out" / FOLDER, {"round": 1, "config": config, "sites": []}, keep=2)
+    return run_config
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"resume": True, "overrides": "federation.n_sites=3 federation.label_ratio=null trainer.batch_size=7"},
+         "run config resume=true: the config differs from the checkpoint's"),
+        ({"resume": False}, "holds an earlier run's checkpoints; resume=true continues that run"),
+        ({"resume": True, "output-dir": "elsewhere"}, "run config resume=true: no checkpoint in "),
+    ],
+)
+def test_a_refused_resume_is_one_line_before_any_site_is_contacted(tmp_path, capsys, change, message):
+    run_config = {**_checkpointed(tmp_path, rounds=1), **change}
+    if "output-dir" in change:
+        run_config["output-dir"] = str(tmp_path / change["output-dir"])
+    _main(run_config)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("medfed: error: ") and message in lines[0], lines
+    if "differs" in message:
+        assert lines[0].endswith("at trainer.batch_size")
+
+
+def test_a_resume_may_raise_trainer_rounds(tmp_path):
+    run_config = _checkpointed(tmp_path, rounds=1)
+    raised = {**run_config, "resume": True, "overrides": run_config["overrides"].replace("trainer.rounds=1", "trainer.rounds=2")}
+    state = server_app.resumed_state(server_app.run_settings(raised))
+    assert state["round"] == 1
+
+
+def _worker(tmp_path: Path) -> tuple[SiteWorker, dict]:
+    """Site 1 of the clinical federation (fedavg, dense messages) built from its own records, and its run's config."""
+    csv = tmp_path / "all" / "breast_cancer.csv"
+    files = clinical.site_records(clinical.Options(csv=str(csv)), FederationConfig(n_sites=3), 0, tmp_path / "sites")
+    run_config = {**RUN_CONFIG, "overrides": f"{RUN_CONFIG['overrides']} data.csv={csv} strategy.name=fedavg"}
+    config = server_app.run_settings(run_config).resolved.config
+    return SiteWorker(to_yaml(config), 1, files[1].parent, tmp_path / "state"), config
+
+
+def test_a_site_that_failed_in_a_round_is_put_back_to_its_snapshot_of_the_previous_round(tmp_path):
+    worker, _ = _worker(tmp_path)
+    server = copy.deepcopy(worker.link)  # the server's end starts where the site's does
+    global_model = {"all": worker.site.slot(worker.site.evaluated_slot).module.get_vector("all").clone()}
+
+    def delivery(round_index: int, restore: bool) -> tuple[dict, dict]:
+        request = {"kind": "deliver", "round": round_index, "restore": restore, "evaluate": round_index > 0}
+        return request, server.encode("down", global_model)
+
+    worker.handle(1, [delivery(0, restore=False)])
+    start = read_checkpoint(worker.snapshots / "round-0.ckpt")["sites"][0]
+    work = {"kind": "work", "round": 1, "phase_index": 0, "phase": "fit", "local_epochs": 1, "norms": False}
+    [(fields, _)] = worker.handle(2, [(work, server.encode("down", global_model))])
+    assert "error" not in fields and not _same(worker.site.state_dict(), start)  # it trained; say its reply was refused
+    worker.handle(3, [delivery(1, restore=True)])  # back to round 1's start, then round 1's delivery (the same model)
+    assert _same(worker.site.state_dict(), start)
+    assert _same(worker.link.state_dict()["known"], server.state_dict()["known"])
+
+
+def _same(a, b) -> bool:
+    """Whether two nested states (dicts, lists, tensors, numbers) are equal, tensors element for element."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[key], b[key]) for key in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_a_site_goes_back_only_to_an_intact_snapshot_of_its_own_config_and_forgets_the_later_rounds(tmp_path):
+    worker, config = _worker(tmp_path)
+
+    def rewind(seq: int, round_index: int) -> dict:
+        [(fields, wire)] = worker.handle(seq, [({"kind": "rewind", "round": round_index}, {})])
+        assert wire == {}
+        return fields
+
+    def snapshot(round_index: int, snapshot_config: dict) -> Path:
+        state = {"round": round_index, "config": snapshot_config, "sites": [worker.site.state_dict()], "links": [worker.link.state_dict()]}
+        return save_checkpoint(worker.snapshots, state, keep=3)
+
+    assert rewind(5, 1) == {"error": "site1 cannot go back to the end of round 1: its state folder keeps the ends of rounds none"}
+    other = {**config, "trainer": {**config["trainer"], "batch_size": 7, "rounds": 9}}  # rounds may change, the batch size not
+    snapshot(1, other)
+    assert rewind(5, 1)["error"].endswith("its snapshot was written with another config (at trainer.batch_size)")
+    damaged = snapshot(1, config)
+    damaged.write_bytes(damaged.read_bytes()[:-80] + bytes(80))
+    assert "its snapshot of that round is damaged" in rewind(5, 1)["error"]
+    snapshot(1, config)
+    later = snapshot(2, config)
+    assert rewind(5, 1) == {} and not later.exists()
+    assert rewind(5, 1) == {}  # a rewind is answered again whatever its number (a resumed server numbers from its checkpoint)
+    with pytest.raises(ValueError, match="older than the last one it answered"):
+        worker.handle(4, [({"kind": "deliver"}, {})])

@@ -3,7 +3,8 @@
 The node's identity and data come from the SuperNode's ``--node-config``,
 never from the server: ``site-index`` (0-based), ``data-root`` (the folder
 the task's ``build_site`` reads) and, optionally, ``state-dir`` (where the
-site keeps its state between messages; default
+site keeps its state between messages and its snapshots of the last
+rounds' ends, which a resumed server asks it to go back to; default
 ``<data-root>/../medfed-state/site<index>``). The server sends the run's
 config with every message; the site's
 :class:`~medfed.deploy.worker.SiteWorker` answers them, and this process

@@ -4,13 +4,29 @@ Run config (``[tool.flwr.app.config]`` in pyproject.toml, ``flwr run
 --run-config``): ``config`` (a medfed config file or bundled name, read by
 the ServerApp), ``overrides`` (space-separated ``key=value``, as the CLI's),
 ``run-name`` (the sites key their state by it), ``output-dir`` (the server's
-results.json), ``reply-timeout-s`` (how long the server waits for a site).
-A bad run config or medfed config (an unknown key, a wrong value, a
-``federation.label_ratio``, the pooled reference) ends the run before any
-site is contacted, with one line ``medfed: error: ...`` in the run's log;
-the run is marked failed with that line as its reason. ``python -m medfed
+checkpoints and results.json), ``reply-timeout-s`` (how long the server
+waits for a site), ``resume`` (continue the run of this ``run-name`` and
+``output-dir``). A bad run config or medfed config (an unknown key, a wrong
+value, a ``federation.label_ratio``, the pooled reference), or a resume
+refused (no checkpoint, a config
+changed other than ``trainer.rounds`` raised or ``trainer.keep_checkpoints``,
+a fresh run over an earlier run's checkpoints) ends the run before any site
+is contacted, with one line ``medfed: error: ...`` in the run's log; the
+run is marked failed with that line as its reason. ``python -m medfed
 deploy submit`` (:mod:`medfed.deploy.submit`) makes the same check before it
 submits a run, and exits with status 2 instead.
+
+*Checkpoints and resume.* After every round the loop's state (round,
+history, the server half, the server's end of every link with its byte
+counters, failure streaks and exclusions, each site's message count) and
+the config go into ``<output-dir>/checkpoints/round-<r>.ckpt``
+(:mod:`medfed.checkpoint`, as the simulator's). With ``resume=true`` the
+newest intact one, round r, is loaded and every site is told to go back to
+its own end of round r (:mod:`medfed.deploy.worker` keeps those snapshots):
+sites that had trained further (the server died before it checkpointed a
+round they finished) undo it, so the resumed rounds are the uninterrupted
+run's. A site that cannot go back ends the run with one line naming the
+site and the round.
 
 The round logic is :class:`~medfed.federated.loop.FederatedLoop`'s, the
 simulator's own; :class:`FlowerSites` is its executor: it codes every
@@ -42,11 +58,12 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 from lightning.fabric import Fabric
 
+from medfed.checkpoint import FOLDER, checkpoints, resume_state, round_checkpoints
 from medfed.components import ResolvedRun, resolve
 from medfed.config import load_config, to_yaml
 from medfed.deploy.client_app import run_folder
 from medfed.deploy.records import from_record, to_record
-from medfed.errors import ConfigError
+from medfed.errors import ConfigError, DataError, SiteFailure
 from medfed.federated.executor import PhaseWork, SiteResult
 from medfed.federated.link import Link, Wire
 from medfed.federated.loop import FederatedLoop
@@ -58,7 +75,7 @@ from medfed.tasks.label_imbalance import refuse_label_ratio
 app = ServerApp()
 POLL_S = 0.1
 """Seconds between the server's looks for replies (and for new nodes) while it waits."""
-RUN_CONFIG = {"config": str, "overrides": str, "run-name": str, "output-dir": str, "reply-timeout-s": float}
+RUN_CONFIG = {"config": str, "overrides": str, "run-name": str, "output-dir": str, "reply-timeout-s": float, "resume": bool}
 """The run config's keys and types (``[tool.flwr.app.config]``)."""
 Request = tuple[dict[str, Any], dict[str, Wire]]
 """One request to a site's worker, or its reply: fields and wire (:mod:`medfed.deploy.worker`)."""
@@ -87,6 +104,7 @@ class FlowerSites:
         self._pending: dict[int, list[Request]] = {}  # requests that ride with the site's next message
         self._waiting: dict[int, dict[str, Wire]] = {}
         self._restore: set[int] = set()
+        self.delivered = 0  # the last round whose delivery every site has received
 
     # ------------------------------------------------------------------ before the loop
     def handshake(self) -> dict[str, Any]:
@@ -119,10 +137,10 @@ class FlowerSites:
         return {index: self.links[index].decode("up", wire) for index, (_, wire) in replies.items()}
 
     def open_round_starts(self, directory: Path | None) -> None:
-        """Nothing here: each site keeps its own start-of-round state."""
+        """Nothing here: each site's start of a round is its own snapshot of the previous round's end (:mod:`medfed.deploy.worker`)."""
 
     def close_round_starts(self) -> None:
-        """Nothing here: each site keeps its own start-of-round state."""
+        """Nothing here: the sites keep their snapshots."""
 
     def save_round_start(self, participants: list[int]) -> None:
         self._restore.clear()
@@ -156,7 +174,10 @@ class FlowerSites:
         """Code each site's delivery now; without ``evaluate`` (round 0's) it waits to ride with the site's next message."""
         tic = time.perf_counter()
         requests = {
-            index: ({"kind": "deliver", "restore": index in self._restore, "evaluate": evaluate}, self.links[index].encode("down", payload))
+            index: (
+                {"kind": "deliver", "round": round_index, "restore": index in self._restore, "evaluate": evaluate},
+                self.links[index].encode("down", payload),
+            )
             for index, payload in payloads.items()
         }
         if not evaluate:
@@ -164,16 +185,30 @@ class FlowerSites:
                 self._pending.setdefault(index, []).append(request)
             return {}
         replies = self._exchange(requests, round_index)
+        self.delivered = round_index
         if timing is not None:
             timing["eval_s"] = time.perf_counter() - tic
         return {self.names[index]: replies[index][0]["metrics"] for index in sorted(replies)}
 
     def state_dict(self) -> list[dict[str, Any]]:
-        """Each site's message count (the sites keep their own state)."""
-        return [{"seq": seq} for seq in self.seq]
+        """Each site's message count and the round its state is at (the sites keep their own state)."""
+        return [{"seq": seq, "round": self.delivered} for seq in self.seq]
 
     def load_state_dict(self, state: list[dict[str, Any]]) -> None:
+        """Tell every site to go back to its own state at the end of the checkpoint's round.
+
+        Raises:
+            SiteFailure: a site cannot (one line per site: the site and the
+                round, and why: no snapshot of that round kept, a damaged
+                one, or one written with another config).
+        """
         self.seq = [entry["seq"] for entry in state]
+        self.delivered = state[0]["round"]
+        rewind = ({"kind": "rewind", "round": self.delivered}, {})
+        replies = self._exchange({index: rewind for index in range(len(self.names))}, self.delivered)
+        errors = [fields["error"] for _, (fields, _) in sorted(replies.items()) if "error" in fields]
+        if errors:
+            raise SiteFailure("; ".join(errors))
 
     # ------------------------------------------------------------------ messages
     def _identify_new_nodes(self) -> None:
@@ -263,6 +298,7 @@ class RunSettings:
     resolved: ResolvedRun
     output_dir: Path
     reply_timeout_s: float
+    resume: bool
 
 
 def run_settings(run_config: dict[str, Any]) -> RunSettings:
@@ -299,20 +335,43 @@ def run_settings(run_config: dict[str, Any]) -> RunSettings:
             "which a deployment never does"
         )
     refuse_label_ratio(resolved.run.federation)
-    return RunSettings(resolved, Path(str(run_config["output-dir"])), float(run_config["reply-timeout-s"]))
+    return RunSettings(resolved, Path(str(run_config["output-dir"])), float(run_config["reply-timeout-s"]), run_config["resume"])
+
+
+def resumed_state(settings: RunSettings) -> dict[str, Any] | None:
+    """The checkpoint a ``resume=true`` run continues from (:func:`~medfed.checkpoint.resume_state`); None for a fresh run.
+
+    Raises:
+        ConfigError: a resume without a checkpoint or with a changed config
+            (the message names the key), or a fresh run whose
+            ``output-dir`` holds an earlier run's checkpoints.
+        DataError: the newest checkpoint is damaged (the message names the previous intact one).
+    """
+    fresh = "start a new run with another output-dir and run-name"
+    if settings.resume:
+        return resume_state(settings.output_dir, settings.resolved.config, switch="run config resume=true", fresh=fresh)
+    if checkpoints(settings.output_dir / FOLDER):
+        raise ConfigError(
+            f"run config key 'output-dir': {settings.output_dir} holds an earlier run's checkpoints; "
+            f"resume=true continues that run, or {fresh}"
+        )
+    return None
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Build the server half from the run config, run the rounds, write results.json.
+    """Build the server half from the run config (resumed from its checkpoint with ``resume``), run the rounds, write results.json.
 
     Raises:
-        ConfigError: bad input (one line ``medfed: error: ...`` in the run's log first).
+        ConfigError: bad input, or a resume refused (one line ``medfed: error: ...`` in the run's log first).
+        DataError: a resume whose newest checkpoint is damaged (one line first).
+        SiteFailure: a site cannot go back to the checkpoint's round (one line first).
         RuntimeError: a site failed to answer or to build itself (:class:`FlowerSites`).
     """
     try:
         settings = run_settings(dict(context.run_config))
-    except ConfigError as error:
+        resumed = resumed_state(settings)
+    except (ConfigError, DataError) as error:
         print(f"medfed: error: {error}", flush=True)
         raise
     resolved, output_dir = settings.resolved, settings.output_dir
@@ -335,9 +394,19 @@ def main(grid: Grid, context: Context) -> None:
     ]
     loop = FederatedLoop(
         fabric, [], strategy, sites.links, initial, local_epochs=trainer.local_epochs,
-        participation=run.federation.participation, seed=trainer.seed, on_site_failure=run.federation.on_site_failure, update_norm_limit=run.federation.update_norm_limit,
+        participation=run.federation.participation, seed=trainer.seed,
+        save_checkpoint=round_checkpoints(output_dir, config, trainer.keep_checkpoints),
+        on_site_failure=run.federation.on_site_failure, update_norm_limit=run.federation.update_norm_limit,
         max_consecutive_failures=run.federation.max_consecutive_failures, executor=sites,
     )
+    if resumed is not None:
+        try:
+            loop.load_state_dict(resumed)  # every site goes back to its end of the checkpoint's round
+        except SiteFailure as error:
+            print(f"medfed: error: run config resume=true: {error}", flush=True)
+            raise
+        print(f"medfed: resumed after round {loop.round} from {output_dir / FOLDER}", flush=True)
+        del resumed
     loop.fit(trainer.rounds, progress=lambda record: print(f"medfed round {record['round']}: {record['mean']}", flush=True))
     results = {
         "strategy": strategy.name,

@@ -13,6 +13,21 @@ node config (``--node-config state-dir=...``) finds it and rejoins where it
 stopped. A message it has already answered (the server resends when a node
 goes away) is answered again from the saved reply, never worked twice.
 
+*End-of-round snapshots.* After each round's delivery (and evaluation) the
+worker writes the site's whole state, its modules, optimisers, data-order
+generators and strategy half, and its end of the link (codec known values
+and residuals), as ``<state folder>/rounds/round-<r>.ckpt`` with
+:func:`~medfed.checkpoint.save_checkpoint` (atomic, SHA-256 trailer), keeping
+the newest ``trainer.keep_checkpoints + 1``: the rounds the server keeps
+checkpoints of, and one more, for a server that died after the sites
+finished a round but before it checkpointed it. The start of round r is the
+end of round r - 1, so the same files put a site that fails in round r
+back (its link to where it stood before its reply). A resumed server
+(:mod:`medfed.deploy.server_app`, ``resume=true``) sends a ``rewind`` to its
+checkpoint's round r: the site loads its snapshot of round r and forgets the
+later ones; a site without an intact snapshot of round r (or one written
+with another config) answers with an error naming the round.
+
 What the site sends back: codec streams of its strategy half's replies
 (coded by its own end of the :class:`~medfed.federated.link.Link`), its
 training losses, update norms, the names of non-finite reply keys, its test
@@ -34,8 +49,10 @@ import torch
 from lightning.fabric import Fabric
 
 from medfed.atomic import atomic_write
+from medfed.checkpoint import checkpoints, config_differences, read_checkpoint, save_checkpoint
 from medfed.components import resolve
 from medfed.config import load_config
+from medfed.errors import DataError
 from medfed.federated.executor import PhaseWork, site_phase
 from medfed.federated.faults import non_finite_keys
 from medfed.federated.link import Link, Wire
@@ -44,6 +61,8 @@ from medfed.federated.strategies.base import DELIVER
 from medfed.models.split import PARTS
 
 STATE_FILE = "site-state.pt"
+SNAPSHOTS = "rounds"
+"""The folder of the site's end-of-round snapshots inside its state folder."""
 
 
 class SiteWorker:
@@ -88,6 +107,9 @@ class SiteWorker:
         initial = strategy.initial_values({part: prototype.get_vector(part).to(fabric.device) for part in PARTS})
         self.link = Link(run.codec.spec("up"), run.codec.spec("down"), strategy.coded_keys, initial, fabric.device)
         self.coded_keys = strategy.coded_keys
+        self.config = resolved.config
+        self.snapshots = Path(state_dir) / SNAPSHOTS
+        self.keep = run.trainer.keep_checkpoints + 1
         self.description = {"input_shape": list(federation.input_shape), "num_classes": federation.num_classes}
         self.state_path = Path(state_dir) / STATE_FILE
         self.state: dict[str, Any] = {"seq": -1}
@@ -105,22 +127,29 @@ class SiteWorker:
         """Answer one message's requests in order: each one's ``(reply fields, reply wire)``; the state is saved once, before returning.
 
         A request's ``kind``: ``setup`` (the strategy half's setup reply),
-        ``work`` (a phase: receive, train, reply) or ``deliver`` (receive the
-        round's delivery, evaluate if asked). ``seq`` numbers the server's
-        messages to this site: the last one answered again (the server resent
-        it to this site's new node) is answered from the saved replies.
+        ``work`` (a phase: receive, train, reply), ``deliver`` (receive the
+        round's delivery, evaluate if asked, snapshot the round's end) or
+        ``rewind`` (back to the end of a round, alone in its message).
+        ``seq`` numbers the server's messages to this site: the last one
+        answered again (the server resent it to this site's new node) is
+        answered from the saved replies. A rewind is answered whatever its
+        ``seq``: a resumed server numbers its messages from its checkpoint,
+        and the site may have answered later ones; it counts on from there.
 
         Raises:
             ValueError: an unknown ``kind``, or a message older than the last answered.
         """
-        if seq == self.state["seq"]:
+        rewind = requests[0][0]["kind"] == "rewind"
+        if seq == self.state["seq"] and not rewind:
             return self.state["replies"]
-        if seq < self.state["seq"]:
+        if seq < self.state["seq"] and not rewind:
             raise ValueError(f"message {seq} to site {self.site.index} is older than the last one it answered ({self.state['seq']})")
         replies = []
         for request, wire in requests:
             kind = request["kind"]
-            if kind == "setup":
+            if kind == "rewind":
+                replies.append((self._rewind(request["round"]), {}))
+            elif kind == "setup":
                 replies.append(({}, self.link.encode("up", self.site.strategy.setup(self.site))))
             elif kind == "work":
                 replies.append(self._work(request, wire))
@@ -137,8 +166,7 @@ class SiteWorker:
     def _work(self, request: dict[str, Any], wire: dict[str, Wire]) -> tuple[dict[str, Any], dict[str, Wire]]:
         """Receive, train, reply; the reply is coded now (the server decodes it only if it accepts it)."""
         work = PhaseWork(request["round"], request["phase_index"], request["phase"], request["local_epochs"], request["norms"])
-        if work.phase_index == 0:  # the round starts here: what a failure puts the site back to
-            self.state["round_start"] = copy.deepcopy(self.site.state_dict())  # copies: the live tensors train on
+        if work.phase_index == 0:
             self.state["epochs_before"] = {}
         message = self.link.decode("down", wire)
         self.state["link_before_reply"] = copy.deepcopy(self.link.state_dict())
@@ -157,12 +185,50 @@ class SiteWorker:
         return fields, ({} if bad else self.link.encode("up", reply))
 
     def _deliver(self, request: dict[str, Any], wire: dict[str, Wire]) -> dict[str, Any]:
-        """Put the site back first if it failed this round, receive the delivery, evaluate if asked."""
+        """Put the site back to the round's start first if it failed this round, receive the delivery, evaluate if asked,
+        snapshot the end of the round."""
+        round_index = request["round"]
         if request["restore"]:
-            self.site.load_state_dict(self.state["round_start"])
+            self.site.load_state_dict(read_checkpoint(self._snapshot(round_index - 1))["sites"][0])
             self.link.load_state_dict(self.state["link_before_reply"])
         self.site.strategy.receive(self.site, DELIVER, self.link.decode("down", wire))
-        return {"metrics": self.site.evaluate()} if request["evaluate"] else {}
+        fields = {"metrics": self.site.evaluate()} if request["evaluate"] else {}
+        snapshot = {"round": round_index, "config": self.config, "sites": [self.site.state_dict()], "links": [self.link.state_dict()]}
+        save_checkpoint(self.snapshots, snapshot, self.keep)
+        return fields
+
+    def _rewind(self, round_index: int) -> dict[str, Any]:
+        """Put the site and its end of the link back to the end of round ``round_index``, forget the later snapshots.
+
+        Returns:
+            ``{}``, or ``{"error": ...}`` (naming the site and the round) when
+            the site has no intact snapshot of that round written with this
+            config; the site is then left as it was.
+        """
+        path = self._snapshot(round_index)
+        cannot = f"site{self.site.index} cannot go back to the end of round {round_index}"
+        found = {int(file.stem.split("-")[1]): file for file in checkpoints(self.snapshots)}
+        kept = list(found)
+        if not path.is_file():
+            return {"error": f"{cannot}: its state folder keeps the ends of rounds {kept or 'none'}"}
+        try:
+            snapshot = read_checkpoint(path)
+        except DataError:
+            return {"error": f"{cannot}: its snapshot of that round is damaged (it fails its SHA-256 check or cannot be read)"}
+        changed = config_differences(snapshot["config"], self.config)
+        if changed:
+            return {"error": f"{cannot}: its snapshot was written with another config (at {', '.join(changed)})"}
+        self.site.load_state_dict(snapshot["sites"][0])
+        self.link.load_state_dict(snapshot["links"][0])
+        for number, file in found.items():
+            if number > round_index:
+                file.unlink()
+        self.state = {"seq": -1}
+        return {}
+
+    def _snapshot(self, round_index: int) -> Path:
+        """The file of the site's snapshot of the end of round ``round_index``."""
+        return self.snapshots / f"round-{round_index}.ckpt"
 
 
 def _stamp(path: Path) -> tuple[int, int, int] | None:

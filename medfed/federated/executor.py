@@ -115,7 +115,7 @@ class SiteExecutor(Protocol):
         ...
 
     def load_state_dict(self, state: list[dict[str, Any]]) -> None:
-        """Restore :meth:`state_dict`."""
+        """Put the sites back to :meth:`state_dict`'s (where the sites keep their own: tell each to go back to it)."""
         ...
 
 
