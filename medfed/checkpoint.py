@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import io
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -45,12 +46,27 @@ _CHUNK = 1 << 20
 
 
 def save_checkpoint(folder: Path, state: dict[str, Any], keep: int) -> Path:
-    """Write ``state`` (with its ``"round"``) as ``folder/round-<n>.ckpt`` and delete all but the newest ``keep``."""
+    """Write ``state`` (with its ``"round"``) as ``folder/round-<n>.ckpt`` and delete all but the newest ``keep``.
+
+    Raises:
+        DataError: the file could not be written (a full disk shows up in
+            torch's zip writer as "unexpected pos"); the message names the
+            file and the space left, nothing is half-written and the earlier
+            checkpoints are kept.
+    """
     path = folder / f"round-{state['round']}.ckpt"
-    with atomic_write(path, "wb") as file:
-        hashing = _HashingWriter(file)
-        torch.save(state, hashing)
-        file.write(_TRAILER_START + hashing.digest.hexdigest().encode() + b"\n")
+    try:
+        with atomic_write(path, "wb") as file:
+            hashing = _HashingWriter(file)
+            torch.save(state, hashing)
+            file.write(_TRAILER_START + hashing.digest.hexdigest().encode() + b"\n")
+    except (OSError, RuntimeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip().splitlines()[0]
+        free_mib = shutil.disk_usage(folder).free / 2**20
+        raise DataError(
+            f"checkpoint {path} could not be written ({reason}); {free_mib:.0f} MiB free on its file system; "
+            "the earlier checkpoints are kept: free some space and continue with --resume"
+        ) from None
     for old in checkpoints(folder)[:-keep]:
         old.unlink()
     return path

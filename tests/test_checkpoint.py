@@ -1,5 +1,6 @@
 """Checkpoints: checksummed, the newest k kept, every damage a one-line error before any data is read."""
 
+import errno
 import io
 import json
 import shutil
@@ -7,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+import medfed.checkpoint as checkpoint_module
 from medfed.checkpoint import FOLDER, checkpoints, read_checkpoint, resume_state, save_checkpoint
 from medfed.cli import main
 from medfed.errors import DataError
@@ -126,3 +128,28 @@ def test_resuming_with_another_config_is_refused(tiny_run_config, tmp_path, fini
     shutil.copytree(finished_tiny_run, tmp_path / "run")
     assert main(["fit", "--config", str(tiny_run_config), "--quiet", "--resume", "trainer.seed=1"]) == 2
     assert "the config differs from the checkpoint's" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 31426816 vs 31426704"),  # torch on a full disk
+        OSError(errno.ENOSPC, "No space left on device"),
+    ],
+)
+def test_a_checkpoint_that_cannot_be_written_is_one_error_naming_it_and_the_earlier_ones_stay(tmp_path, monkeypatch, failure):
+    save_checkpoint(tmp_path, {"round": 1, "config": {}, "sites": []}, keep=2)
+    before = (tmp_path / "round-1.ckpt").read_bytes()
+
+    def failing_save(state, file):
+        file.write(b"partial")
+        raise failure
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", failing_save)
+    with pytest.raises(DataError) as raised:
+        save_checkpoint(tmp_path, {"round": 2, "config": {}, "sites": []}, keep=2)
+    message = str(raised.value)
+    assert str(tmp_path / "round-2.ckpt") in message and "MiB free" in message and "--resume" in message
+    assert ("unexpected pos" in message) if isinstance(failure, RuntimeError) else ("No space left on device" in message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["round-1.ckpt"]  # no temporary left, the earlier one intact
+    assert (tmp_path / "round-1.ckpt").read_bytes() == before
