@@ -38,6 +38,7 @@ import csv
 import json
 import math
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import sys
@@ -280,7 +281,11 @@ def execute(runs: list[Run], jobs: int, progress: bool = True) -> dict[str, str]
     forkserver) that imported medfed, torch, Lightning and MONAI once: the
     run is as isolated as ``python -m medfed fit`` in a fresh interpreter
     (own memory, seeds, thread count) but starts in a fraction of a second
-    instead of ~10 s. A run's output (stdout and stderr) goes to its ``log``,
+    instead of ~10 s. torch's threads are each run's ``trainer.num_threads``;
+    the libraries that read ``OMP_NUM_THREADS`` once, at import (OpenMP,
+    BLAS, numba), read it in the server, which is started with it set to
+    the new runs' count (a server already running in this process, from an
+    earlier ``execute``, keeps its own). A run's output (stdout and stderr) goes to its ``log``,
     beside the run folders. On Ctrl-C no further run starts, the running
     ones get SIGINT (each checkpoints and stops) and KeyboardInterrupt is
     raised.
@@ -295,6 +300,8 @@ def execute(runs: list[Run], jobs: int, progress: bool = True) -> dict[str, str]
     stopping = threading.Event()
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(RUN_SERVER_PRELOAD))
+    if todo:
+        _start_run_server(min(run.threads for run in todo))
     bar = tqdm(total=len(todo), desc="runs", unit="run", disable=not progress)
     pool = ThreadPoolExecutor(max_workers=jobs)
     futures = {pool.submit(_fit, context, run, running, lock, stopping): run for run in todo}
@@ -320,6 +327,19 @@ def execute(runs: list[Run], jobs: int, progress: bool = True) -> dict[str, str]
     return failed
 
 
+def _start_run_server(threads: int) -> None:
+    """Start the forkserver (if it is not running) with ``OMP_NUM_THREADS=threads`` in its environment; this process's is left as it was."""
+    previous = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if previous is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = previous
+
+
 def _fit(context: Any, run: Run, running: dict[str, Any], lock: threading.Lock, stopping: threading.Event) -> tuple[int, str]:
     """One run as a ``fit`` process forked from the run server; ``(exit status, last lines of its log)``."""
     run.log.parent.mkdir(parents=True, exist_ok=True)
@@ -330,7 +350,7 @@ def _fit(context: Any, run: Run, running: dict[str, Any], lock: threading.Lock, 
         if stopping.is_set():
             return 130, "not started (interrupted)"
         status_reader, status_writer = context.Pipe(duplex=False)
-        process = context.Process(target=_fit_in_run_server_child, args=(argv, str(run.log), run.threads, status_writer), name=run.name)
+        process = context.Process(target=_fit_in_run_server_child, args=(argv, str(run.log), status_writer), name=run.name)
         process.start()
         status_writer.close()
         running[run.name] = process
@@ -348,11 +368,10 @@ def _fit(context: Any, run: Run, running: dict[str, Any], lock: threading.Lock, 
     return code, " | ".join(lines[-TAIL_LINES:])
 
 
-def _fit_in_run_server_child(argv: list[str], log: str, threads: int, status: Any) -> None:
+def _fit_in_run_server_child(argv: list[str], log: str, status: Any) -> None:
     """The run's process: stdout and stderr to ``log``, then ``medfed fit``; fit's exit status goes to ``status`` (a pipe's end) and is the process's."""
     from medfed.cli import main
 
-    os.environ["OMP_NUM_THREADS"] = str(threads)
     descriptor = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -260,3 +260,28 @@ def test_a_run_that_fails_is_reported_with_its_exit_status_and_log_and_the_other
     assert (tmp_path / "out" / "tiny_clinical" / "local" / "seed0" / "results.json").is_file()
     assert not (tmp_path / "out" / "broken_clinical" / "local" / "seed0" / "results.json").exists()
     assert {row["config"] for row in read_rows(tmp_path / "out")} == {"tiny_clinical"}
+
+
+def test_the_run_server_starts_with_the_runs_thread_count_and_leaves_this_process_environment_alone(tmp_path):
+    # In a fresh interpreter: pytest's own process may already hold a run server from the tests above.
+    script = tmp_path / "server_environment.py"
+    script.write_text(
+        "import multiprocessing, os\n"
+        "from medfed.compare import _start_run_server\n"
+        "def report(writer):\n"
+        "    writer.send(os.environ.get('OMP_NUM_THREADS'))\n"
+        "if __name__ == '__main__':\n"
+        "    context = multiprocessing.get_context('forkserver')\n"
+        "    context.set_forkserver_preload(['os'])\n"
+        "    _start_run_server(3)\n"
+        "    reader, writer = context.Pipe(duplex=False)\n"
+        "    process = context.Process(target=report, args=(writer,))\n"
+        "    process.start()\n"
+        "    writer.close()\n"
+        "    print(reader.recv(), os.environ.get('OMP_NUM_THREADS'))\n"
+        "    process.join()\n"
+    )
+    environment = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"} | {"PYTHONPATH": str(REPOSITORY)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=environment, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["3", "None"]
