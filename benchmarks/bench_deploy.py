@@ -30,6 +30,7 @@ with the machine and its load average.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -79,10 +80,8 @@ def _flower_simulation(config: Path, overrides: list[str], folders: list[Path], 
     try:
         os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: its pid, the group's id, stays taken
     finally:
-        try:
-            os.killpg(popen.pid, signal.SIGKILL)  # the child if interrupted, and any of ray's processes that outlived it
-        except ProcessLookupError:
-            pass
+        with contextlib.suppress(ProcessLookupError):  # the child if interrupted, and any of ray's processes that outlived it
+            os.killpg(popen.pid, signal.SIGKILL)
         status = popen.wait()
     if status != 0:
         raise SystemExit(f"bench_deploy: error: Flower's simulation engine failed (status {status})")

@@ -26,6 +26,7 @@ No flwr import here: the executables come from the ``deploy`` extra.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -306,18 +307,14 @@ def _exited(pid: int) -> bool:
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     """Send ``sig`` to process group ``pgid`` if it still has a member."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _signal_pid(pid: int, sig: signal.Signals) -> None:
     """Send ``sig`` to process ``pid`` if it still exists."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _stat(pid: int) -> list[str] | None:
