@@ -225,3 +225,41 @@ def test_stop_raises_at_the_first_failure_and_every_site_excluded_ends_the_run()
     loop.fit(1)
     with pytest.raises(SiteFailure, match="every site has been excluded \\(site0 after round 1: ZeroDivisionError"):
         loop.fit(2)
+
+
+def test_a_site_claiming_more_samples_than_it_declared_or_replying_a_wrong_sized_model_is_left_out_of_that_round(caplog):
+    # What the server decodes is checked by the server: a count over the site's declared training-set size
+    # (FedAvg would weight by it) and a model vector one value longer than the model are refused, and the
+    # round goes on exactly as if those sites had not taken part; their honest later rounds count again.
+    faulty = _loop("fedavg")
+    declared = faulty.executor.declared_samples
+    assert declared == [site.n_train for site in faulty.sites] and min(declared) > 0
+    tamper = {
+        RAISES: lambda payload: {**payload, "num_samples": torch.tensor([1e9])},
+        SENDS_NAN: lambda payload: {**payload, "all": torch.cat([payload["all"], torch.zeros(1)])},
+    }
+    for index, alter in tamper.items():
+        site = faulty.sites[index]
+
+        def altered_reply(site, phase, reply=site.strategy.reply, alter=alter):
+            payload = reply(site, phase)
+            return alter(payload) if faulty.round == FAULT_ROUND else payload
+
+        site.strategy.reply = altered_reply
+    with caplog.at_level(logging.WARNING, logger="medfed"):
+        faulty.fit(3)
+    reference = _without_sites(_loop("fedavg"), set(tamper))
+    reference.fit(3)
+    failures = faulty.history[FAULT_ROUND - 1]["failures"]
+    assert [(f["site"], f["phase"]) for f in failures] == [("site1", "fit"), ("site2", "fit")]
+    assert failures[0]["reason"] == (
+        f"reply 'num_samples' = 1e+09 is not a whole number from 0 to the {declared[RAISES]} training samples the site declared"
+    )
+    d = faulty.sites[0].module.get_vector("all").numel()
+    assert failures[1]["reason"] == (
+        f"malformed reply: message from site2, payload 'all': shape ({d + 1},) holds {d + 1} values, "
+        f"expected {d} like the key's known value"
+    )
+    assert all(not record["failures"] for i, record in enumerate(faulty.history) if i != FAULT_ROUND - 1)
+    assert [r["metrics"] for r in faulty.history] == [r["metrics"] for r in reference.history]
+    assert torch.equal(faulty.server.global_model, reference.server.global_model)

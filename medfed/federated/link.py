@@ -169,11 +169,18 @@ class Link:
         The time spent encoding and decoding accumulates in ``codec_seconds``.
 
         Raises:
-            ValueError: an unknown direction, a coded vector whose length
-                differs from its key's earlier messages, or a model-sized
-                tensor under a key not in ``coded_keys``.
+            ValueError: an unknown direction, or a model-sized tensor under a
+                key not in ``coded_keys``.
+            MessageError: what the receiver's :meth:`decode` would refuse: a coded
+                vector whose length differs from its key's known value, or a
+                dense entry over ``max_entries`` values (nothing is sent then).
         """
         _check_direction(direction)
+        for key, value in payload.items():  # the receiver's checks on what it would decode, before any state changes
+            try:
+                self._expected(key, tuple(value.shape))
+            except MessageError as error:
+                raise error.about(self._sender(direction), key) from None
         received = {}
         started = time.perf_counter()
         for key, value in payload.items():
@@ -254,13 +261,7 @@ class Link:
         if not isinstance(entry, (tuple, list)) or len(entry) != 2:
             raise MessageError("expected an entry (shape, bytes)")
         shape, data = _checked_shape(entry[0]), entry[1]
-        count = math.prod(shape)
-        reference_name = self._reference_name(key)
-        reference = None if reference_name is None else self._reference(key, reference_name)
-        if reference is not None and count != reference.numel():
-            raise MessageError(f"shape {shape} holds {count} values, expected {reference.numel()} like the key's known value")
-        if reference is None and count > self.max_entries:
-            raise MessageError(f"shape {shape} holds {count} values, more than the {self.max_entries} this end accepts")
+        count, reference_name, reference = self._expected(key, shape)
         if count == 0:
             if data is not None:
                 raise MessageError(f"shape {shape} holds no values, but a stream came with it")
@@ -277,6 +278,21 @@ class Link:
             if not np.isfinite(sent.numpy()).all():
                 raise MessageError("the decoded change added to the known value is not finite")
         return shape, sent, data, coded_change
+
+    def _expected(self, key: str, shape: tuple[int, ...]) -> tuple[int, str | None, torch.Tensor | None]:
+        """The values a received ``shape`` under ``key`` holds, checked; with the key's reference name and K (None: none).
+
+        Raises:
+            MessageError: a coded key's shape that does not hold K's number of values, or another key's more than ``max_entries``.
+        """
+        count = math.prod(shape)
+        reference_name = self._reference_name(key)
+        reference = None if reference_name is None else self._reference(key, reference_name)
+        if reference is not None and count != reference.numel():
+            raise MessageError(f"shape {shape} holds {count} values, expected {reference.numel()} like the key's known value")
+        if reference is None and count > self.max_entries:
+            raise MessageError(f"shape {shape} holds {count} values, more than the {self.max_entries} this end accepts")
+        return count, reference_name, reference
 
     def _reference(self, key: str, reference_name: str) -> torch.Tensor | None:
         """K of a coded key (before its first message: its own initial vector or its part's); None for a key against zeros not yet received."""
