@@ -117,8 +117,11 @@ def expect(fields: Any, kinds: dict[str, Any], what: str) -> dict[str, Any]:
         raise MessageError(f"{what}: expected the fields {sorted(kinds)}, got {sorted(map(str, fields))}")
     for key, kind in kinds.items():
         if not _is(fields[key], kind):
-            raise MessageError(f"{what}: field {key!r} is not a {kind.__name__}")
+            raise MessageError(f"{what}: field {key!r} is not {_KIND_NAMES[kind]} (got {type(fields[key]).__name__})")
     return fields
+
+
+_KIND_NAMES = {int: "a whole number", float: "a finite number", str: "a string", list: "a list", dict: "an object"}
 
 
 def _is(value: Any, kind: type) -> bool:
