@@ -15,7 +15,8 @@ Seeded cases against the receiving end of a :class:`~medfed.federated.link.Link`
   no stream for values, a stream for no values, wrong types) and records
   (not JSON, 50,000 nested brackets, missing or extra parts).
 
-Each case must end within the time bound, allocate (tracemalloc peak, NumPy
+Each case (after one untimed decode per codec, which compiles numba's
+kernels) must end within the time bound, allocate (tracemalloc peak, NumPy
 included) at most ``MEMORY_FACTOR`` times the expected tensor plus a small
 constant, and either return exactly the valid value, a finite float32 tensor
 of the expected shape (crafted frames whose CRC was recomputed: any vector of
@@ -112,6 +113,9 @@ class Fuzz:
 
 @pytest.fixture(scope="module")
 def fuzz():
+    for spec in CODECS.values():  # numba compiles (or loads) the decoders' kernels on first use: not timed
+        sender, receiver = _pair(spec)
+        receiver.decode("up", sender.encode("up", {"all": _target(0)}))
     tracemalloc.start()
     figures = Fuzz()
     yield figures
