@@ -260,7 +260,13 @@ class FlowerSites:
         self.delivered = state[0]["round"]
         rewind = ({"kind": "rewind", "round": self.delivered}, {})
         replies = self._all_replied(self._exchange({index: rewind for index in range(len(self.names))}, self.delivered))
-        errors = [str(fields["error"]) for _, (fields, _) in sorted(replies.items()) if "error" in fields]
+        errors = []
+        for index, (fields, _) in sorted(replies.items()):
+            if fields != {}:
+                try:
+                    errors.append(expect(fields, {"error": str}, "rewind reply")["error"])
+                except MessageError as error:
+                    errors.append(str(error.about(self.names[index])))
         if errors:
             raise SiteFailure("; ".join(errors))
 
