@@ -26,3 +26,33 @@ def warn(message: str) -> None:
 class SiteFailure(RuntimeError):
     """A site failed in a round under ``federation.on_site_failure: stop``, every site has been excluded, or a
     deployed site cannot go back to the round its resumed server continues from."""
+
+
+class MessageError(ValueError):
+    """A message received over a link is malformed or refused: its bytes, shape, size, values or fields.
+
+    Raised by every decoder of what crosses the site boundary (the codecs,
+    :class:`~medfed.federated.link.Link`, the deployment's records) for any
+    input they cannot vouch for, before they allocate for it. The message
+    names the sender and the payload key where they are known
+    (:meth:`about` adds them on the way up). A ``ValueError``, so a site's
+    reply that raises it fails that site like any other bad reply.
+    """
+
+    def __init__(self, reason: str, sender: str | None = None, key: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.sender = sender
+        self.key = key
+
+    def about(self, sender: str | None = None, key: str | None = None) -> "MessageError":
+        """This error with the sender and key filled in where not yet known (returns itself)."""
+        self.sender = self.sender if self.sender is not None else sender
+        self.key = self.key if self.key is not None else key
+        return self
+
+    def __str__(self) -> str:
+        where = ", ".join(part for part in (
+            None if self.sender is None else f"from {self.sender}", None if self.key is None else f"payload {self.key!r}"
+        ) if part)
+        return f"message {where}: {self.reason}" if where else self.reason

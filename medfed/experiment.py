@@ -81,7 +81,10 @@ def run(
     fabric = Fabric(accelerator=trainer.device, devices=1, loggers=tracker.loggers, callbacks=callbacks)
     sites = build_sites(fabric, federation, prototype, strategy, trainer.batch_size, trainer.seed)
     initial = strategy.initial_values(initial_vectors(prototype, fabric.device))
-    links = [Link(run_cfg.codec.spec("up"), run_cfg.codec.spec("down"), strategy.coded_keys, initial, fabric.device) for _ in sites]
+    links = [
+        Link(run_cfg.codec.spec("up"), run_cfg.codec.spec("down"), strategy.coded_keys, initial, fabric.device, peer=site.name)
+        for site in sites
+    ]
     loop = FederatedLoop(
         fabric,
         sites,

@@ -12,6 +12,7 @@ from medfed.compression.bitstream import (
     rice_parameter,
     rice_parameter_for_mean,
 )
+from medfed.errors import MessageError
 
 
 def test_fields_are_written_most_significant_bit_first():
@@ -90,6 +91,16 @@ def test_truncated_stream_raises():
             BitReader(data[:cut], "test stream").read_rice(100, 2)
     with pytest.raises(ValueError, match="truncated"):
         BitReader(b"\x00", "test stream").read_bytes(2)
+
+
+def test_a_count_the_remaining_bits_cannot_hold_is_refused_before_anything_is_allocated():
+    # every value takes at least one bit (1 + parameter for Rice, width for fields): 10 bytes hold at most 80
+    reader = BitReader(bytes(10), "test stream")
+    for read in (lambda: reader.read_rice(2**62, 0), lambda: reader.read_unary(81), lambda: reader.read_rice(41, 1),
+                 lambda: reader.read_uints(2**40, 0), lambda: reader.read_uints(3, 27), lambda: reader.read_bytes(11)):
+        with pytest.raises(MessageError, match="test stream: stream truncated"):
+            read()
+    assert reader.read_rice(40, 1).tolist() == [0] * 40  # the same stream, a count it holds
 
 
 def test_trailing_data_and_non_zero_padding_raise():

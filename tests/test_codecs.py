@@ -1,14 +1,13 @@
 """Codecs: byte-exact round trips, no sender state, compression ratios and stream validation."""
 
 import struct
-import zlib
 
 import numpy as np
 import pytest
 import torch
 
 from medfed.compression import CODEC_NAMES, cer, make_codec
-from medfed.compression.codecs import HEADER_SIZE
+from medfed.compression.codecs import HEADER_SIZE, frame_checksum
 
 CODEC_OPTIONS = {
     "dense": {},
@@ -121,7 +120,7 @@ def test_truncated_or_corrupt_streams_raise(key):
         codec.decode(np.random.default_rng(0).bytes(len(data)))
     # an intact header (CRC recomputed) over a payload with bytes after the message
     payload = data[HEADER_SIZE:] + b"\x00\x00"
-    header = data[: HEADER_SIZE - 4] + struct.pack("<I", zlib.crc32(payload))
+    header = data[: HEADER_SIZE - 4] + struct.pack("<I", frame_checksum(data[: HEADER_SIZE - 4], payload))
     with pytest.raises(ValueError, match="trailing|expected"):
         codec.decode(header + payload)
 

@@ -16,7 +16,7 @@ from medfed.config import FederationConfig, to_yaml  # noqa: E402
 from medfed.deploy import runner, server_app  # noqa: E402
 from medfed.deploy.records import from_record, to_record  # noqa: E402
 from medfed.deploy.worker import SiteWorker  # noqa: E402
-from medfed.errors import ConfigError, DataError  # noqa: E402
+from medfed.errors import ConfigError, DataError, MessageError  # noqa: E402
 from medfed.tasks import clinical  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,6 +101,47 @@ def _checkpointed(tmp_path: Path, rounds: int) -> dict:
     config = server_app.run_settings(run_config).resolved.config
     save_checkpoint(tmp_path / "out" / FOLDER, {"round": 1, "config": config, "sites": []}, keep=2)
     return run_config
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"losses": {"": 0.5}, "non_finite": []}, r"expected the fields \['losses', 'non_finite', 'train_s'\]"),  # a missing field
+        ({"losses": {"": 0.5}, "non_finite": [], "train_s": 1.0, "norms": {"all": 0.1}}, "expected the fields"),  # norms: never asked
+        ({"losses": "low", "non_finite": [], "train_s": 1.0}, "field 'losses' is not an object"),
+        ({"losses": {"": "low"}, "non_finite": [], "train_s": 1.0}, "reply loss '': field 'loss' is not a finite number"),
+        ({"losses": {"": float("nan")}, "non_finite": [], "train_s": 1.0}, "is not a finite number"),
+        ({"losses": {}, "non_finite": [7], "train_s": 1.0}, "not a string"),
+        ({"losses": {}, "non_finite": [], "train_s": -1.0}, "train_s below 0"),
+        ({"losses": {}, "non_finite": [], "train_s": True}, "field 'train_s' is not a finite number"),
+        ({"error": 7}, "field 'error' is not a string"),
+        ([1, 2], "expected an object, got list"),
+    ],
+)
+def test_a_malformed_work_reply_is_one_message_error_naming_the_site(fields, message):
+    with pytest.raises(MessageError, match=message) as error:
+        server_app._work_result(fields, "site2")
+    assert str(error.value).startswith("message from site2: reply")
+    good = server_app._work_result({"losses": {"": 0.5, "personal": 1}, "non_finite": ["all"], "train_s": 2.0}, "site2")
+    assert good.losses == {None: 0.5, "personal": 1.0} and good.non_finite == ["all"] and good.error is None
+    assert server_app._work_result({"error": "RuntimeError: disk full"}, "site2").error == "RuntimeError: disk full"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"site_index": 3}, "site-index 3; this federation has sites 0..2"),
+        ({"site_index": True}, "field 'site_index' is not a whole number"),
+        ({"input_shape": [30, -1]}, "input_shape must be up to 8 positive whole numbers"),
+        ({"num_samples": 0}, "num_classes and num_samples must be at least 1"),
+        ({"num_samples": 1.5}, "field 'num_samples' is not a whole number"),
+    ],
+)
+def test_a_malformed_node_description_is_refused(change, message):
+    description = {"site_index": 1, "input_shape": [30], "num_classes": 2, "num_samples": 120}
+    assert server_app._description(dict(description), 3) == description
+    with pytest.raises(MessageError, match=re.escape(message)):
+        server_app._description({**description, **change}, 3)
 
 
 @pytest.mark.parametrize(

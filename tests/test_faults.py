@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from medfed.errors import SiteFailure
-from medfed.federated.faults import non_finite_keys, update_norms, update_outliers
+from medfed.federated.faults import non_finite_keys, refused_replies, sample_count_fault, update_norms, update_outliers
 from medfed.federated.strategies import STRATEGIES
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation
@@ -69,17 +69,39 @@ def test_non_finite_keys_name_every_entry_with_a_nan_or_an_infinity():
     assert non_finite_keys(payload) == ["all", "g"]
 
 
-def test_update_norms_measure_model_entries_against_the_model_the_site_trained_from():
-    start = {"all": torch.tensor([1.0, 1.0, 1.0, 1.0]), "shared": torch.tensor([1.0, 1.0])}
+def test_update_norms_are_measured_against_the_servers_message_of_the_same_key_else_as_the_entry_itself():
+    message = {"all": torch.tensor([1.0, 1.0, 1.0, 1.0]), "core/0": torch.tensor([9.0, 9.0, 9.0, 9.0]), "gradient": torch.ones(2)}
     reply = {
-        "all": torch.tensor([1.0, 4.0, 5.0, 1.0]),
-        "core/3": torch.tensor([1.0, 1.0, 1.0, 2.0]),
-        "gradient": torch.tensor([3.0, 4.0]),
+        "all": torch.tensor([1.0, 4.0, 5.0, 1.0]),  # - message["all"]: (0, 3, 4, 0)
+        "core/3": torch.tensor([1.0, 1.0, 1.0, 2.0]),  # not sent this phase (core/0 was): itself
+        "gradient": torch.tensor([3.0, 4.0]),  # declared against zeros: itself, whatever was sent
         "num_samples": torch.tensor([100.0]),
         "shared": torch.zeros(0),
     }
     coded_keys = {"all": "all", "core": "all", "gradient": "zeros", "shared": "shared"}
-    assert update_norms(reply, start, coded_keys) == {"all": 5.0, "core": 1.0, "gradient": 5.0}
+    assert update_norms(reply, message, coded_keys) == {"all": 5.0, "core": 7.0**0.5, "gradient": 5.0}
+
+
+def test_a_sample_count_above_the_declared_size_or_not_a_whole_number_is_refused():
+    assert sample_count_fault({"all": torch.ones(3)}, 10) is None  # no count: nothing to check
+    assert sample_count_fault({"num_samples": torch.tensor([10.0])}, 10) is None
+    assert sample_count_fault({"num_samples": torch.tensor([0.0])}, 10) is None
+    for bad in ([1e9], [11.0], [-1.0], [2.5], [1.0, 1.0]):
+        assert "num_samples" in sample_count_fault({"num_samples": torch.tensor(bad)}, 10), bad
+    # 2**24 + 3 is not a float32: the count travels rounded up to 2**24 + 4, and the declared size is compared so
+    assert sample_count_fault({"num_samples": torch.tensor([float(2**24 + 3)])}, 2**24 + 3) is None
+
+
+def test_refused_replies_check_the_counts_first_and_measure_the_rest_for_outliers():
+    message = {"all": torch.zeros(4)}
+    replies = {i: {"all": torch.full((4,), 1.0 + 0.1 * i), "num_samples": torch.tensor([5.0])} for i in range(5)}
+    replies[1]["num_samples"] = torch.tensor([1e9])  # inflated: refused, and not counted in the median
+    replies[3]["all"] = torch.full((4,), 1e30)  # small claimed norms are never asked for: measured here
+    reasons = refused_replies(replies, dict.fromkeys(replies, message), [5] * 5, {"all": "all"}, 10.0)
+    assert sorted(reasons) == [1, 3]
+    assert reasons[1].startswith("reply 'num_samples' = 1e+09 is not a whole number from 0 to the 5 training samples")
+    assert reasons[3].startswith("update norm 2e+30 of 'all' is over 10 x the median")
+    assert sorted(refused_replies(replies, dict.fromkeys(replies, message), [5] * 5, {"all": "all"}, None)) == [1]
 
 
 def test_update_outliers_compare_each_key_with_its_median():
@@ -203,3 +225,41 @@ def test_stop_raises_at_the_first_failure_and_every_site_excluded_ends_the_run()
     loop.fit(1)
     with pytest.raises(SiteFailure, match="every site has been excluded \\(site0 after round 1: ZeroDivisionError"):
         loop.fit(2)
+
+
+def test_a_site_claiming_more_samples_than_it_declared_or_replying_a_wrong_sized_model_is_left_out_of_that_round(caplog):
+    # What the server decodes is checked by the server: a count over the site's declared training-set size
+    # (FedAvg would weight by it) and a model vector one value longer than the model are refused, and the
+    # round goes on exactly as if those sites had not taken part; their honest later rounds count again.
+    faulty = _loop("fedavg")
+    declared = faulty.executor.declared_samples
+    assert declared == [site.n_train for site in faulty.sites] and min(declared) > 0
+    tamper = {
+        RAISES: lambda payload: {**payload, "num_samples": torch.tensor([1e9])},
+        SENDS_NAN: lambda payload: {**payload, "all": torch.cat([payload["all"], torch.zeros(1)])},
+    }
+    for index, alter in tamper.items():
+        site = faulty.sites[index]
+
+        def altered_reply(site, phase, reply=site.strategy.reply, alter=alter):
+            payload = reply(site, phase)
+            return alter(payload) if faulty.round == FAULT_ROUND else payload
+
+        site.strategy.reply = altered_reply
+    with caplog.at_level(logging.WARNING, logger="medfed"):
+        faulty.fit(3)
+    reference = _without_sites(_loop("fedavg"), set(tamper))
+    reference.fit(3)
+    failures = faulty.history[FAULT_ROUND - 1]["failures"]
+    assert [(f["site"], f["phase"]) for f in failures] == [("site1", "fit"), ("site2", "fit")]
+    assert failures[0]["reason"] == (
+        f"reply 'num_samples' = 1e+09 is not a whole number from 0 to the {declared[RAISES]} training samples the site declared"
+    )
+    d = faulty.sites[0].module.get_vector("all").numel()
+    assert failures[1]["reason"] == (
+        f"malformed reply: message from site2, payload 'all': shape ({d + 1},) holds {d + 1} values, "
+        f"expected {d} like the key's known value"
+    )
+    assert all(not record["failures"] for i, record in enumerate(faulty.history) if i != FAULT_ROUND - 1)
+    assert [r["metrics"] for r in faulty.history] == [r["metrics"] for r in reference.history]
+    assert torch.equal(faulty.server.global_model, reference.server.global_model)

@@ -251,7 +251,7 @@ def build_loop(
     fabric = Fabric(accelerator="cpu", devices=1, loggers=[], callbacks=[])
     sites = build_sites(fabric, federation, model, strategy_obj, batch_size, seed)
     initial = strategy_obj.initial_values(initial_vectors(model, fabric.device))
-    links = [Link({"name": "dense"}, {"name": "dense"}, strategy_obj.coded_keys, initial, fabric.device) for _ in sites]
+    links = [Link({"name": "dense"}, {"name": "dense"}, strategy_obj.coded_keys, initial, fabric.device, peer=site.name) for site in sites]
     return FederatedLoop(fabric, sites, strategy_obj, links, initial, local_epochs, participation, seed, **faults)
 
 

@@ -29,6 +29,8 @@ import math
 import numba
 import numpy as np
 
+from medfed.errors import MessageError
+
 __all__ = ["BitReader", "BitWriter", "rice_code_length", "rice_parameter", "rice_parameter_for_mean"]
 
 GOLDEN_RATIO = (1.0 + math.sqrt(5.0)) / 2.0
@@ -210,9 +212,12 @@ class BitWriter:
 class BitReader:
     """Reads back what a ``BitWriter`` wrote, in the same order.
 
-    Every read checks the stream's length: a truncated stream raises
-    ValueError naming ``what`` (e.g. "STC stream") instead of returning
-    garbage.
+    Every read checks the stream's length before it allocates: a count of
+    values the remaining bits cannot hold (every value takes at least one
+    bit) or a truncated stream raises :class:`~medfed.errors.MessageError`
+    naming ``what`` (e.g. "STC stream") instead of returning garbage; so
+    the values a read returns never take more than 64 times the stream's
+    bits of memory.
     """
 
     def __init__(self, data: bytes, what: str) -> None:
@@ -224,8 +229,7 @@ class BitReader:
     def read_uints(self, count: int, width: int) -> np.ndarray:
         """Read ``count`` values of ``width`` bits each; returns (count,) uint64."""
         _check_width(width)
-        if self._position + count * width > self._total_bits:
-            raise self._truncated(f"{count * width} bits")
+        self._check_count(count, max(width, 1))
         values = np.zeros(count, dtype=np.uint64)
         _add_low_bits(self._data, self._position, width, values)
         self._position += count * width
@@ -237,6 +241,7 @@ class BitReader:
 
     def read_unary(self, count: int) -> np.ndarray:
         """Read ``count`` unary-coded values; returns (count,) int64."""
+        self._check_count(count, 1)
         values = np.empty(count, dtype=np.int64)
         end = _read_unary_values(self._data, self._position, self._total_bits, values)
         if end < 0:
@@ -247,7 +252,8 @@ class BitReader:
     def read_rice(self, count: int, parameter: int) -> np.ndarray:
         """Read ``count`` Golomb-Rice values written by ``BitWriter.write_rice``; returns (count,) uint64."""
         if not 0 <= parameter <= MAX_RICE_PARAMETER:
-            raise ValueError(f"{self._what}: Rice parameter {parameter} is out of range 0..{MAX_RICE_PARAMETER}")
+            raise MessageError(f"{self._what}: Rice parameter {parameter} is out of range 0..{MAX_RICE_PARAMETER}")
+        self._check_count(count, 1 + parameter)
         values = np.empty(count, dtype=np.uint64)
         end = _read_unary_values(self._data, self._position, self._total_bits, values)
         if end < 0 or end + count * parameter > self._total_bits:
@@ -259,8 +265,7 @@ class BitReader:
     def read_bytes(self, count: int) -> bytes:
         """Skip the padding to the next byte boundary, then read ``count`` raw bytes."""
         self._align()
-        if self._position + 8 * count > self._total_bits:
-            raise self._truncated(f"{count} bytes")
+        self._check_count(count, 8)
         start = self._position // 8
         self._position += 8 * count
         return self._data[start : start + count].tobytes()
@@ -269,12 +274,12 @@ class BitReader:
         """Check that only the zero padding of the last byte is left unread."""
         self._align()
         if self._position != self._total_bits:
-            raise ValueError(f"{self._what}: {(self._total_bits - self._position) // 8} unexpected trailing bytes")
+            raise MessageError(f"{self._what}: {(self._total_bits - self._position) // 8} unexpected trailing bytes")
 
     def _align(self) -> None:
         padding_end = -(-self._position // 8) * 8
         if padding_end > self._position and self._bits(self._position, padding_end).any():
-            raise ValueError(f"{self._what}: corrupt stream (non-zero padding bits)")
+            raise MessageError(f"{self._what}: corrupt stream (non-zero padding bits)")
         self._position = padding_end
 
     def _bits(self, start: int, stop: int) -> np.ndarray:
@@ -283,7 +288,12 @@ class BitReader:
         unpacked = np.unpackbits(self._data[first_byte:last_byte])
         return unpacked[start - 8 * first_byte : stop - 8 * first_byte]
 
-    def _truncated(self, wanted: str) -> ValueError:
-        return ValueError(
+    def _check_count(self, count: int, bits_each: int) -> None:
+        """Raise unless ``count`` values of at least ``bits_each`` bits each fit in the bits left (before any allocation)."""
+        if count < 0 or count * bits_each > self._total_bits - self._position:
+            raise self._truncated(f"{count} values of at least {bits_each} bits" if bits_each != 8 else f"{count} bytes")
+
+    def _truncated(self, wanted: str) -> MessageError:
+        return MessageError(
             f"{self._what}: stream truncated (needed {wanted} at bit {self._position} of {self._total_bits})"
         )

@@ -6,7 +6,17 @@ string and back. The communication cost of a message is ``len(data)``.
 Every stream starts with an 18-byte header, then the codec's payload:
 
     magic b"MFCD" | format version (uint8) | codec id (uint8) | d (uint64) |
-    CRC-32 of the payload (uint32)                  (little-endian)
+    CRC-32 of the header's first 14 bytes and the payload (uint32)   (little-endian)
+
+The CRC covers the whole frame but itself (format version 2; version 1's
+covered the payload only, so a flipped bit in d decoded to another length):
+every single-bit flip, and every burst of up to 32 flipped bits, is
+detected. A CRC is no defence against a sender who means harm, so the
+decoders also check, before they allocate, every count a stream gives
+against the length the receiver expects (``decode``'s ``size``) and the
+bits that are left, and refuse non-finite values: whatever the bytes, a
+decoder returns a finite (d,) vector of the expected length or raises
+:class:`~medfed.errors.MessageError`.
 
 Codecs (``make_codec(name, **options)``):
 
@@ -43,14 +53,22 @@ from medfed.compression.bitstream import BitReader, BitWriter
 from medfed.compression.piecewise import MAX_QUANT_BITS, read_piecewise, write_piecewise
 from medfed.compression.stc import kept_count, read_ternary, select_top_k, write_ternary
 from medfed.compression.tv import cer
+from medfed.errors import MessageError
 
 __all__ = ["CODEC_NAMES", "CERCodec", "CERSTCCodec", "Codec", "DenseCodec", "Encoding", "STCCodec", "codec_options", "make_codec"]
 
 MAGIC = b"MFCD"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _HEADER = struct.Struct("<4sBBQI")
 HEADER_SIZE = _HEADER.size
 """Bytes before every payload (18); the CRC-32 is the header's last 4 bytes."""
+_CHECKED = HEADER_SIZE - 4
+"""The header bytes the CRC covers, with the payload: all but the CRC itself."""
+
+
+def frame_checksum(header_start: bytes | memoryview, payload: bytes | memoryview) -> int:
+    """CRC-32 of a frame: of the header's first 14 bytes (magic, version, codec id, d) and then the payload."""
+    return zlib.crc32(payload, zlib.crc32(header_start))
 
 
 class Encoding(NamedTuple):
@@ -108,31 +126,44 @@ class Codec(abc.ABC):
         """The whole stream for ``x`` and a function returning the (d,) float32 vector it decodes to."""
         array = _check_update(x)
         payload, decoded = self._encode_payload(array)
-        header = _HEADER.pack(MAGIC, FORMAT_VERSION, self.codec_id, array.size, zlib.crc32(payload))
-        return header + payload, decoded
+        start = _HEADER.pack(MAGIC, FORMAT_VERSION, self.codec_id, array.size, 0)[:_CHECKED]
+        return start + struct.pack("<I", frame_checksum(start, payload)) + payload, decoded
 
-    def decode(self, data: bytes) -> torch.Tensor:
+    def decode(self, data: bytes, size: int | None = None) -> torch.Tensor:
         """The (d,) float32 CPU tensor encoded in ``data``.
 
+        Args:
+            data: the stream (bytes-like).
+            size: the length d the receiver expects. A receiver of bytes it
+                did not make itself must give it: the stream's own d is then
+                checked against it before anything is allocated, and no
+                decoder allocates more than a few times d entries. ``None``
+                trusts the stream's d (the sender decoding its own bytes).
+
         Raises:
-            ValueError: data is not a complete, intact stream of this codec.
+            MessageError: data is not a complete, intact stream of this codec
+                holding ``size`` finite values.
         """
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise MessageError(f"{self.name} stream: expected bytes, got {type(data).__name__}")
+        data = memoryview(data).cast("B")
         if len(data) < _HEADER.size:
-            raise ValueError(f"{self.name} stream: {len(data)} bytes is shorter than the {_HEADER.size}-byte header")
-        magic, version, codec_id, size, checksum = _HEADER.unpack_from(data)
+            raise MessageError(f"{self.name} stream: {len(data)} bytes is shorter than the {_HEADER.size}-byte header")
+        magic, version, codec_id, length, checksum = _HEADER.unpack_from(data)
         if magic != MAGIC:
-            raise ValueError(f"{self.name} stream: not a medfed codec stream (magic {magic!r})")
+            raise MessageError(f"{self.name} stream: not a medfed codec stream (magic {bytes(magic)!r})")
         if version != FORMAT_VERSION:
-            raise ValueError(f"{self.name} stream: format version {version}, this medfed reads {FORMAT_VERSION}")
+            raise MessageError(f"{self.name} stream: format version {version}, this medfed reads {FORMAT_VERSION}")
         if codec_id != self.codec_id:
             other = _NAME_OF_ID.get(codec_id, f"unknown codec id {codec_id}")
-            raise ValueError(f"{self.name} stream: the data was written by codec {other!r}")
-        payload = memoryview(data)[_HEADER.size :]
-        if zlib.crc32(payload) != checksum:
-            raise ValueError(f"{self.name} stream: truncated or corrupt payload (CRC-32 mismatch)")
-        if size == 0:
-            raise ValueError(f"{self.name} stream: empty vector (d = 0)")
-        return torch.from_numpy(self._decode_payload(payload, size))
+            raise MessageError(f"{self.name} stream: the data was written by codec {other!r}")
+        if frame_checksum(data[:_CHECKED], data[_HEADER.size :]) != checksum:
+            raise MessageError(f"{self.name} stream: truncated or corrupt (CRC-32 mismatch)")
+        if length == 0:
+            raise MessageError(f"{self.name} stream: empty vector (d = 0)")
+        if size is not None and length != size:
+            raise MessageError(f"{self.name} stream: holds {length} values, expected {size}")
+        return torch.from_numpy(self._decode_payload(data[_HEADER.size :], length))
 
     @abc.abstractmethod
     def _encode_payload(self, x: np.ndarray) -> tuple[bytes, Callable[[], np.ndarray]]:
@@ -144,7 +175,11 @@ class Codec(abc.ABC):
 
     @abc.abstractmethod
     def _decode_payload(self, payload: memoryview, size: int) -> np.ndarray:
-        """The (size,) float32 vector in ``payload``."""
+        """The (size,) float32 vector in ``payload``, every value finite.
+
+        Raises:
+            MessageError: the payload is not ``size`` finite values of this codec.
+        """
 
 
 class DenseCodec(Codec):
@@ -159,8 +194,11 @@ class DenseCodec(Codec):
 
     def _decode_payload(self, payload: memoryview, size: int) -> np.ndarray:
         if len(payload) != 4 * size:
-            raise ValueError(f"dense stream: expected {4 * size} bytes of float32 values, got {len(payload)}")
-        return np.frombuffer(payload, dtype="<f4").astype(np.float32)
+            raise MessageError(f"dense stream: expected {4 * size} bytes of float32 values, got {len(payload)}")
+        values = np.frombuffer(payload, dtype="<f4").astype(np.float32)
+        if not np.isfinite(values).all():
+            raise MessageError("dense stream: holds NaN or infinite values")
+        return values
 
 
 class STCCodec(Codec):

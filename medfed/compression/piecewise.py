@@ -24,6 +24,7 @@ import numba
 import numpy as np
 
 from medfed.compression.bitstream import BitReader, BitWriter, rice_parameter_for_mean
+from medfed.errors import MessageError
 
 __all__ = ["MAX_QUANT_BITS", "read_piecewise", "write_piecewise"]
 
@@ -132,29 +133,38 @@ def write_piecewise(writer: BitWriter, u: np.ndarray, quant_bits: int | None = N
 def read_piecewise(reader: BitReader, size: int) -> np.ndarray:
     """Read a vector of length ``size`` (>= 1) written by ``write_piecewise``; returns (size,) float32.
 
+    The run count is checked against ``size`` and the bits left before
+    anything is allocated for the runs; the one array of ``size`` entries is
+    allocated last, once the runs are known to add up to it.
+
     Raises:
-        ValueError: the stream is truncated, or its runs do not add up to ``size``.
+        MessageError: the stream is truncated, its runs do not add up to
+            ``size``, or a run value is not finite.
     """
     quant_bits = reader.read_uint(8)
     if quant_bits > MAX_QUANT_BITS:
-        raise ValueError(f"piecewise stream: quantisation to {quant_bits} bits is out of range 0..{MAX_QUANT_BITS}")
+        raise MessageError(f"piecewise stream: quantisation to {quant_bits} bits is out of range 0..{MAX_QUANT_BITS}")
     run_count = reader.read_uint(_COUNT_BITS)
     if not 1 <= run_count <= size:
-        raise ValueError(f"piecewise stream: {run_count} runs cannot make up {size} entries")
+        raise MessageError(f"piecewise stream: {run_count} runs cannot make up {size} entries")
     gaps = reader.read_rice(run_count - 1, reader.read_uint(_RICE_PARAMETER_BITS))
     if run_count > 1 and gaps.max() >= size - 1:
-        raise ValueError(f"piecewise stream: a run is longer than the {size} entries")
+        raise MessageError(f"piecewise stream: a run is longer than the {size} entries")
     lengths = np.empty(run_count, dtype=np.int64)
     lengths[:-1] = gaps
     lengths[:-1] += 1
     lengths[-1] = size - int(lengths[:-1].sum())
     if lengths[-1] < 1:
-        raise ValueError(f"piecewise stream: the runs add up to more than {size} entries")
+        raise MessageError(f"piecewise stream: the runs add up to more than {size} entries")
     if quant_bits == 0:
         values = np.frombuffer(reader.read_bytes(4 * run_count), dtype="<f4").astype(np.float32)
     else:
         low, high = reader.read_uints(2, 32).astype(np.uint32).view(np.float32)
+        if not (np.isfinite(low) and np.isfinite(high)):
+            raise MessageError(f"piecewise stream: quantisation range [{low}, {high}] is not finite")
         values = _dequantise(reader.read_uints(run_count, quant_bits), low, high, quant_bits)
+    if not np.isfinite(values).all():
+        raise MessageError("piecewise stream: a run value is NaN or infinite")
     u = np.empty(size, dtype=np.float32)
     _expand_runs(values, lengths, u)
     return u

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from medfed.compression.bitstream import BitReader, BitWriter, rice_code_length, rice_parameter_for_mean
+from medfed.errors import MessageError
 
 __all__ = ["TernaryUpdate", "kept_count", "read_ternary", "select_top_k", "write_ternary"]
 
@@ -173,28 +174,33 @@ def write_ternary(writer: BitWriter, update: TernaryUpdate) -> None:
 def read_ternary(reader: BitReader, size: int) -> TernaryUpdate:
     """Read an update written by ``write_ternary`` for a vector of length ``size``.
 
+    Every count is checked against ``size`` and the bits left before
+    anything is allocated for it: the arrays built are at most a few times
+    ``size`` entries, whatever the stream says.
+
     Raises:
-        ValueError: the stream is truncated or describes entries beyond ``size``.
+        MessageError: the stream is truncated, describes entries beyond
+            ``size``, or a magnitude that is not a finite number >= 0.
     """
     magnitude = reader.read_uints(1, 32).astype(np.uint32).view(np.float32)[0]
+    if not (np.isfinite(magnitude) and magnitude >= 0):
+        raise MessageError(f"STC stream: magnitude {magnitude} is not a finite non-negative number")
     run_count = reader.read_uint(_COUNT_BITS)
     if run_count > size:
-        raise ValueError(f"STC stream: {run_count} runs of non-zeros cannot fit in {size} entries")
+        raise MessageError(f"STC stream: {run_count} runs of non-zeros cannot fit in {size} entries")
     code_lengths = bool(reader.read_uint(1))
     zeros_before = reader.read_rice(run_count, reader.read_uint(_RICE_PARAMETER_BITS))
     if code_lengths:
-        lengths = reader.read_rice(run_count, reader.read_uint(_RICE_PARAMETER_BITS)) + np.uint64(1)
+        lengths_less_one = reader.read_rice(run_count, reader.read_uint(_RICE_PARAMETER_BITS))
     else:
-        lengths = np.ones(run_count, dtype=np.uint64)
+        lengths_less_one = np.zeros(run_count, dtype=np.uint64)
     negative_runs = reader.read_uints(run_count, 1).astype(bool)
-    if not (np.isfinite(magnitude) and magnitude >= 0):
-        raise ValueError(f"STC stream: magnitude {magnitude} is not a finite non-negative number")
-    if run_count and (zeros_before.max() > size or lengths.max() > size):
-        raise ValueError(f"STC stream: a run of non-zeros lies beyond {size} entries")
-    zeros_before, lengths = zeros_before.astype(np.int64), lengths.astype(np.int64)
+    if run_count and (zeros_before.max() > size or lengths_less_one.max() >= size):
+        raise MessageError(f"STC stream: a run of non-zeros lies beyond {size} entries")
+    zeros_before, lengths = zeros_before.astype(np.int64), lengths_less_one.astype(np.int64) + 1
     ends = np.cumsum(zeros_before + lengths)
     if run_count and ends[-1] > size:
-        raise ValueError(f"STC stream: the runs of non-zeros reach beyond {size} entries")
+        raise MessageError(f"STC stream: the runs of non-zeros reach beyond {size} entries")
     first_index = np.cumsum(lengths) - lengths  # index of each run's first entry among all non-zeros
     offsets = np.repeat(ends - lengths - first_index, lengths)
     positions = offsets + np.arange(offsets.size, dtype=np.int64)

@@ -79,14 +79,14 @@ def serving(app: ClientApp, node_of: NodeOf) -> ClientApp:
     @app.query()
     def identify(message: Message, context: Context) -> Message:
         """Which site this node is and what its model takes (the server maps sites to node ids with it)."""
-        fields, _ = from_record(message.content)
+        fields, _ = from_record(message.content, "the server")
         worker = _worker(context, node_of, fields["config"])
         return Message(to_record({"site_index": worker.site.index, **worker.description}, []), reply_to=message)
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
         """The server's requests to this site, answered in order by its worker."""
-        fields, wires = from_record(message.content)
+        fields, wires = from_record(message.content, "the server")
         worker = _worker(context, node_of, fields["config"])
         replies = worker.handle(fields["seq"], list(zip(fields["requests"], wires, strict=True)))
         reply_fields = {"site_index": worker.site.index, "replies": [reply for reply, _ in replies]}

@@ -155,13 +155,29 @@ class LocalFederation:
             port,
         )
         self.supernodes[site_index] = node
-        self.runners[site_index] = self._start(
-            self._name(f"runner-{site_index}"),
-            [sys.executable, "-m", "medfed.deploy.runner", "--runtime-api-address", f"{LOOPBACK}:{port}", "--insecure"],
-            port,
-            listens=False,
-        )
+        self.start_runner(site_index)
         return node
+
+    def start_runner(self, site_index: int, command: list[str] | None = None) -> Process:
+        """Start the process claiming site ``site_index``'s SuperNode's tasks (after :meth:`stop_runner`, a new one).
+
+        Args:
+            site_index: a site whose SuperNode this federation started.
+            command: the runner's command line before its ``--runtime-api-address``
+                and ``--insecure`` options; None: medfed's runner
+                (``python -m medfed.deploy.runner``). Another runner (e.g. a
+                test's, wrapping medfed's ClientApp) must take the same options.
+        """
+        port = self.supernodes[site_index].port
+        command = [sys.executable, "-m", "medfed.deploy.runner"] if command is None else command
+        self.runners[site_index] = self._start(
+            self._name(f"runner-{site_index}"), [*command, "--runtime-api-address", f"{LOOPBACK}:{port}", "--insecure"], port, listens=False
+        )
+        return self.runners[site_index]
+
+    def stop_runner(self, site_index: int) -> None:
+        """Stop site ``site_index``'s runner (SIGTERM: it finishes a task under way), leaving its SuperNode running."""
+        self._stop([self.runners[site_index]], signal.SIGTERM)
 
     def stop_supernode(self, site_index: int, kill: bool = True) -> None:
         """Stop site ``site_index``'s SuperNode and runner: SIGKILL (a crash, ``kill=True``) or SIGTERM (a shutdown)."""

@@ -38,6 +38,20 @@ shape and class count); a node that appears later (a SuperNode restarted
 after a crash gets a new id) is asked too, and the message still waiting for
 its site is sent to it again.
 
+*Hostile replies.* The server reads every reply as bytes from a machine it
+does not control (:func:`~medfed.deploy.records.from_record`, then
+:meth:`~medfed.federated.link.Link.decode` against the model it holds, and
+:func:`~medfed.deploy.records.expect` for the fields). A reply to a phase's
+work that is malformed, or that the ClientApp answered with a Flower error,
+fails that site in that round, as in the simulator: the loop leaves it out
+of the round and it is put back (:mod:`medfed.federated.faults`); the run
+goes on. Update norms and sample counts are the server's own checks on what
+it decoded; a site declares its training-set size once, when it identifies
+itself, and may report no more. A node whose description is malformed is
+ignored (never a site). A site that does not answer within
+``reply-timeout-s``, or answers setup or a delivery with an error, ends the
+run with one line naming it.
+
 Round trips are what a deployment waits for (a SuperNode looks for messages
 every 3 s when idle): one per phase and one per round's delivery and
 evaluation, plus the query and the setup; the delivery of round 0, which
@@ -62,8 +76,8 @@ from medfed.checkpoint import FOLDER, checkpoints, resume_state, round_checkpoin
 from medfed.components import ResolvedRun, resolve
 from medfed.config import load_config, to_yaml
 from medfed.deploy.client_app import run_folder
-from medfed.deploy.records import from_record, to_record
-from medfed.errors import ConfigError, DataError, SiteFailure
+from medfed.deploy.records import expect, from_record, to_record
+from medfed.errors import ConfigError, DataError, MessageError, SiteFailure, warn
 from medfed.federated.executor import PhaseWork, SiteResult
 from medfed.federated.link import Link, Wire
 from medfed.federated.loop import FederatedLoop
@@ -79,6 +93,10 @@ RUN_CONFIG = {"config": str, "overrides": str, "run-name": str, "output-dir": st
 """The run config's keys and types (``[tool.flwr.app.config]``)."""
 Request = tuple[dict[str, Any], dict[str, Wire]]
 """One request to a site's worker, or its reply: fields and wire (:mod:`medfed.deploy.worker`)."""
+DESCRIPTION = {"site_index": int, "input_shape": list, "num_classes": int, "num_samples": int}
+"""The fields of a node's answer to the query: which site it is, its model's input and classes, its training-set size."""
+WORK_REPLY = {"losses": dict, "non_finite": list, "train_s": float}
+"""The fields of a site's reply to a phase's work (or ``{"error": str}`` alone)."""
 
 
 class FlowerSites:
@@ -99,11 +117,13 @@ class FlowerSites:
         self.links: list[Link] = []
         self.node_of_site: dict[int, int] = {}
         self.descriptions: dict[int, tuple[tuple[int, ...], int]] = {}
+        self.declared_samples = [0] * n_sites
         self._known_nodes: set[int] = set()
         self.seq = [0] * n_sites
         self._pending: dict[int, list[Request]] = {}  # requests that ride with the site's next message
         self._waiting: dict[int, dict[str, Wire]] = {}
         self._restore: set[int] = set()
+        self._before_reply: dict[int, dict[str, Any]] = {}  # server link states before this phase's decoded replies
         self.delivered = 0  # the last round whose delivery every site has received
 
     # ------------------------------------------------------------------ before the loop
@@ -133,8 +153,16 @@ class FlowerSites:
 
     # ------------------------------------------------------------------ SiteExecutor
     def setup(self) -> dict[int, Payload]:
-        replies = self._exchange({index: ({"kind": "setup"}, {}) for index in range(len(self.names))}, round_index=0)
-        return {index: self.links[index].decode("up", wire) for index, (_, wire) in replies.items()}
+        """Every site's setup reply, decoded.
+
+        Raises:
+            RuntimeError: a site's setup reply is an error or malformed (no round can go without it).
+        """
+        replies = self._all_replied(self._exchange({index: ({"kind": "setup"}, {}) for index in range(len(self.names))}, round_index=0))
+        try:
+            return {index: self.links[index].decode("up", wire) for index, (_, wire) in replies.items()}
+        except MessageError as error:
+            raise RuntimeError(f"setup: {error}") from None
 
     def open_round_starts(self, directory: Path | None) -> None:
         """Nothing here: each site's start of a round is its own snapshot of the previous round's end (:mod:`medfed.deploy.worker`)."""
@@ -147,26 +175,44 @@ class FlowerSites:
 
     def restore_round_start(self, index: int) -> None:
         self._restore.add(index)  # told with the round's delivery
+        if index in self._before_reply:
+            self.links[index].load_state_dict(self._before_reply.pop(index))
 
     def work(self, work: PhaseWork, messages: dict[int, Payload], timing: dict[str, float]) -> dict[int, SiteResult]:
+        """Send the phase's messages, wait for every reply; a reply that is an error or malformed is that site's failure."""
+        self._before_reply = {}
         request = {"kind": "work", "round": work.round_index, "phase_index": work.phase_index, "phase": work.phase,
-                   "local_epochs": work.local_epochs, "norms": work.norms}
+                   "local_epochs": work.local_epochs}
         wires = {index: self.links[index].encode("down", payload) for index, payload in messages.items()}
         replies = self._exchange({index: (request, wire) for index, wire in wires.items()}, work.round_index)
         results = {}
-        for index, (fields, wire) in replies.items():
-            if "error" in fields:
-                results[index] = SiteResult(error=fields["error"])
+        for index, reply in replies.items():
+            if isinstance(reply, str):
+                results[index] = SiteResult(error=reply)
                 continue
-            timing["train_s"] += fields["train_s"]
-            losses = {(label or None): loss for label, loss in fields["losses"].items()}
-            results[index] = SiteResult(losses=losses, non_finite=fields["non_finite"], norms=fields["norms"])
-            self._waiting[index] = wire
+            fields, wire = reply
+            try:
+                results[index] = _work_result(fields, self.names[index])
+            except MessageError as error:
+                results[index] = SiteResult(error=f"malformed reply: {error}")
+                continue
+            if results[index].error is None:
+                timing["train_s"] += fields["train_s"]
+                self._waiting[index] = wire
         return results
 
-    def replies(self, accepted: list[int]) -> dict[int, Payload]:
+    def replies(self, candidates: list[int]) -> tuple[dict[int, Payload], dict[int, str]]:
         waiting, self._waiting = self._waiting, {}
-        return {index: self.links[index].decode("up", waiting[index]) for index in accepted}
+        received, refused = {}, {}
+        for index in candidates:
+            before = self.links[index].state_dict()  # K is replaced, never written to: no copy
+            try:
+                received[index] = self.links[index].decode("up", waiting[index])
+            except MessageError as error:  # the link is left as it was
+                refused[index] = f"malformed reply: {error}"
+                continue
+            self._before_reply[index] = before
+        return received, refused
 
     def deliver(
         self, round_index: int, payloads: dict[int, Payload], evaluate: bool, timing: dict[str, float] | None
@@ -184,11 +230,19 @@ class FlowerSites:
             for index, request in requests.items():
                 self._pending.setdefault(index, []).append(request)
             return {}
-        replies = self._exchange(requests, round_index)
+        replies = self._all_replied(self._exchange(requests, round_index))
         self.delivered = round_index
         if timing is not None:
             timing["eval_s"] = time.perf_counter() - tic
-        return {self.names[index]: replies[index][0]["metrics"] for index in sorted(replies)}
+        metrics = {}
+        for index in sorted(replies):
+            try:
+                fields = expect(replies[index][0], {"metrics": dict}, "delivery reply")
+                metrics[self.names[index]] = {str(name): float(expect({"value": value}, {"value": float}, f"metric {name!r}")["value"])
+                                              for name, value in fields["metrics"].items()}
+            except MessageError as error:
+                raise RuntimeError(f"{self.names[index]}: round {round_index}: {error}") from None
+        return metrics
 
     def state_dict(self) -> list[dict[str, Any]]:
         """Each site's message count and the round its state is at (the sites keep their own state)."""
@@ -205,8 +259,14 @@ class FlowerSites:
         self.seq = [entry["seq"] for entry in state]
         self.delivered = state[0]["round"]
         rewind = ({"kind": "rewind", "round": self.delivered}, {})
-        replies = self._exchange({index: rewind for index in range(len(self.names))}, self.delivered)
-        errors = [fields["error"] for _, (fields, _) in sorted(replies.items()) if "error" in fields]
+        replies = self._all_replied(self._exchange({index: rewind for index in range(len(self.names))}, self.delivered))
+        errors = []
+        for index, (fields, _) in sorted(replies.items()):
+            if fields != {}:
+                try:
+                    errors.append(expect(fields, {"error": str}, "rewind reply")["error"])
+                except MessageError as error:
+                    errors.append(str(error.about(self.names[index])))
         if errors:
             raise SiteFailure("; ".join(errors))
 
@@ -217,9 +277,12 @@ class FlowerSites:
         A node the SuperLink reports unavailable (one that stopped, e.g. a
         SuperNode restarted under a new node id, not yet expired) is skipped.
 
+        A node whose answer is malformed (not medfed's record, a description
+        missing a field or of the wrong kind, a site index the federation does
+        not have) is ignored, with a warning: it never becomes a site.
+
         Raises:
-            RuntimeError: a node could not build its site (the reason its
-                ClientApp gave), or names a site the federation does not have.
+            RuntimeError: a node could not build its site (the reason its ClientApp gave).
         """
         new = set(self.grid.get_node_ids()) - self._known_nodes
         if not new:
@@ -233,27 +296,32 @@ class FlowerSites:
                 continue
             if reply.has_error():
                 raise RuntimeError(f"node {node} could not build its site: {reply.error.reason}")
-            fields, _ = from_record(reply.content)
-            index = fields["site_index"]
-            if not 0 <= index < len(self.names):
-                raise RuntimeError(f"node {node} says it is site-index {index}; this federation has sites 0..{len(self.names) - 1}")
             self._known_nodes.add(node)
+            try:
+                fields = _description(from_record(reply.content, f"node {node}")[0], len(self.names))
+            except MessageError as error:
+                warn(f"node {node} ignored: {error}")
+                continue
+            index = fields["site_index"]
             self.node_of_site[index] = node
             self.descriptions[index] = (tuple(fields["input_shape"]), fields["num_classes"])
+            self.declared_samples[index] = fields["num_samples"]
 
-    def _exchange(self, requests: dict[int, Request], round_index: int) -> dict[int, Request]:
+    def _exchange(self, requests: dict[int, Request], round_index: int) -> dict[int, Request | str]:
         """Send each site its request (after any waiting to ride with it), wait for every reply; resend to a site's new node.
 
         Returns:
             Each site's reply to its request (the replies to the requests
-            that rode along are empty).
+            that rode along are dropped), or why there is none: the Flower
+            error its ClientApp answered with, or why its reply is malformed.
 
         Raises:
-            RuntimeError: a site did not answer within ``timeout_s``, or answered with a Flower error.
+            RuntimeError: a site did not answer within ``timeout_s``.
         """
-        content = {}
+        content, carried_count = {}, {}
         for index, request in requests.items():
             carried = [*self._pending.pop(index, []), request]
+            carried_count[index] = len(carried)
             self.seq[index] += 1
             fields = {"seq": self.seq[index], "config": self.config_yaml, "requests": [fields for fields, _ in carried]}
             content[index] = to_record(fields, [wire for _, wire in carried])
@@ -268,16 +336,19 @@ class FlowerSites:
                 sent[index] = (self.node_of_site[index], message_id)
 
         push(sorted(requests))
-        replies: dict[int, Request] = {}
+        replies: dict[int, Request | str] = {}
         deadline = time.monotonic() + self.timeout_s
         while len(replies) < len(requests):
             site_of_message = {message_id: index for index, (_, message_id) in sent.items() if index not in replies}
             for reply in self.grid.pull_messages(list(site_of_message)):
                 index = site_of_message[reply.metadata.reply_to_message_id]
                 if reply.has_error():
-                    raise RuntimeError(f"{self.names[index]}: {reply.error.reason}")
-                fields, wires = from_record(reply.content)
-                replies[index] = (fields["replies"][-1], wires[-1])
+                    replies[index] = f"{self.names[index]}: {reply.error.reason}"
+                    continue
+                try:
+                    replies[index] = self._last_reply(reply, index, carried_count[index])
+                except MessageError as error:
+                    replies[index] = f"malformed reply: {error}"
             if len(replies) == len(requests):
                 break
             self._identify_new_nodes()
@@ -289,6 +360,70 @@ class FlowerSites:
                 raise RuntimeError(f"no reply from {', '.join(missing)} within {self.timeout_s} s (round {round_index})")
             time.sleep(POLL_S)
         return replies
+
+    def _last_reply(self, reply: Message, index: int, count: int) -> Request:
+        """The reply to the last of the ``count`` requests site ``index`` was sent, from its message.
+
+        Raises:
+            MessageError: the message is not one reply per request from that site.
+        """
+        fields, wires = from_record(reply.content, self.names[index])
+        try:
+            expect(fields, {"site_index": int, "replies": list}, "reply")
+            if fields["site_index"] != index or len(fields["replies"]) != count or len(wires) != count:
+                raise MessageError(f"reply: expected site-index {index} and {count} replies, got {fields['site_index']} and "
+                                   f"{len(fields['replies'])} with {len(wires)} wires")
+        except MessageError as error:
+            raise error.about(self.names[index]) from None
+        return fields["replies"][-1], wires[-1]
+
+    def _all_replied(self, replies: dict[int, Request | str]) -> dict[int, Request]:
+        """``replies`` if every site replied.
+
+        Raises:
+            RuntimeError: naming the first site whose reply is an error or malformed.
+        """
+        for index, reply in sorted(replies.items()):
+            if isinstance(reply, str):
+                raise RuntimeError(reply if reply.startswith(self.names[index]) else f"{self.names[index]}: {reply}")
+        return replies
+
+
+def _description(fields: Any, n_sites: int) -> dict[str, Any]:
+    """A node's answer to the query, checked (:data:`DESCRIPTION`).
+
+    Raises:
+        MessageError: a missing or extra field, a site index outside ``0..n_sites - 1``, an input shape that is
+            not positive whole numbers, or a class count or training-set size below 1.
+    """
+    expect(fields, DESCRIPTION, "description")
+    if not 0 <= fields["site_index"] < n_sites:
+        raise MessageError(f"description: site-index {fields['site_index']}; this federation has sites 0..{n_sites - 1}")
+    shape = fields["input_shape"]
+    if not shape or len(shape) > 8 or not all(isinstance(size, int) and not isinstance(size, bool) and size > 0 for size in shape):
+        raise MessageError(f"description: input_shape must be up to 8 positive whole numbers, got {str(shape)[:80]}")
+    if fields["num_classes"] < 1 or fields["num_samples"] < 1:
+        raise MessageError("description: num_classes and num_samples must be at least 1")
+    return fields
+
+
+def _work_result(fields: Any, name: str) -> SiteResult:
+    """A site's reply to a phase's work, checked (:data:`WORK_REPLY`, or ``{"error": str}``).
+
+    Raises:
+        MessageError: naming the site: a missing, extra or mistyped field, a loss or time that is not a
+            finite number (a time below 0), a non-finite key that is not a string.
+    """
+    try:
+        if isinstance(fields, dict) and "error" in fields:
+            return SiteResult(error=str(expect(fields, {"error": str}, "reply")["error"])[:1000])
+        expect(fields, WORK_REPLY, "reply")
+        losses = {label: expect({"loss": loss}, {"loss": float}, f"reply loss {label!r}")["loss"] for label, loss in fields["losses"].items()}
+        if fields["train_s"] < 0 or not all(isinstance(key, str) for key in fields["non_finite"]):
+            raise MessageError("reply: train_s below 0, or a non-finite key that is not a string")
+    except MessageError as error:
+        raise error.about(name) from None
+    return SiteResult(losses={(label or None): float(loss) for label, loss in losses.items()}, non_finite=fields["non_finite"])
 
 
 @dataclass(frozen=True)
@@ -390,7 +525,7 @@ def main(grid: Grid, context: Context) -> None:
     fabric = Fabric(accelerator=trainer.device, devices=1)
     initial = strategy.initial_values({part: prototype.get_vector(part).to(fabric.device) for part in PARTS})
     sites.links = [
-        Link(run.codec.spec("up"), run.codec.spec("down"), strategy.coded_keys, initial, fabric.device) for _ in sites.names
+        Link(run.codec.spec("up"), run.codec.spec("down"), strategy.coded_keys, initial, fabric.device, peer=name) for name in sites.names
     ]
     loop = FederatedLoop(
         fabric, [], strategy, sites.links, initial, local_epochs=trainer.local_epochs,

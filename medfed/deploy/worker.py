@@ -30,9 +30,12 @@ with another config) answers with an error naming the round.
 
 What the site sends back: codec streams of its strategy half's replies
 (coded by its own end of the :class:`~medfed.federated.link.Link`), its
-training losses, update norms, the names of non-finite reply keys, its test
-metrics, and its model's input shape and class count. Never a path, a record
-or a sample.
+training losses, the names of non-finite reply keys (a reply it refuses to
+send), its test metrics, and its model's input shape, class count and
+training-set size (the bound of the sample counts it may report). Never a
+path, a record or a sample. The server checks all of it
+(:mod:`medfed.deploy.server_app`); the site reports no update norm: the
+server measures them on what it decoded.
 
 Requests and replies are plain dicts (``kind`` and scalars) plus wires
 (``{key: (shape, bytes)}``); :mod:`medfed.deploy.records` carries them in
@@ -105,12 +108,13 @@ class SiteWorker:
         data = federation.sites[0]
         self.site = Site(site_index, data, slots, strategy.evaluated_slot, strategy.site_half(site_index), fabric, run.trainer.batch_size, run.trainer.seed)
         initial = strategy.initial_values({part: prototype.get_vector(part).to(fabric.device) for part in PARTS})
-        self.link = Link(run.codec.spec("up"), run.codec.spec("down"), strategy.coded_keys, initial, fabric.device)
-        self.coded_keys = strategy.coded_keys
+        self.link = Link(run.codec.spec("up"), run.codec.spec("down"), strategy.coded_keys, initial, fabric.device, peer=f"site{site_index}")
         self.config = resolved.config
         self.snapshots = Path(state_dir) / SNAPSHOTS
         self.keep = run.trainer.keep_checkpoints + 1
-        self.description = {"input_shape": list(federation.input_shape), "num_classes": federation.num_classes}
+        self.description = {
+            "input_shape": list(federation.input_shape), "num_classes": federation.num_classes, "num_samples": self.site.n_train,
+        }
         self.state_path = Path(state_dir) / STATE_FILE
         self.state: dict[str, Any] = {"seq": -1}
         if self.state_path.is_file():
@@ -165,21 +169,20 @@ class SiteWorker:
 
     def _work(self, request: dict[str, Any], wire: dict[str, Wire]) -> tuple[dict[str, Any], dict[str, Wire]]:
         """Receive, train, reply; the reply is coded now (the server decodes it only if it accepts it)."""
-        work = PhaseWork(request["round"], request["phase_index"], request["phase"], request["local_epochs"], request["norms"])
+        work = PhaseWork(request["round"], request["phase_index"], request["phase"], request["local_epochs"])
         if work.phase_index == 0:
             self.state["epochs_before"] = {}
         message = self.link.decode("down", wire)
         self.state["link_before_reply"] = copy.deepcopy(self.link.state_dict())
         timing: dict[str, float] = {}
         try:
-            losses, reply, norms = site_phase(self.site, work, message, self.coded_keys, self.state["epochs_before"], timing)
+            losses, reply = site_phase(self.site, work, message, self.state["epochs_before"], timing)
         except Exception as error:  # whatever it is, it happened at the site: the site fails
             return {"error": f"{type(error).__name__}: {error}"}, {}
         bad = non_finite_keys(reply)
         fields = {
             "losses": {("" if label is None else label): loss for label, loss in losses.items()},
             "non_finite": bad,
-            "norms": norms,
             "train_s": timing["train_s"],
         }
         return fields, ({} if bad else self.link.encode("up", reply))

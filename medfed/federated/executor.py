@@ -22,7 +22,8 @@ from typing import Any, Protocol
 
 import torch
 
-from medfed.federated.faults import RoundStartStates, model_parts, non_finite_keys, update_norms
+from medfed.errors import MessageError
+from medfed.federated.faults import RoundStartStates, non_finite_keys
 from medfed.federated.link import Link
 from medfed.federated.site import Site
 from medfed.federated.strategies.base import DELIVER, Payload, TrainingPlan
@@ -38,14 +39,12 @@ class PhaseWork:
         phase: its name.
         local_epochs: the trainer's local epochs per round, which each
             training plan takes its share of.
-        norms: whether the sites measure their update norms (the loop's outlier check is on).
     """
 
     round_index: int
     phase_index: int
     phase: str
     local_epochs: float
-    norms: bool
 
 
 @dataclass
@@ -55,14 +54,12 @@ class SiteResult:
     Attributes:
         losses: mean training loss of each plan that trained, keyed by the
             plan's label (``None`` when the phase has one plan).
-        non_finite: payload keys of the reply holding a NaN or an infinity.
-        norms: the reply's update norms (:func:`~medfed.federated.faults.update_norms`; empty without the check).
+        non_finite: payload keys of the reply holding a NaN or an infinity (the site's own refusal to send it).
         error: ``"<ExceptionType>: <message>"`` when the site's work raised; then nothing else counts.
     """
 
     losses: dict[str | None, float] = field(default_factory=dict)
     non_finite: list[str] = field(default_factory=list)
-    norms: dict[str, float] = field(default_factory=dict)
     error: str | None = None
 
 
@@ -71,6 +68,9 @@ class SiteExecutor(Protocol):
 
     names: list[str]
     """The sites' names, index order."""
+
+    declared_samples: list[int]
+    """Each site's training-set size as it declared it when it joined: the bound of the sample counts it reports."""
 
     def setup(self) -> dict[int, Payload]:
         """Every site's setup reply, as the server decodes it."""
@@ -90,7 +90,8 @@ class SiteExecutor(Protocol):
         ...
 
     def restore_round_start(self, index: int) -> None:
-        """Put site ``index`` back to its start-of-round state (it failed)."""
+        """Put site ``index`` back to its start-of-round state (it failed), and both ends of its link to where they
+        stood before its reply of the phase, if one was decoded."""
         ...
 
     def work(self, work: PhaseWork, messages: dict[int, Payload], timing: dict[str, float]) -> dict[int, SiteResult]:
@@ -100,8 +101,14 @@ class SiteExecutor(Protocol):
         """
         ...
 
-    def replies(self, accepted: list[int]) -> dict[int, Payload]:
-        """The waiting replies of the ``accepted`` sites as the server decodes them (the others' are dropped)."""
+    def replies(self, candidates: list[int]) -> tuple[dict[int, Payload], dict[int, str]]:
+        """The waiting replies of the ``candidates`` as the server decodes them (the others' are dropped).
+
+        Returns:
+            The decoded replies, and for each reply the server's end refused
+            (:class:`~medfed.errors.MessageError`) the reason; a refused reply
+            leaves the server's end of its link as it was.
+        """
         ...
 
     def deliver(
@@ -126,24 +133,26 @@ class InProcessSites:
     messages of a phase still cross the links together, before and after
     all local training: coding them back to back keeps CER's two-core solver
     clear of the OpenMP workers PyTorch leaves spinning for milliseconds after
-    training. Waiting for every reply before sending also lets the outlier
-    check compare the replies, so a refused reply is never encoded. Each raw
-    reply is released as it is sent, so a phase holds one model-sized vector
-    per reply, raw or received, not both.
+    training. The server checks the replies as it decoded them (sample
+    counts, update outliers: :mod:`medfed.federated.faults`); a reply it
+    refuses is undone on the link (its state before the reply is kept for
+    the phase: references, no copies). Each raw reply is released as it is
+    sent, so a phase holds one model-sized vector per reply, raw or
+    received, not both.
 
     Args:
         sites: the sites, index order, each holding its half of the strategy.
         links: one link per site (both ends in one object).
-        coded_keys: the strategy's model-vector keys (the update norms are measured on them).
     """
 
-    def __init__(self, sites: list[Site], links: list[Link], coded_keys: dict[str, str]) -> None:
+    def __init__(self, sites: list[Site], links: list[Link]) -> None:
         self.sites = sites
         self.links = links
-        self.coded_keys = coded_keys
         self.names = [site.name for site in sites]
+        self.declared_samples = [site.n_train for site in sites]
         self._round_start: RoundStartStates | None = None
         self._waiting: dict[int, Payload] = {}
+        self._before_reply: dict[int, dict[str, Any]] = {}  # link states before this phase's replies were sent
         self._epochs_before: dict[int, dict[str | None, float]] = {}
 
     def setup(self) -> dict[int, Payload]:
@@ -164,8 +173,11 @@ class InProcessSites:
 
     def restore_round_start(self, index: int) -> None:
         self._round_start.restore(self.sites[index])
+        if index in self._before_reply:
+            self.links[index].load_state_dict(self._before_reply.pop(index))
 
     def work(self, work: PhaseWork, messages: dict[int, Payload], timing: dict[str, float]) -> dict[int, SiteResult]:
+        self._before_reply = {}
         received = {index: self.links[index].send("down", payload) for index, payload in messages.items()}
         results = {}
         for index in list(received):
@@ -173,17 +185,25 @@ class InProcessSites:
             try:
                 if work.phase_index == 0:
                     self._epochs_before[index] = {}
-                losses, reply, norms = site_phase(site, work, message, self.coded_keys, self._epochs_before[index], timing)
+                losses, reply = site_phase(site, work, message, self._epochs_before[index], timing)
             except Exception as error:  # whatever it is, it happened at the site: the site fails
                 results[index] = SiteResult(error=f"{type(error).__name__}: {error}")
                 continue
-            results[index] = SiteResult(losses=losses, non_finite=non_finite_keys(reply), norms=norms)
+            results[index] = SiteResult(losses=losses, non_finite=non_finite_keys(reply))
             self._waiting[index] = reply
         return results
 
-    def replies(self, accepted: list[int]) -> dict[int, Payload]:
+    def replies(self, candidates: list[int]) -> tuple[dict[int, Payload], dict[int, str]]:
         waiting, self._waiting = self._waiting, {}
-        return {index: self.links[index].send("up", waiting.pop(index)) for index in accepted}
+        received, refused = {}, {}
+        for index in candidates:
+            self._before_reply[index] = self.links[index].state_dict()  # K is replaced, never written to: no copy
+            try:
+                received[index] = self.links[index].send("up", waiting.pop(index))
+            except MessageError as error:
+                self.links[index].load_state_dict(self._before_reply.pop(index))
+                refused[index] = f"malformed reply: {error}"
+        return received, refused
 
     def deliver(
         self, round_index: int, payloads: dict[int, Payload], evaluate: bool, timing: dict[str, float] | None
@@ -210,10 +230,9 @@ def site_phase(
     site: Site,
     work: PhaseWork,
     message: Payload,
-    coded_keys: dict[str, str],
     epochs_before: dict[str | None, float],
     timing: dict[str, float],
-) -> tuple[dict[str | None, float], Payload, dict[str, float]]:
+) -> tuple[dict[str | None, float], Payload]:
     """A site's part of a phase, its global generators seeded from (round, phase): receive, train its plans, reply.
 
     The same function runs in the simulator and at a deployed site.
@@ -222,7 +241,6 @@ def site_phase(
         site: the site (holding its half of the strategy).
         work: the phase.
         message: the server's message as the site decoded it.
-        coded_keys: the strategy's model-vector keys (for the update norms).
         epochs_before: per data order (a plan's ``data_order``), the epochs
             the site's earlier plans of the round trained in it (empty at the
             round's first phase); this phase's plans add theirs.
@@ -230,17 +248,11 @@ def site_phase(
 
     Returns:
         The mean training loss of each plan that trained, keyed by its label
-        (``None`` when the phase has one plan); the reply; and its update
-        norms (:func:`~medfed.federated.faults.update_norms` against the slot
-        the phase trains first, or the evaluated slot; empty unless
-        ``work.norms``).
+        (``None`` when the phase has one plan), and the reply.
     """
     with site.global_rng(work.round_index, work.phase_index):
         site.strategy.receive(site, work.phase, message)
         plans = site.strategy.plan(work.phase)
-        keys = coded_keys if work.norms else {}
-        trained = site.slot(plans[0].slot if plans else site.evaluated_slot).module
-        start = {part: trained.get_vector(part) for part in model_parts(keys)}
         tic = time.perf_counter()
         losses = {}
         for plan in plans:
@@ -255,8 +267,7 @@ def site_phase(
             if loss is not None:
                 losses[None if len(plans) == 1 else plan.label] = loss
         timing["train_s"] = timing.get("train_s", 0.0) + time.perf_counter() - tic
-        reply = site.strategy.reply(site, work.phase)
-        return losses, reply, update_norms(reply, start, keys)
+        return losses, site.strategy.reply(site, work.phase)
 
 
 def _step_loss(site: Site, plan: TrainingPlan) -> Callable[[Any], torch.Tensor]:

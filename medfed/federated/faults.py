@@ -1,36 +1,46 @@
 """What the loop does about a failing site: the checks on a reply, and the state it puts back.
 
-A participant *fails* in a phase of a round when
+The server trusts nothing a site says about itself: every check on a reply
+is made by the server, on what it decoded. A participant *fails* in a phase
+of a round when
 
 1. its part of the phase raises (receiving the server's message, local
-   training, e.g. a loss that became NaN, or making its reply);
-2. its reply holds a NaN or an infinity (any entry, sample counts included);
-3. its reply is an *update outlier*: for some model-vector key its update
+   training, e.g. a loss that became NaN, or making its reply), or its reply
+   holds a NaN or an infinity, which a site refuses to send (:func:`non_finite_keys`);
+2. its reply is *malformed*: the server's end of the link refuses it
+   (:class:`~medfed.errors.MessageError`: bytes that are not an intact codec
+   stream, a shape or size other than expected, a non-finite value), or,
+   deployed, its fields are not what a reply holds;
+3. it reports more training samples (:data:`NUM_SAMPLES`) than it declared
+   when it joined (:func:`sample_count_fault`): a strategy weights by the
+   count only within that bound;
+4. its reply is an *update outlier*: for some model-vector key its update
    norm exceeds ``update_norm_limit`` times the median of that key's update
    norms over the phase's replies (the failing one included; a median of 0
    flags nothing). With two replies the median is their mean, which no norm
    exceeds twice: the check needs three or more participants to single one out.
 
 The *update* of a reply entry carrying a model vector (a ``coded_keys``
-entry) is the entry minus the same part of the site's model as it stood
-after receiving the phase's message, i.e. what it trained from (FedAvg: the
-model it was sent; FedAMP: its cloud model; APPLE's "core/i": its own core
-model; pFedNet: the part it trains this phase). An entry declared against
-zeros (PGFed's "gradient") has no such model: its update is the entry itself.
-:func:`update_norms` measures it; the site's starting vectors are copied for
-the site in progress only, so the check keeps nothing per site.
+entry) is measured by :func:`update_norms` against the server's own
+message of the phase to that site: the entry minus the message's entry under
+the same key, i.e. what the server sent it to train from (FedAvg, FedAMP,
+IFCA's "cluster/j"). An entry the message did not carry (APPLE's "core/i",
+pFedNet's "shared" phase) or declared against zeros (PGFed's "gradient") is
+measured as itself: the check compares sites, so each key needs one
+reference common to every site, and a site's own report is never one.
 
-Checks 2 and 3 run on the reply before it is encoded, so a refused reply
-never crosses the link: neither end's link state changes, exactly as for a
-site that did not reply. The server's message of the phase did reach the
-site (its bytes count; a lossy codec's known value K holds it at both
-ends), as a message reaches a site that then skips its reply: the link
-stays consistent. The server aggregates the phase without the site, and the
-site takes no further part in the round (``federation.on_site_failure:
-drop``); it is then put back to its state at the start of the round (module,
-optimiser, data order, strategy state) and receives the round's delivery like
-a site that did not take part. ``stop`` raises :class:`~medfed.errors.SiteFailure`
-instead, before the round is checkpointed.
+A reply the server refuses after decoding it is undone on the link (the
+executor keeps each link's state before the phase's reply: references, no
+copies), so neither end's link state holds it, exactly as for a site that did
+not reply. The server's message of the phase did reach the site (its bytes
+count; a lossy codec's known value K holds it at both ends), as a message
+reaches a site that then skips its reply: the link stays consistent. The
+server aggregates the phase without the site, and the site takes no further
+part in the round (``federation.on_site_failure: drop``); it is then put back
+to its state at the start of the round (module, optimiser, data order,
+strategy state) and receives the round's delivery like a site that did not
+take part. ``stop`` raises :class:`~medfed.errors.SiteFailure` instead, before
+the round is checkpointed.
 
 *Where the start-of-round state is kept.* Holding every participant's
 module and optimiser state in memory until its round ends would double the
@@ -60,37 +70,83 @@ if TYPE_CHECKING:
     from medfed.federated.site import Site
 
 
+NUM_SAMPLES = "num_samples"
+"""The payload key under which a site reports its training-set size (one value; :func:`~medfed.federated.strategies.base.num_samples`)."""
+
+
 def non_finite_keys(payload: Payload) -> list[str]:
     """The keys of ``payload`` whose tensor holds a NaN or an infinity."""
     return [key for key, value in payload.items() if not bool(torch.isfinite(value).all())]
 
 
-def model_parts(coded_keys: dict[str, str]) -> set[str]:
-    """The parts of the model (``"all"``, ``"shared"`` ...) that coded payload entries carry."""
-    return {name for name in coded_keys.values() if name != ZEROS}
+def sample_count_fault(payload: Payload, declared: int) -> str | None:
+    """Why the sample count in ``payload`` (if any) is refused, or None.
+
+    A count must be one whole number from 0 to ``declared`` (the training-set
+    size the site declared when it joined; compared in float32, the count's
+    type on the wire).
+    """
+    if NUM_SAMPLES not in payload:
+        return None
+    value = payload[NUM_SAMPLES]
+    if value.numel() != 1:
+        return f"reply {NUM_SAMPLES!r} holds {value.numel()} values, expected one sample count"
+    count = float(value.reshape(-1)[0])
+    if not (0 <= count <= float(np.float32(declared)) and count.is_integer()):
+        return f"reply {NUM_SAMPLES!r} = {count:.6g} is not a whole number from 0 to the {declared} training samples the site declared"
+    return None
 
 
-def update_norms(reply: Payload, start: dict[str, torch.Tensor], coded_keys: dict[str, str]) -> dict[str, float]:
+def update_norms(reply: Payload, message: Payload, coded_keys: dict[str, str]) -> dict[str, float]:
     """The norm of each model-vector entry's update, by ``coded_keys`` prefix (APPLE's "core/i" under "core").
 
     Args:
-        reply: the site's reply.
-        start: ``{part: vector}``, the site's model parts when it started to train (:func:`model_parts`).
+        reply: the site's reply, as the server decoded it.
+        message: the server's message of the phase to the site.
         coded_keys: the strategy's ``coded_keys``.
 
     Returns:
-        ``{prefix: ||entry - start[part]||_2}`` (``||entry||`` for a key
-        declared against zeros); other and empty entries are not measured.
+        ``{prefix: ||entry - message[key]||_2}``, ``||entry||`` where the
+        message has no entry of the same size under the key or the key is
+        declared against zeros; other and empty entries are not measured.
     """
     norms = {}
     for key, value in reply.items():
         prefix = coded_prefix(key, coded_keys)
         if prefix is None or value.numel() == 0:
             continue
-        part = coded_keys[prefix]
-        update = value if part == ZEROS else value - start[part].to(value)
-        norms[prefix] = float(torch.linalg.vector_norm(update.reshape(-1), dtype=torch.float64))
+        sent = message.get(key)
+        against_message = coded_keys[prefix] != ZEROS and sent is not None and sent.numel() == value.numel()
+        update = value.reshape(-1) - sent.reshape(-1).to(value) if against_message else value.reshape(-1)
+        norms[prefix] = float(torch.linalg.vector_norm(update, dtype=torch.float64))
     return norms
+
+
+def refused_replies(
+    replies: dict[int, Payload],
+    messages: dict[int, Payload],
+    declared_samples: list[int],
+    coded_keys: dict[str, str],
+    norm_limit: float | None,
+) -> dict[int, str]:
+    """The decoded replies of a phase the server refuses (checks 3 and 4 of the module docstring), with the reasons.
+
+    Args:
+        replies: ``{site index: reply}`` as the server decoded them.
+        messages: ``{site index: the server's message of the phase}``.
+        declared_samples: each site's declared training-set size, by index.
+        coded_keys: the strategy's ``coded_keys``.
+        norm_limit: c of the update-outlier check (None: no check).
+    """
+    reasons = {}
+    for index, reply in replies.items():
+        reason = sample_count_fault(reply, declared_samples[index])
+        if reason is not None:
+            reasons[index] = reason
+    if norm_limit is not None:
+        norms = {index: update_norms(reply, messages[index], coded_keys) for index, reply in replies.items() if index not in reasons}
+        reasons.update(update_outliers(norms, norm_limit))
+    return reasons
 
 
 def update_outliers(norms: dict[int, dict[str, float]], limit: float) -> dict[int, str]:

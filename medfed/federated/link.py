@@ -63,10 +63,25 @@ sketches, mixing weights) travels as dense float32; a tensor under such a
 key that has the size of a parameter part of the model (``initial``'s
 vectors other than buffers, from ``MIN_CHECKED_SIZE`` values) is refused: a model vector must be declared in ``coded_keys`` so
 that it never silently skips the codec.
+
+*What a receiver accepts.* :meth:`Link.decode` reads bytes from the other
+end, which it does not trust: a wire is a dict of string keys, each entry a
+shape (at most ``MAX_DIMS`` non-negative integers) and a codec stream. A
+coded key's shape must hold exactly the values of the key's known value (or
+of its initial vector), a dense key at most ``max_entries`` values (the
+largest initial vector, at least ``MIN_DENSE_BOUND``); the stream must hold
+that many values (checked in its header before anything is allocated), all
+finite, also after adding a lossy codec's known value. A shape without
+values has no stream and a stream never comes without values. Anything else
+raises one :class:`~medfed.errors.MessageError` naming the sender and the
+key, and leaves the link as it was: the state changes only once every key
+of the wire has decoded.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from typing import Any
 
@@ -74,6 +89,7 @@ import numpy as np
 import torch
 
 from medfed.compression.codecs import Codec, make_codec
+from medfed.errors import MessageError
 from medfed.federated.strategies.base import Payload
 
 DIRECTIONS = ("up", "down")
@@ -82,6 +98,10 @@ ZEROS = "zeros"
 #: values (a logistic regression's weights) costs nothing dense and cannot be told from a
 #: per-site vector (mixing weights, sample counts) of the same length
 MIN_CHECKED_SIZE = 256
+MAX_DIMS = 8
+"""Most dimensions a received payload tensor may have."""
+MIN_DENSE_BOUND = 1 << 20
+"""A dense (not coded) received entry may hold this many values even where the model is smaller (sketches)."""
 
 Wire = tuple[tuple[int, ...], bytes | None]
 """One payload entry on the wire: the tensor's shape and its codec stream (None: the tensor has no elements)."""
@@ -100,6 +120,8 @@ class Link:
         initial: the initial model vectors ``{"shared", "personal", "all", ...}``, and any
             initial vector of a payload key under the key itself (``Strategy.initial_values``).
         device: where received tensors are placed (the run's device).
+        peer: the site at the other end (the server's end) or at this end
+            (the site's), named in the errors of what it sends up.
 
     Attributes:
         known: ``{key: K}``, the known value of every key a lossy codec has
@@ -119,14 +141,17 @@ class Link:
         coded_keys: dict[str, str],
         initial: dict[str, torch.Tensor],
         device: torch.device,
+        peer: str = "the site",
     ) -> None:
         self.coded_keys = coded_keys
+        self.peer = peer
         self.initial = {name: vector.detach().reshape(-1).to(torch.float32).cpu() for name, vector in initial.items()}
         self._model_sizes = {  # parameter vectors only: buffers (BatchNorm statistics) may travel dense
             vector.numel(): name
             for name, vector in reversed(self.initial.items())
             if vector.numel() >= MIN_CHECKED_SIZE and not name.startswith("buffers")
         }
+        self.max_entries = max([MIN_DENSE_BOUND, *(vector.numel() for vector in self.initial.values())])
         self.device = device
         self._codecs = {direction: _make(spec) for direction, spec in (("up", up), ("down", down))}
         self._small = make_codec("dense")
@@ -144,11 +169,18 @@ class Link:
         The time spent encoding and decoding accumulates in ``codec_seconds``.
 
         Raises:
-            ValueError: an unknown direction, a coded vector whose length
-                differs from its key's earlier messages, or a model-sized
-                tensor under a key not in ``coded_keys``.
+            ValueError: an unknown direction, or a model-sized tensor under a
+                key not in ``coded_keys``.
+            MessageError: what the receiver's :meth:`decode` would refuse: a coded
+                vector whose length differs from its key's known value, or a
+                dense entry over ``max_entries`` values (nothing is sent then).
         """
         _check_direction(direction)
+        for key, value in payload.items():  # the receiver's checks on what it would decode, before any state changes
+            try:
+                self._expected(key, tuple(value.shape))
+            except MessageError as error:
+                raise error.about(self._sender(direction), key) from None
         received = {}
         started = time.perf_counter()
         for key, value in payload.items():
@@ -181,35 +213,97 @@ class Link:
     def decode(self, direction: str, wire: dict[str, Wire]) -> Payload:
         """The receiver's end alone: ``{key: (shape, bytes)}`` from the other end's :meth:`encode` -> the payload.
 
-        Counts the bytes as :meth:`send` does and updates the receiver's
-        state only: K (from the bytes alone) and, receiving down (the site),
-        O <- A. Every tensor is float32 on ``device``, shaped as sent.
+        Checks every entry against what this end expects (module docstring)
+        before decoding it, counts the bytes as :meth:`send` does and, once
+        every entry has decoded, updates the receiver's state only: K (from
+        the bytes alone) and, receiving down (the site), O <- A. Every tensor
+        is float32 on ``device``, shaped as sent.
 
         Raises:
-            ValueError: an unknown direction; a coded vector whose length
-                differs from its key's earlier messages; bytes that are not a
-                medfed codec stream (from the codec's decoder).
+            ValueError: an unknown direction.
+            MessageError: a malformed wire or entry (naming the sender and
+                the key); the link's state is left as it was.
         """
         _check_direction(direction)
         started = time.perf_counter()
-        received = {}
-        for key, (shape, data) in wire.items():
-            if data is None:
-                received[key] = torch.zeros(shape, dtype=torch.float32, device=self.device)
-                continue
-            reference_name = self._reference_name(key)
-            sent = (self._small if reference_name is None else self._codecs[direction]).decode(data)
-            if reference_name is not None and not self._codecs[direction].lossless:
-                known = self._known(key, reference_name, sent)
-                sent = torch.from_numpy(np.add(known.numpy(), sent.numpy()))
-                self.known[key] = sent
-                if direction == "down":
-                    self._owe(key)
-            self.bytes_sent[direction] += len(data)
-            self.dense_bytes[direction] += 4 * sent.numel()
+        if not isinstance(wire, dict):
+            raise MessageError(f"expected a dict of payload entries, got {type(wire).__name__}", self._sender(direction))
+        received, known, sizes = {}, {}, [0, 0]
+        for key, entry in wire.items():
+            try:
+                shape, sent, data, coded_change = self._decode_key(direction, key, entry)
+            except MessageError as error:
+                raise error.about(self._sender(direction), key if isinstance(key, str) else repr(key)) from None
+            if data is not None:
+                if coded_change:
+                    known[key] = sent
+                sizes[0] += len(data)
+                sizes[1] += 4 * sent.numel()
             received[key] = sent.reshape(shape).to(self.device)
+        for key, value in known.items():
+            self.known[key] = value
+            if direction == "down":
+                self._owe(key)
+        self.bytes_sent[direction] += sizes[0]
+        self.dense_bytes[direction] += sizes[1]
         self.codec_seconds += time.perf_counter() - started
         return received
+
+    def _decode_key(self, direction: str, key: Any, entry: Any) -> tuple[tuple[int, ...], torch.Tensor, bytes | None, bool]:
+        """One received entry checked and decoded, no state changed: its shape, the flat float32 CPU tensor,
+        its bytes (None: no values) and whether it is a lossy codec's change (the tensor is then the new K).
+
+        Raises:
+            MessageError: the entry is not what this end expects (module docstring).
+        """
+        if not isinstance(key, str):
+            raise MessageError(f"a payload key must be a string, got {type(key).__name__}")
+        if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+            raise MessageError("expected an entry (shape, bytes)")
+        shape, data = _checked_shape(entry[0]), entry[1]
+        count, reference_name, reference = self._expected(key, shape)
+        if count == 0:
+            if data is not None:
+                raise MessageError(f"shape {shape} holds no values, but a stream came with it")
+            return shape, torch.zeros(0, dtype=torch.float32), None, False
+        if data is None:
+            raise MessageError(f"shape {shape} holds {count} values, but no stream came with it")
+        codec = self._small if reference_name is None else self._codecs[direction]
+        sent = codec.decode(data, count)
+        coded_change = reference_name is not None and not codec.lossless
+        if coded_change:
+            known = torch.zeros_like(sent) if reference is None else reference
+            with np.errstate(over="ignore", invalid="ignore"):  # refused just below
+                sent = torch.from_numpy(np.add(known.numpy(), sent.numpy()))
+            if not np.isfinite(sent.numpy()).all():
+                raise MessageError("the decoded change added to the known value is not finite")
+        return shape, sent, data, coded_change
+
+    def _expected(self, key: str, shape: tuple[int, ...]) -> tuple[int, str | None, torch.Tensor | None]:
+        """The values a received ``shape`` under ``key`` holds, checked; with the key's reference name and K (None: none).
+
+        Raises:
+            MessageError: a coded key's shape that does not hold K's number of values, or another key's more than ``max_entries``.
+        """
+        count = math.prod(shape)
+        reference_name = self._reference_name(key)
+        reference = None if reference_name is None else self._reference(key, reference_name)
+        if reference is not None and count != reference.numel():
+            raise MessageError(f"shape {shape} holds {count} values, expected {reference.numel()} like the key's known value")
+        if reference is None and count > self.max_entries:
+            raise MessageError(f"shape {shape} holds {count} values, more than the {self.max_entries} this end accepts")
+        return count, reference_name, reference
+
+    def _reference(self, key: str, reference_name: str) -> torch.Tensor | None:
+        """K of a coded key (before its first message: its own initial vector or its part's); None for a key against zeros not yet received."""
+        known = self.known.get(key, self.initial.get(key))
+        if known is None and reference_name != ZEROS:
+            known = self.initial[reference_name]
+        return known
+
+    def _sender(self, direction: str) -> str:
+        """Who sends in ``direction``: the site (up) or the server (down)."""
+        return self.peer if direction == "up" else "the server"
 
     def _encode_key(self, direction: str, key: str, value: torch.Tensor) -> tuple[tuple[int, ...], bytes | None, torch.Tensor | None]:
         """One payload entry: (its shape, its bytes (None: no elements), the (d,) float32 vector the receiver decodes).
@@ -313,6 +407,25 @@ class Link:
 def _check_direction(direction: str) -> None:
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+
+
+def _checked_shape(shape: Any) -> tuple[int, ...]:
+    """A received shape as a tuple of non-negative ints (at most ``MAX_DIMS``).
+
+    Raises:
+        MessageError: anything else (a negative or non-integer size, too many dimensions).
+    """
+    if not isinstance(shape, (tuple, list)) or len(shape) > MAX_DIMS:
+        raise MessageError(f"expected a shape of at most {MAX_DIMS} sizes, got {_short(shape)}")
+    if not all(isinstance(size, numbers.Integral) and not isinstance(size, bool) and size >= 0 for size in shape):
+        raise MessageError(f"expected a shape of non-negative integers, got {_short(shape)}")
+    return tuple(int(size) for size in shape)
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut at 80 characters (a received value may be huge)."""
+    text = repr(value) if not isinstance(value, (tuple, list)) or len(value) <= 16 else f"a {type(value).__name__} of {len(value)} items"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def coded_prefix(key: str, coded_keys: dict[str, str]) -> str | None:

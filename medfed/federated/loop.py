@@ -13,8 +13,9 @@ get ``on_round_end`` (and may add metrics to the round's record, e.g.
 whole-volume scores), the record goes to Fabric's loggers, and a checkpoint
 is written atomically.
 
-A participant that fails (its work raises, its reply is not finite or an
-update outlier: :mod:`medfed.federated.faults`) is left out of the round
+A participant that fails (its work raises, its reply is malformed, not
+finite, over its declared sample count or an update outlier, as the server
+decoded it: :mod:`medfed.federated.faults`) is left out of the round
 from that phase on and put back to its start-of-round state, or ends the run
 (``on_site_failure``); a site failing ``max_consecutive_failures`` rounds in
 a row takes no further part (it is still delivered to and evaluated, so every
@@ -36,7 +37,7 @@ from lightning.fabric import Fabric
 
 from medfed.errors import SiteFailure, warn
 from medfed.federated.executor import InProcessSites, PhaseWork, SiteExecutor
-from medfed.federated.faults import update_outliers
+from medfed.federated.faults import refused_replies, sample_count_fault
 from medfed.federated.link import Link
 from medfed.federated.site import Site
 from medfed.federated.strategies.base import Payload, Strategy, state_on_device
@@ -106,7 +107,7 @@ class FederatedLoop:
         self.update_norm_limit = update_norm_limit
         self.max_consecutive_failures = max_consecutive_failures
         self.scratch_dir = scratch_dir
-        self.executor = executor if executor is not None else InProcessSites(sites, links, strategy.coded_keys)
+        self.executor = executor if executor is not None else InProcessSites(sites, links)
         self.site_names = self.executor.names
         self.round = 0
         self.history: list[dict[str, Any]] = []
@@ -115,8 +116,17 @@ class FederatedLoop:
 
     # ------------------------------------------------------------------ public
     def setup(self) -> None:
-        """Round 0: setup payloads up, server setup, first delivery down."""
-        self.server.setup(self.initial, self.executor.setup())
+        """Round 0: setup payloads up, server setup, first delivery down.
+
+        Raises:
+            SiteFailure: a site's setup reply reports more samples than it declared (no round can go without it).
+        """
+        replies = self.executor.setup()
+        for index, reply in replies.items():
+            reason = sample_count_fault(reply, self.executor.declared_samples[index])
+            if reason is not None:
+                raise SiteFailure(f"site {self.site_names[index]} at setup: {reason}")
+        self.server.setup(self.initial, replies)
         self._deliver(evaluate=False)
 
     def fit(self, rounds: int, progress: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
@@ -181,9 +191,8 @@ class FederatedLoop:
         for phase_index, phase in enumerate(self.strategy.phases):
             taking_part = [index for index in participants if index not in failures]
             messages = {index: self.server.message(phase, index) for index in taking_part}
-            work = PhaseWork(round_index, phase_index, phase, self.local_epochs, self.update_norm_limit is not None)
+            work = PhaseWork(round_index, phase_index, phase, self.local_epochs)
             results = self.executor.work(work, messages, timing)
-            norms: dict[int, dict[str, float]] = {}
             for index in taking_part:
                 result = results[index]
                 if result.error is not None:
@@ -193,13 +202,13 @@ class FederatedLoop:
                     train_loss.setdefault(names[index], {})[phase if label is None else f"{phase}/{label}"] = loss
                 if result.non_finite:
                     fail(index, phase, f"non-finite reply ({', '.join(repr(key) for key in result.non_finite)})")
-                    continue
-                norms[index] = result.norms
-            if self.update_norm_limit is not None:
-                for index, reason in update_outliers(norms, self.update_norm_limit).items():
-                    fail(index, phase, reason)
-                    del norms[index]
-            replies = self.executor.replies(sorted(norms))
+            replies, malformed = self.executor.replies([index for index in taking_part if index not in failures])
+            for index, reason in malformed.items():
+                fail(index, phase, reason)
+            refused = refused_replies(replies, messages, self.executor.declared_samples, self.strategy.coded_keys, self.update_norm_limit)
+            for index, reason in refused.items():
+                fail(index, phase, reason)
+                del replies[index]
             tic = time.perf_counter()
             if replies:  # a phase no participant came through leaves the server as it was
                 self.server.aggregate(phase, replies)

@@ -1,0 +1,87 @@
+"""A SuperNode runner whose site sends hostile replies (tests only: medfed itself has no switch for this).
+
+``python tests/hostile_runner.py --runtime-api-address HOST:PORT --insecure``
+is medfed's own runner (:mod:`medfed.deploy.runner`) answering with medfed's
+own ClientApp, except that the reply to a phase's work in the rounds of
+:data:`ATTACKS` is altered after the real site made it, the way a broken
+or malicious hospital could: every byte the server then reads takes the
+server's real code path. ``tests/test_deploy.py`` starts it in place of one
+site's runner.
+"""
+
+import json
+import os
+import struct
+import sys
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+
+import medfed.deploy.runner as runner
+from medfed.compression.codecs import FORMAT_VERSION, MAGIC, frame_checksum
+from medfed.deploy.client_app import app as medfed_app
+from medfed.deploy.records import STYPE, from_record
+
+
+def dense_stream(values: np.ndarray) -> bytes:
+    """A dense codec stream of ``values`` with a correct CRC (medfed's encoder refuses non-finite values: built here)."""
+    payload = np.asarray(values, dtype="<f4").tobytes()
+    start = struct.pack("<4sBBQ", MAGIC, FORMAT_VERSION, 0, len(payload) // 4)
+    return start + struct.pack("<I", frame_checksum(start, payload)) + payload
+
+
+def _stream(data: bytes) -> Array:
+    return Array(dtype="uint8", shape=(len(data),), stype=STYPE, data=data)
+
+
+def _altered(content: RecordDict, key: str, data: bytes | None = None, shape: list[int] | None = None) -> RecordDict:
+    """``content`` with the last wire's ``key`` carrying ``data`` and/or declared with ``shape``."""
+    fields = json.loads(content["fields"]["json"])
+    last = len(fields["_shapes"]) - 1
+    arrays = dict(content["wire"].items())
+    if data is not None:
+        arrays[f"{last}:{key}"] = _stream(data)
+    if shape is not None:
+        fields["_shapes"][last][key] = shape
+    return RecordDict({"fields": ConfigRecord({"json": json.dumps(fields)}), "wire": ArrayRecord(arrays)})
+
+
+def garbage(content: RecordDict) -> RecordDict:
+    """The model's stream replaced by random bytes of the same length."""
+    length = len(content["wire"][f"{len(json.loads(content['fields']['json'])['_shapes']) - 1}:all"].data)
+    return _altered(content, "all", data=os.urandom(length))
+
+
+def nan_stream(content: RecordDict) -> RecordDict:
+    """An intact dense stream of NaN in place of the model."""
+    size = json.loads(content["fields"]["json"])["_shapes"][-1]["all"][0]
+    return _altered(content, "all", data=dense_stream(np.full(size, np.nan)))
+
+
+def wrong_shape(content: RecordDict) -> RecordDict:
+    """The model's shape declared as (2, -1) (``reshape`` would have accepted it)."""
+    return _altered(content, "all", shape=[2, -1])
+
+
+def inflated_samples(content: RecordDict) -> RecordDict:
+    """An intact stream claiming 1e9 training samples."""
+    return _altered(content, "num_samples", data=dense_stream(np.array([1e9])))
+
+
+ATTACKS = {1: garbage, 2: nan_stream, 3: wrong_shape, 4: inflated_samples}
+"""The attack in each round's work reply (FedAvg's "all" and "num_samples"); other rounds are answered honestly."""
+
+
+def hostile_app(message: Message, context) -> Message:
+    """medfed's ClientApp, its work replies altered in the rounds of :data:`ATTACKS`."""
+    reply = medfed_app(message=message, context=context)
+    if message.metadata.message_type != "train" or reply.has_error():
+        return reply
+    request = from_record(message.content, "the server")[0]["requests"][-1]
+    attack = ATTACKS.get(request["round"]) if request["kind"] == "work" else None
+    return reply if attack is None else Message(attack(reply.content), reply_to=message)
+
+
+if __name__ == "__main__":
+    runner.app = hostile_app
+    sys.exit(runner.main())
