@@ -64,6 +64,7 @@ from medfed.config import load_config, to_yaml
 from medfed.deploy.client_app import run_folder
 from medfed.deploy.records import from_record, to_record
 from medfed.errors import ConfigError, DataError, SiteFailure
+from medfed.federated.compute import merge
 from medfed.federated.executor import PhaseWork, SiteResult
 from medfed.federated.link import Link, Wire
 from medfed.federated.loop import FederatedLoop
@@ -160,7 +161,7 @@ class FlowerSites:
                 continue
             timing["train_s"] += fields["train_s"]
             losses = {(label or None): loss for label, loss in fields["losses"].items()}
-            results[index] = SiteResult(losses=losses, non_finite=fields["non_finite"], norms=fields["norms"])
+            results[index] = SiteResult(losses=losses, non_finite=fields["non_finite"], norms=fields["norms"], compute=fields["compute"])
             self._waiting[index] = wire
         return results
 
@@ -169,7 +170,12 @@ class FlowerSites:
         return {index: self.links[index].decode("up", waiting[index]) for index in accepted}
 
     def deliver(
-        self, round_index: int, payloads: dict[int, Payload], evaluate: bool, timing: dict[str, float] | None
+        self,
+        round_index: int,
+        payloads: dict[int, Payload],
+        evaluate: bool,
+        timing: dict[str, float] | None,
+        compute: dict[str, dict[str, float]] | None = None,
     ) -> dict[str, dict[str, float]]:
         """Code each site's delivery now; without ``evaluate`` (round 0's) it waits to ride with the site's next message."""
         tic = time.perf_counter()
@@ -188,6 +194,9 @@ class FlowerSites:
         self.delivered = round_index
         if timing is not None:
             timing["eval_s"] = time.perf_counter() - tic
+        if compute is not None:
+            for index in sorted(replies):
+                merge(compute.setdefault(self.names[index], {}), replies[index][0]["compute"])
         return {self.names[index]: replies[index][0]["metrics"] for index in sorted(replies)}
 
     def state_dict(self) -> list[dict[str, Any]]:

@@ -30,7 +30,8 @@ with another config) answers with an error naming the round.
 
 What the site sends back: codec streams of its strategy half's replies
 (coded by its own end of the :class:`~medfed.federated.link.Link`), its
-training losses, update norms, the names of non-finite reply keys, its test
+training losses, update norms, the names of non-finite reply keys, the
+samples it passed (compute, in epochs of its training data), its test
 metrics, and its model's input shape and class count. Never a path, a record
 or a sample.
 
@@ -53,11 +54,10 @@ from medfed.checkpoint import checkpoints, config_differences, read_checkpoint, 
 from medfed.components import resolve
 from medfed.config import load_config
 from medfed.errors import DataError
-from medfed.federated.executor import PhaseWork, site_phase
+from medfed.federated.executor import PhaseWork, site_phase, site_receive_delivery, site_setup
 from medfed.federated.faults import non_finite_keys
 from medfed.federated.link import Link, Wire
 from medfed.federated.site import Site, Slot
-from medfed.federated.strategies.base import DELIVER
 from medfed.models.split import PARTS
 
 STATE_FILE = "site-state.pt"
@@ -150,7 +150,7 @@ class SiteWorker:
             if kind == "rewind":
                 replies.append((self._rewind(request["round"]), {}))
             elif kind == "setup":
-                replies.append(({}, self.link.encode("up", self.site.strategy.setup(self.site))))
+                replies.append(({}, self.link.encode("up", site_setup(self.site))))
             elif kind == "work":
                 replies.append(self._work(request, wire))
             elif kind == "deliver":
@@ -172,7 +172,7 @@ class SiteWorker:
         self.state["link_before_reply"] = copy.deepcopy(self.link.state_dict())
         timing: dict[str, float] = {}
         try:
-            losses, reply, norms = site_phase(self.site, work, message, self.coded_keys, self.state["epochs_before"], timing)
+            losses, reply, norms, compute = site_phase(self.site, work, message, self.coded_keys, self.state["epochs_before"], timing)
         except Exception as error:  # whatever it is, it happened at the site: the site fails
             return {"error": f"{type(error).__name__}: {error}"}, {}
         bad = non_finite_keys(reply)
@@ -180,6 +180,7 @@ class SiteWorker:
             "losses": {("" if label is None else label): loss for label, loss in losses.items()},
             "non_finite": bad,
             "norms": norms,
+            "compute": compute,
             "train_s": timing["train_s"],
         }
         return fields, ({} if bad else self.link.encode("up", reply))
@@ -191,8 +192,8 @@ class SiteWorker:
         if request["restore"]:
             self.site.load_state_dict(read_checkpoint(self._snapshot(round_index - 1))["sites"][0])
             self.link.load_state_dict(self.state["link_before_reply"])
-        self.site.strategy.receive(self.site, DELIVER, self.link.decode("down", wire))
-        fields = {"metrics": self.site.evaluate()} if request["evaluate"] else {}
+        site_receive_delivery(self.site, round_index, self.link.decode("down", wire))
+        fields = {"metrics": self.site.evaluate(), "compute": self.site.passes.take(self.site.n_train)} if request["evaluate"] else {}
         snapshot = {"round": round_index, "config": self.config, "sites": [self.site.state_dict()], "links": [self.link.state_dict()]}
         save_checkpoint(self.snapshots, snapshot, self.keep)
         return fields

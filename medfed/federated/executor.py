@@ -22,10 +22,12 @@ from typing import Any, Protocol
 
 import torch
 
+from medfed.federated.compute import TRAIN, merge
 from medfed.federated.faults import RoundStartStates, model_parts, non_finite_keys, update_norms
 from medfed.federated.link import Link
 from medfed.federated.site import Site
-from medfed.federated.strategies.base import DELIVER, Payload, TrainingPlan
+from medfed.federated.site_view import DELIVER, SETUP, RoundContext
+from medfed.federated.strategies.base import Payload, TrainingPlan
 
 
 @dataclass(frozen=True)
@@ -57,12 +59,14 @@ class SiteResult:
             plan's label (``None`` when the phase has one plan).
         non_finite: payload keys of the reply holding a NaN or an infinity.
         norms: the reply's update norms (:func:`~medfed.federated.faults.update_norms`; empty without the check).
+        compute: the samples the site passed in the phase, ``{key: epochs}`` (:mod:`medfed.federated.compute`).
         error: ``"<ExceptionType>: <message>"`` when the site's work raised; then nothing else counts.
     """
 
     losses: dict[str | None, float] = field(default_factory=dict)
     non_finite: list[str] = field(default_factory=list)
     norms: dict[str, float] = field(default_factory=dict)
+    compute: dict[str, float] = field(default_factory=dict)
     error: str | None = None
 
 
@@ -105,9 +109,15 @@ class SiteExecutor(Protocol):
         ...
 
     def deliver(
-        self, round_index: int, payloads: dict[int, Payload], evaluate: bool, timing: dict[str, float] | None
+        self,
+        round_index: int,
+        payloads: dict[int, Payload],
+        evaluate: bool,
+        timing: dict[str, float] | None,
+        compute: dict[str, dict[str, float]] | None = None,
     ) -> dict[str, dict[str, float]]:
-        """Every site receives its delivery; with ``evaluate``, ``{site name: metrics}`` (time in ``timing["eval_s"]``)."""
+        """Every site receives its delivery; with ``evaluate``, ``{site name: metrics}`` (time in ``timing["eval_s"]``,
+        each site's evaluation passes added to ``compute[site name]``)."""
         ...
 
     def state_dict(self) -> list[dict[str, Any]]:
@@ -147,7 +157,7 @@ class InProcessSites:
         self._epochs_before: dict[int, dict[str | None, float]] = {}
 
     def setup(self) -> dict[int, Payload]:
-        return {site.index: self.links[site.index].send("up", site.strategy.setup(site)) for site in self.sites}
+        return {site.index: self.links[site.index].send("up", site_setup(site)) for site in self.sites}
 
     def open_round_starts(self, directory: Path | None) -> None:
         self._round_start = RoundStartStates(directory)
@@ -173,11 +183,11 @@ class InProcessSites:
             try:
                 if work.phase_index == 0:
                     self._epochs_before[index] = {}
-                losses, reply, norms = site_phase(site, work, message, self.coded_keys, self._epochs_before[index], timing)
+                losses, reply, norms, compute = site_phase(site, work, message, self.coded_keys, self._epochs_before[index], timing)
             except Exception as error:  # whatever it is, it happened at the site: the site fails
                 results[index] = SiteResult(error=f"{type(error).__name__}: {error}")
                 continue
-            results[index] = SiteResult(losses=losses, non_finite=non_finite_keys(reply), norms=norms)
+            results[index] = SiteResult(losses=losses, non_finite=non_finite_keys(reply), norms=norms, compute=compute)
             self._waiting[index] = reply
         return results
 
@@ -186,16 +196,25 @@ class InProcessSites:
         return {index: self.links[index].send("up", waiting.pop(index)) for index in accepted}
 
     def deliver(
-        self, round_index: int, payloads: dict[int, Payload], evaluate: bool, timing: dict[str, float] | None
+        self,
+        round_index: int,
+        payloads: dict[int, Payload],
+        evaluate: bool,
+        timing: dict[str, float] | None,
+        compute: dict[str, dict[str, float]] | None = None,
     ) -> dict[str, dict[str, float]]:
         for site in self.sites:
-            site.strategy.receive(site, DELIVER, self.links[site.index].send("down", payloads[site.index]))
+            site_receive_delivery(site, round_index, self.links[site.index].send("down", payloads[site.index]))
         if not evaluate:
             return {}
         tic = time.perf_counter()
         metrics = {site.name: site.evaluate() for site in self.sites}
         if timing is not None:
             timing["eval_s"] = time.perf_counter() - tic
+        for site in self.sites:
+            counted = site.passes.take(site.n_train)
+            if compute is not None:
+                merge(compute.setdefault(site.name, {}), counted)
         return metrics
 
     def state_dict(self) -> list[dict[str, Any]]:
@@ -206,6 +225,18 @@ class InProcessSites:
             site.load_state_dict(site_state)
 
 
+def site_setup(site: Site) -> Payload:
+    """The site half's setup reply (round 0, phase ``"setup"``); passes it makes are in no round's count."""
+    reply = site.strategy.setup(site.view, RoundContext(0, SETUP))
+    site.passes.take(site.n_train)
+    return reply
+
+
+def site_receive_delivery(site: Site, round_index: int, payload: Payload) -> None:
+    """The site half receives the end of round ``round_index``'s delivery (0: the first, before round 1)."""
+    site.strategy.receive(site.view, RoundContext(round_index, DELIVER), payload)
+
+
 def site_phase(
     site: Site,
     work: PhaseWork,
@@ -213,10 +244,11 @@ def site_phase(
     coded_keys: dict[str, str],
     epochs_before: dict[str | None, float],
     timing: dict[str, float],
-) -> tuple[dict[str | None, float], Payload, dict[str, float]]:
+) -> tuple[dict[str | None, float], Payload, dict[str, float], dict[str, float]]:
     """A site's part of a phase, its global generators seeded from (round, phase): receive, train its plans, reply.
 
-    The same function runs in the simulator and at a deployed site.
+    The same function runs in the simulator and at a deployed site. The
+    strategy half sees the site's view and ``RoundContext(round, phase)``.
 
     Args:
         site: the site (holding its half of the strategy).
@@ -230,14 +262,17 @@ def site_phase(
 
     Returns:
         The mean training loss of each plan that trained, keyed by its label
-        (``None`` when the phase has one plan); the reply; and its update
+        (``None`` when the phase has one plan); the reply; its update
         norms (:func:`~medfed.federated.faults.update_norms` against the slot
         the phase trains first, or the evaluated slot; empty unless
-        ``work.norms``).
+        ``work.norms``); and the samples the site passed in the phase,
+        ``{key: epochs}`` (:mod:`medfed.federated.compute`).
     """
+    half, view, ctx = site.strategy, site.view, RoundContext(work.round_index, work.phase)
+    site.passes.take(site.n_train)  # (what a phase that raised had passed is not counted)
     with site.global_rng(work.round_index, work.phase_index):
-        site.strategy.receive(site, work.phase, message)
-        plans = site.strategy.plan(work.phase)
+        half.receive(view, ctx, message)
+        plans = half.plan(ctx)
         keys = coded_keys if work.norms else {}
         trained = site.slot(plans[0].slot if plans else site.evaluated_slot).module
         start = {part: trained.get_vector(part) for part in model_parts(keys)}
@@ -251,14 +286,23 @@ def site_phase(
                 before = epochs_before.get(plan.data_order, 0.0)
                 epochs_before[plan.data_order] = before + epochs
                 steps = site.steps(epochs, before)
-            loss = site.train(steps, plan.slot, plan.part, _step_loss(site, plan), data_order=plan.data_order)
+            loss = site.train(
+                steps,
+                plan.slot,
+                plan.part,
+                _step_loss(site, ctx, plan),
+                data_order=plan.data_order,
+                also_steps=plan.also_steps,
+                compute=f"{TRAIN}/{work.phase}/{plan.label}",
+                data_pass=plan.data_pass,
+            )
             if loss is not None:
                 losses[None if len(plans) == 1 else plan.label] = loss
         timing["train_s"] = timing.get("train_s", 0.0) + time.perf_counter() - tic
-        reply = site.strategy.reply(site, work.phase)
-        return losses, reply, update_norms(reply, start, keys)
+        reply = half.reply(view, ctx)
+        return losses, reply, update_norms(reply, start, keys), site.passes.take(site.n_train)
 
 
-def _step_loss(site: Site, plan: TrainingPlan) -> Callable[[Any], torch.Tensor]:
+def _step_loss(site: Site, ctx: RoundContext, plan: TrainingPlan) -> Callable[[Any], torch.Tensor]:
     """Maps a device batch to the loss of one step of ``plan`` (the site half's ``loss``)."""
-    return lambda batch: site.strategy.loss(site, plan, batch)
+    return lambda batch: site.strategy.loss(site.view, ctx, plan, batch)

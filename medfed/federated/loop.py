@@ -20,6 +20,11 @@ from that phase on and put back to its start-of-round state, or ends the run
 a row takes no further part (it is still delivered to and evaluated, so every
 round's table has every site). Failures go to the log, to the round's record
 (``failures``, ``excluded``) and, as ``<site>/failed`` flags, to the loggers.
+
+Every round's record also carries ``compute``: per site, the samples it
+passed forward and backward in each training plan and auxiliary pass, and
+forward in its evaluation, in epochs of its training data
+(:mod:`medfed.federated.compute`; counted at the sites).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 from lightning.fabric import Fabric
 
 from medfed.errors import SiteFailure, warn
+from medfed.federated.compute import merge, training_epochs
 from medfed.federated.executor import InProcessSites, PhaseWork, SiteExecutor
 from medfed.federated.faults import update_outliers
 from medfed.federated.link import Link
@@ -165,6 +171,7 @@ class FederatedLoop:
         participants = self.participants(round_index)
         timing = {"train_s": 0.0, "server_s": 0.0, "eval_s": 0.0, "round_start_s": 0.0}
         train_loss: dict[str, dict[str, float]] = {}
+        compute: dict[str, dict[str, float]] = {}  # site name -> {key: epochs}
         failures: dict[int, dict[str, Any]] = {}  # site index -> {"round", "site", "phase", "reason"}
         tic = time.perf_counter()
         self.executor.save_round_start(participants)
@@ -191,6 +198,7 @@ class FederatedLoop:
                     continue
                 for label, loss in result.losses.items():
                     train_loss.setdefault(names[index], {})[phase if label is None else f"{phase}/{label}"] = loss
+                merge(compute.setdefault(names[index], {}), result.compute)
                 if result.non_finite:
                     fail(index, phase, f"non-finite reply ({', '.join(repr(key) for key in result.non_finite)})")
                     continue
@@ -205,7 +213,7 @@ class FederatedLoop:
                 self.server.aggregate(phase, replies)
             timing["server_s"] += time.perf_counter() - tic
         newly_excluded = self._count_failures(participants, failures)
-        metrics = self._deliver(evaluate=True, timing=timing)
+        metrics = self._deliver(evaluate=True, timing=timing, compute=compute)
         timing["round_s"] = time.perf_counter() - start
         traffic = {
             names[index]: {k: v - counters_before[index][k] for k, v in _link_counters(link).items()}
@@ -219,6 +227,7 @@ class FederatedLoop:
             "metrics": metrics,
             "mean": {name: float(np.mean([m[name] for m in metrics.values()])) for name in metric_names},
             "train_loss": train_loss,
+            "compute": {name: compute[name] for name in names if compute.get(name)},
             "bytes": traffic,
             "server": self.server.metrics(),
             "timing": timing,
@@ -246,10 +255,13 @@ class FederatedLoop:
                 )
         return newly_excluded
 
-    def _deliver(self, evaluate: bool, timing: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
-        """Every site receives the server's delivery; with ``evaluate``, returns each site's metrics (``timing["eval_s"]``)."""
+    def _deliver(
+        self, evaluate: bool, timing: dict[str, float] | None = None, compute: dict[str, dict[str, float]] | None = None
+    ) -> dict[str, dict[str, float]]:
+        """Every site receives the server's delivery; with ``evaluate``, returns each site's metrics (``timing["eval_s"]``,
+        evaluation passes added to ``compute``)."""
         payloads = {index: self.server.deliver(index) for index in range(len(self.site_names))}
-        return self.executor.deliver(self.round, payloads, evaluate, timing)
+        return self.executor.deliver(self.round, payloads, evaluate, timing, compute)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -320,6 +332,10 @@ def _flatten_for_logging(record: dict[str, Any]) -> dict[str, float]:
         flat[f"bytes/{direction}"] = sent
         if sent:
             flat[f"compression_ratio/{direction}"] = dense / sent
+    for site, counts in record.get("compute", {}).items():
+        for key, epochs in counts.items():
+            flat[f"{site}/compute/{key}"] = epochs
+        flat[f"{site}/compute/training_epochs"] = training_epochs(counts)
     for site, traffic in record["bytes"].items():
         for direction in ("up", "down"):
             flat[f"{site}/bytes_{direction}"] = float(traffic[direction])

@@ -9,8 +9,10 @@ A strategy is three classes registered under one name:
 * :class:`ServerHalf`: the server's state and steps; it sees only the
   payloads sites send;
 * :class:`SiteHalf`: one per site, the site's own state and local work; it
-  sees its own :class:`~medfed.federated.site.Site` (model slots, loaders)
-  and the payloads the server sends.
+  sees its site through a :class:`~medfed.federated.site_view.SiteView`
+  (model slots, sample counts, step and full-pass helpers, seeded random
+  streams), the payloads the server sends, and in every hook a
+  :class:`~medfed.federated.site_view.RoundContext` (round, phase).
 
 The halves share the options and nothing else; every payload
 (``dict[str, Tensor]``) crosses a :class:`~medfed.federated.link.Link`,
@@ -20,19 +22,19 @@ simulator) or on different machines (:mod:`medfed.deploy`).
 
 One run, as :class:`~medfed.federated.loop.FederatedLoop` drives it::
 
-    replies = {i: site_i.setup(site)}                  # e.g. a data sketch
-    server.setup(initial, replies)                     # initial = {"shared", "personal", "all"} vectors
-    deliver to every site                              # round 0
+    replies = {i: site_i.setup(view_i, (0, "setup"))}         # e.g. a data sketch
+    server.setup(initial, replies)                            # initial = {"shared", "personal", "all"} vectors
+    deliver to every site                                     # round 0: ctx (0, "deliver")
     for round in 1..R:
-        for phase in phases:
-            messages = {i: server.message(phase, i)}   # for each participating site i
+        for phase in phases:                                  # ctx = RoundContext(round, phase)
+            messages = {i: server.message(phase, i)}          # for each participating site i
             for each participating site i:
-                site_i.receive(site, phase, messages[i])
-                for plan in site_i.plan(phase):        # TrainingPlan: slot, part, how long
-                    train plan.part of slot plan.slot on site_i.loss(site, plan, batch)
-                replies[i] = site_i.reply(site, phase)
-            server.aggregate(phase, replies)           # not called when no reply came through
-        for every site i: site_i.receive(site, "deliver", server.deliver(i))
+                site_i.receive(view_i, ctx, messages[i])
+                for plan in site_i.plan(ctx):                 # TrainingPlan: slot, part, how long
+                    train plan.part of slot plan.slot on site_i.loss(view_i, ctx, plan, batch)
+                replies[i] = site_i.reply(view_i, ctx)
+            server.aggregate(phase, replies)                  # not called when no reply came through
+        for every site i: site_i.receive(view_i, (round, "deliver"), server.deliver(i))
         every site evaluates its model slot ``evaluated_slot`` on its own test split
 
 (The server's messages of a phase are all made before any site trains, as
@@ -63,16 +65,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from medfed.federated.site_view import DELIVER, SETUP, RoundContext, SiteView
 from medfed.models.split import ParameterSplit
 
 if TYPE_CHECKING:
-    from medfed.federated.site import Site
     from medfed.models.base import FederatedModule
+
+__all__ = ["DELIVER", "MODEL", "SETUP", "Payload", "RoundContext", "ServerHalf", "SiteHalf", "SiteView", "Strategy", "TrainingPlan"]
 
 #: What crosses the site boundary: named flat tensors.
 Payload = dict[str, torch.Tensor]
 
-DELIVER = "deliver"
 #: The slot of a strategy that declares no other: the site's one model.
 MODEL = "model"
 
@@ -104,6 +107,14 @@ class TrainingPlan:
             only by the plans naming it, so its passes are those a site that
             trained nothing else would draw (Ditto's personal model draws the
             batches a Local run's model draws).
+        also_steps: other slots whose optimisers step after ``slot``'s on
+            every step, on the gradients the same loss gives their
+            parameters (SuPerFed's local model, trained through the mixture).
+        data_pass: whether each step's loss passes its batch forward and
+            backward (one pass counted per step); False where the loss's
+            passes are those the half makes through
+            :meth:`~medfed.federated.site_view.SiteView.step` (pFedMe: its K
+            inner steps per mini-batch; the outer step's loss has no forward pass).
     """
 
     slot: str = MODEL
@@ -113,6 +124,8 @@ class TrainingPlan:
     steps: int | None = None
     name: str | None = None
     data_order: str | None = None
+    also_steps: tuple[str, ...] = ()
+    data_pass: bool = True
 
     def __post_init__(self) -> None:
         if self.share <= 0 or (self.epochs is not None and self.epochs <= 0) or (self.steps is not None and self.steps < 1):
@@ -187,7 +200,9 @@ class SiteHalf:
 
     Per-site state lives on the instance (one instance per site) and is
     checkpointed through :meth:`state_dict`; the site's models live in its
-    slots (``site.slot(name)``).
+    slots (``site.module(name)``, ``site.get(name, part)``). Every hook gets
+    the site's :class:`~medfed.federated.site_view.SiteView` and the
+    :class:`~medfed.federated.site_view.RoundContext` it is called in.
 
     Args:
         options, split, n_sites, seed: as for :class:`ServerHalf`.
@@ -201,29 +216,29 @@ class SiteHalf:
         self.seed = seed
         self.index = index
 
-    def setup(self, site: Site) -> Payload:
-        """Sent once before training (e.g. a data sketch that reveals no sample)."""
+    def setup(self, site: SiteView, ctx: RoundContext) -> Payload:
+        """Sent once before training, in round 0's ``"setup"`` context (e.g. a data sketch that reveals no sample)."""
         return {}
 
-    def receive(self, site: Site, phase: str, payload: Payload) -> None:
-        """Load what the server sent into the site's slots (phase ``"deliver"`` included)."""
+    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        """Load what the server sent into the site's slots (``ctx.phase`` ``"deliver"`` included)."""
 
-    def plan(self, phase: str) -> tuple[TrainingPlan, ...]:
-        """The local training of ``phase``, in order (empty: the phase trains nothing)."""
+    def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
+        """The local training of ``ctx.phase``, in order (empty: the phase trains nothing)."""
         return (TrainingPlan(),)
 
-    def loss(self, site: Site, plan: TrainingPlan, batch: Any) -> torch.Tensor:
+    def loss(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan, batch: Any) -> torch.Tensor:
         """The loss of one local step of ``plan``: the slot's own training loss plus :meth:`regularizer`."""
-        loss = site.slot(plan.slot).module.training_step(batch, 0)
-        regularizer = self.regularizer(site, plan)
+        loss = site.module(plan.slot).training_step(batch, 0)
+        regularizer = self.regularizer(site, ctx, plan)
         return loss if regularizer is None else loss + regularizer
 
-    def regularizer(self, site: Site, plan: TrainingPlan) -> torch.Tensor | None:
+    def regularizer(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan) -> torch.Tensor | None:
         """A term added to every local step's loss (e.g. a proximal term), or ``None``."""
         return None
 
-    def reply(self, site: Site, phase: str) -> Payload:
-        """What the site sends back after training in ``phase``."""
+    def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
+        """What the site sends back after training in ``ctx.phase``."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:
@@ -333,6 +348,6 @@ def state_on_device(state: Any, device: torch.device) -> Any:
     return state
 
 
-def num_samples(site: Site) -> torch.Tensor:
+def num_samples(site: SiteView) -> torch.Tensor:
     """The site's training-set size as a payload entry (for sample-weighted averaging)."""
     return torch.tensor([float(site.n_train)], device="cpu")  # one number; the link carries it to the server's device

@@ -42,7 +42,9 @@ import torch
 
 from medfed.config import require
 from medfed.errors import ConfigError
-from medfed.federated.strategies.base import DELIVER, Payload, ServerHalf, SiteHalf, Strategy
+from medfed.federated.strategies.base import (
+    DELIVER, MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan,
+)
 from medfed.federated.strategies.live_parameters import proximal_term
 
 VARIANTS = ("exponential", "heuristic")
@@ -144,19 +146,19 @@ class FedAMPServer(ServerHalf):
 class FedAMPSite(SiteHalf):
     """Trains w_i from its cloud model u_i on F_i(w) + lam / (2 alpha) ||w - u_i||^2."""
 
-    def receive(self, site, phase: str, payload: Payload) -> None:
-        if phase == DELIVER:
+    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        if ctx.phase == DELIVER:
             return
         self.cloud = payload["all"]
-        site.module.set_vector("all", self.cloud)
+        site.set(MODEL, "all", self.cloud)
 
-    def regularizer(self, site, plan) -> torch.Tensor:
+    def regularizer(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan) -> torch.Tensor:
         """lam / (2 alpha) * ||w - u_i||^2 on the live parameters w (gradient (lam / alpha)(w - u_i))."""
-        return proximal_term(site.module, "all", self.cloud, self.options.lam / self.options.alpha)
+        return proximal_term(site.module(MODEL), "all", self.cloud, self.options.lam / self.options.alpha)
 
-    def reply(self, site, phase: str) -> Payload:
+    def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
         del self.cloud  # only needed while training; keeps checkpoints small
-        return {"all": site.module.get_vector("all")}
+        return {"all": site.get(MODEL, "all")}
 
 
 class FedAMP(Strategy):

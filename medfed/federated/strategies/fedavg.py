@@ -30,7 +30,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.strategies.base import DELIVER, MODEL, Payload, ServerHalf, SiteHalf, Strategy, num_samples
+from medfed.federated.strategies.base import (
+    DELIVER, MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, num_samples,
+)
 
 
 class FedAvgServer(ServerHalf):
@@ -73,16 +75,15 @@ class FedAvgSite(SiteHalf):
     #: the model slot holding the global model (strategies with several slots name theirs)
     global_slot: ClassVar[str] = MODEL
 
-    def receive(self, site, phase: str, payload: Payload) -> None:
-        if phase == DELIVER:
+    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        if ctx.phase == DELIVER:
             for part, vector in payload.items():
-                site.slot(self.global_slot).module.set_vector(part, vector)
+                site.set(self.global_slot, part, vector)
 
-    def reply(self, site, phase: str) -> Payload:
-        module = site.slot(self.global_slot).module
-        reply = {self.parameters_part: module.get_vector(self.parameters_part)}
+    def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
+        reply = {self.parameters_part: site.get(self.global_slot, self.parameters_part)}
         if self.buffers_part is not None:
-            reply[self.buffers_part] = module.get_vector(self.buffers_part)
+            reply[self.buffers_part] = site.get(self.global_slot, self.buffers_part)
         return {**reply, "num_samples": num_samples(site)}
 
 

@@ -85,7 +85,9 @@ from medfed.config import require
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.concave_penalty import PENALTIES, fusion_prox
 from medfed.federated.graph import connected_components, incidence_matrix
-from medfed.federated.strategies.base import DELIVER, Payload, ServerHalf, SiteHalf, Strategy, num_samples
+from medfed.federated.strategies.base import (
+    DELIVER, MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+)
 from medfed.federated.strategies.live_parameters import proximal_term
 
 
@@ -169,18 +171,18 @@ class FPFCServer(ServerHalf):
 class FPFCSite(SiteHalf):
     """Trains its own model on f_i(w) + rho/2 ||w_personal - u_i||^2 (u_i from the server), shared part from the average."""
 
-    def receive(self, site, phase: str, payload: Payload) -> None:
-        site.module.set_vector("shared", payload["shared"])
-        if phase != DELIVER:
+    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        site.set(MODEL, "shared", payload["shared"])
+        if ctx.phase != DELIVER:
             self.centre = payload["personal"]
 
-    def regularizer(self, site, plan) -> torch.Tensor:
+    def regularizer(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan) -> torch.Tensor:
         """rho/2 ||w - u_i||^2 on the live personal parameters (gradient rho (w - u_i))."""
-        return proximal_term(site.module, "personal", self.centre, self.options.rho)
+        return proximal_term(site.module(MODEL), "personal", self.centre, self.options.rho)
 
-    def reply(self, site, phase: str) -> Payload:
+    def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
         del self.centre  # only needed while training; keeps checkpoints small
-        return {"shared": site.module.get_vector("shared"), "personal": site.module.get_vector("personal"), "num_samples": num_samples(site)}
+        return {"shared": site.get(MODEL, "shared"), "personal": site.get(MODEL, "personal"), "num_samples": num_samples(site)}
 
 
 class FPFC(Strategy):

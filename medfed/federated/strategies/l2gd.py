@@ -63,7 +63,7 @@ from dataclasses import dataclass
 import torch
 
 from medfed.config import require
-from medfed.federated.strategies.base import Payload, TrainingPlan
+from medfed.federated.strategies.base import Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgServer, FedAvgSite
 
 FIT, MIX = "fit", "mix"
@@ -88,18 +88,17 @@ class L2GDServer(FedAvgServer):
 class L2GDSite(FedAvgSite):
     """Trains and sends x_i in the fit phase; steps it the fraction theta towards the mean in the mix phase."""
 
-    def receive(self, site, phase: str, payload: Payload) -> None:
-        if phase != MIX:
+    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        if ctx.phase != MIX:
             return
-        module = site.slot(self.global_slot).module
         for part, mean in payload.items():
-            module.set_vector(part, torch.lerp(module.get_vector(part), mean, self.options.mixing))
+            site.set(self.global_slot, part, torch.lerp(site.get(self.global_slot, part), mean, self.options.mixing))
 
-    def plan(self, phase: str) -> tuple[TrainingPlan, ...]:
-        return (TrainingPlan(),) if phase == FIT else ()
+    def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
+        return (TrainingPlan(),) if ctx.phase == FIT else ()
 
-    def reply(self, site, phase: str) -> Payload:
-        return super().reply(site, phase) if phase == FIT else {}
+    def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
+        return super().reply(site, ctx) if ctx.phase == FIT else {}
 
 
 class L2GD(FedAvg):
