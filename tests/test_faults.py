@@ -8,6 +8,7 @@ import torch
 from medfed.errors import SiteFailure
 from medfed.federated.faults import non_finite_keys, update_norms, update_outliers
 from medfed.federated.strategies import STRATEGIES
+from medfed.federated.strategies.base import RoundContext
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation
 
@@ -46,8 +47,8 @@ def _inject_faults(loop, round_index=FAULT_ROUND):
     for faulty in (loop.sites[SENDS_NAN], loop.sites[SENDS_HUGE]):
         reply = faulty.strategy.reply
 
-        def faulty_reply(site, phase, reply=reply):
-            payload = reply(site, phase)
+        def faulty_reply(site, ctx, reply=reply):
+            payload = reply(site, ctx)
             if loop.round == round_index and site.index == SENDS_NAN:
                 payload = {key: torch.full_like(value, float("nan")) for key, value in payload.items()}
             if loop.round == round_index and site.index == SENDS_HUGE:
@@ -105,7 +106,7 @@ def test_a_site_that_raises_sends_nan_or_sends_huge_weights_is_left_out_of_that_
     with caplog.at_level(logging.WARNING, logger="medfed"):
         faulty.fit(3)
     first = faulty.strategy.phases[0]
-    first_training = next((phase for phase in faulty.strategy.phases if faulty.sites[RAISES].strategy.plan(phase)), None)
+    first_training = next((phase for phase in faulty.strategy.phases if faulty.sites[RAISES].strategy.plan(RoundContext(FAULT_ROUND, phase))), None)
     expected = {} if first_training is None else {RAISES: (first_training, "RuntimeError: scanner archive unreachable")}
     if name != "local" and not faulty.strategy.pools_data:
         expected[SENDS_NAN] = (first, "non-finite reply")

@@ -64,7 +64,7 @@ from medfed.config import load_config, to_yaml
 from medfed.deploy.client_app import run_folder
 from medfed.deploy.records import from_record, to_record
 from medfed.errors import ConfigError, DataError, SiteFailure
-from medfed.federated.compute import merge
+from medfed.federated.compute import compute_summary, merge
 from medfed.federated.executor import PhaseWork, SiteResult
 from medfed.federated.link import Link, Wire
 from medfed.federated.loop import FederatedLoop
@@ -423,6 +423,7 @@ def main(grid: Grid, context: Context) -> None:
         "engine": "flower-deployment",
         "final": loop.history[-1]["metrics"],
         "communication": communication_totals(sites.links),
+        "compute": compute_summary(loop.history, loop.site_names),
         "wall_s": time.perf_counter() - started,
         "config": config,
         "history": loop.history,
