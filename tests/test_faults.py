@@ -144,7 +144,7 @@ def test_a_pfednet_site_failing_in_the_personal_phase_counts_in_the_shared_one_a
     site.train = fails_in_personal_phase
     aggregated = []  # (round, phase, sites replying)
     aggregate = loop.server.aggregate
-    loop.server.aggregate = lambda phase, replies: (aggregated.append((loop.round, phase, sorted(replies))), aggregate(phase, replies))
+    loop.server.aggregate = lambda ctx, replies: (aggregated.append((ctx.round, ctx.phase, sorted(replies))), aggregate(ctx, replies))
     loop.fit(FAULT_ROUND)
     failure = {"round": FAULT_ROUND, "site": "site1", "phase": "personal", "reason": "RuntimeError: disk full"}
     assert loop.history[-1]["failures"] == [failure]

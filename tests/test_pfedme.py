@@ -115,7 +115,7 @@ def test_beta_two_extrapolates_past_the_average():
 def test_skipping_sites_keep_their_personalised_model_and_nothing_is_delivered():
     loop = _loop(lam=1.0)
     loop.fit(1)
-    assert loop.server.deliver(0) == {}
+    assert loop.server.deliver(RoundContext(loop.round, "deliver"), 0) == {}
     before = [site.module.get_vector("all") for site in loop.sites]
     loop.participants = lambda r: [0]  # site indices (the loop's executor seam)
     loop.fit(2)

@@ -145,7 +145,7 @@ def test_the_evaluated_model_is_the_chosen_mixture_of_the_sites_own_models_once_
         f, l = _vectors(site)
         assert not torch.equal(l, before)  # the local model trains from round 2 on
         torch.testing.assert_close(site.module.get_vector("all"), 0.75 * f + 0.25 * l)
-    assert loop.server.deliver(0) == {}
+    assert loop.server.deliver(RoundContext(loop.round, "deliver"), 0) == {}
 
 
 def test_local_models_are_drawn_per_site_seeded_and_apart_from_the_federated_model():

@@ -45,6 +45,7 @@ from medfed.federated.executor import InProcessSites, PhaseWork, SiteExecutor
 from medfed.federated.faults import update_outliers
 from medfed.federated.link import Link
 from medfed.federated.site import Site
+from medfed.federated.site_view import DELIVER, SETUP, RoundContext
 from medfed.federated.strategies.base import Payload, Strategy, state_on_device
 
 
@@ -122,7 +123,7 @@ class FederatedLoop:
     # ------------------------------------------------------------------ public
     def setup(self) -> None:
         """Round 0: setup payloads up, server setup, first delivery down."""
-        self.server.setup(self.initial, self.executor.setup())
+        self.server.setup(RoundContext(0, SETUP), self.initial, self.executor.setup())
         self._deliver(evaluate=False)
 
     def fit(self, rounds: int, progress: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
@@ -187,7 +188,8 @@ class FederatedLoop:
 
         for phase_index, phase in enumerate(self.strategy.phases):
             taking_part = [index for index in participants if index not in failures]
-            messages = {index: self.server.message(phase, index) for index in taking_part}
+            ctx = RoundContext(round_index, phase)
+            messages = {index: self.server.message(ctx, index) for index in taking_part}
             work = PhaseWork(round_index, phase_index, phase, self.local_epochs, self.update_norm_limit is not None)
             results = self.executor.work(work, messages, timing)
             norms: dict[int, dict[str, float]] = {}
@@ -210,7 +212,7 @@ class FederatedLoop:
             replies = self.executor.replies(sorted(norms))
             tic = time.perf_counter()
             if replies:  # a phase no participant came through leaves the server as it was
-                self.server.aggregate(phase, replies)
+                self.server.aggregate(ctx, replies)
             timing["server_s"] += time.perf_counter() - tic
         newly_excluded = self._count_failures(participants, failures)
         metrics = self._deliver(evaluate=True, timing=timing, compute=compute)
@@ -260,7 +262,8 @@ class FederatedLoop:
     ) -> dict[str, dict[str, float]]:
         """Every site receives the server's delivery; with ``evaluate``, returns each site's metrics (``timing["eval_s"]``,
         evaluation passes added to ``compute``)."""
-        payloads = {index: self.server.deliver(index) for index in range(len(self.site_names))}
+        ctx = RoundContext(self.round, DELIVER)
+        payloads = {index: self.server.deliver(ctx, index) for index in range(len(self.site_names))}
         return self.executor.deliver(self.round, payloads, evaluate, timing, compute)
 
     # ------------------------------------------------------------------ checkpoints

@@ -163,27 +163,27 @@ CORE, PERSONALISED = "core", "personalised"
 class APPLEServer(ServerHalf):
     """Keeps the N core models; sends each site the cores it requests."""
 
-    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+    def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.cores = initial["all"].reshape(1, -1).repeat(self.n_sites, 1)  # (N, d) w_j^(c)
         sizes = torch.cat([replies[i]["num_samples"] for i in range(self.n_sites)]).to(torch.float64)
         self.prior = sizes / sizes.sum()  # p_0
         self.completed_rounds = 0
         self.requests: dict[int, list[int]] = {}
 
-    def message(self, phase: str, site_index: int) -> Payload:
-        if phase == "select":
+    def message(self, ctx: RoundContext, site_index: int) -> Payload:
+        if ctx.phase == "select":
             return {"completed_rounds": torch.tensor([float(self.completed_rounds)], device="cpu")}
         return {f"core/{j}": self.cores[j] for j in self.requests[site_index]}
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
-        if phase == "select":
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
+        if ctx.phase == "select":
             self.requests = {i: torch.nonzero(reply["request"]).flatten().tolist() for i, reply in replies.items()}
             return
         for index, reply in replies.items():
             self.cores[index] = reply[f"core/{index}"]
         self.completed_rounds += 1
 
-    def deliver(self, site_index: int) -> Payload:
+    def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
         return {"prior": self.prior} if self.completed_rounds == 0 else {}
 
     def metrics(self) -> dict[str, float]:

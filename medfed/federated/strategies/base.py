@@ -23,18 +23,19 @@ simulator) or on different machines (:mod:`medfed.deploy`).
 One run, as :class:`~medfed.federated.loop.FederatedLoop` drives it::
 
     replies = {i: site_i.setup(view_i, (0, "setup"))}         # e.g. a data sketch
-    server.setup(initial, replies)                            # initial = {"shared", "personal", "all"} vectors
+    server.setup((0, "setup"), initial, replies)              # initial = {"shared", "personal", "all"} vectors
     deliver to every site                                     # round 0: ctx (0, "deliver")
     for round in 1..R:
         for phase in phases:                                  # ctx = RoundContext(round, phase)
-            messages = {i: server.message(phase, i)}          # for each participating site i
+            messages = {i: server.message(ctx, i)}            # for each participating site i
             for each participating site i:
                 site_i.receive(view_i, ctx, messages[i])
                 for plan in site_i.plan(ctx):                 # TrainingPlan: slot, part, how long
                     train plan.part of slot plan.slot on site_i.loss(view_i, ctx, plan, batch)
                 replies[i] = site_i.reply(view_i, ctx)
-            server.aggregate(phase, replies)                  # not called when no reply came through
-        for every site i: site_i.receive(view_i, (round, "deliver"), server.deliver(i))
+            server.aggregate(ctx, replies)                    # not called when no reply came through
+        deliver = RoundContext(round, "deliver")
+        for every site i: site_i.receive(view_i, deliver, server.deliver(deliver, i))
         every site evaluates its model slot ``evaluated_slot`` on its own test split
 
 (The server's messages of a phase are all made before any site trains, as
@@ -147,6 +148,9 @@ class TrainingPlan:
 class ServerHalf:
     """The server's half: defaults describe a server that keeps and sends nothing.
 
+    Every round hook gets the :class:`~medfed.federated.site_view.RoundContext`
+    it runs in (as Flower's ``Strategy`` gets ``server_round``).
+
     Args:
         options: the strategy's validated ``Options``.
         split: names and sizes of the model's parts (the server knows the
@@ -161,22 +165,22 @@ class ServerHalf:
         self.n_sites = n_sites
         self.seed = seed
 
-    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
-        """Called once before round 1 with the initial model vectors and every site's setup payload."""
+    def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
+        """Called once before round 1 (``ctx`` = round 0, ``"setup"``) with the initial model vectors and every site's setup payload."""
 
-    def message(self, phase: str, site_index: int) -> Payload:
-        """What the server sends to a participating site before it trains in ``phase``."""
+    def message(self, ctx: RoundContext, site_index: int) -> Payload:
+        """What the server sends to a participating site before it trains in ``ctx.phase``."""
         return {}
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
-        """Combine the replies of the sites that took part in ``phase`` (keys: site indices).
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
+        """Combine the replies of the sites that took part in ``ctx.phase`` (keys: site indices).
 
         The dict is the server's to consume: it may pop the replies as it
         reads them, releasing their memory before a large server step.
         """
 
-    def deliver(self, site_index: int) -> Payload:
-        """What a site receives at the end of a round, to be evaluated with."""
+    def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
+        """What a site receives at the end of round ``ctx.round`` (0: before round 1), to be evaluated with."""
         return {}
 
     def metrics(self) -> dict[str, float]:

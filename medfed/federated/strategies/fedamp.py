@@ -113,7 +113,7 @@ def heuristic_attention(models: torch.Tensor, self_weight: float, cosine_scale: 
 class FedAMPServer(ServerHalf):
     """Keeps every site's last model; sends each site its cloud model u_i."""
 
-    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+    def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.models = initial["all"].reshape(1, -1).repeat(self.n_sites, 1)  # (N, d): last w_j of every site
         self.attention = self._attention()
 
@@ -123,11 +123,11 @@ class FedAMPServer(ServerHalf):
             return exponential_attention(self.models, self.options.alpha, self.options.sigma)
         return heuristic_attention(self.models, self.options.self_weight, self.options.cosine_scale)
 
-    def message(self, phase: str, site_index: int) -> Payload:
+    def message(self, ctx: RoundContext, site_index: int) -> Payload:
         weights = self.attention[site_index].to(self.models.dtype)
         return {"all": weights @ self.models}  # the cloud model u_i
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         for index, reply in replies.items():
             self.models[index] = reply["all"]
         self.attention = self._attention()

@@ -43,17 +43,17 @@ class FedAvgServer(ServerHalf):
     #: the vector of floating-point buffers averaged (dense on the wire); None: buffers stay at their site
     buffers_part: ClassVar[str | None] = "buffers"
 
-    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+    def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.global_model = initial[self.parameters_part].clone()
         self.global_buffers = None if self.buffers_part is None else initial[self.buffers_part].clone()
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         weights = [float(reply["num_samples"]) for reply in replies.values()]
         self.global_model = weighted_average([reply[self.parameters_part] for reply in replies.values()], weights)
         if self.buffers_part is not None:
             self.global_buffers = weighted_average([reply[self.buffers_part] for reply in replies.values()], weights)
 
-    def deliver(self, site_index: int) -> Payload:
+    def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
         payload = {self.parameters_part: self.global_model}
         if self.buffers_part is not None:
             payload[self.buffers_part] = self.global_buffers

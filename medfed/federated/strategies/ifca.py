@@ -123,21 +123,21 @@ def cluster_initialisations(model: torch.Tensor, split: ParameterSplit, clusters
 class IFCAServer(ServerHalf):
     """Holds the k cluster models and every site's last chosen cluster; averages each cluster's replies."""
 
-    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+    def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         k = self.options.clusters
         self.models = torch.stack([initial[f"{CLUSTER}/{j}"] for j in range(k)])  # (k, d)
         self.buffers = initial["buffers"].reshape(1, -1).repeat(k, 1)  # (k, b)
         self.assignment = [int(replies[i][CLUSTER_ID]) for i in range(self.n_sites)]  # j_i of every site
         self.reassigned = 0
 
-    def message(self, phase: str, site_index: int) -> Payload:
+    def message(self, ctx: RoundContext, site_index: int) -> Payload:
         payload = {}
         for j in range(self.options.clusters):
             payload[f"{CLUSTER}/{j}"] = self.models[j]
             payload[f"{CLUSTER_BUFFERS}/{j}"] = self.buffers[j]
         return payload
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         chosen = {index: int(reply[CLUSTER_ID]) for index, reply in replies.items()}
         for j in sorted(set(chosen.values())):
             members = [index for index, cluster in chosen.items() if cluster == j]
@@ -148,7 +148,7 @@ class IFCAServer(ServerHalf):
         for index, cluster in chosen.items():
             self.assignment[index] = cluster
 
-    def deliver(self, site_index: int) -> Payload:
+    def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
         j = self.assignment[site_index]
         return {"all": self.models[j], "buffers": self.buffers[j]}
 

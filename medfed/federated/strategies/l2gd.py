@@ -72,16 +72,16 @@ FIT, MIX = "fit", "mix"
 class L2GDServer(FedAvgServer):
     """FedAvg's averaging of the fit replies; sends the mean in the mix phase and delivers nothing."""
 
-    def message(self, phase: str, site_index: int) -> Payload:
-        if phase == MIX:
+    def message(self, ctx: RoundContext, site_index: int) -> Payload:
+        if ctx.phase == MIX:
             return {self.parameters_part: self.global_model, self.buffers_part: self.global_buffers}
         return {}
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
-        if phase == FIT:
-            super().aggregate(phase, replies)
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
+        if ctx.phase == FIT:
+            super().aggregate(ctx, replies)
 
-    def deliver(self, site_index: int) -> Payload:
+    def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
         return {}
 
 

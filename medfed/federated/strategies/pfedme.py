@@ -87,14 +87,14 @@ LOCAL, PERSONAL = "local", "personal"
 class PFedMeServer(ServerHalf):
     """Holds w^t (and the averaged buffers); mixes the participants' average into it with weight beta."""
 
-    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+    def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.global_model = initial["all"].clone()
         self.global_buffers = initial["buffers"].clone()
 
-    def message(self, phase: str, site_index: int) -> Payload:
+    def message(self, ctx: RoundContext, site_index: int) -> Payload:
         return {"all": self.global_model, "buffers": self.global_buffers}
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         weights = [float(reply["num_samples"]) for reply in replies.values()]
         average = weighted_average([reply["all"] for reply in replies.values()], weights)
         self.global_model = torch.lerp(self.global_model, average, self.options.beta)  # (1 - beta) w + beta average

@@ -90,7 +90,7 @@ LAM_SCALES = ("fusion", "absolute")
 class PFedNetServer(ServerHalf):
     """Holds the shared part x and every site's personal part (columns of Z); averages x, solves the network lasso for Z."""
 
-    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+    def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.shared = initial["shared"].clone()
         self.personal = initial["personal"].reshape(-1, 1).repeat(1, self.n_sites)  # Z: (d2, N)
         self.graph: SimilarityGraph | None = None
@@ -124,11 +124,11 @@ class PFedNetServer(ServerHalf):
         every = self.options.graph_refresh_rounds
         return every > 0 and (self.personal_steps - self.graph_history[-1][0]) >= every
 
-    def message(self, phase: str, site_index: int) -> Payload:
-        return {"shared": self.shared} if phase == "personal" else {}
+    def message(self, ctx: RoundContext, site_index: int) -> Payload:
+        return {"shared": self.shared} if ctx.phase == "personal" else {}
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
-        if phase == "shared":
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
+        if ctx.phase == "shared":
             self.shared = weighted_average(
                 [r["shared"] for r in replies.values()], [float(r["num_samples"]) for r in replies.values()]
             )
@@ -178,7 +178,7 @@ class PFedNetServer(ServerHalf):
         }
         return result.Z
 
-    def deliver(self, site_index: int) -> Payload:
+    def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
         payload = {"personal": self.personal[:, site_index]}
         if site_index not in self.sites_holding_shared:
             payload["shared"] = self.shared

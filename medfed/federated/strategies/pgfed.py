@@ -109,12 +109,12 @@ def training_risk(site: SiteView) -> tuple[float, torch.Tensor]:
 class PGFedServer(ServerHalf):
     """Holds the global model, the learned weights A and the last participants' gradients."""
 
-    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+    def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.global_model = initial["all"].clone()
         self.alpha: torch.Tensor | None = None  # A (N, N), from the end of round 1
         self.previous: dict | None = None  # S_{t-1}: "sites" (k,), "gradients" (k, d), "offsets" (k,)
 
-    def message(self, phase: str, site_index: int) -> Payload:
+    def message(self, ctx: RoundContext, site_index: int) -> Payload:
         message = {"all": self.global_model}
         if self.previous is None:  # round 1
             return message
@@ -134,7 +134,7 @@ class PGFedServer(ServerHalf):
         )
         return message
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         if self.alpha is None:
             self.alpha = torch.full((self.n_sites, self.n_sites), 1.0 / len(replies), device=self.global_model.device)
         sites = sorted(replies)

@@ -32,10 +32,10 @@ from medfed.federated.strategies.fedavg import FedAvg, FedAvgServer, FedAvgSite
 class PooledServer(FedAvgServer):
     """Keeps the pool site's last model and delivers it to every site."""
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         trained = {index: reply for index, reply in replies.items() if reply}
         if trained:
-            super().aggregate(phase, trained)
+            super().aggregate(ctx, trained)
 
 
 class PooledSite(FedAvgSite):

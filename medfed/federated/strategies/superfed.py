@@ -92,18 +92,18 @@ _INITIALISATION_STREAM = 0
 class SuPerFedServer(FedAvgServer):
     """FedAvg's average of the federated models, sent with the round number at the start of each round."""
 
-    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
-        super().setup(initial, replies)
+    def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
+        super().setup(ctx, initial, replies)
         self.completed_rounds = 0
 
-    def message(self, phase: str, site_index: int) -> Payload:
+    def message(self, ctx: RoundContext, site_index: int) -> Payload:
         return {"all": self.global_model, "buffers": self.global_buffers, "round": torch.tensor([float(self.completed_rounds + 1)], device=self.global_model.device)}
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
-        super().aggregate(phase, replies)
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
+        super().aggregate(ctx, replies)
         self.completed_rounds += 1
 
-    def deliver(self, site_index: int) -> Payload:
+    def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
         return {}
 
     def state_dict(self) -> dict:
