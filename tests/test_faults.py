@@ -10,7 +10,7 @@ from medfed.federated.faults import non_finite_keys, update_norms, update_outlie
 from medfed.federated.strategies import STRATEGIES
 from medfed.federated.strategies.base import RoundContext
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
-from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation
+from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation, with_a_body
 
 OPTIONS = {
     "fedamp": {"lam": 0.01, "alpha": 0.2, "sigma": 5.0},
@@ -23,7 +23,8 @@ FAULT_ROUND = 2
 
 
 def _loop(name, n_sites=6, **kwargs):
-    return build_loop(name, two_group_federation(n_sites=n_sites), seeded(LinearClassifier, 4, 2), OPTIONS.get(name), **kwargs)
+    model = with_a_body(name, LinearClassifier)
+    return build_loop(name, two_group_federation(n_sites=n_sites), seeded(model, 4, 2), OPTIONS.get(name), **kwargs)
 
 
 def _model_keys(loop):

@@ -12,7 +12,7 @@ from medfed.federated.strategies import STRATEGIES
 from medfed.federated.strategies.base import RoundContext
 from medfed.models.split import PARTS
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
-from toy_federation import DropoutClassifier, LinearClassifier, build_loop, seeded, two_group_federation
+from toy_federation import DropoutClassifier, LinearClassifier, build_loop, seeded, two_group_federation, with_a_body
 
 #: options that make a strategy useful on the toy federation (the others run with their defaults)
 OPTIONS = {
@@ -24,6 +24,7 @@ OPTIONS = {
 
 
 def _loop(name, participation, model=LinearClassifier):
+    model = with_a_body(name, model)
     return build_loop(name, two_group_federation(n_sites=4), seeded(model, 4, 2), OPTIONS.get(name), participation=participation)
 
 

@@ -64,8 +64,8 @@ from medfed.config import load_config, to_yaml
 from medfed.deploy.client_app import run_folder
 from medfed.deploy.records import from_record, to_record
 from medfed.errors import ConfigError, DataError, SiteFailure
-from medfed.federated.compute import compute_summary, merge
-from medfed.federated.executor import PhaseWork, SiteResult
+from medfed.federated.compute import compute_summary
+from medfed.federated.executor import PhaseWork, SiteEvaluation, SiteResult
 from medfed.federated.link import Link, Wire
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.strategies.base import Payload
@@ -170,13 +170,8 @@ class FlowerSites:
         return {index: self.links[index].decode("up", waiting[index]) for index in accepted}
 
     def deliver(
-        self,
-        round_index: int,
-        payloads: dict[int, Payload],
-        evaluate: bool,
-        timing: dict[str, float] | None,
-        compute: dict[str, dict[str, float]] | None = None,
-    ) -> dict[str, dict[str, float]]:
+        self, round_index: int, payloads: dict[int, Payload], evaluate: bool, timing: dict[str, float] | None
+    ) -> dict[str, SiteEvaluation]:
         """Code each site's delivery now; without ``evaluate`` (round 0's) it waits to ride with the site's next message."""
         tic = time.perf_counter()
         requests = {
@@ -194,10 +189,7 @@ class FlowerSites:
         self.delivered = round_index
         if timing is not None:
             timing["eval_s"] = time.perf_counter() - tic
-        if compute is not None:
-            for index in sorted(replies):
-                merge(compute.setdefault(self.names[index], {}), replies[index][0]["compute"])
-        return {self.names[index]: replies[index][0]["metrics"] for index in sorted(replies)}
+        return {self.names[index]: _evaluation(replies[index][0]) for index in sorted(replies)}
 
     def state_dict(self) -> list[dict[str, Any]]:
         """Each site's message count and the round its state is at (the sites keep their own state)."""
@@ -308,6 +300,12 @@ class RunSettings:
     output_dir: Path
     reply_timeout_s: float
     resume: bool
+
+
+def _evaluation(fields: dict[str, Any]) -> SiteEvaluation:
+    """A site's adapt step and evaluation, from its delivery reply's fields."""
+    losses = {(label or None): loss for label, loss in fields["adapt_losses"].items()}
+    return SiteEvaluation(fields["metrics"], fields["compute"], losses, fields["adapt_error"])
 
 
 def run_settings(run_config: dict[str, Any]) -> RunSettings:

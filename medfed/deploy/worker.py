@@ -54,7 +54,7 @@ from medfed.checkpoint import checkpoints, config_differences, read_checkpoint, 
 from medfed.components import resolve
 from medfed.config import load_config
 from medfed.errors import DataError
-from medfed.federated.executor import PhaseWork, site_phase, site_receive_delivery, site_setup
+from medfed.federated.executor import PhaseWork, site_evaluation, site_phase, site_receive_delivery, site_setup
 from medfed.federated.faults import non_finite_keys
 from medfed.federated.link import Link, Wire
 from medfed.federated.site import Site, Slot
@@ -186,14 +186,22 @@ class SiteWorker:
         return fields, ({} if bad else self.link.encode("up", reply))
 
     def _deliver(self, request: dict[str, Any], wire: dict[str, Wire]) -> dict[str, Any]:
-        """Put the site back to the round's start first if it failed this round, receive the delivery, evaluate if asked,
-        snapshot the end of the round."""
+        """Put the site back to the round's start first if it failed this round, receive the delivery, adapt and evaluate
+        if asked, snapshot the end of the round."""
         round_index = request["round"]
         if request["restore"]:
             self.site.load_state_dict(read_checkpoint(self._snapshot(round_index - 1))["sites"][0])
             self.link.load_state_dict(self.state["link_before_reply"])
         site_receive_delivery(self.site, round_index, self.link.decode("down", wire))
-        fields = {"metrics": self.site.evaluate(), "compute": self.site.passes.take(self.site.n_train)} if request["evaluate"] else {}
+        fields = {}
+        if request["evaluate"]:  # the adapt step, then the evaluation
+            evaluation = site_evaluation(self.site, round_index)
+            fields = {
+                "metrics": evaluation.metrics,
+                "compute": evaluation.compute,
+                "adapt_losses": {("" if label is None else label): loss for label, loss in evaluation.adapt_losses.items()},
+                "adapt_error": evaluation.adapt_error,
+            }
         snapshot = {"round": round_index, "config": self.config, "sites": [self.site.state_dict()], "links": [self.link.state_dict()]}
         save_checkpoint(self.snapshots, snapshot, self.keep)
         return fields

@@ -9,6 +9,8 @@ device synchronisation), under a key that says what the pass was for:
   pFedMe's K inner steps per mini-batch, counted K times);
 * ``aux/<name>``: forward and backward passes outside any plan (PGFed's
   gradient estimate over the training split);
+* ``adapt/<plan label>``: forward and backward passes of the adapt step's
+  plans, the fine-tuning before evaluation (FedBABU's head);
 * ``forward/<name>``: forward-only passes of an algorithm (IFCA's cluster losses);
 * ``evaluation``: the round's evaluation of the site's model on its evaluated split.
 
@@ -26,9 +28,9 @@ from typing import Any
 
 import torch
 
-TRAIN, AUX, FORWARD, EVALUATION = "train", "aux", "forward", "evaluation"
+TRAIN, AUX, ADAPT, FORWARD, EVALUATION = "train", "aux", "adapt", "forward", "evaluation"
 #: the keys whose passes go forward and backward (what the compute budget counts)
-TRAINING_KINDS = (TRAIN, AUX)
+TRAINING_KINDS = (TRAIN, AUX, ADAPT)
 
 
 def batch_samples(batch: Any) -> int:
@@ -64,7 +66,7 @@ def merge(into: dict[str, float], more: dict[str, float]) -> None:
 
 
 def training_epochs(counts: dict[str, float]) -> float:
-    """The forward-and-backward epochs of ``counts`` (``train/*`` and ``aux/*``): what a compute budget counts."""
+    """The forward-and-backward epochs of ``counts`` (``train/*``, ``aux/*``, ``adapt/*``): what a compute budget counts."""
     return sum(epochs for key, epochs in counts.items() if key.split("/", 1)[0] in TRAINING_KINDS)
 
 
@@ -75,7 +77,7 @@ def compute_summary(history: Iterable[dict[str, Any]], site_names: list[str]) ->
         ``unit``; ``per_round``: ``{site: [{"round": r, key: epochs, ...}]}``
         (rounds it passed samples in); ``totals``: ``{site: {key: epochs}}``
         over the run; ``per_plan``: ``{key: mean over sites of the totals}``;
-        ``training_epochs``: ``{site: total train + aux epochs}``;
+        ``training_epochs``: ``{site: total train + aux + adapt epochs}``;
         ``mean_training_epochs_per_round``: their mean over sites, divided by
         the number of rounds (the figure runs of equal compute share).
     """

@@ -14,6 +14,7 @@ bytes, and what each side decodes, are the same either way.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,12 +23,17 @@ from typing import Any, Protocol
 
 import torch
 
-from medfed.federated.compute import TRAIN, merge
+from medfed.federated.compute import TRAIN
 from medfed.federated.faults import RoundStartStates, model_parts, non_finite_keys, update_norms
 from medfed.federated.link import Link
 from medfed.federated.site import Site
-from medfed.federated.site_view import DELIVER, SETUP, RoundContext
+from medfed.federated.site_view import ADAPT, DELIVER, SETUP, RoundContext
 from medfed.federated.strategies.base import Payload, TrainingPlan
+
+
+#: the stream of :meth:`~medfed.federated.site.Site.global_rng` round r's adapt step runs in: (r, ADAPT_STREAM),
+#: apart from the phases' (r, phase index)
+ADAPT_STREAM = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,23 @@ class SiteResult:
     error: str | None = None
 
 
+@dataclass
+class SiteEvaluation:
+    """One site's end of a round: its adapt step and its evaluation.
+
+    Attributes:
+        metrics: the evaluated slot's metrics on the site's evaluated split.
+        compute: the samples its adapt step and evaluation passed, ``{key: epochs}``.
+        adapt_losses: mean loss of each adapt plan that trained (keyed as a phase's losses).
+        adapt_error: ``"<ExceptionType>: <message>"`` when the adapt step raised (the site was evaluated unadapted).
+    """
+
+    metrics: dict[str, float]
+    compute: dict[str, float] = field(default_factory=dict)
+    adapt_losses: dict[str | None, float] = field(default_factory=dict)
+    adapt_error: str | None = None
+
+
 class SiteExecutor(Protocol):
     """The sites' half of the loop (see the module docstring)."""
 
@@ -109,15 +132,10 @@ class SiteExecutor(Protocol):
         ...
 
     def deliver(
-        self,
-        round_index: int,
-        payloads: dict[int, Payload],
-        evaluate: bool,
-        timing: dict[str, float] | None,
-        compute: dict[str, dict[str, float]] | None = None,
-    ) -> dict[str, dict[str, float]]:
-        """Every site receives its delivery; with ``evaluate``, ``{site name: metrics}`` (time in ``timing["eval_s"]``,
-        each site's evaluation passes added to ``compute[site name]``)."""
+        self, round_index: int, payloads: dict[int, Payload], evaluate: bool, timing: dict[str, float] | None
+    ) -> dict[str, SiteEvaluation]:
+        """Every site receives its delivery; with ``evaluate``, each adapts (:func:`site_adapt`) and is evaluated:
+        ``{site name: SiteEvaluation}`` (the time in ``timing["eval_s"]``)."""
         ...
 
     def state_dict(self) -> list[dict[str, Any]]:
@@ -196,26 +214,17 @@ class InProcessSites:
         return {index: self.links[index].send("up", waiting.pop(index)) for index in accepted}
 
     def deliver(
-        self,
-        round_index: int,
-        payloads: dict[int, Payload],
-        evaluate: bool,
-        timing: dict[str, float] | None,
-        compute: dict[str, dict[str, float]] | None = None,
-    ) -> dict[str, dict[str, float]]:
+        self, round_index: int, payloads: dict[int, Payload], evaluate: bool, timing: dict[str, float] | None
+    ) -> dict[str, SiteEvaluation]:
         for site in self.sites:
             site_receive_delivery(site, round_index, self.links[site.index].send("down", payloads[site.index]))
         if not evaluate:
             return {}
         tic = time.perf_counter()
-        metrics = {site.name: site.evaluate() for site in self.sites}
+        evaluations = {site.name: site_evaluation(site, round_index) for site in self.sites}
         if timing is not None:
             timing["eval_s"] = time.perf_counter() - tic
-        for site in self.sites:
-            counted = site.passes.take(site.n_train)
-            if compute is not None:
-                merge(compute.setdefault(site.name, {}), counted)
-        return metrics
+        return evaluations
 
     def state_dict(self) -> list[dict[str, Any]]:
         return [site.state_dict() for site in self.sites]
@@ -235,6 +244,14 @@ def site_setup(site: Site) -> Payload:
 def site_receive_delivery(site: Site, round_index: int, payload: Payload) -> None:
     """The site half receives the end of round ``round_index``'s delivery (0: the first, before round 1)."""
     site.strategy.receive(site.view, RoundContext(round_index, DELIVER), payload)
+
+
+def site_evaluation(site: Site, round_index: int) -> SiteEvaluation:
+    """The site's adapt step of the round, then its evaluation; the samples both passed."""
+    site.passes.take(site.n_train)
+    adapt_losses, adapt_error = site_adapt(site, round_index)
+    metrics = site.evaluate()
+    return SiteEvaluation(metrics, site.passes.take(site.n_train), adapt_losses, adapt_error)
 
 
 def site_phase(
@@ -277,30 +294,97 @@ def site_phase(
         trained = site.slot(plans[0].slot if plans else site.evaluated_slot).module
         start = {part: trained.get_vector(part) for part in model_parts(keys)}
         tic = time.perf_counter()
-        losses = {}
-        for plan in plans:
-            epochs = plan.epochs_of(work.local_epochs)
-            if epochs is None:
-                steps = plan.steps
-            else:
-                before = epochs_before.get(plan.data_order, 0.0)
-                epochs_before[plan.data_order] = before + epochs
-                steps = site.steps(epochs, before)
-            loss = site.train(
-                steps,
-                plan.slot,
-                plan.part,
-                _step_loss(site, ctx, plan),
-                data_order=plan.data_order,
-                also_steps=plan.also_steps,
-                compute=f"{TRAIN}/{work.phase}/{plan.label}",
-                data_pass=plan.data_pass,
-            )
-            if loss is not None:
-                losses[None if len(plans) == 1 else plan.label] = loss
+        losses = train_plans(site, ctx, plans, work.local_epochs, epochs_before, f"{TRAIN}/{work.phase}")
         timing["train_s"] = timing.get("train_s", 0.0) + time.perf_counter() - tic
         reply = half.reply(view, ctx)
         return losses, reply, update_norms(reply, start, keys), site.passes.take(site.n_train)
+
+
+def site_adapt(site: Site, round_index: int) -> tuple[dict[str | None, float], str | None]:
+    """The site half's adapt step of round ``round_index`` (after the delivery, before the evaluation).
+
+    Its plans train as a phase's do, with the site's global generators seeded
+    from ``(round, ADAPT_STREAM)`` and their passes counted as ``adapt/<label>``.
+    Whatever raises puts the plans' slots (modules, optimisers) and data
+    orders back to what they were, and is returned instead of the losses.
+
+    Returns:
+        The mean loss of each plan that trained (keyed as a phase's), and
+        ``"<ExceptionType>: <message>"`` or None.
+    """
+    ctx = RoundContext(round_index, ADAPT)
+    try:
+        plans = site.strategy.adapt(ctx)
+        if not plans:
+            return {}, None
+        if any(plan.steps is None and plan.epochs is None for plan in plans):
+            raise ValueError(f"an adapt plan gives its length in epochs or steps, got {plans}")
+        saved = _saved_slots(site, plans)
+    except Exception as error:  # the half's own hook raised: nothing was trained yet
+        return {}, f"{type(error).__name__}: {error}"
+    try:
+        with site.global_rng(round_index, ADAPT_STREAM):
+            return train_plans(site, ctx, plans, 0.0, {}, ADAPT), None
+    except Exception as error:  # whatever it is, it happened at the site: the site fails, unadapted
+        _restore_slots(site, saved)
+        return {}, f"{type(error).__name__}: {error}"
+
+
+def train_plans(
+    site: Site, ctx: RoundContext, plans: tuple[TrainingPlan, ...], local_epochs: float, epochs_before: dict[str | None, float], key: str
+) -> dict[str | None, float]:
+    """Train ``plans`` in order on the half's loss; the mean loss of each that trained (None: the only plan).
+
+    Args:
+        local_epochs: the trainer's, which a plan's ``share`` is of.
+        epochs_before: per data order, the epochs earlier plans of the round trained in it; the plans add theirs.
+        key: their passes are counted as ``<key>/<plan label>``.
+    """
+    losses = {}
+    for plan in plans:
+        epochs = plan.epochs_of(local_epochs)
+        if epochs is None:
+            steps = plan.steps
+        else:
+            before = epochs_before.get(plan.data_order, 0.0)
+            epochs_before[plan.data_order] = before + epochs
+            steps = site.steps(epochs, before)
+        loss = site.train(
+            steps,
+            plan.slot,
+            plan.part,
+            _step_loss(site, ctx, plan),
+            data_order=plan.data_order,
+            also_steps=plan.also_steps,
+            compute=f"{key}/{plan.label}",
+            data_pass=plan.data_pass,
+        )
+        if loss is not None:
+            losses[None if len(plans) == 1 else plan.label] = loss
+    return losses
+
+
+def _saved_slots(site: Site, plans: tuple[TrainingPlan, ...]) -> dict[str, Any]:
+    """Copies of the states ``plans`` change: their slots' modules and optimisers, the site's data orders."""
+    slots = {name for plan in plans for name in (plan.slot, *plan.also_steps)}
+    return {
+        "slots": {name: copy.deepcopy((site.slot(name).module.state_dict(), site.slot(name).optimizer.state_dict())) for name in slots},
+        "generator": site.generator.get_state(),
+        "data_orders": {name: generator.get_state() for name, (generator, _) in site.data_orders.items()},
+    }
+
+
+def _restore_slots(site: Site, saved: dict[str, Any]) -> None:
+    """Put back what :func:`_saved_slots` copied (a data order first made by the failed plans starts afresh)."""
+    for name, (module, optimizer) in saved["slots"].items():
+        site.slot(name).module.load_state_dict(module)
+        site.slot(name).optimizer.load_state_dict(optimizer)
+        site.slot(name).optimizer.zero_grad(set_to_none=True)
+    site.generator.set_state(saved["generator"])
+    site.data_orders = {name: order for name, order in site.data_orders.items() if name in saved["data_orders"]}
+    for name, state in saved["data_orders"].items():
+        site.data_orders[name][0].set_state(state)
+    site.passes.take(site.n_train)
 
 
 def _step_loss(site: Site, ctx: RoundContext, plan: TrainingPlan) -> Callable[[Any], torch.Tensor]:

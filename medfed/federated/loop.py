@@ -7,7 +7,9 @@ hooks by name (see :mod:`medfed.federated.strategies.base` for the life
 cycle), runs each phase's training plans, and knows nothing about any
 particular algorithm. Every payload crosses a
 :class:`~medfed.federated.link.Link`, which turns it into bytes and counts
-them. After each round every site is evaluated on its own test split (its
+them. After each round every site takes its strategy half's adapt step (e.g.
+fine-tuning a head; seeded from its own stream of the round, its losses in
+the record as ``adapt_loss``) and is evaluated on its own test split (its
 validation split with ``federation.holdout: validation``), extra callbacks
 get ``on_round_end`` (and may add metrics to the round's record, e.g.
 whole-volume scores), the record goes to Fabric's loggers, and a checkpoint
@@ -18,7 +20,8 @@ update outlier: :mod:`medfed.federated.faults`) is left out of the round
 from that phase on and put back to its start-of-round state, or ends the run
 (``on_site_failure``); a site failing ``max_consecutive_failures`` rounds in
 a row takes no further part (it is still delivered to and evaluated, so every
-round's table has every site). Failures go to the log, to the round's record
+round's table has every site). A site whose adapt step raises fails the round
+too (phase ``adapt``), and is evaluated unadapted. Failures go to the log, to the round's record
 (``failures``, ``excluded``) and, as ``<site>/failed`` flags, to the loggers.
 
 Every round's record also carries ``compute``: per site, the samples it
@@ -41,11 +44,11 @@ from lightning.fabric import Fabric
 
 from medfed.errors import SiteFailure, warn
 from medfed.federated.compute import merge, training_epochs
-from medfed.federated.executor import InProcessSites, PhaseWork, SiteExecutor
+from medfed.federated.executor import InProcessSites, PhaseWork, SiteEvaluation, SiteExecutor
 from medfed.federated.faults import update_outliers
 from medfed.federated.link import Link
 from medfed.federated.site import Site
-from medfed.federated.site_view import DELIVER, SETUP, RoundContext
+from medfed.federated.site_view import ADAPT, DELIVER, SETUP, RoundContext
 from medfed.federated.strategies.base import Payload, Strategy, state_on_device
 
 
@@ -214,8 +217,17 @@ class FederatedLoop:
             if replies:  # a phase no participant came through leaves the server as it was
                 self.server.aggregate(ctx, replies)
             timing["server_s"] += time.perf_counter() - tic
-        newly_excluded = self._count_failures(participants, failures)
-        metrics = self._deliver(evaluate=True, timing=timing, compute=compute)
+        adapt_loss: dict[str, dict[str, float]] = {}
+        evaluations = self._deliver(evaluate=True, timing=timing)
+        for index, name in enumerate(names):
+            evaluation = evaluations[name]
+            merge(compute.setdefault(name, {}), evaluation.compute)
+            for label, loss in evaluation.adapt_losses.items():
+                adapt_loss.setdefault(name, {})[ADAPT if label is None else f"{ADAPT}/{label}"] = loss
+            if evaluation.adapt_error is not None:
+                self._adapt_failed(index, round_index, evaluation.adapt_error, failures)
+        newly_excluded = self._count_failures(sorted(set(participants) | set(failures)), failures)
+        metrics = {name: evaluations[name].metrics for name in names}
         timing["round_s"] = time.perf_counter() - start
         traffic = {
             names[index]: {k: v - counters_before[index][k] for k, v in _link_counters(link).items()}
@@ -229,6 +241,7 @@ class FederatedLoop:
             "metrics": metrics,
             "mean": {name: float(np.mean([m[name] for m in metrics.values()])) for name in metric_names},
             "train_loss": train_loss,
+            "adapt_loss": adapt_loss,
             "compute": {name: compute[name] for name in names if compute.get(name)},
             "bytes": traffic,
             "server": self.server.metrics(),
@@ -237,8 +250,21 @@ class FederatedLoop:
             "excluded": newly_excluded,
         }
 
+    def _adapt_failed(self, index: int, round_index: int, reason: str, failures: dict[int, dict[str, Any]]) -> None:
+        """Site ``index``'s adapt step raised: it fails the round (unless it already had), or the run stops.
+
+        It was put back to what the delivery left and evaluated unadapted;
+        nothing of the round's server step depends on it.
+        """
+        name = self.site_names[index]
+        if self.on_site_failure == "stop":
+            raise SiteFailure(f"site {name} failed in round {round_index} ({ADAPT} phase): {reason}")
+        warn(f"round {round_index}: site {name} failed its {ADAPT} step and is evaluated unadapted: {reason}")
+        failures.setdefault(index, {"round": round_index, "site": name, "phase": ADAPT, "reason": reason})
+
     def _count_failures(self, participants: list[int], failures: dict[int, dict[str, Any]]) -> list[str]:
-        """Update each participant's run of failing rounds; exclude those reaching the limit (returns their names)."""
+        """Update the run of failing rounds of each participant (and each site whose adapt step failed);
+        exclude those reaching the limit (returns their names)."""
         newly_excluded = []
         for index in participants:
             if index not in failures:
@@ -257,14 +283,11 @@ class FederatedLoop:
                 )
         return newly_excluded
 
-    def _deliver(
-        self, evaluate: bool, timing: dict[str, float] | None = None, compute: dict[str, dict[str, float]] | None = None
-    ) -> dict[str, dict[str, float]]:
-        """Every site receives the server's delivery; with ``evaluate``, returns each site's metrics (``timing["eval_s"]``,
-        evaluation passes added to ``compute``)."""
+    def _deliver(self, evaluate: bool, timing: dict[str, float] | None = None) -> dict[str, SiteEvaluation]:
+        """Every site receives the server's delivery; with ``evaluate``, each adapts and is evaluated (``timing["eval_s"]``)."""
         ctx = RoundContext(self.round, DELIVER)
         payloads = {index: self.server.deliver(ctx, index) for index in range(len(self.site_names))}
-        return self.executor.deliver(self.round, payloads, evaluate, timing, compute)
+        return self.executor.deliver(self.round, payloads, evaluate, timing)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -335,6 +358,9 @@ def _flatten_for_logging(record: dict[str, Any]) -> dict[str, float]:
         flat[f"bytes/{direction}"] = sent
         if sent:
             flat[f"compression_ratio/{direction}"] = dense / sent
+    for site, losses in record.get("adapt_loss", {}).items():
+        for label, loss in losses.items():
+            flat[f"{site}/adapt_loss" if label == ADAPT else f"{site}/adapt_loss/{label.split('/', 1)[1]}"] = loss
     for site, counts in record.get("compute", {}).items():
         for key, epochs in counts.items():
             flat[f"{site}/compute/{key}"] = epochs

@@ -43,6 +43,8 @@ from medfed.models.base import FederatedModule
 SETUP = "setup"
 #: the phase of the end-of-round delivery (and of round 0's first one)
 DELIVER = "deliver"
+#: the phase of the adapt step, after the delivery and before the round's evaluation
+ADAPT = "adapt"
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class RoundContext:
 
     Attributes:
         round: 1-based round index; 0 before round 1 (``setup`` and the first delivery).
-        phase: one of the strategy's ``phases``, or :data:`SETUP` / :data:`DELIVER`.
+        phase: one of the strategy's ``phases``, or :data:`SETUP` / :data:`DELIVER` / :data:`ADAPT`.
     """
 
     round: int

@@ -36,6 +36,7 @@ One run, as :class:`~medfed.federated.loop.FederatedLoop` drives it::
             server.aggregate(ctx, replies)                    # not called when no reply came through
         deliver = RoundContext(round, "deliver")
         for every site i: site_i.receive(view_i, deliver, server.deliver(deliver, i))
+        for every site i: for plan in site_i.adapt((round, "adapt")): train ...   # e.g. fine-tune a head
         every site evaluates its model slot ``evaluated_slot`` on its own test split
 
 (The server's messages of a phase are all made before any site trains, as
@@ -66,13 +67,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from medfed.federated.site_view import DELIVER, SETUP, RoundContext, SiteView
+from medfed.federated.site_view import ADAPT, DELIVER, SETUP, RoundContext, SiteView
 from medfed.models.split import ParameterSplit
 
 if TYPE_CHECKING:
     from medfed.models.base import FederatedModule
 
-__all__ = ["DELIVER", "MODEL", "SETUP", "Payload", "RoundContext", "ServerHalf", "SiteHalf", "SiteView", "Strategy", "TrainingPlan"]
+__all__ = ["ADAPT", "DELIVER", "MODEL", "SETUP", "Payload", "RoundContext", "ServerHalf", "SiteHalf", "SiteView", "Strategy", "TrainingPlan"]
 
 #: What crosses the site boundary: named flat tensors.
 Payload = dict[str, torch.Tensor]
@@ -244,6 +245,20 @@ class SiteHalf:
     def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
         """What the site sends back after training in ``ctx.phase``."""
         return {}
+
+    def adapt(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
+        """The adapt step: plans trained after the round's delivery, before every evaluation (``ctx.phase`` ``"adapt"``).
+
+        Run at every site, participant or not, as the loop runs training
+        (each step's loss is :meth:`loss` with this ``ctx``), with the site's
+        global generators seeded from its own stream of the round; each plan
+        gives ``epochs`` or ``steps`` and should draw from a ``data_order`` of
+        its own, so adapting leaves the training batches alone. A step that
+        raises puts the plans' slots back to what the delivery left and
+        counts as the site failing the round; it is then evaluated unadapted.
+        Default: none.
+        """
+        return ()
 
     def state_dict(self) -> dict[str, Any]:
         """The site half's own state (plain tensors and numbers; checkpointed with the site)."""
