@@ -33,6 +33,7 @@ from medfed.components import resolve
 from medfed.config import RunConfig
 from medfed.errors import warn
 from medfed.evaluation.rounds import ValidationEvaluation, VolumeEvaluation
+from medfed.federated.compute import compute_summary
 from medfed.federated.link import Link
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.site import Site, Slot
@@ -127,6 +128,7 @@ def run(
         "failures": [failure for record in loop.history for failure in record["failures"]],
         "excluded": loop.excluded,
         "communication": communication_totals(links),
+        "compute": compute_summary(loop.history, loop.site_names),
         "timing": _timing(loop.history, time.perf_counter() - started, fabric),
         "config": config,
         "history": loop.history,

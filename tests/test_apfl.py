@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from medfed.federated.strategies.base import RoundContext
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import BatchNormClassifier, LinearClassifier, LinearOptions, build_loop, seeded, two_group_federation
 
@@ -32,12 +33,12 @@ def test_one_local_step_by_hand(alpha_lr, alpha):
     w, v = torch.randn(10, generator=generator), torch.randn(10, generator=generator)
     global_slot.module.set_vector("all", w)
     local_slot.module.set_vector("all", v)
-    (plan,) = half.plan("fit")
+    (plan,) = half.plan(RoundContext(1, "fit"))
     assert plan.slot == "global"
 
     x, y = federation.sites[0].train.tensors
     global_slot.optimizer.zero_grad()
-    half.loss(site, plan, (x, y)).backward()  # what Site.train does with the loss: backward, then w's optimiser step
+    half.loss(site.view, RoundContext(1, "fit"), plan, (x, y)).backward()  # what Site.train does with the loss: backward, then w's optimiser step
     global_slot.optimizer.step()
 
     mixed = alpha * v + (1 - alpha) * w

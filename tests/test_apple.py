@@ -8,6 +8,7 @@ import torch
 
 from medfed.compression.codecs import make_codec
 from medfed.federated.strategies.apple import choose_downloads, loss_scheduler
+from medfed.federated.strategies.base import RoundContext
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, LinearOptions, build_loop, seeded, two_group_federation
 
@@ -61,13 +62,13 @@ def test_one_local_step_follows_eqs_5_to_7():
     dr = torch.tensor([0.6, 0.3, -0.2])
     half.cores, half.dr = cores.clone(), dr.clone()
     core.module.set_vector("all", cores[0])
-    half.receive(site, "select", {"completed_rounds": torch.tensor([1.0])})
-    (plan,) = half.plan("fit")
-    assert plan.slot == "core" and half.plan("select") == ()
+    half.receive(site.view, RoundContext(1, "select"), {"completed_rounds": torch.tensor([1.0])})
+    (plan,) = half.plan(RoundContext(1, "fit"))
+    assert plan.slot == "core" and half.plan(RoundContext(1, "select")) == ()
 
     x, y = federation.sites[0].train.tensors
     core.optimizer.zero_grad()
-    half.loss(site, plan, (x, y)).backward()
+    half.loss(site.view, RoundContext(1, "fit"), plan, (x, y)).backward()
     core.optimizer.step()
 
     personalised = (dr @ cores).requires_grad_(True)  # independent forward pass of w^(p)

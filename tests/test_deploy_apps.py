@@ -103,17 +103,22 @@ def _checkpointed(tmp_path: Path, rounds: int) -> dict:
     return run_config
 
 
+_C = {"compute": {}}  # a reply's compute field, when the case is not about it
+
+
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"losses": {"": 0.5}, "non_finite": []}, r"expected the fields \['losses', 'non_finite', 'train_s'\]"),  # a missing field
-        ({"losses": {"": 0.5}, "non_finite": [], "train_s": 1.0, "norms": {"all": 0.1}}, "expected the fields"),  # norms: never asked
-        ({"losses": "low", "non_finite": [], "train_s": 1.0}, "field 'losses' is not an object"),
-        ({"losses": {"": "low"}, "non_finite": [], "train_s": 1.0}, "reply loss '': field 'loss' is not a finite number"),
-        ({"losses": {"": float("nan")}, "non_finite": [], "train_s": 1.0}, "is not a finite number"),
-        ({"losses": {}, "non_finite": [7], "train_s": 1.0}, "not a string"),
-        ({"losses": {}, "non_finite": [], "train_s": -1.0}, "train_s below 0"),
-        ({"losses": {}, "non_finite": [], "train_s": True}, "field 'train_s' is not a finite number"),
+        ({"losses": {"": 0.5}, "non_finite": [], **_C}, r"expected the fields \['compute', 'losses', 'non_finite', 'train_s'\]"),  # a missing field
+        ({"losses": {"": 0.5}, "non_finite": [], "train_s": 1.0, "norms": {"all": 0.1}, **_C}, "expected the fields"),  # norms: never asked
+        ({"losses": "low", "non_finite": [], "train_s": 1.0, **_C}, "field 'losses' is not an object"),
+        ({"losses": {"": "low"}, "non_finite": [], "train_s": 1.0, **_C}, "reply loss '': field 'loss' is not a finite number"),
+        ({"losses": {"": float("nan")}, "non_finite": [], "train_s": 1.0, **_C}, "is not a finite number"),
+        ({"losses": {}, "non_finite": [7], "train_s": 1.0, **_C}, "not a string"),
+        ({"losses": {}, "non_finite": [], "train_s": -1.0, **_C}, "train_s below 0"),
+        ({"losses": {}, "non_finite": [], "train_s": True, **_C}, "field 'train_s' is not a finite number"),
+        ({"losses": {}, "non_finite": [], "train_s": 1.0, "compute": {"train/fit/": -1.0}}, "not a count of epochs >= 0"),
+        ({"losses": {}, "non_finite": [], "train_s": 1.0, "compute": {"train/fit/": float("inf")}}, "is not a finite number"),
         ({"error": 7}, "field 'error' is not a string"),
         ([1, 2], "expected an object, got list"),
     ],
@@ -122,9 +127,32 @@ def test_a_malformed_work_reply_is_one_message_error_naming_the_site(fields, mes
     with pytest.raises(MessageError, match=message) as error:
         server_app._work_result(fields, "site2")
     assert str(error.value).startswith("message from site2: reply")
-    good = server_app._work_result({"losses": {"": 0.5, "personal": 1}, "non_finite": ["all"], "train_s": 2.0}, "site2")
+    good = server_app._work_result({"losses": {"": 0.5, "personal": 1}, "non_finite": ["all"], "train_s": 2.0, "compute": {"train/fit/": 1.5}}, "site2")
     assert good.losses == {None: 0.5, "personal": 1.0} and good.non_finite == ["all"] and good.error is None
+    assert good.compute == {"train/fit/": 1.5}
     assert server_app._work_result({"error": "RuntimeError: disk full"}, "site2").error == "RuntimeError: disk full"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"metrics": {"accuracy": "high"}}, "metric 'accuracy': field 'value' is not a finite number"),
+        ({"metrics": {"accuracy": float("nan")}}, "is not a finite number"),
+        ({"compute": {"evaluation": -2.0}}, "not a count of epochs >= 0"),
+        ({"adapt_losses": {"": None}}, "adapt loss '': field 'loss' is not a finite number"),
+        ({"adapt_error": 3}, "field 'adapt_error' is not a string"),
+        ({"extra": 1}, "expected the fields"),
+    ],
+)
+def test_a_malformed_delivery_reply_is_one_message_error_naming_the_site(change, message):
+    good = {"metrics": {"accuracy": 0.75}, "compute": {"evaluation": 1.0}, "adapt_losses": {"": 0.25}, "adapt_error": None}
+    with pytest.raises(MessageError, match=message) as error:
+        server_app._evaluation({**good, **change}, "site1")
+    assert str(error.value).startswith("message from site1: ")
+    evaluation = server_app._evaluation(good, "site1")
+    assert evaluation.metrics == {"accuracy": 0.75} and evaluation.compute == {"evaluation": 1.0}
+    assert evaluation.adapt_losses == {None: 0.25} and evaluation.adapt_error is None
+    assert server_app._evaluation({**good, "adapt_error": "ValueError: x"}, "site1").adapt_error == "ValueError: x"
 
 
 @pytest.mark.parametrize(

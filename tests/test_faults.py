@@ -8,8 +8,9 @@ import torch
 from medfed.errors import SiteFailure
 from medfed.federated.faults import non_finite_keys, refused_replies, sample_count_fault, update_norms, update_outliers
 from medfed.federated.strategies import STRATEGIES
+from medfed.federated.strategies.base import RoundContext
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
-from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation
+from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation, with_a_body
 
 OPTIONS = {
     "fedamp": {"lam": 0.01, "alpha": 0.2, "sigma": 5.0},
@@ -22,7 +23,8 @@ FAULT_ROUND = 2
 
 
 def _loop(name, n_sites=6, **kwargs):
-    return build_loop(name, two_group_federation(n_sites=n_sites), seeded(LinearClassifier, 4, 2), OPTIONS.get(name), **kwargs)
+    model = with_a_body(name, LinearClassifier)
+    return build_loop(name, two_group_federation(n_sites=n_sites), seeded(model, 4, 2), OPTIONS.get(name), **kwargs)
 
 
 def _model_keys(loop):
@@ -46,8 +48,8 @@ def _inject_faults(loop, round_index=FAULT_ROUND):
     for faulty in (loop.sites[SENDS_NAN], loop.sites[SENDS_HUGE]):
         reply = faulty.strategy.reply
 
-        def faulty_reply(site, phase, reply=reply):
-            payload = reply(site, phase)
+        def faulty_reply(site, ctx, reply=reply):
+            payload = reply(site, ctx)
             if loop.round == round_index and site.index == SENDS_NAN:
                 payload = {key: torch.full_like(value, float("nan")) for key, value in payload.items()}
             if loop.round == round_index and site.index == SENDS_HUGE:
@@ -127,7 +129,7 @@ def test_a_site_that_raises_sends_nan_or_sends_huge_weights_is_left_out_of_that_
     with caplog.at_level(logging.WARNING, logger="medfed"):
         faulty.fit(3)
     first = faulty.strategy.phases[0]
-    first_training = next((phase for phase in faulty.strategy.phases if faulty.sites[RAISES].strategy.plan(phase)), None)
+    first_training = next((phase for phase in faulty.strategy.phases if faulty.sites[RAISES].strategy.plan(RoundContext(FAULT_ROUND, phase))), None)
     expected = {} if first_training is None else {RAISES: (first_training, "RuntimeError: scanner archive unreachable")}
     if name != "local" and not faulty.strategy.pools_data:
         expected[SENDS_NAN] = (first, "non-finite reply")
@@ -165,7 +167,7 @@ def test_a_pfednet_site_failing_in_the_personal_phase_counts_in_the_shared_one_a
     site.train = fails_in_personal_phase
     aggregated = []  # (round, phase, sites replying)
     aggregate = loop.server.aggregate
-    loop.server.aggregate = lambda phase, replies: (aggregated.append((loop.round, phase, sorted(replies))), aggregate(phase, replies))
+    loop.server.aggregate = lambda ctx, replies: (aggregated.append((ctx.round, ctx.phase, sorted(replies))), aggregate(ctx, replies))
     loop.fit(FAULT_ROUND)
     failure = {"round": FAULT_ROUND, "site": "site1", "phase": "personal", "reason": "RuntimeError: disk full"}
     assert loop.history[-1]["failures"] == [failure]

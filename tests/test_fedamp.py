@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from medfed.errors import ConfigError
+from medfed.federated.strategies.base import RoundContext
 from medfed.federated.strategies.fedamp import FedAMP, exponential_attention, heuristic_attention
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, LinearOptions, build_loop, seeded, two_group_federation
@@ -66,7 +67,7 @@ def test_proximal_term_has_the_real_gradient():
     cloud = torch.arange(10.0) / 10.0
     site.strategy.cloud = cloud
     site.module.zero_grad()
-    term = site.strategy.regularizer(site, site.strategy.plan("fit")[0])
+    term = site.strategy.regularizer(site.view, RoundContext(1, "fit"), site.strategy.plan(RoundContext(1, "fit"))[0])
     term.backward()
     gradient = torch.cat([site.module.linear.weight.grad.reshape(-1), site.module.linear.bias.grad])
     torch.testing.assert_close(gradient, lam / alpha * (w - cloud))
@@ -80,9 +81,9 @@ def test_sites_train_from_their_cloud_model():
     for site in loop.sites:
         original = site.strategy.regularizer
 
-        def recording(site, plan, original=original):
+        def recording(view, ctx, plan, original=original, site=site):
             first_step.setdefault(site.index, (site.module.get_vector("all"), site.strategy.cloud.clone()))
-            return original(site, plan)
+            return original(view, ctx, plan)
 
         site.strategy.regularizer = recording
     expected = {i: (loop.server.attention[i].float() @ loop.server.models) for i in range(4)}

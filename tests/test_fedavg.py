@@ -18,8 +18,8 @@ def one_round_recording_replies(name, n_sites=3):
     for site in loop.sites:
         site_reply = site.strategy.reply
 
-        def recording_reply(site, phase, site_reply=site_reply):
-            replies[site.index] = {key: value.clone() for key, value in site_reply(site, phase).items()}
+        def recording_reply(view, ctx, site_reply=site_reply, site=site):
+            replies[site.index] = {key: value.clone() for key, value in site_reply(view, ctx).items()}
             trained[site.index] = {key: value.clone() for key, value in site.module.state_dict().items()}
             return replies[site.index]
 

@@ -12,11 +12,11 @@ def _replies(loop):
     made it, with the site's head at that moment under ``"head"``."""
     replies = {}
     for site in loop.sites:
-        def reply(site_, phase, make=site.strategy.reply):
-            payload = make(site_, phase)
+        def reply(site_, ctx, make=site.strategy.reply):
+            payload = make(site_, ctx)
             replies[(loop.round, site_.index)] = {
                 **{key: value.clone() for key, value in payload.items()},
-                "head": site_.module.get_vector("personal"),
+                "head": site_.get("model", "personal"),
             }
             return payload
 

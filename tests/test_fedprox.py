@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from medfed.errors import ConfigError
+from medfed.federated.strategies.base import RoundContext
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import (
     BatchNormClassifier,
@@ -48,12 +49,12 @@ def test_proximal_term_and_its_gradient():
     site = loop.sites[0]
     half = site.strategy
     anchor = site.module.get_vector("all")
-    half.receive(site, "fit", {})
+    half.receive(site.view, RoundContext(1, "fit"), {})
     assert torch.equal(half.anchor, anchor)  # w^t: the model the round starts from
     w = anchor + torch.linspace(-1.0, 1.0, 10)
     site.module.set_vector("all", w)
     site.module.zero_grad()
-    term = half.regularizer(site, half.plan("fit")[0])
+    term = half.regularizer(site.view, RoundContext(1, "fit"), half.plan(RoundContext(1, "fit"))[0])
     term.backward()
     gradient = torch.cat([site.module.linear.weight.grad.reshape(-1), site.module.linear.bias.grad])
     torch.testing.assert_close(term, mu / 2 * ((w - anchor) ** 2).sum())

@@ -7,6 +7,7 @@ from monai.losses import DiceCELoss
 from torch.utils.data import TensorDataset
 
 from medfed.data.federation import Federation, SiteData
+from medfed.federated.strategies.base import RoundContext
 from medfed.federated.strategies.fedrod import FedRoD
 from medfed.federated.strategies.live_parameters import unwrap
 from medfed.models.additive_head import generic_output
@@ -40,9 +41,9 @@ def test_the_balanced_loss_is_the_cross_entropy_of_the_generic_logits_plus_gamma
     loop.setup()
     site = loop.sites[1]
     half, module = site.strategy, unwrap(site.module)
-    (plan,) = half.plan("fit")
+    (plan,) = half.plan(RoundContext(1, "fit"))
     x, y = federation.sites[1].train.tensors
-    half.loss(site, plan, (x, y))  # the first step computes the site's shift
+    half.loss(site.view, RoundContext(1, "fit"), plan, (x, y))  # the first step computes the site's shift
     counts = torch.tensor([25.0, 15.0])  # counted by hand: 40 samples, 15 positive
     torch.testing.assert_close(half.shift, gamma * counts.log())
     logits = module.head(module.features(x))  # the generic predictor h_G(f(x))
@@ -115,13 +116,13 @@ def test_body_and_generic_head_learn_from_the_balanced_loss_only_and_the_persona
     loop.setup()
     site = loop.sites[0]
     half, module = site.strategy, unwrap(site.module)
-    (plan,) = half.plan("fit")
+    (plan,) = half.plan(RoundContext(1, "fit"))
     with torch.no_grad():
         for phi in module.additive_head.phi:
             phi.mul_(-0.5)  # a personal head unlike the generic one
     x, y = federation.sites[0].train.tensors
     module.zero_grad()
-    half.loss(site, plan, (x, y)).backward()
+    half.loss(site.view, RoundContext(1, "fit"), plan, (x, y)).backward()
 
     # The same step by hand, on fresh leaves.
     leaves = [p.detach().clone().requires_grad_(True) for p in (*module.body.parameters(), *module.head.parameters())]
@@ -149,7 +150,7 @@ def test_a_step_moves_batchnorm_statistics_once_although_the_body_runs_three_tim
         hidden = module.hidden(x)
         mean = 0.9 * module.norm.running_mean + 0.1 * hidden.mean(0)
         var = 0.9 * module.norm.running_var + 0.1 * hidden.var(0)
-    site.strategy.loss(site, site.strategy.plan("fit")[0], (x, y)).backward()
+    site.strategy.loss(site.view, RoundContext(1, "fit"), site.strategy.plan(RoundContext(1, "fit"))[0], (x, y)).backward()
     torch.testing.assert_close(module.norm.running_mean, mean)
     torch.testing.assert_close(module.norm.running_var, var)
     assert int(module.norm.num_batches_tracked) == 1

@@ -11,6 +11,7 @@ from medfed.data.federation import Federation, SiteData
 from medfed.errors import ConfigError
 from medfed.federated.concave_penalty import fusion_prox, penalty_value, shrunk_norm
 from medfed.federated.strategies import strategy_from_config
+from medfed.federated.strategies.base import RoundContext
 from medfed.federated.strategies.fpfc import FPFC
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, LinearOptions, LinearRegressor, build_loop, regression_federation, seeded, two_group_federation
@@ -60,12 +61,12 @@ def test_the_server_updates_the_pairs_of_participants_and_sends_each_site_its_ce
     model.configure_split([r"^linear\.bias$"])  # personal: the 2 biases; shared: the 2 weights
     options = FPFC.Options(lam=1.0, a=3.7, rho=2.0, smoothing=0.0)
     server = FPFC(options, model.parameter_split, n_sites=3, seed=0).server
-    server.setup({part: model.get_vector(part) for part in ("shared", "personal", "all", "buffers")}, {})
+    server.setup(RoundContext(0, "setup"), {part: model.get_vector(part) for part in ("shared", "personal", "all", "buffers")}, {})
     w = torch.tensor([[0.0, 0.0], [0.24, 0.32], [3.0, 4.0]])
     server.models = w.clone()
     server.fusion[2], server.duals[2] = w[1] - w[2], torch.tensor([0.2, 0.0])  # pair (1, 2), from an earlier round
     reply = {"shared": torch.tensor([1.0, 2.0]), "personal": torch.tensor([0.0, 0.0]), "num_samples": torch.tensor([5.0])}
-    server.aggregate("fit", {0: reply})  # site 0 alone takes part: pairs (0, 1) and (0, 2), not (1, 2)
+    server.aggregate(RoundContext(1, "fit"), {0: reply})  # site 0 alone takes part: pairs (0, 1) and (0, 2), not (1, 2)
     rho, lam, a = 2.0, 1.0, 3.7
     for p, (i, j) in enumerate(server.pairs):
         if (i, j) == (1, 2):
@@ -81,7 +82,7 @@ def test_the_server_updates_the_pairs_of_participants_and_sends_each_site_its_ce
     v = {pair: server.duals[p] for p, pair in enumerate(server.pairs)}
     for i in range(3):  # u_i = (1/N) sum_j (w_j + zeta_ij - v_ij / rho), zeta_ji = -zeta_ij
         terms = [w[j] + (zeta[(i, j)] - v[(i, j)] / rho if i < j else -(zeta[(j, i)] - v[(j, i)] / rho)) for j in range(3) if j != i]
-        torch.testing.assert_close(server.message("fit", i)["personal"], (w[i] + sum(terms)) / 3)
+        torch.testing.assert_close(server.message(RoundContext(1, "fit"), i)["personal"], (w[i] + sum(terms)) / 3)
     assert server.metrics()["fused_pairs"] == 1.0 and server.metrics()["clusters"] == 2.0  # (0, 1) fused; 2 apart
 
 
@@ -166,7 +167,7 @@ def test_with_lam_zero_each_site_trains_its_own_model_with_a_proximal_damping():
                 w = w - lr * (x.T @ (x @ w - y) / site.n_train + rho * (w - start))
             expected[site.index] = w
             torch.testing.assert_close(site.module.get_vector("all").double(), w, rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(loop.server.message("fit", site.index)["personal"], site.module.get_vector("personal"), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(loop.server.message(RoundContext(1, "fit"), site.index)["personal"], site.module.get_vector("personal"), rtol=1e-5, atol=1e-6)
     assert not loop.server.duals.any()
 
 

@@ -6,6 +6,7 @@ import torch
 from medfed.errors import ConfigError
 from medfed.federated.link import Link
 from medfed.federated.strategies import strategy_from_config
+from medfed.federated.strategies.base import RoundContext
 from medfed.federated.strategies.ifca import IFCA, cluster_initialisations
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import BatchNormClassifier, DropoutClassifier, LinearClassifier, build_loop, seeded, two_group_federation
@@ -60,7 +61,7 @@ def test_the_server_averages_each_cluster_by_sample_count_and_keeps_a_cluster_no
     strategy = IFCA(IFCA.Options(clusters=3), model.parameter_split, n_sites=4, seed=0)
     initial = strategy.initial_values({part: model.get_vector(part) for part in ("shared", "personal", "all", "buffers")})
     server = strategy.server
-    server.setup(initial, {i: {"cluster_id": torch.tensor([float(i % 2)])} for i in range(4)})
+    server.setup(RoundContext(0, "setup"), initial, {i: {"cluster_id": torch.tensor([float(i % 2)])} for i in range(4)})
     assert server.assignment == [0, 1, 0, 1]
     untouched = server.models[2].clone()
 
@@ -69,21 +70,21 @@ def test_the_server_averages_each_cluster_by_sample_count_and_keeps_a_cluster_no
                 f"cluster_buffers/{cluster}": torch.zeros(0), "num_samples": torch.tensor([float(n)])}
 
     # site 3 skips the round; sites 0 and 2 move to / stay in cluster 1, site 1 stays in 0 ... by their own choice
-    server.aggregate("fit", {0: reply(1, 1.0, 10), 1: reply(0, 4.0, 30), 2: reply(1, 3.0, 30)})
+    server.aggregate(RoundContext(1, "fit"), {0: reply(1, 1.0, 10), 1: reply(0, 4.0, 30), 2: reply(1, 3.0, 30)})
     torch.testing.assert_close(server.models[1], torch.full((6,), (10 * 1.0 + 30 * 3.0) / 40))
     torch.testing.assert_close(server.models[0], torch.full((6,), 4.0))
     assert torch.equal(server.models[2], untouched)  # no member: kept
     assert server.assignment == [1, 0, 1, 1]  # site 3 keeps its last choice
     assert server.metrics() == {"cluster_size/0": 1.0, "cluster_size/1": 3.0, "cluster_size/2": 0.0, "reassigned": 3.0}
-    assert torch.equal(server.deliver(3)["all"], server.models[1]) and torch.equal(server.deliver(1)["all"], server.models[0])
-    message = server.message("fit", 2)
+    assert torch.equal(server.deliver(RoundContext(1, "deliver"), 3)["all"], server.models[1]) and torch.equal(server.deliver(RoundContext(1, "deliver"), 1)["all"], server.models[0])
+    message = server.message(RoundContext(1, "fit"), 2)
     assert set(message) == {f"{key}/{j}" for key in ("cluster", "cluster_buffers") for j in range(3)}
 
 
 def test_each_site_picks_the_cluster_model_with_the_lowest_loss_on_its_training_data():
     loop = build_loop("ifca", two_group_federation(n_sites=4), seeded(LinearClassifier, 4, 2), {"clusters": 3})
     loop.fit(1)
-    sent = loop.server.message("fit", 0)
+    sent = loop.server.message(RoundContext(1, "fit"), 0)
     loop.fit(2)
     for site in loop.sites:
         x, y = site.data.train.tensors

@@ -20,9 +20,9 @@ def test_the_participants_step_theta_of_the_way_to_their_weighted_mean_and_the_o
     for site in loop.sites:
         reply = site.strategy.reply
 
-        def recording(site, phase, reply=reply):
-            payload = reply(site, phase)
-            if phase == "fit":
+        def recording(site, ctx, reply=reply):
+            payload = reply(site, ctx)
+            if ctx.phase == "fit":
                 sent[site.index] = {part: payload[part].clone() for part in PARTS}
             return payload
 

@@ -5,7 +5,7 @@ import torch
 
 from medfed.errors import ConfigError
 from medfed.federated.strategies import strategy_from_config
-from medfed.federated.strategies.base import TrainingPlan
+from medfed.federated.strategies.base import RoundContext
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearOptions, LinearRegressor, build_loop, regression_federation, seeded
 
@@ -22,7 +22,7 @@ def _ready_site(loop, w=W):
     """Site 0 after receiving w^t = ``w``, and one batch of its data."""
     loop.setup()
     site = loop.sites[0]
-    site.strategy.receive(site, "fit", {"all": w, "buffers": torch.zeros(0)})
+    site.strategy.receive(site.view, RoundContext(1, "fit"), {"all": w, "buffers": torch.zeros(0)})
     return site, site.fabric.to_device(next(iter(site.train_loader)))
 
 
@@ -36,7 +36,7 @@ def test_the_inner_problem_is_solved_to_accuracy_nu():
     lam, nu = 2.0, 1e-4
     loop = _loop(lam=lam, inner_lr=0.2, inner_steps=10_000, inner_tolerance=nu)
     site, (x, y) = _ready_site(loop)
-    site.strategy.solve_inner_problem(site, (x, y), W)
+    site.strategy.solve_inner_problem(site.view, (x, y), W)
     theta = site.slot("personal").module.get_vector("all")
     assert torch.linalg.vector_norm(_inner_gradient(theta, W, lam, x, y)) <= nu * 1.01  # float32 steps, float64 check
     # independent solution: (X^T X / n + lam I) theta* = X^T y / n + lam w; h is lam-strongly convex,
@@ -53,7 +53,7 @@ def test_without_a_tolerance_the_inner_solver_takes_exactly_k_gradient_steps_fro
     site, (x, y) = _ready_site(loop)
     start = torch.tensor([1.0, 0.0, -1.0])
     site.slot("personal").module.set_vector("all", start)  # the previous batch's theta
-    site.strategy.solve_inner_problem(site, (x, y), W)
+    site.strategy.solve_inner_problem(site.view, (x, y), W)
     theta = start.double()
     for _ in range(k):
         theta = theta - step * _inner_gradient(theta, W, lam, x, y)
@@ -61,7 +61,7 @@ def test_without_a_tolerance_the_inner_solver_takes_exactly_k_gradient_steps_fro
 
     loop = _loop(lam=lam, inner_lr=step, inner_steps=k, inner_tolerance=1e6)  # already accurate: no step at all
     site, batch = _ready_site(loop)
-    site.strategy.solve_inner_problem(site, batch, W)
+    site.strategy.solve_inner_problem(site.view, batch, W)
     assert torch.equal(site.slot("personal").module.get_vector("all"), W)
 
 
@@ -70,7 +70,7 @@ def test_the_local_update_steps_w_along_lam_times_w_minus_theta():
     loop = _loop(lam=lam, inner_lr=0.1, inner_steps=3)
     site, _ = _ready_site(loop)
     half = site.strategy
-    site.train(1, "local", "all", lambda batch: half.loss(site, TrainingPlan(slot="local"), batch))  # one mini-batch, as the loop runs it
+    site.train(1, "local", "all", lambda batch: half.loss(site.view, RoundContext(1, "fit"), half.plan(RoundContext(1, "fit"))[0], batch))  # one mini-batch, as the loop runs it
     theta = site.slot("personal").module.get_vector("all")
     assert not torch.allclose(theta, W)
     expected = W - ETA * lam * (W - theta)  # w_{i,1} = w_{i,0} - eta lam (w_{i,0} - theta_i)
@@ -115,7 +115,7 @@ def test_beta_two_extrapolates_past_the_average():
 def test_skipping_sites_keep_their_personalised_model_and_nothing_is_delivered():
     loop = _loop(lam=1.0)
     loop.fit(1)
-    assert loop.server.deliver(0) == {}
+    assert loop.server.deliver(RoundContext(loop.round, "deliver"), 0) == {}
     before = [site.module.get_vector("all") for site in loop.sites]
     loop.participants = lambda r: [0]  # site indices (the loop's executor seam)
     loop.fit(2)

@@ -8,6 +8,7 @@ from torch.utils.data import TensorDataset
 from medfed.config import ConfigError
 from medfed.errors import DataError
 from medfed.federated.fusion import between_site_spread
+from medfed.federated.strategies.base import RoundContext
 from medfed.federated.strategies.pfednet import PFedNet
 from medfed.models.split import ParameterSplit
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
@@ -23,7 +24,7 @@ def _strategy(lam, p="2", knn_k=1, **options):
     # a group 0.5 apart
     sketches = {i: {"sketch": torch.tensor([float(i >= 2), float(i >= 2), 0.5 * (i % 2)])} for i in range(N)}
     initial = {"shared": torch.zeros(D1), "personal": torch.zeros(D2), "all": torch.zeros(D1 + D2)}
-    strategy.setup(initial, sketches)
+    strategy.setup(RoundContext(0, "setup"), initial, sketches)
     return strategy
 
 
@@ -39,7 +40,7 @@ def test_graph_links_sites_with_similar_sketches():
 def test_shared_phase_is_the_sample_weighted_average():
     strategy = _strategy(1.0)
     replies = {i: {"shared": torch.full((D1,), float(i)), "num_samples": torch.tensor([float(i + 1)])} for i in range(N)}
-    strategy.aggregate("shared", replies)
+    strategy.aggregate(RoundContext(1, "shared"), replies)
     # (1*0 + 2*1 + 3*2 + 4*3) / 10 = 2.0
     assert torch.allclose(strategy.shared, torch.full((D1,), 2.0))
 
@@ -47,7 +48,7 @@ def test_shared_phase_is_the_sample_weighted_average():
 def test_lambda_zero_keeps_every_sites_trained_personal_part():
     strategy = _strategy(0.0)
     replies = _personal_replies()
-    strategy.aggregate("personal", dict(replies))
+    strategy.aggregate(RoundContext(1, "personal"), dict(replies))
     for i in range(N):
         assert torch.equal(strategy.personal[:, i], replies[i]["personal"])
 
@@ -57,7 +58,7 @@ def test_lambda_zero_keeps_every_sites_trained_personal_part():
 def test_lambda_at_the_fusion_threshold_fuses_connected_sites_to_their_mean(p, lam, lam_scale):
     strategy = _strategy(lam, p=p, lam_scale=lam_scale)
     replies = _personal_replies()
-    strategy.aggregate("personal", dict(replies))
+    strategy.aggregate(RoundContext(1, "personal"), dict(replies))
     for group in ([0, 1], [2, 3]):
         mean = torch.stack([replies[i]["personal"] for i in group]).mean(0)
         for i in group:
@@ -70,33 +71,33 @@ def test_a_skipping_site_keeps_its_column_as_the_proximal_centre():
     before = strategy.personal[:, 3].clone()
     replies = _personal_replies()
     del replies[3]
-    strategy.aggregate("personal", dict(replies))
+    strategy.aggregate(RoundContext(1, "personal"), dict(replies))
     assert torch.equal(strategy.personal[:, 3], before)
 
 
 def test_delivery_sends_the_shared_part_only_to_sites_that_lack_it():
     strategy = _strategy(0.5)
-    strategy.aggregate("shared", {0: {"shared": torch.ones(D1), "num_samples": torch.tensor([1.0])}})
-    strategy.message("personal", 0)  # site 0 receives x_{t+1} in the personal phase
-    strategy.aggregate("personal", {0: {"personal": torch.ones(D2)}})
-    assert set(strategy.deliver(0)) == {"personal"}
-    assert set(strategy.deliver(1)) == {"personal", "shared"}
-    assert torch.equal(strategy.deliver(1)["shared"], torch.ones(D1))
+    strategy.aggregate(RoundContext(1, "shared"), {0: {"shared": torch.ones(D1), "num_samples": torch.tensor([1.0])}})
+    strategy.message(RoundContext(1, "personal"), 0)  # site 0 receives x_{t+1} in the personal phase
+    strategy.aggregate(RoundContext(1, "personal"), {0: {"personal": torch.ones(D2)}})
+    assert set(strategy.deliver(RoundContext(1, "deliver"), 0)) == {"personal"}
+    assert set(strategy.deliver(RoundContext(1, "deliver"), 1)) == {"personal", "shared"}
+    assert torch.equal(strategy.deliver(RoundContext(1, "deliver"), 1)["shared"], torch.ones(D1))
 
 
 def test_server_state_round_trips():
     strategy = _strategy(0.5)
-    strategy.aggregate("personal", _personal_replies())
+    strategy.aggregate(RoundContext(1, "personal"), _personal_replies())
     copy = PFedNet(PFedNet.Options(lam=0.5, knn_k=1), SPLIT, N, seed=0).server
     copy.load_state_dict(strategy.state_dict())
     replies = _personal_replies(seed=1)
-    strategy.aggregate("personal", dict(replies))
-    copy.aggregate("personal", dict(replies))
+    strategy.aggregate(RoundContext(1, "personal"), dict(replies))
+    copy.aggregate(RoundContext(1, "personal"), dict(replies))
     assert torch.equal(copy.personal, strategy.personal)
 
 
 def _spread_removed(strategy, replies):
-    strategy.aggregate("personal", dict(replies))
+    strategy.aggregate(RoundContext(1, "personal"), dict(replies))
     return strategy.metrics()["spread_removed"]
 
 
@@ -116,7 +117,7 @@ def test_spread_removed_is_measured_against_the_centre():
     strategy = _strategy(0.4, knn_k=2)
     replies = _personal_replies()
     centre = torch.stack([replies[i]["personal"] for i in range(N)], dim=1)
-    strategy.aggregate("personal", dict(replies))
+    strategy.aggregate(RoundContext(1, "personal"), dict(replies))
     components = [list(range(N))]
     expected = 1 - between_site_spread(strategy.personal, components) / between_site_spread(centre, components)
     assert strategy.metrics()["spread_removed"] == pytest.approx(expected, rel=1e-12)
@@ -128,9 +129,9 @@ def test_relative_lambda_is_free_of_the_models_scale_and_of_eta(scale):
     scaled = {i: {"personal": scale * r["personal"]} for i, r in replies.items()}
     tight = dict(admm_abs_tol=0.0, admm_rel_tol=1e-10, admm_max_iter=20_000)  # scale-free stopping rule
     reference = _strategy(0.4, knn_k=2, server_lr=0.01, **tight)
-    reference.aggregate("personal", dict(replies))
+    reference.aggregate(RoundContext(1, "personal"), dict(replies))
     other = _strategy(0.4, knn_k=2, server_lr=7.0, **tight)
-    other.aggregate("personal", dict(scaled))
+    other.aggregate(RoundContext(1, "personal"), dict(scaled))
     assert torch.allclose(other.personal / scale, reference.personal, atol=1e-6)
     assert other.metrics()["spread_removed"] == pytest.approx(reference.metrics()["spread_removed"], abs=1e-5)
 
@@ -149,12 +150,12 @@ def test_model_space_graph_is_built_from_trained_personal_parts_and_refreshed():
     # sites {0, 2} and {1, 3} hold nearly the same personal parts
     base = torch.randn(D2, 2, generator=torch.Generator().manual_seed(3))
     replies = {i: {"personal": base[:, i % 2] + 0.01 * i} for i in range(N)}
-    strategy.aggregate("personal", dict(replies))
+    strategy.aggregate(RoundContext(1, "personal"), dict(replies))
     assert strategy.graph.edges == [(0, 2), (1, 3)] and [at for at, _ in strategy.graph_history] == [1]
     swapped = {i: {"personal": base[:, int(i >= 2)] + 0.01 * i} for i in range(N)}
-    strategy.aggregate("personal", dict(swapped))  # round 2: not yet due
+    strategy.aggregate(RoundContext(1, "personal"), dict(swapped))  # round 2: not yet due
     assert strategy.graph.edges == [(0, 2), (1, 3)]
-    strategy.aggregate("personal", dict(swapped))  # round 3: refreshed
+    strategy.aggregate(RoundContext(1, "personal"), dict(swapped))  # round 3: refreshed
     assert strategy.graph.edges == [(0, 1), (2, 3)] and [at for at, _ in strategy.graph_history] == [1, 3]
     figure = strategy.figures()["similarity_graph"]
     assert [axis.get_title() for axis in figure.axes] == ["built at round 1: 2 edges", "built at round 3: 2 edges"]
@@ -168,7 +169,10 @@ class _Site:
     def __init__(self, dataset, name="site0", num_classes=2):
         self.data = type("Data", (), {"train": dataset})()
         self.name = name
-        self.module = type("Module", (), {"num_classes": num_classes})()
+        self._module = type("Module", (), {"num_classes": num_classes})()
+
+    def module(self, slot):
+        return self._module
 
 
 def _images(n, seed, channel_scale=1.0):
@@ -180,16 +184,16 @@ def _images(n, seed, channel_scale=1.0):
 
 def test_sites_send_the_sketch_of_their_space():
     site = _Site(_images(20, 0))
-    data = PFedNet(PFedNet.Options(graph_space="data", kernel_features=64), SPLIT, N, seed=0).site_half(0).setup(site)
-    feature = PFedNet(PFedNet.Options(graph_space="feature"), SPLIT, N, seed=0).site_half(0).setup(site)
-    model = PFedNet(PFedNet.Options(graph_space="model"), SPLIT, N, seed=0).site_half(0).setup(site)
+    data = PFedNet(PFedNet.Options(graph_space="data", kernel_features=64), SPLIT, N, seed=0).site_half(0).setup(site, RoundContext(0, "setup"))
+    feature = PFedNet(PFedNet.Options(graph_space="feature"), SPLIT, N, seed=0).site_half(0).setup(site, RoundContext(0, "setup"))
+    model = PFedNet(PFedNet.Options(graph_space="model"), SPLIT, N, seed=0).site_half(0).setup(site, RoundContext(0, "setup"))
     assert data["sketch"].shape == (64,) and feature["sketch"].shape == (6,) and model == {}
 
 
 def test_no_sketch_from_too_few_samples():
     site = _Site(_images(5, 0), name="site3")
     with pytest.raises(DataError, match="site3: only 5 training samples.*min_sketch_samples = 16"):
-        PFedNet(PFedNet.Options(), SPLIT, N, seed=0).site_half(0).setup(site)
+        PFedNet(PFedNet.Options(), SPLIT, N, seed=0).site_half(0).setup(site, RoundContext(0, "setup"))
 
 
 @pytest.mark.parametrize(
@@ -211,9 +215,9 @@ def test_phases_share_a_rounds_local_steps_unless_each_gets_a_full_epoch(full_ep
     for site in loop.sites:
         site_loss = site.strategy.loss
 
-        def counting_loss(site, plan, batch, site_loss=site_loss):
+        def counting_loss(site, ctx, plan, batch, site_loss=site_loss):
             steps[(site.index, plan.part)] = steps.get((site.index, plan.part), 0) + 1
-            return site_loss(site, plan, batch)
+            return site_loss(site, ctx, plan, batch)
 
         site.strategy.loss = counting_loss
     loop.fit(1)

@@ -82,10 +82,10 @@ def test_rounds_follow_algorithm_1(name, options, beta):
     for site in loop.sites:
         original_receive = site.strategy.receive
 
-        def recording_receive(site, phase, payload, original_receive=original_receive):
+        def recording_receive(site, ctx, payload, original_receive=original_receive):
             if "aux_gradient" in payload:
                 received.append((loop.round, site.index, payload["aux_gradient"].double().numpy()))
-            original_receive(site, phase, payload)
+            original_receive(site, ctx, payload)
 
         site.strategy.receive = recording_receive
     loop.fit(ROUNDS)
@@ -111,7 +111,7 @@ def test_training_risk_is_the_full_split_mean_over_uneven_batches():
     federation = regression_federation(n_sites=3)  # site 2 holds 10 samples: batches of 4, 4, 2
     loop = build_loop("pgfed", federation, seeded(LinearRegressor, 3), batch_size=4)
     site = loop.sites[2]
-    risk, gradient = training_risk(site)
+    risk, gradient = training_risk(site.view)
     x, y = (t.double() for t in federation.sites[2].train.tensors)
     theta = site.module.get_vector("all").double()
     assert risk == pytest.approx(0.5 * float(((x @ theta - y) ** 2).mean()), rel=1e-6)
@@ -152,7 +152,7 @@ def test_training_risk_leaves_batchnorm_statistics_alone_and_uses_batch_statisti
     site = loop.sites[0]
     site.train(site.steps(1), "model", "all", lambda batch: site.module.training_step(batch, 0))  # running statistics away from 0 and 1
     before = {name: buffer.clone() for name, buffer in site.module.named_buffers()}
-    risk, _ = training_risk(site)
+    risk, _ = training_risk(site.view)
     for name, buffer in site.module.named_buffers():
         assert torch.equal(buffer, before[name]), name
     assert site.module.training  # as local training leaves it

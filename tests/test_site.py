@@ -157,7 +157,7 @@ class _TwoSlots(Strategy):
     evaluated_slot = "b"
 
     class Site(SiteHalf):
-        def plan(self, phase):
+        def plan(self, ctx):
             return (TrainingPlan(slot="a", steps=3), TrainingPlan(slot="b", epochs=2.0))
 
 
@@ -197,3 +197,4 @@ def test_a_plan_counts_steps_epochs_or_a_share_of_the_trainers_epochs():
     assert TrainingPlan(epochs=0.5).epochs_of(2.0) == 0.5
     assert TrainingPlan(share=0.25).epochs_of(2.0) == 0.5
     assert TrainingPlan().epochs_of(3.0) == 3.0
+

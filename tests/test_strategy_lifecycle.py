@@ -9,9 +9,10 @@ import torch
 from medfed.checkpoint import read_checkpoint, save_checkpoint
 from medfed.data.pooling import POOL_SITE
 from medfed.federated.strategies import STRATEGIES
+from medfed.federated.strategies.base import RoundContext
 from medfed.models.split import PARTS
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
-from toy_federation import DropoutClassifier, LinearClassifier, build_loop, seeded, two_group_federation
+from toy_federation import DropoutClassifier, LinearClassifier, build_loop, seeded, two_group_federation, with_a_body
 
 #: options that make a strategy useful on the toy federation (the others run with their defaults)
 OPTIONS = {
@@ -23,6 +24,7 @@ OPTIONS = {
 
 
 def _loop(name, participation, model=LinearClassifier):
+    model = with_a_body(name, model)
     return build_loop(name, two_group_federation(n_sites=4), seeded(model, 4, 2), OPTIONS.get(name), participation=participation)
 
 
@@ -58,7 +60,7 @@ def test_sites_that_skip_a_round(name):
             assert 0.0 <= record["metrics"][site.name]["accuracy"] <= 1.0
         skipper = next(site for site in loop.sites if site.name not in taking_part)
         if strategy.delivered is not None:  # evaluated with what the server delivered at the end of the round
-            delivered = loop.server.deliver(skipper.index)
+            delivered = loop.server.deliver(RoundContext(round_index, "deliver"), skipper.index)
             assert strategy.delivered in delivered or set(delivered) & set(PARTS)
             receiver = skipper.slot(strategy.delivered_slot or strategy.evaluated_slot).module
             for part, vector in delivered.items():

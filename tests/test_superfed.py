@@ -5,7 +5,7 @@ import torch
 
 from medfed.errors import ConfigError
 from medfed.federated.strategies import strategy_from_config
-from medfed.federated.strategies.base import TrainingPlan
+from medfed.federated.strategies.base import RoundContext, TrainingPlan
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, LinearOptions, build_loop, seeded, two_group_federation
 
@@ -23,7 +23,7 @@ def _site_at_round(loop, round_index, global_model=None):
     site = loop.sites[0]
     global_model = loop.initial["all"] if global_model is None else global_model
     message = {"all": global_model, "buffers": torch.zeros(0), "round": torch.tensor([float(round_index)])}
-    site.strategy.receive(site, "fit", message)
+    site.strategy.receive(site.view, RoundContext(1, "fit"), message)
     return site, site.fabric.to_device(next(iter(site.train_loader)))
 
 
@@ -44,7 +44,7 @@ def test_the_mixed_forward_pass_is_the_interpolation_of_the_two_slots_and_each_g
     site, batch = _site_at_round(loop, 1)
     f, l = _vectors(site)
     assert not torch.allclose(f, l)  # the local model was drawn independently
-    loss = site.strategy.mixture_loss(site, batch, lam)
+    loss = site.strategy.mixture_loss(site.view, batch, lam)
 
     mixed = _plain_model_with((1 - lam) * f + lam * l)
     expected = mixed.training_step(batch, 0)
@@ -66,7 +66,7 @@ def test_the_proximal_and_cosine_terms_and_their_gradients_by_hand():
     site, batch = _site_at_round(loop, 1, received)
     site.slot("federated").module.set_vector("all", received + 0.1 * torch.cos(torch.arange(10.0)))  # w^f away from w^g
     f, l = _vectors(site)
-    loss = site.strategy.mixture_loss(site, batch, lam)
+    loss = site.strategy.mixture_loss(site.view, batch, lam)
     loss.backward()
 
     mixed = _plain_model_with((1 - lam) * f + lam * l)
@@ -101,12 +101,13 @@ def test_one_loop_step_moves_both_models_with_their_own_optimisers():
         return mixture_loss(site, batch, lam)
 
     half.mixture_loss = recorded
-    site.train(1, "federated", "all", lambda batch: half.loss(site, TrainingPlan(slot="federated"), batch))
+    (plan,) = half.plan(RoundContext(1, "fit"))  # w^f's steps, w^l's optimiser stepping after each
+    site.train(1, plan.slot, plan.part, lambda batch: half.loss(site.view, RoundContext(1, "fit"), plan, batch), also_steps=plan.also_steps)
     (batch, lam), = draws
     assert 0.0 <= lam < 1.0
     # the same step by hand: SGD on both from the same point, on the same batch and lambda
     twin, _ = _site_at_round(_loop(mu=0.1, nu=0.5, start_round=1), 1)
-    twin.strategy.mixture_loss(twin, batch, lam).backward()
+    twin.strategy.mixture_loss(twin.view, batch, lam).backward()
     for name, before in (("federated", f), ("local", l)):
         gradient = torch.cat([p.grad.reshape(-1) for p in twin.slot(name).module.parameters()])
         torch.testing.assert_close(site.slot(name).module.get_vector("all"), before - LR * gradient)
@@ -118,7 +119,7 @@ def test_before_start_round_only_the_federated_model_trains_with_the_proximal_te
     loop = _loop(mu=mu, nu=1.0, start_round=3)
     site, batch = _site_at_round(loop, 2, loop.initial["all"] + 0.05)
     f, l = _vectors(site)
-    loss = site.strategy.loss(site, TrainingPlan(slot="federated"), batch)
+    loss = site.strategy.loss(site.view, RoundContext(1, "fit"), TrainingPlan(slot="federated"), batch)
     expected = _plain_model_with(f).training_step(batch, 0) + mu * (f - (loop.initial["all"] + 0.05)).square().sum()
     torch.testing.assert_close(loss, expected)
 
@@ -144,7 +145,7 @@ def test_the_evaluated_model_is_the_chosen_mixture_of_the_sites_own_models_once_
         f, l = _vectors(site)
         assert not torch.equal(l, before)  # the local model trains from round 2 on
         torch.testing.assert_close(site.module.get_vector("all"), 0.75 * f + 0.25 * l)
-    assert loop.server.deliver(0) == {}
+    assert loop.server.deliver(RoundContext(loop.round, "deliver"), 0) == {}
 
 
 def test_local_models_are_drawn_per_site_seeded_and_apart_from_the_federated_model():

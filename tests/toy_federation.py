@@ -10,7 +10,10 @@
 * :class:`BatchNormClassifier`: a hidden layer with BatchNorm, for what
   strategies do with normalisation layers and running statistics;
   :class:`BodyHeadClassifier`: a shared body under a personal head;
-  :class:`DropoutClassifier`: dropout, for what depends on global generators.
+  :class:`DropoutClassifier`, :class:`DropoutBodyHeadClassifier`: dropout,
+  for what depends on global generators; :func:`with_a_body`: the two-layer
+  twin of a one-layer model, for strategies that need a body under the last
+  layer (FedBABU).
 * :func:`build_loop`: a :class:`FederatedLoop` over a federation, with the
   strategy chosen and configured exactly as the ``strategy`` config group does;
   :func:`record_payloads`: what crosses its links.
@@ -143,6 +146,23 @@ class BodyHeadClassifier(LinearClassifier):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
+
+
+class DropoutBodyHeadClassifier(BodyHeadClassifier):
+    """:class:`BodyHeadClassifier` with dropout (p = 0.5) on its features: training draws from torch's global generator."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(nn.functional.dropout(self.features(x), 0.5, self.training))
+
+
+#: strategies whose model needs a body under its last layer, and the two-layer twin of each one-layer toy model
+NEEDS_A_BODY = frozenset({"fedbabu"})
+_TWO_LAYER_TWIN = {LinearClassifier: BodyHeadClassifier, DropoutClassifier: DropoutBodyHeadClassifier}
+
+
+def with_a_body(strategy: str, model_cls: type) -> type:
+    """``model_cls``, or its two-layer twin where ``strategy`` needs a body under the last layer (FedBABU's head)."""
+    return _TWO_LAYER_TWIN.get(model_cls, model_cls) if strategy in NEEDS_A_BODY else model_cls
 
 
 class LinearRegressor(FederatedModule):

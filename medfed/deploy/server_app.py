@@ -78,7 +78,8 @@ from medfed.config import load_config, to_yaml
 from medfed.deploy.client_app import run_folder
 from medfed.deploy.records import expect, from_record, to_record
 from medfed.errors import ConfigError, DataError, MessageError, SiteFailure, warn
-from medfed.federated.executor import PhaseWork, SiteResult
+from medfed.federated.compute import compute_summary
+from medfed.federated.executor import PhaseWork, SiteEvaluation, SiteResult
 from medfed.federated.link import Link, Wire
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.strategies.base import Payload
@@ -95,7 +96,7 @@ Request = tuple[dict[str, Any], dict[str, Wire]]
 """One request to a site's worker, or its reply: fields and wire (:mod:`medfed.deploy.worker`)."""
 DESCRIPTION = {"site_index": int, "input_shape": list, "num_classes": int, "num_samples": int}
 """The fields of a node's answer to the query: which site it is, its model's input and classes, its training-set size."""
-WORK_REPLY = {"losses": dict, "non_finite": list, "train_s": float}
+WORK_REPLY = {"losses": dict, "non_finite": list, "compute": dict, "train_s": float}
 """The fields of a site's reply to a phase's work (or ``{"error": str}`` alone)."""
 
 
@@ -216,7 +217,7 @@ class FlowerSites:
 
     def deliver(
         self, round_index: int, payloads: dict[int, Payload], evaluate: bool, timing: dict[str, float] | None
-    ) -> dict[str, dict[str, float]]:
+    ) -> dict[str, SiteEvaluation]:
         """Code each site's delivery now; without ``evaluate`` (round 0's) it waits to ride with the site's next message."""
         tic = time.perf_counter()
         requests = {
@@ -234,15 +235,13 @@ class FlowerSites:
         self.delivered = round_index
         if timing is not None:
             timing["eval_s"] = time.perf_counter() - tic
-        metrics = {}
+        evaluations = {}
         for index in sorted(replies):
             try:
-                fields = expect(replies[index][0], {"metrics": dict}, "delivery reply")
-                metrics[self.names[index]] = {str(name): float(expect({"value": value}, {"value": float}, f"metric {name!r}")["value"])
-                                              for name, value in fields["metrics"].items()}
+                evaluations[self.names[index]] = _evaluation(replies[index][0], self.names[index])
             except MessageError as error:
                 raise RuntimeError(f"{self.names[index]}: round {round_index}: {error}") from None
-        return metrics
+        return evaluations
 
     def state_dict(self) -> list[dict[str, Any]]:
         """Each site's message count and the round its state is at (the sites keep their own state)."""
@@ -421,9 +420,24 @@ def _work_result(fields: Any, name: str) -> SiteResult:
         losses = {label: expect({"loss": loss}, {"loss": float}, f"reply loss {label!r}")["loss"] for label, loss in fields["losses"].items()}
         if fields["train_s"] < 0 or not all(isinstance(key, str) for key in fields["non_finite"]):
             raise MessageError("reply: train_s below 0, or a non-finite key that is not a string")
+        compute = _epochs(fields["compute"], "reply compute")
     except MessageError as error:
         raise error.about(name) from None
-    return SiteResult(losses={(label or None): float(loss) for label, loss in losses.items()}, non_finite=fields["non_finite"])
+    return SiteResult(losses={(label or None): float(loss) for label, loss in losses.items()}, non_finite=fields["non_finite"], compute=compute)
+
+
+def _epochs(fields: dict[str, Any], what: str) -> dict[str, float]:
+    """A compute report ``{key: epochs}``, checked: string keys, finite epochs >= 0.
+
+    Raises:
+        MessageError: naming ``what`` and the first bad entry.
+    """
+    epochs = {}
+    for key, value in fields.items():
+        if not isinstance(key, str) or not expect({"epochs": value}, {"epochs": float}, f"{what} {key!r}")["epochs"] >= 0:
+            raise MessageError(f"{what}: {key!r} is not a count of epochs >= 0")
+        epochs[key] = float(value)
+    return epochs
 
 
 @dataclass(frozen=True)
@@ -434,6 +448,28 @@ class RunSettings:
     output_dir: Path
     reply_timeout_s: float
     resume: bool
+
+
+DELIVERY_REPLY = {"metrics": dict, "compute": dict, "adapt_losses": dict, "adapt_error": str}
+"""The fields of a site's reply to an evaluated delivery (``adapt_error`` may also be null)."""
+
+
+def _evaluation(fields: Any, name: str) -> SiteEvaluation:
+    """A site's adapt step and evaluation, from its delivery reply's fields, checked.
+
+    Raises:
+        MessageError: naming the site: a missing, extra or mistyped field, a metric, loss or count that is not finite.
+    """
+    try:
+        if isinstance(fields, dict) and fields.get("adapt_error", "") is None:
+            fields = {**fields, "adapt_error": ""}
+        expect(fields, DELIVERY_REPLY, "delivery reply")
+        metrics = {str(metric): float(expect({"value": value}, {"value": float}, f"metric {metric!r}")["value"]) for metric, value in fields["metrics"].items()}
+        losses = {(str(label) or None): float(expect({"loss": loss}, {"loss": float}, f"adapt loss {label!r}")["loss"]) for label, loss in fields["adapt_losses"].items()}
+        compute = _epochs(fields["compute"], "delivery reply compute")
+    except MessageError as error:
+        raise error.about(name) from None
+    return SiteEvaluation(metrics, compute, losses, fields["adapt_error"][:1000] or None)
 
 
 def run_settings(run_config: dict[str, Any]) -> RunSettings:
@@ -549,6 +585,7 @@ def main(grid: Grid, context: Context) -> None:
         "engine": "flower-deployment",
         "final": loop.history[-1]["metrics"],
         "communication": communication_totals(sites.links),
+        "compute": compute_summary(loop.history, loop.site_names),
         "wall_s": time.perf_counter() - started,
         "config": config,
         "history": loop.history,

@@ -31,11 +31,11 @@ with another config) answers with an error naming the round.
 What the site sends back: codec streams of its strategy half's replies
 (coded by its own end of the :class:`~medfed.federated.link.Link`), its
 training losses, the names of non-finite reply keys (a reply it refuses to
-send), its test metrics, and its model's input shape, class count and
-training-set size (the bound of the sample counts it may report). Never a
-path, a record or a sample. The server checks all of it
-(:mod:`medfed.deploy.server_app`); the site reports no update norm: the
-server measures them on what it decoded.
+send), the samples it passed (compute, in epochs of its training data), its
+test metrics, and its model's input shape, class count and training-set size
+(the bound of the sample counts it may report). Never a path, a record or a
+sample. The server checks all of it (:mod:`medfed.deploy.server_app`); the
+site reports no update norm: the server measures them on what it decoded.
 
 Requests and replies are plain dicts (``kind`` and scalars) plus wires
 (``{key: (shape, bytes)}``); :mod:`medfed.deploy.records` carries them in
@@ -56,11 +56,10 @@ from medfed.checkpoint import checkpoints, config_differences, read_checkpoint, 
 from medfed.components import resolve
 from medfed.config import load_config
 from medfed.errors import DataError
-from medfed.federated.executor import PhaseWork, site_phase
+from medfed.federated.executor import PhaseWork, site_evaluation, site_phase, site_receive_delivery, site_setup
 from medfed.federated.faults import non_finite_keys
 from medfed.federated.link import Link, Wire
 from medfed.federated.site import Site, Slot
-from medfed.federated.strategies.base import DELIVER
 from medfed.models.split import PARTS
 
 STATE_FILE = "site-state.pt"
@@ -154,7 +153,7 @@ class SiteWorker:
             if kind == "rewind":
                 replies.append((self._rewind(request["round"]), {}))
             elif kind == "setup":
-                replies.append(({}, self.link.encode("up", self.site.strategy.setup(self.site))))
+                replies.append(({}, self.link.encode("up", site_setup(self.site))))
             elif kind == "work":
                 replies.append(self._work(request, wire))
             elif kind == "deliver":
@@ -176,26 +175,35 @@ class SiteWorker:
         self.state["link_before_reply"] = copy.deepcopy(self.link.state_dict())
         timing: dict[str, float] = {}
         try:
-            losses, reply = site_phase(self.site, work, message, self.state["epochs_before"], timing)
+            losses, reply, compute = site_phase(self.site, work, message, self.state["epochs_before"], timing)
         except Exception as error:  # whatever it is, it happened at the site: the site fails
             return {"error": f"{type(error).__name__}: {error}"}, {}
         bad = non_finite_keys(reply)
         fields = {
             "losses": {("" if label is None else label): loss for label, loss in losses.items()},
             "non_finite": bad,
+            "compute": compute,
             "train_s": timing["train_s"],
         }
         return fields, ({} if bad else self.link.encode("up", reply))
 
     def _deliver(self, request: dict[str, Any], wire: dict[str, Wire]) -> dict[str, Any]:
-        """Put the site back to the round's start first if it failed this round, receive the delivery, evaluate if asked,
-        snapshot the end of the round."""
+        """Put the site back to the round's start first if it failed this round, receive the delivery, adapt and evaluate
+        if asked, snapshot the end of the round."""
         round_index = request["round"]
         if request["restore"]:
             self.site.load_state_dict(read_checkpoint(self._snapshot(round_index - 1))["sites"][0])
             self.link.load_state_dict(self.state["link_before_reply"])
-        self.site.strategy.receive(self.site, DELIVER, self.link.decode("down", wire))
-        fields = {"metrics": self.site.evaluate()} if request["evaluate"] else {}
+        site_receive_delivery(self.site, round_index, self.link.decode("down", wire))
+        fields = {}
+        if request["evaluate"]:  # the adapt step, then the evaluation
+            evaluation = site_evaluation(self.site, round_index)
+            fields = {
+                "metrics": evaluation.metrics,
+                "compute": evaluation.compute,
+                "adapt_losses": {("" if label is None else label): loss for label, loss in evaluation.adapt_losses.items()},
+                "adapt_error": evaluation.adapt_error,
+            }
         snapshot = {"round": round_index, "config": self.config, "sites": [self.site.state_dict()], "links": [self.link.state_dict()]}
         save_checkpoint(self.snapshots, snapshot, self.keep)
         return fields

@@ -14,6 +14,7 @@ bytes, and what each side decodes, are the same either way.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,10 +24,17 @@ from typing import Any, Protocol
 import torch
 
 from medfed.errors import MessageError
+from medfed.federated.compute import TRAIN
 from medfed.federated.faults import RoundStartStates, non_finite_keys
 from medfed.federated.link import Link
 from medfed.federated.site import Site
-from medfed.federated.strategies.base import DELIVER, Payload, TrainingPlan
+from medfed.federated.site_view import ADAPT, DELIVER, SETUP, RoundContext
+from medfed.federated.strategies.base import Payload, TrainingPlan
+
+
+#: the stream of :meth:`~medfed.federated.site.Site.global_rng` round r's adapt step runs in: (r, ADAPT_STREAM),
+#: apart from the phases' (r, phase index)
+ADAPT_STREAM = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -55,12 +63,31 @@ class SiteResult:
         losses: mean training loss of each plan that trained, keyed by the
             plan's label (``None`` when the phase has one plan).
         non_finite: payload keys of the reply holding a NaN or an infinity (the site's own refusal to send it).
+        compute: the samples the site passed in the phase, ``{key: epochs}`` (:mod:`medfed.federated.compute`).
         error: ``"<ExceptionType>: <message>"`` when the site's work raised; then nothing else counts.
     """
 
     losses: dict[str | None, float] = field(default_factory=dict)
     non_finite: list[str] = field(default_factory=list)
+    compute: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+
+
+@dataclass
+class SiteEvaluation:
+    """One site's end of a round: its adapt step and its evaluation.
+
+    Attributes:
+        metrics: the evaluated slot's metrics on the site's evaluated split.
+        compute: the samples its adapt step and evaluation passed, ``{key: epochs}``.
+        adapt_losses: mean loss of each adapt plan that trained (keyed as a phase's losses).
+        adapt_error: ``"<ExceptionType>: <message>"`` when the adapt step raised (the site was evaluated unadapted).
+    """
+
+    metrics: dict[str, float]
+    compute: dict[str, float] = field(default_factory=dict)
+    adapt_losses: dict[str | None, float] = field(default_factory=dict)
+    adapt_error: str | None = None
 
 
 class SiteExecutor(Protocol):
@@ -113,8 +140,9 @@ class SiteExecutor(Protocol):
 
     def deliver(
         self, round_index: int, payloads: dict[int, Payload], evaluate: bool, timing: dict[str, float] | None
-    ) -> dict[str, dict[str, float]]:
-        """Every site receives its delivery; with ``evaluate``, ``{site name: metrics}`` (time in ``timing["eval_s"]``)."""
+    ) -> dict[str, SiteEvaluation]:
+        """Every site receives its delivery; with ``evaluate``, each adapts (:func:`site_adapt`) and is evaluated:
+        ``{site name: SiteEvaluation}`` (the time in ``timing["eval_s"]``)."""
         ...
 
     def state_dict(self) -> list[dict[str, Any]]:
@@ -156,7 +184,7 @@ class InProcessSites:
         self._epochs_before: dict[int, dict[str | None, float]] = {}
 
     def setup(self) -> dict[int, Payload]:
-        return {site.index: self.links[site.index].send("up", site.strategy.setup(site)) for site in self.sites}
+        return {site.index: self.links[site.index].send("up", site_setup(site)) for site in self.sites}
 
     def open_round_starts(self, directory: Path | None) -> None:
         self._round_start = RoundStartStates(directory)
@@ -185,11 +213,11 @@ class InProcessSites:
             try:
                 if work.phase_index == 0:
                     self._epochs_before[index] = {}
-                losses, reply = site_phase(site, work, message, self._epochs_before[index], timing)
+                losses, reply, compute = site_phase(site, work, message, self._epochs_before[index], timing)
             except Exception as error:  # whatever it is, it happened at the site: the site fails
                 results[index] = SiteResult(error=f"{type(error).__name__}: {error}")
                 continue
-            results[index] = SiteResult(losses=losses, non_finite=non_finite_keys(reply))
+            results[index] = SiteResult(losses=losses, non_finite=non_finite_keys(reply), compute=compute)
             self._waiting[index] = reply
         return results
 
@@ -207,16 +235,16 @@ class InProcessSites:
 
     def deliver(
         self, round_index: int, payloads: dict[int, Payload], evaluate: bool, timing: dict[str, float] | None
-    ) -> dict[str, dict[str, float]]:
+    ) -> dict[str, SiteEvaluation]:
         for site in self.sites:
-            site.strategy.receive(site, DELIVER, self.links[site.index].send("down", payloads[site.index]))
+            site_receive_delivery(site, round_index, self.links[site.index].send("down", payloads[site.index]))
         if not evaluate:
             return {}
         tic = time.perf_counter()
-        metrics = {site.name: site.evaluate() for site in self.sites}
+        evaluations = {site.name: site_evaluation(site, round_index) for site in self.sites}
         if timing is not None:
             timing["eval_s"] = time.perf_counter() - tic
-        return metrics
+        return evaluations
 
     def state_dict(self) -> list[dict[str, Any]]:
         return [site.state_dict() for site in self.sites]
@@ -226,16 +254,37 @@ class InProcessSites:
             site.load_state_dict(site_state)
 
 
+def site_setup(site: Site) -> Payload:
+    """The site half's setup reply (round 0, phase ``"setup"``); passes it makes are in no round's count."""
+    reply = site.strategy.setup(site.view, RoundContext(0, SETUP))
+    site.passes.take(site.n_train)
+    return reply
+
+
+def site_receive_delivery(site: Site, round_index: int, payload: Payload) -> None:
+    """The site half receives the end of round ``round_index``'s delivery (0: the first, before round 1)."""
+    site.strategy.receive(site.view, RoundContext(round_index, DELIVER), payload)
+
+
+def site_evaluation(site: Site, round_index: int) -> SiteEvaluation:
+    """The site's adapt step of the round, then its evaluation; the samples both passed."""
+    site.passes.take(site.n_train)
+    adapt_losses, adapt_error = site_adapt(site, round_index)
+    metrics = site.evaluate()
+    return SiteEvaluation(metrics, site.passes.take(site.n_train), adapt_losses, adapt_error)
+
+
 def site_phase(
     site: Site,
     work: PhaseWork,
     message: Payload,
     epochs_before: dict[str | None, float],
     timing: dict[str, float],
-) -> tuple[dict[str | None, float], Payload]:
+) -> tuple[dict[str | None, float], Payload, dict[str, float]]:
     """A site's part of a phase, its global generators seeded from (round, phase): receive, train its plans, reply.
 
-    The same function runs in the simulator and at a deployed site.
+    The same function runs in the simulator and at a deployed site. The
+    strategy half sees the site's view and ``RoundContext(round, phase)``.
 
     Args:
         site: the site (holding its half of the strategy).
@@ -248,28 +297,109 @@ def site_phase(
 
     Returns:
         The mean training loss of each plan that trained, keyed by its label
-        (``None`` when the phase has one plan), and the reply.
+        (``None`` when the phase has one plan); the reply; and the samples
+        the site passed in the phase, ``{key: epochs}``
+        (:mod:`medfed.federated.compute`).
     """
+    half, view, ctx = site.strategy, site.view, RoundContext(work.round_index, work.phase)
+    site.passes.take(site.n_train)  # (what a phase that raised had passed is not counted)
     with site.global_rng(work.round_index, work.phase_index):
-        site.strategy.receive(site, work.phase, message)
-        plans = site.strategy.plan(work.phase)
+        half.receive(view, ctx, message)
+        plans = half.plan(ctx)
         tic = time.perf_counter()
-        losses = {}
-        for plan in plans:
-            epochs = plan.epochs_of(work.local_epochs)
-            if epochs is None:
-                steps = plan.steps
-            else:
-                before = epochs_before.get(plan.data_order, 0.0)
-                epochs_before[plan.data_order] = before + epochs
-                steps = site.steps(epochs, before)
-            loss = site.train(steps, plan.slot, plan.part, _step_loss(site, plan), data_order=plan.data_order)
-            if loss is not None:
-                losses[None if len(plans) == 1 else plan.label] = loss
+        losses = train_plans(site, ctx, plans, work.local_epochs, epochs_before, f"{TRAIN}/{work.phase}")
         timing["train_s"] = timing.get("train_s", 0.0) + time.perf_counter() - tic
-        return losses, site.strategy.reply(site, work.phase)
+        reply = half.reply(view, ctx)
+        return losses, reply, site.passes.take(site.n_train)
 
 
-def _step_loss(site: Site, plan: TrainingPlan) -> Callable[[Any], torch.Tensor]:
+def site_adapt(site: Site, round_index: int) -> tuple[dict[str | None, float], str | None]:
+    """The site half's adapt step of round ``round_index`` (after the delivery, before the evaluation).
+
+    Its plans train as a phase's do, with the site's global generators seeded
+    from ``(round, ADAPT_STREAM)`` and their passes counted as ``adapt/<label>``.
+    Whatever raises puts the plans' slots (modules, optimisers) and data
+    orders back to what they were, and is returned instead of the losses.
+
+    Returns:
+        The mean loss of each plan that trained (keyed as a phase's), and
+        ``"<ExceptionType>: <message>"`` or None.
+    """
+    ctx = RoundContext(round_index, ADAPT)
+    try:
+        plans = site.strategy.adapt(ctx)
+        if not plans:
+            return {}, None
+        if any(plan.steps is None and plan.epochs is None for plan in plans):
+            raise ValueError(f"an adapt plan gives its length in epochs or steps, got {plans}")
+        saved = _saved_slots(site, plans)
+    except Exception as error:  # the half's own hook raised: nothing was trained yet
+        return {}, f"{type(error).__name__}: {error}"
+    try:
+        with site.global_rng(round_index, ADAPT_STREAM):
+            return train_plans(site, ctx, plans, 0.0, {}, ADAPT), None
+    except Exception as error:  # whatever it is, it happened at the site: the site fails, unadapted
+        _restore_slots(site, saved)
+        return {}, f"{type(error).__name__}: {error}"
+
+
+def train_plans(
+    site: Site, ctx: RoundContext, plans: tuple[TrainingPlan, ...], local_epochs: float, epochs_before: dict[str | None, float], key: str
+) -> dict[str | None, float]:
+    """Train ``plans`` in order on the half's loss; the mean loss of each that trained (None: the only plan).
+
+    Args:
+        local_epochs: the trainer's, which a plan's ``share`` is of.
+        epochs_before: per data order, the epochs earlier plans of the round trained in it; the plans add theirs.
+        key: their passes are counted as ``<key>/<plan label>``.
+    """
+    losses = {}
+    for plan in plans:
+        epochs = plan.epochs_of(local_epochs)
+        if epochs is None:
+            steps = plan.steps
+        else:
+            before = epochs_before.get(plan.data_order, 0.0)
+            epochs_before[plan.data_order] = before + epochs
+            steps = site.steps(epochs, before)
+        loss = site.train(
+            steps,
+            plan.slot,
+            plan.part,
+            _step_loss(site, ctx, plan),
+            data_order=plan.data_order,
+            also_steps=plan.also_steps,
+            compute=f"{key}/{plan.label}",
+            data_pass=plan.data_pass,
+        )
+        if loss is not None:
+            losses[None if len(plans) == 1 else plan.label] = loss
+    return losses
+
+
+def _saved_slots(site: Site, plans: tuple[TrainingPlan, ...]) -> dict[str, Any]:
+    """Copies of the states ``plans`` change: their slots' modules and optimisers, the site's data orders."""
+    slots = {name for plan in plans for name in (plan.slot, *plan.also_steps)}
+    return {
+        "slots": {name: copy.deepcopy((site.slot(name).module.state_dict(), site.slot(name).optimizer.state_dict())) for name in slots},
+        "generator": site.generator.get_state(),
+        "data_orders": {name: generator.get_state() for name, (generator, _) in site.data_orders.items()},
+    }
+
+
+def _restore_slots(site: Site, saved: dict[str, Any]) -> None:
+    """Put back what :func:`_saved_slots` copied (a data order first made by the failed plans starts afresh)."""
+    for name, (module, optimizer) in saved["slots"].items():
+        site.slot(name).module.load_state_dict(module)
+        site.slot(name).optimizer.load_state_dict(optimizer)
+        site.slot(name).optimizer.zero_grad(set_to_none=True)
+    site.generator.set_state(saved["generator"])
+    site.data_orders = {name: order for name, order in site.data_orders.items() if name in saved["data_orders"]}
+    for name, state in saved["data_orders"].items():
+        site.data_orders[name][0].set_state(state)
+    site.passes.take(site.n_train)
+
+
+def _step_loss(site: Site, ctx: RoundContext, plan: TrainingPlan) -> Callable[[Any], torch.Tensor]:
     """Maps a device batch to the loss of one step of ``plan`` (the site half's ``loss``)."""
-    return lambda batch: site.strategy.loss(site, plan, batch)
+    return lambda batch: site.strategy.loss(site.view, ctx, plan, batch)

@@ -7,7 +7,9 @@ hooks by name (see :mod:`medfed.federated.strategies.base` for the life
 cycle), runs each phase's training plans, and knows nothing about any
 particular algorithm. Every payload crosses a
 :class:`~medfed.federated.link.Link`, which turns it into bytes and counts
-them. After each round every site is evaluated on its own test split (its
+them. After each round every site takes its strategy half's adapt step (e.g.
+fine-tuning a head; seeded from its own stream of the round, its losses in
+the record as ``adapt_loss``) and is evaluated on its own test split (its
 validation split with ``federation.holdout: validation``), extra callbacks
 get ``on_round_end`` (and may add metrics to the round's record, e.g.
 whole-volume scores), the record goes to Fabric's loggers, and a checkpoint
@@ -19,8 +21,14 @@ decoded it: :mod:`medfed.federated.faults`) is left out of the round
 from that phase on and put back to its start-of-round state, or ends the run
 (``on_site_failure``); a site failing ``max_consecutive_failures`` rounds in
 a row takes no further part (it is still delivered to and evaluated, so every
-round's table has every site). Failures go to the log, to the round's record
+round's table has every site). A site whose adapt step raises fails the round
+too (phase ``adapt``), and is evaluated unadapted. Failures go to the log, to the round's record
 (``failures``, ``excluded``) and, as ``<site>/failed`` flags, to the loggers.
+
+Every round's record also carries ``compute``: per site, the samples it
+passed forward and backward in each training plan and auxiliary pass, and
+forward in its evaluation, in epochs of its training data
+(:mod:`medfed.federated.compute`; counted at the sites).
 """
 
 from __future__ import annotations
@@ -36,10 +44,12 @@ import torch
 from lightning.fabric import Fabric
 
 from medfed.errors import SiteFailure, warn
-from medfed.federated.executor import InProcessSites, PhaseWork, SiteExecutor
+from medfed.federated.compute import merge, training_epochs
+from medfed.federated.executor import InProcessSites, PhaseWork, SiteEvaluation, SiteExecutor
 from medfed.federated.faults import refused_replies, sample_count_fault
 from medfed.federated.link import Link
 from medfed.federated.site import Site
+from medfed.federated.site_view import ADAPT, DELIVER, SETUP, RoundContext
 from medfed.federated.strategies.base import Payload, Strategy, state_on_device
 
 
@@ -126,7 +136,7 @@ class FederatedLoop:
             reason = sample_count_fault(reply, self.executor.declared_samples[index])
             if reason is not None:
                 raise SiteFailure(f"site {self.site_names[index]} at setup: {reason}")
-        self.server.setup(self.initial, replies)
+        self.server.setup(RoundContext(0, SETUP), self.initial, replies)
         self._deliver(evaluate=False)
 
     def fit(self, rounds: int, progress: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
@@ -175,6 +185,7 @@ class FederatedLoop:
         participants = self.participants(round_index)
         timing = {"train_s": 0.0, "server_s": 0.0, "eval_s": 0.0, "round_start_s": 0.0}
         train_loss: dict[str, dict[str, float]] = {}
+        compute: dict[str, dict[str, float]] = {}  # site name -> {key: epochs}
         failures: dict[int, dict[str, Any]] = {}  # site index -> {"round", "site", "phase", "reason"}
         tic = time.perf_counter()
         self.executor.save_round_start(participants)
@@ -190,7 +201,8 @@ class FederatedLoop:
 
         for phase_index, phase in enumerate(self.strategy.phases):
             taking_part = [index for index in participants if index not in failures]
-            messages = {index: self.server.message(phase, index) for index in taking_part}
+            ctx = RoundContext(round_index, phase)
+            messages = {index: self.server.message(ctx, index) for index in taking_part}
             work = PhaseWork(round_index, phase_index, phase, self.local_epochs)
             results = self.executor.work(work, messages, timing)
             for index in taking_part:
@@ -200,6 +212,7 @@ class FederatedLoop:
                     continue
                 for label, loss in result.losses.items():
                     train_loss.setdefault(names[index], {})[phase if label is None else f"{phase}/{label}"] = loss
+                merge(compute.setdefault(names[index], {}), result.compute)
                 if result.non_finite:
                     fail(index, phase, f"non-finite reply ({', '.join(repr(key) for key in result.non_finite)})")
             replies, malformed = self.executor.replies([index for index in taking_part if index not in failures])
@@ -211,10 +224,19 @@ class FederatedLoop:
                 del replies[index]
             tic = time.perf_counter()
             if replies:  # a phase no participant came through leaves the server as it was
-                self.server.aggregate(phase, replies)
+                self.server.aggregate(ctx, replies)
             timing["server_s"] += time.perf_counter() - tic
-        newly_excluded = self._count_failures(participants, failures)
-        metrics = self._deliver(evaluate=True, timing=timing)
+        adapt_loss: dict[str, dict[str, float]] = {}
+        evaluations = self._deliver(evaluate=True, timing=timing)
+        for index, name in enumerate(names):
+            evaluation = evaluations[name]
+            merge(compute.setdefault(name, {}), evaluation.compute)
+            for label, loss in evaluation.adapt_losses.items():
+                adapt_loss.setdefault(name, {})[ADAPT if label is None else f"{ADAPT}/{label}"] = loss
+            if evaluation.adapt_error is not None:
+                self._adapt_failed(index, round_index, evaluation.adapt_error, failures)
+        newly_excluded = self._count_failures(sorted(set(participants) | set(failures)), failures)
+        metrics = {name: evaluations[name].metrics for name in names}
         timing["round_s"] = time.perf_counter() - start
         traffic = {
             names[index]: {k: v - counters_before[index][k] for k, v in _link_counters(link).items()}
@@ -228,6 +250,8 @@ class FederatedLoop:
             "metrics": metrics,
             "mean": {name: float(np.mean([m[name] for m in metrics.values()])) for name in metric_names},
             "train_loss": train_loss,
+            "adapt_loss": adapt_loss,
+            "compute": {name: compute[name] for name in names if compute.get(name)},
             "bytes": traffic,
             "server": self.server.metrics(),
             "timing": timing,
@@ -235,8 +259,21 @@ class FederatedLoop:
             "excluded": newly_excluded,
         }
 
+    def _adapt_failed(self, index: int, round_index: int, reason: str, failures: dict[int, dict[str, Any]]) -> None:
+        """Site ``index``'s adapt step raised: it fails the round (unless it already had), or the run stops.
+
+        It was put back to what the delivery left and evaluated unadapted;
+        nothing of the round's server step depends on it.
+        """
+        name = self.site_names[index]
+        if self.on_site_failure == "stop":
+            raise SiteFailure(f"site {name} failed in round {round_index} ({ADAPT} phase): {reason}")
+        warn(f"round {round_index}: site {name} failed its {ADAPT} step and is evaluated unadapted: {reason}")
+        failures.setdefault(index, {"round": round_index, "site": name, "phase": ADAPT, "reason": reason})
+
     def _count_failures(self, participants: list[int], failures: dict[int, dict[str, Any]]) -> list[str]:
-        """Update each participant's run of failing rounds; exclude those reaching the limit (returns their names)."""
+        """Update the run of failing rounds of each participant (and each site whose adapt step failed);
+        exclude those reaching the limit (returns their names)."""
         newly_excluded = []
         for index in participants:
             if index not in failures:
@@ -255,9 +292,10 @@ class FederatedLoop:
                 )
         return newly_excluded
 
-    def _deliver(self, evaluate: bool, timing: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
-        """Every site receives the server's delivery; with ``evaluate``, returns each site's metrics (``timing["eval_s"]``)."""
-        payloads = {index: self.server.deliver(index) for index in range(len(self.site_names))}
+    def _deliver(self, evaluate: bool, timing: dict[str, float] | None = None) -> dict[str, SiteEvaluation]:
+        """Every site receives the server's delivery; with ``evaluate``, each adapts and is evaluated (``timing["eval_s"]``)."""
+        ctx = RoundContext(self.round, DELIVER)
+        payloads = {index: self.server.deliver(ctx, index) for index in range(len(self.site_names))}
         return self.executor.deliver(self.round, payloads, evaluate, timing)
 
     # ------------------------------------------------------------------ checkpoints
@@ -329,6 +367,13 @@ def _flatten_for_logging(record: dict[str, Any]) -> dict[str, float]:
         flat[f"bytes/{direction}"] = sent
         if sent:
             flat[f"compression_ratio/{direction}"] = dense / sent
+    for site, losses in record.get("adapt_loss", {}).items():
+        for label, loss in losses.items():
+            flat[f"{site}/adapt_loss" if label == ADAPT else f"{site}/adapt_loss/{label.split('/', 1)[1]}"] = loss
+    for site, counts in record.get("compute", {}).items():
+        for key, epochs in counts.items():
+            flat[f"{site}/compute/{key}"] = epochs
+        flat[f"{site}/compute/training_epochs"] = training_epochs(counts)
     for site, traffic in record["bytes"].items():
         for direction in ("up", "down"):
             flat[f"{site}/bytes_{direction}"] = float(traffic[direction])

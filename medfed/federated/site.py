@@ -9,6 +9,11 @@ draws at random (dropout, any augmentation: torch's, NumPy's and Python's
 global generators) comes from :meth:`Site.global_rng`, seeded afresh from
 the run's seed, the site and the round before each piece of work, so it
 needs no state: two runs, or a run and its resumed twin, draw the same.
+
+A site's strategy half sees it only through :attr:`Site.view`, a
+:class:`~medfed.federated.site_view.SiteView`; the site counts the samples
+it passes, per training plan, auxiliary pass and evaluation
+(:mod:`medfed.federated.compute`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, RandomSampler
 
 from medfed.data.federation import SiteData
+from medfed.federated.compute import AUX, EVALUATION, FORWARD, PassCounter, batch_samples
+from medfed.federated.site_view import SiteView, split_of
 from medfed.federated.strategies.base import SiteHalf, state_on_device
 from medfed.models.base import FederatedModule
 
@@ -84,6 +91,12 @@ class Site:
         #: the data orders training plans name (``TrainingPlan.data_order``): {name: (generator, loader)}
         self.data_orders: dict[str, tuple[torch.Generator, DataLoader]] = {}
         self.test_loader = DataLoader(data.test, batch_size=batch_size * 4, shuffle=False)
+        #: samples passed since the executor last took the count (:mod:`medfed.federated.compute`)
+        self.passes = PassCounter()
+        #: the compute key of the training plan in progress (its steps' passes count under it), or None
+        self.plan_key: str | None = None
+        #: what the strategy half sees of the site
+        self.view = View(self)
 
     def _new_generator(self) -> torch.Generator:
         """A data-order generator seeded from the run's seed and the site's index (every data order starts alike)."""
@@ -168,7 +181,16 @@ class Site:
                 random.setstate(python_state)
 
     def train(
-        self, steps: int, slot: str, part: str, step_loss: Callable[[Any], torch.Tensor], data_order: str | None = None
+        self,
+        steps: int,
+        slot: str,
+        part: str,
+        step_loss: Callable[[Any], torch.Tensor],
+        data_order: str | None = None,
+        *,
+        also_steps: tuple[str, ...] = (),
+        compute: str | None = None,
+        data_pass: bool = True,
     ) -> float | None:
         """Train ``part`` of the model in ``slot`` for ``steps`` optimiser steps (e.g. :meth:`steps` of some epochs).
 
@@ -187,6 +209,12 @@ class Site:
             data_order: the data order the batches come from (``None``: the
                 site's own; a name: that data order's generator, made at its
                 first use and then kept and checkpointed like the site's own).
+            also_steps: other slots whose optimisers step after ``slot``'s on
+                every step, on the gradients the same loss gives them.
+            compute: the key the plan's passes are counted under (None: not counted).
+            data_pass: whether each step's loss passes its batch forward and
+                backward itself (counted once per step); False where the
+                loss's passes are the half's own :meth:`View.step` calls.
 
         The gradients are freed at the end (``set_to_none``): between rounds
         a site holds its model and optimiser state, not a gradient as well.
@@ -197,6 +225,7 @@ class Site:
             all-personal logistic regression).
         """
         module, optimizer = self.slot(slot).module, self.slot(slot).optimizer
+        others = [self.slot(name).optimizer for name in also_steps]
         if module.parameter_split.size(part) == 0:
             return None
         if steps < 1:
@@ -207,31 +236,47 @@ class Site:
         module.train()
         total = 0.0
         steps = remaining
-        while remaining > 0:
-            # A fresh pass: whole when the steps cover it (run to its end, as a plain epoch loop
-            # does: the sampler draws from the generator once more when it is exhausted),
-            # otherwise only its first `remaining` batches, and the rest of it is dropped.
-            whole = remaining >= self.batches_per_epoch
-            for batch in loader if whole else itertools.islice(loader, remaining):
-                batch = self.fabric.to_device(batch)
-                optimizer.zero_grad(set_to_none=True)
-                loss = step_loss(batch)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"{self.name}: training loss became {loss.item()} (learning rate too high?)")
-                self.fabric.backward(loss)
-                optimizer.step()
-                total += loss.item()
-                remaining -= 1
+        self.plan_key = compute
+        try:
+            while remaining > 0:
+                # A fresh pass: whole when the steps cover it (run to its end, as a plain epoch loop
+                # does: the sampler draws from the generator once more when it is exhausted),
+                # otherwise only its first `remaining` batches, and the rest of it is dropped.
+                whole = remaining >= self.batches_per_epoch
+                for batch in loader if whole else itertools.islice(loader, remaining):
+                    batch = self.fabric.to_device(batch)
+                    optimizer.zero_grad(set_to_none=True)
+                    for other in others:
+                        other.zero_grad(set_to_none=True)
+                    loss = step_loss(batch)
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(f"{self.name}: training loss became {loss.item()} (learning rate too high?)")
+                    self.fabric.backward(loss)
+                    if compute is not None and data_pass:
+                        self.passes.add(compute, batch_samples(batch))
+                    optimizer.step()
+                    for other in others:
+                        other.step()
+                        other.zero_grad(set_to_none=True)
+                    total += loss.item()
+                    remaining -= 1
+        finally:
+            self.plan_key = None
         optimizer.zero_grad(set_to_none=True)
         module.set_trainable("all")
         return total / steps
 
     @torch.no_grad()
     def evaluate(self, loader: DataLoader | None = None) -> dict[str, float]:
-        """The evaluated slot's metrics over the whole test split (or over ``loader``)."""
+        """The evaluated slot's metrics over the whole test split (or over ``loader``).
+
+        The round's evaluation (no ``loader``) is counted as ``evaluation`` passes.
+        """
         self.module.eval()
         for batch_index, batch in enumerate(self.test_loader if loader is None else loader):
             self.module.test_step(self.fabric.to_device(batch), batch_index)
+            if loader is None:
+                self.passes.add(EVALUATION, batch_samples(batch))
         return self.module.test_results()
 
     def state_dict(self) -> dict[str, Any]:
@@ -255,3 +300,74 @@ class Site:
             self._loader(name)
             self.data_orders[name][0].set_state(generator_state)
         self.strategy.load_state_dict(state_on_device(state["strategy"], self.fabric.device))
+
+
+class View(SiteView):
+    """The :class:`~medfed.federated.site_view.SiteView` of a :class:`Site`: all its strategy half sees of it."""
+
+    def __init__(self, site: Site) -> None:
+        self._site = site
+        self.index = site.index
+        self.name = site.name
+        self.data = site.data
+
+    @property
+    def n_train(self) -> int:
+        return self._site.n_train
+
+    @property
+    def n_test(self) -> int:
+        return self._site.n_test
+
+    @property
+    def batch_size(self) -> int:
+        return self._site.batch_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self._site.test_loader.batch_size
+
+    def module(self, slot: str) -> FederatedModule:
+        return self._site.slot(slot).module
+
+    def get(self, slot: str, part: str) -> torch.Tensor:
+        return self._site.slot(slot).module.get_vector(part)
+
+    def set(self, slot: str, part: str, vector: torch.Tensor) -> None:
+        self._site.slot(slot).module.set_vector(part, vector)
+
+    def learning_rate(self, slot: str) -> float:
+        return self._site.slot(slot).optimizer.param_groups[0]["lr"]
+
+    def step(
+        self,
+        slot: str,
+        loss: torch.Tensor,
+        batch: Any,
+        optimizer: torch.optim.Optimizer | None = None,
+        stop_if: Callable[[], bool] | None = None,
+    ) -> bool:
+        site = self._site
+        optimizer = site.slot(slot).optimizer if optimizer is None else optimizer
+        optimizer.zero_grad(set_to_none=True)
+        site.fabric.backward(loss)
+        site.passes.add(site.plan_key or f"{AUX}/step", batch_samples(batch))
+        stepped = stop_if is None or not stop_if()
+        if stepped:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return stepped
+
+    def full_pass(self, split: str, name: str, backward: bool, batch_size: int | None = None) -> Iterator[tuple[Any, int]]:
+        site = self._site
+        data = split_of(site.data, split)
+        size = site.batch_size if batch_size is None else batch_size
+        key = f"{AUX if backward else FORWARD}/{name}"
+        # its own generator: a loader draws a seed from it when it starts, which must not move the global one
+        for batch in DataLoader(data, batch_size=size, shuffle=False, generator=torch.Generator()):
+            samples = batch_samples(batch)
+            site.passes.add(key, samples)
+            yield site.fabric.to_device(batch), samples
+
+    def global_rng(self, *stream: int) -> Any:
+        return self._site.global_rng(*stream)

@@ -30,6 +30,7 @@ from medfed.federated.strategies.base import Strategy
 from medfed.federated.strategies.ditto import Ditto
 from medfed.federated.strategies.fedamp import FedAMP
 from medfed.federated.strategies.fedavg import FedAvg
+from medfed.federated.strategies.fedbabu import FedBABU
 from medfed.federated.strategies.fedbn import FedBN
 from medfed.federated.strategies.fedper import FedPer
 from medfed.federated.strategies.fedprox import FedProx
@@ -47,7 +48,7 @@ from medfed.federated.strategies.superfed import SuPerFed
 
 #: every algorithm, in the order they are listed
 REGISTERED: tuple[type[Strategy], ...] = (
-    Local, FedAvg, FedBN, FedProx, FedPer, FedRep, FedRoD, Ditto, APFL, L2GD, PFedMe, SuPerFed, IFCA, FPFC,
+    Local, FedAvg, FedBN, FedProx, FedPer, FedRep, FedRoD, FedBABU, Ditto, APFL, L2GD, PFedMe, SuPerFed, IFCA, FPFC,
     FedAMP, APPLE, PGFed, PGFedMo, PFedNet, Pooled,
 )
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in REGISTERED}

@@ -38,8 +38,11 @@ buffers those of ``local``). v_i steps inside the global plan's loss
 gradient is taken at v_bar with w^{t-1}: the mixed model's forward pass
 runs ``local``'s module with the parameters alpha v + (1 - alpha) w
 (``torch.func.functional_call``; w detached, so no gradient of the mixture
-reaches w), backward gives v's gradient and alpha's in one pass, v's
-optimiser steps, then the loop steps w on the returned loss f_i(w; xi).
+reaches w), one step of ``local``'s optimiser on it
+(:meth:`~medfed.federated.site_view.SiteView.step`, a second pass of the
+batch, counted in the global plan's compute) gives v's gradient and alpha's
+in one backward pass and steps v, then the loop steps w on the returned
+loss f_i(w; xi).
 
 **BatchNorm buffers.** ``global``'s running statistics are w_i's, averaged
 as FedAvg averages them; ``local``'s are updated by the mixed model's
@@ -67,7 +70,7 @@ from dataclasses import dataclass
 import torch
 
 from medfed.config import require
-from medfed.federated.strategies.base import DELIVER, Payload, TrainingPlan
+from medfed.federated.strategies.base import DELIVER, Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
 from medfed.federated.strategies.live_parameters import live_parameters, training_loss_with
 
@@ -88,44 +91,38 @@ class APFLSite(FedAvgSite):
         super().__init__(*args, **kwargs)
         self.alpha: torch.Tensor | None = None  # 0-d, on the model's device, from the first delivery
 
-    def receive(self, site, phase: str, payload: Payload) -> None:
-        super().receive(site, phase, payload)
-        if phase == DELIVER:
+    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        super().receive(site, ctx, payload)
+        if ctx.phase == DELIVER:
             if self.alpha is None:
-                reference = site.slot(LOCAL).module.get_vector("all")
+                reference = site.get(LOCAL, "all")
                 self.alpha = torch.tensor(self.options.alpha, dtype=reference.dtype, device=reference.device)
             self._load_mixture(site)
 
-    def _load_mixture(self, site) -> None:
+    def _load_mixture(self, site: SiteView) -> None:
         """``mixed`` <- alpha v + (1 - alpha) w (parameters) and ``local``'s buffers."""
-        local = site.slot(LOCAL).module
-        mixed = site.slot(MIXED).module
-        mixed.set_vector("all", mixture(self.alpha, local.get_vector("all"), site.slot(GLOBAL).module.get_vector("all")))
-        mixed.set_vector("buffers", local.get_vector("buffers"))
+        site.set(MIXED, "all", mixture(self.alpha, site.get(LOCAL, "all"), site.get(GLOBAL, "all")))
+        site.set(MIXED, "buffers", site.get(LOCAL, "buffers"))
 
-    def plan(self, phase: str) -> tuple[TrainingPlan, ...]:
+    def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
         return (TrainingPlan(slot=GLOBAL),)
 
-    def loss(self, site, plan: TrainingPlan, batch) -> torch.Tensor:
+    def loss(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan, batch) -> torch.Tensor:
         """Steps v_i and alpha_i on ``batch`` at the values before this step, then returns f_i(w; batch) for w's step."""
         self._local_step(site, batch)
-        return super().loss(site, plan, batch)
+        return super().loss(site, ctx, plan, batch)
 
-    def _local_step(self, site, batch) -> None:
+    def _local_step(self, site: SiteView, batch) -> None:
         """v <- v - eta grad_v f(v_bar); alpha <- Pi_[0,1](alpha - eta_alpha <v - w, grad f(v_bar)>), one backward pass."""
-        local, global_module = site.slot(LOCAL), site.slot(GLOBAL).module
+        local, global_module = site.module(LOCAL), site.module(GLOBAL)
         alpha = self.alpha.detach().clone().requires_grad_(self.options.adaptive)
-        names = local.module.parameter_split.names("all")
-        pairs = zip(names, live_parameters(local.module, "all"), live_parameters(global_module, "all"), strict=True)
+        names = local.parameter_split.names("all")
+        pairs = zip(names, live_parameters(local, "all"), live_parameters(global_module, "all"), strict=True)
         mixed = {name: mixture(alpha, v, w.detach()) for name, v, w in pairs}
-        local.module.train()
-        loss = training_loss_with(local.module, mixed, batch)
-        local.optimizer.zero_grad(set_to_none=True)
-        site.fabric.backward(loss)
-        local.optimizer.step()
-        local.optimizer.zero_grad(set_to_none=True)
+        local.train()
+        site.step(LOCAL, training_loss_with(local, mixed, batch), batch)
         if self.options.adaptive:
-            rate = self.options.alpha_lr if self.options.alpha_lr is not None else local.optimizer.param_groups[0]["lr"]
+            rate = self.options.alpha_lr if self.options.alpha_lr is not None else site.learning_rate(LOCAL)
             self.alpha = (alpha.detach() - rate * alpha.grad).clamp(0.0, 1.0)
 
     def state_dict(self) -> dict:

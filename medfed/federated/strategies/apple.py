@@ -73,7 +73,9 @@ from dataclasses import dataclass
 import torch
 
 from medfed.config import require
-from medfed.federated.strategies.base import DELIVER, Payload, ServerHalf, SiteHalf, Strategy, TrainingPlan, num_samples
+from medfed.federated.strategies.base import (
+    DELIVER, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+)
 from medfed.federated.strategies.live_parameters import live_parameters, training_loss_with
 
 SCHEDULERS = ("cosine", "exponential")
@@ -161,27 +163,27 @@ CORE, PERSONALISED = "core", "personalised"
 class APPLEServer(ServerHalf):
     """Keeps the N core models; sends each site the cores it requests."""
 
-    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+    def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.cores = initial["all"].reshape(1, -1).repeat(self.n_sites, 1)  # (N, d) w_j^(c)
         sizes = torch.cat([replies[i]["num_samples"] for i in range(self.n_sites)]).to(torch.float64)
         self.prior = sizes / sizes.sum()  # p_0
         self.completed_rounds = 0
         self.requests: dict[int, list[int]] = {}
 
-    def message(self, phase: str, site_index: int) -> Payload:
-        if phase == "select":
+    def message(self, ctx: RoundContext, site_index: int) -> Payload:
+        if ctx.phase == "select":
             return {"completed_rounds": torch.tensor([float(self.completed_rounds)], device="cpu")}
         return {f"core/{j}": self.cores[j] for j in self.requests[site_index]}
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
-        if phase == "select":
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
+        if ctx.phase == "select":
             self.requests = {i: torch.nonzero(reply["request"]).flatten().tolist() for i, reply in replies.items()}
             return
         for index, reply in replies.items():
             self.cores[index] = reply[f"core/{index}"]
         self.completed_rounds += 1
 
-    def deliver(self, site_index: int) -> Payload:
+    def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
         return {"prior": self.prior} if self.completed_rounds == 0 else {}
 
     def metrics(self) -> dict[str, float]:
@@ -210,16 +212,16 @@ class APPLESite(SiteHalf):
         for name in _SITE_STATE:
             setattr(self, name, None)
 
-    def setup(self, site) -> Payload:
+    def setup(self, site: SiteView, ctx: RoundContext) -> Payload:
         return {"num_samples": num_samples(site)}
 
-    def receive(self, site, phase: str, payload: Payload) -> None:
-        if phase == DELIVER:
+    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        if ctx.phase == DELIVER:
             if "prior" in payload:
                 self._initialise(site, payload["prior"])
             self._load_personalised_model(site)
             return
-        if phase == "select":
+        if ctx.phase == "select":
             self.completed_rounds = int(payload["completed_rounds"])
             return
         for key, core in payload.items():
@@ -227,9 +229,9 @@ class APPLESite(SiteHalf):
             self.cores[j] = core
             self.downloads[j] += 1
 
-    def _initialise(self, site, prior: torch.Tensor) -> None:
+    def _initialise(self, site: SiteView, prior: torch.Tensor) -> None:
         """State before round 1: p_i = p_0, every core model = the seeded initial model."""
-        initial = site.slot(CORE).module.get_vector("all")
+        initial = site.get(CORE, "all")
         self.prior = prior.to(initial.dtype)
         self.dr = self.prior.clone()
         self.cores = initial.reshape(1, -1).repeat(self.n_sites, 1)
@@ -237,19 +239,18 @@ class APPLESite(SiteHalf):
         self.generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.index).get_state()
         self.completed_rounds = 0
 
-    def _load_personalised_model(self, site) -> None:
+    def _load_personalised_model(self, site: SiteView) -> None:
         """Record the core model among the copies; load w_i^(p) = sum_j p_ij w_j^(c) and the core's buffers."""
-        core, personalised = site.slot(CORE).module, site.slot(PERSONALISED).module
-        self.cores[self.index] = core.get_vector("all")
-        personalised.set_vector("all", self.dr @ self.cores)
-        personalised.set_vector("buffers", core.get_vector("buffers"))
+        self.cores[self.index] = site.get(CORE, "all")
+        site.set(PERSONALISED, "all", self.dr @ self.cores)
+        site.set(PERSONALISED, "buffers", site.get(CORE, "buffers"))
 
-    def plan(self, phase: str) -> tuple[TrainingPlan, ...]:
-        return () if phase == "select" else (TrainingPlan(slot=CORE),)
+    def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
+        return () if ctx.phase == "select" else (TrainingPlan(slot=CORE),)
 
-    def loss(self, site, plan: TrainingPlan, batch) -> torch.Tensor:
+    def loss(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan, batch) -> torch.Tensor:
         """Loss of w_i^(p) on ``batch`` plus lambda(r) mu/2 ||p_i - p_0||^2; backward also steps p_i."""
-        core = site.slot(CORE).module
+        core = site.module(CORE)
         dr = _sgd_in_backward(self.dr, self.options.dr_lr)
         not_self = torch.ones_like(dr)
         not_self[self.index] = 0.0
@@ -264,9 +265,9 @@ class APPLESite(SiteHalf):
         penalty = weight * self.options.mu / 2.0 * (dr - self.prior).square().sum()
         return training_loss_with(core, mixed, batch) + penalty
 
-    def reply(self, site, phase: str) -> Payload:
-        if phase == "fit":
-            return {f"core/{self.index}": site.slot(CORE).module.get_vector("all")}
+    def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
+        if ctx.phase == "fit":
+            return {f"core/{self.index}": site.get(CORE, "all")}
         budget = self.n_sites - 1 if self.options.download_budget is None else self.options.download_budget
         generator = torch.Generator()
         generator.set_state(self.generator)

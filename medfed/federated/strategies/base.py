@@ -9,8 +9,10 @@ A strategy is three classes registered under one name:
 * :class:`ServerHalf`: the server's state and steps; it sees only the
   payloads sites send;
 * :class:`SiteHalf`: one per site, the site's own state and local work; it
-  sees its own :class:`~medfed.federated.site.Site` (model slots, loaders)
-  and the payloads the server sends.
+  sees its site through a :class:`~medfed.federated.site_view.SiteView`
+  (model slots, sample counts, step and full-pass helpers, seeded random
+  streams), the payloads the server sends, and in every hook a
+  :class:`~medfed.federated.site_view.RoundContext` (round, phase).
 
 The halves share the options and nothing else; every payload
 (``dict[str, Tensor]``) crosses a :class:`~medfed.federated.link.Link`,
@@ -20,19 +22,21 @@ simulator) or on different machines (:mod:`medfed.deploy`).
 
 One run, as :class:`~medfed.federated.loop.FederatedLoop` drives it::
 
-    replies = {i: site_i.setup(site)}                  # e.g. a data sketch
-    server.setup(initial, replies)                     # initial = {"shared", "personal", "all"} vectors
-    deliver to every site                              # round 0
+    replies = {i: site_i.setup(view_i, (0, "setup"))}         # e.g. a data sketch
+    server.setup((0, "setup"), initial, replies)              # initial = {"shared", "personal", "all"} vectors
+    deliver to every site                                     # round 0: ctx (0, "deliver")
     for round in 1..R:
-        for phase in phases:
-            messages = {i: server.message(phase, i)}   # for each participating site i
+        for phase in phases:                                  # ctx = RoundContext(round, phase)
+            messages = {i: server.message(ctx, i)}            # for each participating site i
             for each participating site i:
-                site_i.receive(site, phase, messages[i])
-                for plan in site_i.plan(phase):        # TrainingPlan: slot, part, how long
-                    train plan.part of slot plan.slot on site_i.loss(site, plan, batch)
-                replies[i] = site_i.reply(site, phase)
-            server.aggregate(phase, replies)           # not called when no reply came through
-        for every site i: site_i.receive(site, "deliver", server.deliver(i))
+                site_i.receive(view_i, ctx, messages[i])
+                for plan in site_i.plan(ctx):                 # TrainingPlan: slot, part, how long
+                    train plan.part of slot plan.slot on site_i.loss(view_i, ctx, plan, batch)
+                replies[i] = site_i.reply(view_i, ctx)
+            server.aggregate(ctx, replies)                    # not called when no reply came through
+        deliver = RoundContext(round, "deliver")
+        for every site i: site_i.receive(view_i, deliver, server.deliver(deliver, i))
+        for every site i: for plan in site_i.adapt((round, "adapt")): train ...   # e.g. fine-tune a head
         every site evaluates its model slot ``evaluated_slot`` on its own test split
 
 (The server's messages of a phase are all made before any site trains, as
@@ -63,16 +67,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from medfed.federated.site_view import ADAPT, DELIVER, SETUP, RoundContext, SiteView
 from medfed.models.split import ParameterSplit
 
 if TYPE_CHECKING:
-    from medfed.federated.site import Site
     from medfed.models.base import FederatedModule
+
+__all__ = ["ADAPT", "DELIVER", "MODEL", "SETUP", "Payload", "RoundContext", "ServerHalf", "SiteHalf", "SiteView", "Strategy", "TrainingPlan"]
 
 #: What crosses the site boundary: named flat tensors.
 Payload = dict[str, torch.Tensor]
 
-DELIVER = "deliver"
 #: The slot of a strategy that declares no other: the site's one model.
 MODEL = "model"
 
@@ -104,6 +109,14 @@ class TrainingPlan:
             only by the plans naming it, so its passes are those a site that
             trained nothing else would draw (Ditto's personal model draws the
             batches a Local run's model draws).
+        also_steps: other slots whose optimisers step after ``slot``'s on
+            every step, on the gradients the same loss gives their
+            parameters (SuPerFed's local model, trained through the mixture).
+        data_pass: whether each step's loss passes its batch forward and
+            backward (one pass counted per step); False where the loss's
+            passes are those the half makes through
+            :meth:`~medfed.federated.site_view.SiteView.step` (pFedMe: its K
+            inner steps per mini-batch; the outer step's loss has no forward pass).
     """
 
     slot: str = MODEL
@@ -113,6 +126,8 @@ class TrainingPlan:
     steps: int | None = None
     name: str | None = None
     data_order: str | None = None
+    also_steps: tuple[str, ...] = ()
+    data_pass: bool = True
 
     def __post_init__(self) -> None:
         if self.share <= 0 or (self.epochs is not None and self.epochs <= 0) or (self.steps is not None and self.steps < 1):
@@ -134,6 +149,9 @@ class TrainingPlan:
 class ServerHalf:
     """The server's half: defaults describe a server that keeps and sends nothing.
 
+    Every round hook gets the :class:`~medfed.federated.site_view.RoundContext`
+    it runs in (as Flower's ``Strategy`` gets ``server_round``).
+
     Args:
         options: the strategy's validated ``Options``.
         split: names and sizes of the model's parts (the server knows the
@@ -148,22 +166,22 @@ class ServerHalf:
         self.n_sites = n_sites
         self.seed = seed
 
-    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
-        """Called once before round 1 with the initial model vectors and every site's setup payload."""
+    def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
+        """Called once before round 1 (``ctx`` = round 0, ``"setup"``) with the initial model vectors and every site's setup payload."""
 
-    def message(self, phase: str, site_index: int) -> Payload:
-        """What the server sends to a participating site before it trains in ``phase``."""
+    def message(self, ctx: RoundContext, site_index: int) -> Payload:
+        """What the server sends to a participating site before it trains in ``ctx.phase``."""
         return {}
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
-        """Combine the replies of the sites that took part in ``phase`` (keys: site indices).
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
+        """Combine the replies of the sites that took part in ``ctx.phase`` (keys: site indices).
 
         The dict is the server's to consume: it may pop the replies as it
         reads them, releasing their memory before a large server step.
         """
 
-    def deliver(self, site_index: int) -> Payload:
-        """What a site receives at the end of a round, to be evaluated with."""
+    def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
+        """What a site receives at the end of round ``ctx.round`` (0: before round 1), to be evaluated with."""
         return {}
 
     def metrics(self) -> dict[str, float]:
@@ -187,7 +205,9 @@ class SiteHalf:
 
     Per-site state lives on the instance (one instance per site) and is
     checkpointed through :meth:`state_dict`; the site's models live in its
-    slots (``site.slot(name)``).
+    slots (``site.module(name)``, ``site.get(name, part)``). Every hook gets
+    the site's :class:`~medfed.federated.site_view.SiteView` and the
+    :class:`~medfed.federated.site_view.RoundContext` it is called in.
 
     Args:
         options, split, n_sites, seed: as for :class:`ServerHalf`.
@@ -201,30 +221,44 @@ class SiteHalf:
         self.seed = seed
         self.index = index
 
-    def setup(self, site: Site) -> Payload:
-        """Sent once before training (e.g. a data sketch that reveals no sample)."""
+    def setup(self, site: SiteView, ctx: RoundContext) -> Payload:
+        """Sent once before training, in round 0's ``"setup"`` context (e.g. a data sketch that reveals no sample)."""
         return {}
 
-    def receive(self, site: Site, phase: str, payload: Payload) -> None:
-        """Load what the server sent into the site's slots (phase ``"deliver"`` included)."""
+    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        """Load what the server sent into the site's slots (``ctx.phase`` ``"deliver"`` included)."""
 
-    def plan(self, phase: str) -> tuple[TrainingPlan, ...]:
-        """The local training of ``phase``, in order (empty: the phase trains nothing)."""
+    def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
+        """The local training of ``ctx.phase``, in order (empty: the phase trains nothing)."""
         return (TrainingPlan(),)
 
-    def loss(self, site: Site, plan: TrainingPlan, batch: Any) -> torch.Tensor:
+    def loss(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan, batch: Any) -> torch.Tensor:
         """The loss of one local step of ``plan``: the slot's own training loss plus :meth:`regularizer`."""
-        loss = site.slot(plan.slot).module.training_step(batch, 0)
-        regularizer = self.regularizer(site, plan)
+        loss = site.module(plan.slot).training_step(batch, 0)
+        regularizer = self.regularizer(site, ctx, plan)
         return loss if regularizer is None else loss + regularizer
 
-    def regularizer(self, site: Site, plan: TrainingPlan) -> torch.Tensor | None:
+    def regularizer(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan) -> torch.Tensor | None:
         """A term added to every local step's loss (e.g. a proximal term), or ``None``."""
         return None
 
-    def reply(self, site: Site, phase: str) -> Payload:
-        """What the site sends back after training in ``phase``."""
+    def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
+        """What the site sends back after training in ``ctx.phase``."""
         return {}
+
+    def adapt(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
+        """The adapt step: plans trained after the round's delivery, before every evaluation (``ctx.phase`` ``"adapt"``).
+
+        Run at every site, participant or not, as the loop runs training
+        (each step's loss is :meth:`loss` with this ``ctx``), with the site's
+        global generators seeded from its own stream of the round; each plan
+        gives ``epochs`` or ``steps`` and should draw from a ``data_order`` of
+        its own, so adapting leaves the training batches alone. A step that
+        raises puts the plans' slots back to what the delivery left and
+        counts as the site failing the round; it is then evaluated unadapted.
+        Default: none.
+        """
+        return ()
 
     def state_dict(self) -> dict[str, Any]:
         """The site half's own state (plain tensors and numbers; checkpointed with the site)."""
@@ -333,6 +367,6 @@ def state_on_device(state: Any, device: torch.device) -> Any:
     return state
 
 
-def num_samples(site: Site) -> torch.Tensor:
+def num_samples(site: SiteView) -> torch.Tensor:
     """The site's training-set size as a payload entry (for sample-weighted averaging)."""
     return torch.tensor([float(site.n_train)], device="cpu")  # one number; the link carries it to the server's device

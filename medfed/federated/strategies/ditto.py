@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from medfed.config import require
-from medfed.federated.strategies.base import DELIVER, Payload, TrainingPlan
+from medfed.federated.strategies.base import DELIVER, Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
 from medfed.federated.strategies.live_parameters import proximal_term
 
@@ -67,27 +67,27 @@ class DittoSite(FedAvgSite):
 
     global_slot = GLOBAL
 
-    def receive(self, site, phase: str, payload: Payload) -> None:
-        super().receive(site, phase, payload)
-        if phase != DELIVER:  # w^t: the global model the round starts from, before the global plan trains it
-            self.anchor = site.slot(GLOBAL).module.get_vector("all")
+    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        super().receive(site, ctx, payload)
+        if ctx.phase != DELIVER:  # w^t: the global model the round starts from, before the global plan trains it
+            self.anchor = site.get(GLOBAL, "all")
 
-    def plan(self, phase: str) -> tuple[TrainingPlan, ...]:
+    def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
         """The global plan (the trainer's epochs), then the personal plan in its own data order."""
         personal = TrainingPlan(
             slot=PERSONAL, epochs=self.options.personal_epochs, steps=self.options.personal_steps, data_order=PERSONAL
         )
         return (TrainingPlan(slot=GLOBAL), personal)
 
-    def regularizer(self, site, plan: TrainingPlan) -> torch.Tensor | None:
+    def regularizer(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan) -> torch.Tensor | None:
         """lambda / 2 * ||v - w^t||^2 on the personal model's live parameters; none for the global plan or at lambda = 0."""
         if plan.slot != PERSONAL or self.options.lam == 0:
             return None
-        return proximal_term(site.slot(PERSONAL).module, "all", self.anchor, self.options.lam)
+        return proximal_term(site.module(PERSONAL), "all", self.anchor, self.options.lam)
 
-    def reply(self, site, phase: str) -> Payload:
+    def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
         del self.anchor  # only needed while training
-        return super().reply(site, phase)
+        return super().reply(site, ctx)
 
 
 class Ditto(FedAvg):

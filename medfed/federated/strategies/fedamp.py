@@ -42,7 +42,9 @@ import torch
 
 from medfed.config import require
 from medfed.errors import ConfigError
-from medfed.federated.strategies.base import DELIVER, Payload, ServerHalf, SiteHalf, Strategy
+from medfed.federated.strategies.base import (
+    DELIVER, MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan,
+)
 from medfed.federated.strategies.live_parameters import proximal_term
 
 VARIANTS = ("exponential", "heuristic")
@@ -111,7 +113,7 @@ def heuristic_attention(models: torch.Tensor, self_weight: float, cosine_scale: 
 class FedAMPServer(ServerHalf):
     """Keeps every site's last model; sends each site its cloud model u_i."""
 
-    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+    def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.models = initial["all"].reshape(1, -1).repeat(self.n_sites, 1)  # (N, d): last w_j of every site
         self.attention = self._attention()
 
@@ -121,11 +123,11 @@ class FedAMPServer(ServerHalf):
             return exponential_attention(self.models, self.options.alpha, self.options.sigma)
         return heuristic_attention(self.models, self.options.self_weight, self.options.cosine_scale)
 
-    def message(self, phase: str, site_index: int) -> Payload:
+    def message(self, ctx: RoundContext, site_index: int) -> Payload:
         weights = self.attention[site_index].to(self.models.dtype)
         return {"all": weights @ self.models}  # the cloud model u_i
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         for index, reply in replies.items():
             self.models[index] = reply["all"]
         self.attention = self._attention()
@@ -144,19 +146,19 @@ class FedAMPServer(ServerHalf):
 class FedAMPSite(SiteHalf):
     """Trains w_i from its cloud model u_i on F_i(w) + lam / (2 alpha) ||w - u_i||^2."""
 
-    def receive(self, site, phase: str, payload: Payload) -> None:
-        if phase == DELIVER:
+    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        if ctx.phase == DELIVER:
             return
         self.cloud = payload["all"]
-        site.module.set_vector("all", self.cloud)
+        site.set(MODEL, "all", self.cloud)
 
-    def regularizer(self, site, plan) -> torch.Tensor:
+    def regularizer(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan) -> torch.Tensor:
         """lam / (2 alpha) * ||w - u_i||^2 on the live parameters w (gradient (lam / alpha)(w - u_i))."""
-        return proximal_term(site.module, "all", self.cloud, self.options.lam / self.options.alpha)
+        return proximal_term(site.module(MODEL), "all", self.cloud, self.options.lam / self.options.alpha)
 
-    def reply(self, site, phase: str) -> Payload:
+    def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
         del self.cloud  # only needed while training; keeps checkpoints small
-        return {"all": site.module.get_vector("all")}
+        return {"all": site.get(MODEL, "all")}
 
 
 class FedAMP(Strategy):

@@ -30,7 +30,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.strategies.base import DELIVER, MODEL, Payload, ServerHalf, SiteHalf, Strategy, num_samples
+from medfed.federated.strategies.base import (
+    DELIVER, MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, num_samples,
+)
 
 
 class FedAvgServer(ServerHalf):
@@ -41,17 +43,17 @@ class FedAvgServer(ServerHalf):
     #: the vector of floating-point buffers averaged (dense on the wire); None: buffers stay at their site
     buffers_part: ClassVar[str | None] = "buffers"
 
-    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+    def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.global_model = initial[self.parameters_part].clone()
         self.global_buffers = None if self.buffers_part is None else initial[self.buffers_part].clone()
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         weights = [float(reply["num_samples"]) for reply in replies.values()]
         self.global_model = weighted_average([reply[self.parameters_part] for reply in replies.values()], weights)
         if self.buffers_part is not None:
             self.global_buffers = weighted_average([reply[self.buffers_part] for reply in replies.values()], weights)
 
-    def deliver(self, site_index: int) -> Payload:
+    def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
         payload = {self.parameters_part: self.global_model}
         if self.buffers_part is not None:
             payload[self.buffers_part] = self.global_buffers
@@ -73,16 +75,15 @@ class FedAvgSite(SiteHalf):
     #: the model slot holding the global model (strategies with several slots name theirs)
     global_slot: ClassVar[str] = MODEL
 
-    def receive(self, site, phase: str, payload: Payload) -> None:
-        if phase == DELIVER:
+    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        if ctx.phase == DELIVER:
             for part, vector in payload.items():
-                site.slot(self.global_slot).module.set_vector(part, vector)
+                site.set(self.global_slot, part, vector)
 
-    def reply(self, site, phase: str) -> Payload:
-        module = site.slot(self.global_slot).module
-        reply = {self.parameters_part: module.get_vector(self.parameters_part)}
+    def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
+        reply = {self.parameters_part: site.get(self.global_slot, self.parameters_part)}
         if self.buffers_part is not None:
-            reply[self.buffers_part] = module.get_vector(self.buffers_part)
+            reply[self.buffers_part] = site.get(self.global_slot, self.buffers_part)
         return {**reply, "num_samples": num_samples(site)}
 
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from medfed.config import require
-from medfed.federated.strategies.base import DELIVER, Payload, TrainingPlan
+from medfed.federated.strategies.base import DELIVER, Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
 from medfed.federated.strategies.live_parameters import proximal_term
 
@@ -47,20 +47,20 @@ from medfed.federated.strategies.live_parameters import proximal_term
 class FedProxSite(FedAvgSite):
     """FedAvg's site half training on F_k(w) + mu / 2 ||w - w^t||^2."""
 
-    def receive(self, site, phase: str, payload: Payload) -> None:
-        super().receive(site, phase, payload)
-        if phase != DELIVER:  # the round's training starts from w^t, the global model delivered last
-            self.anchor = site.slot(self.global_slot).module.get_vector(self.parameters_part)
+    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        super().receive(site, ctx, payload)
+        if ctx.phase != DELIVER:  # the round's training starts from w^t, the global model delivered last
+            self.anchor = site.get(self.global_slot, self.parameters_part)
 
-    def regularizer(self, site, plan: TrainingPlan) -> torch.Tensor | None:
+    def regularizer(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan) -> torch.Tensor | None:
         """mu / 2 * ||w - w^t||^2 on the live parameters (gradient mu (w - w^t)); none at mu = 0."""
         if self.options.mu == 0:
             return None
-        return proximal_term(site.slot(self.global_slot).module, self.parameters_part, self.anchor, self.options.mu)
+        return proximal_term(site.module(self.global_slot), self.parameters_part, self.anchor, self.options.mu)
 
-    def reply(self, site, phase: str) -> Payload:
+    def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
         del self.anchor  # only needed while training
-        return super().reply(site, phase)
+        return super().reply(site, ctx)
 
 
 class FedProx(FedAvg):

@@ -48,14 +48,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from medfed.config import require
-from medfed.federated.strategies.base import TrainingPlan
+from medfed.federated.strategies.base import RoundContext, TrainingPlan
 from medfed.federated.strategies.fedper import FedPer, FedPerSite
 
 
 class FedRepSite(FedPerSite):
     """Trains its head with the body frozen, then the body with the head frozen; sends the body."""
 
-    def plan(self, phase: str) -> tuple[TrainingPlan, ...]:
+    def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
         options = self.options
         return (
             TrainingPlan(part="personal", share=options.head_share, steps=options.head_steps, name="head"),

@@ -85,7 +85,7 @@ from dataclasses import dataclass
 import torch
 
 from medfed.config import require
-from medfed.federated.strategies.base import TrainingPlan
+from medfed.federated.strategies.base import RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
 from medfed.federated.strategies.live_parameters import training_loss_with, unwrap
 from medfed.models.additive_head import attach_additive_head, generic_output
@@ -99,9 +99,9 @@ class FedRoDSite(FedAvgSite):
         super().__init__(*args, **kwargs)
         self.shift: torch.Tensor | None = None  # gamma log N_m, from the site's training labels (not state: recomputed alike)
 
-    def loss(self, site, plan: TrainingPlan, batch) -> torch.Tensor:
+    def loss(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan, batch) -> torch.Tensor:
         """BSM of the generic logits plus the empirical loss of the personalised ones, on one batch."""
-        module = unwrap(site.slot(plan.slot).module)
+        module = unwrap(site.module(plan.slot))
         if self.shift is None:
             self.shift = self.options.gamma * module.log_prior(site.data)
         return self.balanced_loss(module, batch) + self.personal_loss(module, batch)

@@ -85,7 +85,9 @@ from medfed.config import require
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.concave_penalty import PENALTIES, fusion_prox
 from medfed.federated.graph import connected_components, incidence_matrix
-from medfed.federated.strategies.base import DELIVER, Payload, ServerHalf, SiteHalf, Strategy, num_samples
+from medfed.federated.strategies.base import (
+    DELIVER, MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+)
 from medfed.federated.strategies.live_parameters import proximal_term
 
 
@@ -96,20 +98,20 @@ class FPFCServer(ServerHalf):
         super().__init__(*args, **kwargs)
         self.pairs = list(itertools.combinations(range(self.n_sites), 2))  # (i, j), i < j: row p of zeta and v
 
-    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+    def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.shared = initial["shared"].clone()
         self.models = initial["personal"].reshape(1, -1).repeat(self.n_sites, 1)  # (N, d2): last w_j
         self.fusion = self.models.new_zeros(len(self.pairs), self.models.shape[1])  # (P, d2): zeta_ij
         self.duals = torch.zeros_like(self.fusion)  # (P, d2): v_ij
         self.last_step: dict[str, float] = {}
 
-    def message(self, phase: str, site_index: int) -> Payload:
+    def message(self, ctx: RoundContext, site_index: int) -> Payload:
         """x and u_i = (sum_j w_j + sum_{j != i} (zeta_ij - v_ij / rho)) / N."""
         row = incidence_matrix(self.pairs, self.n_sites, dtype=self.models.dtype, device=self.models.device)[site_index]  # (P,) +-1
         centre = self.models.sum(dim=0) + row @ self.fusion - (row @ self.duals) / self.options.rho
         return {"shared": self.shared, "personal": centre / self.n_sites}
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         self.shared = weighted_average([r["shared"] for r in replies.values()], [float(r["num_samples"]) for r in replies.values()])
         for index, reply in replies.items():
             self.models[index] = reply["personal"]
@@ -149,7 +151,7 @@ class FPFCServer(ServerHalf):
             "residual": float(torch.linalg.vector_norm(difference - self.fusion, dtype=torch.float64)),
         }
 
-    def deliver(self, site_index: int) -> Payload:
+    def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
         return {"shared": self.shared}
 
     def metrics(self) -> dict[str, float]:
@@ -169,18 +171,18 @@ class FPFCServer(ServerHalf):
 class FPFCSite(SiteHalf):
     """Trains its own model on f_i(w) + rho/2 ||w_personal - u_i||^2 (u_i from the server), shared part from the average."""
 
-    def receive(self, site, phase: str, payload: Payload) -> None:
-        site.module.set_vector("shared", payload["shared"])
-        if phase != DELIVER:
+    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        site.set(MODEL, "shared", payload["shared"])
+        if ctx.phase != DELIVER:
             self.centre = payload["personal"]
 
-    def regularizer(self, site, plan) -> torch.Tensor:
+    def regularizer(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan) -> torch.Tensor:
         """rho/2 ||w - u_i||^2 on the live personal parameters (gradient rho (w - u_i))."""
-        return proximal_term(site.module, "personal", self.centre, self.options.rho)
+        return proximal_term(site.module(MODEL), "personal", self.centre, self.options.rho)
 
-    def reply(self, site, phase: str) -> Payload:
+    def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
         del self.centre  # only needed while training; keeps checkpoints small
-        return {"shared": site.module.get_vector("shared"), "personal": site.module.get_vector("personal"), "num_samples": num_samples(site)}
+        return {"shared": site.get(MODEL, "shared"), "personal": site.get(MODEL, "personal"), "num_samples": num_samples(site)}
 
 
 class FPFC(Strategy):

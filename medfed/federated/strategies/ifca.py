@@ -78,11 +78,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
 
 from medfed.config import require
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.strategies.base import DELIVER, Payload, ServerHalf, SiteHalf, Strategy, num_samples
+from medfed.federated.strategies.base import (
+    DELIVER, MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, num_samples,
+)
 from medfed.models.split import ParameterSplit
 
 CLUSTER, CLUSTER_BUFFERS, CLUSTER_ID = "cluster", "cluster_buffers", "cluster_id"
@@ -122,21 +123,21 @@ def cluster_initialisations(model: torch.Tensor, split: ParameterSplit, clusters
 class IFCAServer(ServerHalf):
     """Holds the k cluster models and every site's last chosen cluster; averages each cluster's replies."""
 
-    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+    def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         k = self.options.clusters
         self.models = torch.stack([initial[f"{CLUSTER}/{j}"] for j in range(k)])  # (k, d)
         self.buffers = initial["buffers"].reshape(1, -1).repeat(k, 1)  # (k, b)
         self.assignment = [int(replies[i][CLUSTER_ID]) for i in range(self.n_sites)]  # j_i of every site
         self.reassigned = 0
 
-    def message(self, phase: str, site_index: int) -> Payload:
+    def message(self, ctx: RoundContext, site_index: int) -> Payload:
         payload = {}
         for j in range(self.options.clusters):
             payload[f"{CLUSTER}/{j}"] = self.models[j]
             payload[f"{CLUSTER_BUFFERS}/{j}"] = self.buffers[j]
         return payload
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         chosen = {index: int(reply[CLUSTER_ID]) for index, reply in replies.items()}
         for j in sorted(set(chosen.values())):
             members = [index for index, cluster in chosen.items() if cluster == j]
@@ -147,7 +148,7 @@ class IFCAServer(ServerHalf):
         for index, cluster in chosen.items():
             self.assignment[index] = cluster
 
-    def deliver(self, site_index: int) -> Payload:
+    def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
         j = self.assignment[site_index]
         return {"all": self.models[j], "buffers": self.buffers[j]}
 
@@ -173,27 +174,26 @@ class IFCASite(SiteHalf):
         super().__init__(*args, **kwargs)
         self.cluster: int | None = None  # j_i, from receiving a round's models to replying
 
-    def setup(self, site) -> Payload:
+    def setup(self, site: SiteView, ctx: RoundContext) -> Payload:
         """The first choice, among the seeded initial cluster models (which the site computes itself)."""
-        module = site.module
-        models = cluster_initialisations(module.get_vector("all"), self.split, self.options.clusters, self.seed, self.options.init_scale)
-        buffers = module.get_vector("buffers")
+        models = cluster_initialisations(site.get(MODEL, "all"), self.split, self.options.clusters, self.seed, self.options.init_scale)
+        buffers = site.get(MODEL, "buffers")
         return {CLUSTER_ID: _cluster_id(choose_cluster(site, ((m, buffers) for m in models)))}
 
-    def receive(self, site, phase: str, payload: Payload) -> None:
-        if phase == DELIVER:
+    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        if ctx.phase == DELIVER:
             for part, vector in payload.items():
-                site.module.set_vector(part, vector)
+                site.set(MODEL, part, vector)
             return
         candidates = ((payload[f"{CLUSTER}/{j}"], payload[f"{CLUSTER_BUFFERS}/{j}"]) for j in range(self.options.clusters))
         self.cluster = choose_cluster(site, candidates)
 
-    def reply(self, site, phase: str) -> Payload:
+    def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
         j, self.cluster = self.cluster, None
         return {
             CLUSTER_ID: _cluster_id(j),
-            f"{CLUSTER}/{j}": site.module.get_vector("all"),
-            f"{CLUSTER_BUFFERS}/{j}": site.module.get_vector("buffers"),
+            f"{CLUSTER}/{j}": site.get(MODEL, "all"),
+            f"{CLUSTER_BUFFERS}/{j}": site.get(MODEL, "buffers"),
             "num_samples": num_samples(site),
         }
 
@@ -203,49 +203,46 @@ def _cluster_id(j: int) -> torch.Tensor:
     return torch.tensor([float(j)], dtype=torch.float32, device="cpu")
 
 
-def choose_cluster(site, candidates: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> int:
+def choose_cluster(site: SiteView, candidates: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> int:
     """IFCA's cluster estimate: load each (parameters, buffers) candidate, keep the one with the lowest training loss.
 
     Args:
-        site: the site; its evaluated slot's module is overwritten.
+        site: the site; its model (slot ``model``) is overwritten.
         candidates: k pairs ``((d,), (b,))`` of the ``"all"`` and ``"buffers"`` vectors.
 
     Returns:
         argmin_j F_i(theta_j) (the lowest j among equal losses); the module
         holds that candidate on return.
     """
-    module = site.module
     losses, kept = [], []
     for parameters, buffers in candidates:
-        module.set_vector("all", parameters)
-        module.set_vector("buffers", buffers)
+        site.set(MODEL, "all", parameters)
+        site.set(MODEL, "buffers", buffers)
         losses.append(training_loss(site))
         kept.append((parameters, buffers))
     best = int(torch.argmin(torch.stack(losses)))
-    module.set_vector("all", kept[best][0])
-    module.set_vector("buffers", kept[best][1])
+    site.set(MODEL, "all", kept[best][0])
+    site.set(MODEL, "buffers", kept[best][1])
     return best
 
 
 @torch.no_grad()
-def training_loss(site) -> torch.Tensor:
-    """F_i: the evaluated module's mean training loss over the site's training split, evaluation mode, no gradients.
+def training_loss(site: SiteView) -> torch.Tensor:
+    """F_i: the model's mean training loss over the site's training split, evaluation mode, no gradients.
 
     The split is read in order (a random-crop split gives its fixed
-    reference patches), in batches of the evaluation's size, by a loader
-    with its own generator, so neither the
-    site's data order nor the global generators move. Each batch's mean
-    loss is weighted by the batch's size. Returns a 0-d tensor on the
-    module's device.
+    reference patches), in batches of the evaluation's size, by
+    :meth:`~medfed.federated.site_view.SiteView.full_pass` (neither the
+    site's data order nor the global generators move; counted as
+    ``forward/cluster_choice``). Each batch's mean loss is weighted by the
+    batch's size. Returns a 0-d tensor on the module's device.
     """
-    module = site.module
+    module = site.module(MODEL)
     module.eval()
-    batch_size = site.test_loader.batch_size  # evaluation batches (no gradients): 4 x the training batch
-    loader = DataLoader(site.data.train, batch_size=batch_size, shuffle=False, generator=torch.Generator())
     total = None
-    for index, batch in enumerate(loader):
-        size = min(batch_size, site.n_train - index * batch_size)
-        loss = module.training_step(site.fabric.to_device(batch), index) * size
+    # evaluation batches (no gradients): 4 x the training batch
+    for index, (batch, size) in enumerate(site.full_pass("train", "cluster_choice", backward=False, batch_size=site.eval_batch_size)):
+        loss = module.training_step(batch, index) * size
         total = loss if total is None else total + loss
     return total / site.n_train
 

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 import torch
 
 from medfed.config import require
-from medfed.federated.strategies.base import Payload, TrainingPlan
+from medfed.federated.strategies.base import Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgServer, FedAvgSite
 
 FIT, MIX = "fit", "mix"
@@ -72,34 +72,33 @@ FIT, MIX = "fit", "mix"
 class L2GDServer(FedAvgServer):
     """FedAvg's averaging of the fit replies; sends the mean in the mix phase and delivers nothing."""
 
-    def message(self, phase: str, site_index: int) -> Payload:
-        if phase == MIX:
+    def message(self, ctx: RoundContext, site_index: int) -> Payload:
+        if ctx.phase == MIX:
             return {self.parameters_part: self.global_model, self.buffers_part: self.global_buffers}
         return {}
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
-        if phase == FIT:
-            super().aggregate(phase, replies)
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
+        if ctx.phase == FIT:
+            super().aggregate(ctx, replies)
 
-    def deliver(self, site_index: int) -> Payload:
+    def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
         return {}
 
 
 class L2GDSite(FedAvgSite):
     """Trains and sends x_i in the fit phase; steps it the fraction theta towards the mean in the mix phase."""
 
-    def receive(self, site, phase: str, payload: Payload) -> None:
-        if phase != MIX:
+    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        if ctx.phase != MIX:
             return
-        module = site.slot(self.global_slot).module
         for part, mean in payload.items():
-            module.set_vector(part, torch.lerp(module.get_vector(part), mean, self.options.mixing))
+            site.set(self.global_slot, part, torch.lerp(site.get(self.global_slot, part), mean, self.options.mixing))
 
-    def plan(self, phase: str) -> tuple[TrainingPlan, ...]:
-        return (TrainingPlan(),) if phase == FIT else ()
+    def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
+        return (TrainingPlan(),) if ctx.phase == FIT else ()
 
-    def reply(self, site, phase: str) -> Payload:
-        return super().reply(site, phase) if phase == FIT else {}
+    def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
+        return super().reply(site, ctx) if ctx.phase == FIT else {}
 
 
 class L2GD(FedAvg):

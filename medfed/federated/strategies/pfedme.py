@@ -57,7 +57,10 @@ defaults to 0, with which w^{t+1} = w^t: its pFedMe learns a global model
 only when beta is given on the command line.
 
 **Cost.** Each mini-batch takes K forward and backward passes (the outer
-step needs no forward pass): K times a FedAvg step. With
+step needs no forward pass): K times a FedAvg step. The plan declares it
+(``data_pass=False``: its own step passes no sample) and each inner step
+goes through :meth:`~medfed.federated.site_view.SiteView.step`, so the run's
+compute counts K passes per mini-batch. With
 ``inner_tolerance`` every inner step also reads the gradient norm on the
 host (one device synchronisation per inner step).
 
@@ -73,7 +76,9 @@ import torch
 
 from medfed.config import require
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.strategies.base import DELIVER, Payload, ServerHalf, SiteHalf, Strategy, TrainingPlan, num_samples
+from medfed.federated.strategies.base import (
+    DELIVER, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+)
 from medfed.federated.strategies.live_parameters import live_parameters, squared_distance
 
 LOCAL, PERSONAL = "local", "personal"
@@ -82,14 +87,14 @@ LOCAL, PERSONAL = "local", "personal"
 class PFedMeServer(ServerHalf):
     """Holds w^t (and the averaged buffers); mixes the participants' average into it with weight beta."""
 
-    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+    def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.global_model = initial["all"].clone()
         self.global_buffers = initial["buffers"].clone()
 
-    def message(self, phase: str, site_index: int) -> Payload:
+    def message(self, ctx: RoundContext, site_index: int) -> Payload:
         return {"all": self.global_model, "buffers": self.global_buffers}
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         weights = [float(reply["num_samples"]) for reply in replies.values()]
         average = weighted_average([reply["all"] for reply in replies.values()], weights)
         self.global_model = torch.lerp(self.global_model, average, self.options.beta)  # (1 - beta) w + beta average
@@ -110,29 +115,28 @@ class PFedMeSite(SiteHalf):
         super().__init__(*args, **kwargs)
         self._inner_sgd: torch.optim.SGD | None = None  # plain steps at inner_lr (stateless), made at first use
 
-    def receive(self, site, phase: str, payload: Payload) -> None:
+    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
         """w_{i,0} = theta = w^t (with its buffers); the delivery carries nothing."""
-        if phase == DELIVER:
+        if ctx.phase == DELIVER:
             return
         for slot in (LOCAL, PERSONAL):
-            site.slot(slot).module.set_vector("all", payload["all"])
-            site.slot(slot).module.set_vector("buffers", payload["buffers"])
+            site.set(slot, "all", payload["all"])
+            site.set(slot, "buffers", payload["buffers"])
 
-    def plan(self, phase: str) -> tuple[TrainingPlan, ...]:
-        return (TrainingPlan(slot=LOCAL),)
+    def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
+        return (TrainingPlan(slot=LOCAL, data_pass=False),)
 
-    def loss(self, site, plan: TrainingPlan, batch) -> torch.Tensor:
+    def loss(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan, batch) -> torch.Tensor:
         """Solve the inner problem on ``batch``; return a loss whose gradient in w is lam (w - theta_i).
 
         Its value is f_i(theta; B) at the last inner iterate whose gradient
         was taken plus lam/2 ||w - theta_i||^2: an estimate of F_i(w; B).
         """
-        local = site.slot(LOCAL).module
-        data_loss = self.solve_inner_problem(site, batch, local.get_vector("all"))
-        theta = site.slot(PERSONAL).module.get_vector("all")
-        return data_loss + self.options.lam / 2.0 * squared_distance(local, "all", theta)
+        data_loss = self.solve_inner_problem(site, batch, site.get(LOCAL, "all"))
+        theta = site.get(PERSONAL, "all")
+        return data_loss + self.options.lam / 2.0 * squared_distance(site.module(LOCAL), "all", theta)
 
-    def solve_inner_problem(self, site, batch, centre: torch.Tensor) -> torch.Tensor:
+    def solve_inner_problem(self, site: SiteView, batch, centre: torch.Tensor) -> torch.Tensor:
         """theta <- approx. argmin f_i(theta; batch) + lam/2 ||theta - centre||^2, in the ``personal`` slot.
 
         Args:
@@ -145,19 +149,17 @@ class PFedMeSite(SiteHalf):
             taken: the returned theta when the tolerance stopped the steps,
             else the iterate before the K-th step.
         """
-        slot = site.slot(PERSONAL)
-        module = slot.module
+        module = site.module(PERSONAL)
         parameters = live_parameters(module, "all")
-        optimizer = slot.optimizer if self.options.inner_lr is None else self._plain_steps(parameters)
+        optimizer = None if self.options.inner_lr is None else self._plain_steps(parameters)
+        tolerance = self.options.inner_tolerance
+        converged = None if tolerance is None else (lambda: _gradient_norm(parameters) <= tolerance)
         module.train()
         for _ in range(self.options.inner_steps):
-            optimizer.zero_grad(set_to_none=True)
             data_loss = module.training_step(batch, 0)
-            site.fabric.backward(data_loss + self.options.lam / 2.0 * squared_distance(module, "all", centre))
-            if self.options.inner_tolerance is not None and _gradient_norm(parameters) <= self.options.inner_tolerance:
+            objective = data_loss + self.options.lam / 2.0 * squared_distance(module, "all", centre)
+            if not site.step(PERSONAL, objective, batch, optimizer=optimizer, stop_if=converged):
                 break
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         return data_loss.detach()
 
     def _plain_steps(self, parameters: list[torch.nn.Parameter]) -> torch.optim.SGD:
@@ -166,10 +168,10 @@ class PFedMeSite(SiteHalf):
             self._inner_sgd = torch.optim.SGD(parameters, lr=self.options.inner_lr)
         return self._inner_sgd
 
-    def reply(self, site, phase: str) -> Payload:
+    def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
         return {
-            "all": site.slot(LOCAL).module.get_vector("all"),
-            "buffers": site.slot(PERSONAL).module.get_vector("buffers"),
+            "all": site.get(LOCAL, "all"),
+            "buffers": site.get(PERSONAL, "buffers"),
             "num_samples": num_samples(site),
         }
 

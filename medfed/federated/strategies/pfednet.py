@@ -78,7 +78,9 @@ from medfed.federated.fusion import fusion_threshold, spread_removed
 from medfed.federated.graph import KNN_RULES, EDGE_WEIGHTINGS, SimilarityGraph, connected_components, similarity_graph
 from medfed.federated.network_lasso import AdmmState, solve_network_lasso
 from medfed.federated.sketch import check_sketch_size, data_sketch, feature_sketch
-from medfed.federated.strategies.base import Payload, ServerHalf, SiteHalf, Strategy, TrainingPlan, num_samples
+from medfed.federated.strategies.base import (
+    MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+)
 
 P_NORMS = {"1": 1.0, "2": 2.0, "inf": float("inf")}
 GRAPH_SPACES = ("data", "feature", "model")
@@ -88,7 +90,7 @@ LAM_SCALES = ("fusion", "absolute")
 class PFedNetServer(ServerHalf):
     """Holds the shared part x and every site's personal part (columns of Z); averages x, solves the network lasso for Z."""
 
-    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+    def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.shared = initial["shared"].clone()
         self.personal = initial["personal"].reshape(-1, 1).repeat(1, self.n_sites)  # Z: (d2, N)
         self.graph: SimilarityGraph | None = None
@@ -122,11 +124,11 @@ class PFedNetServer(ServerHalf):
         every = self.options.graph_refresh_rounds
         return every > 0 and (self.personal_steps - self.graph_history[-1][0]) >= every
 
-    def message(self, phase: str, site_index: int) -> Payload:
-        return {"shared": self.shared} if phase == "personal" else {}
+    def message(self, ctx: RoundContext, site_index: int) -> Payload:
+        return {"shared": self.shared} if ctx.phase == "personal" else {}
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
-        if phase == "shared":
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
+        if ctx.phase == "shared":
             self.shared = weighted_average(
                 [r["shared"] for r in replies.values()], [float(r["num_samples"]) for r in replies.values()]
             )
@@ -176,7 +178,7 @@ class PFedNetServer(ServerHalf):
         }
         return result.Z
 
-    def deliver(self, site_index: int) -> Payload:
+    def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
         payload = {"personal": self.personal[:, site_index]}
         if site_index not in self.sites_holding_shared:
             payload["shared"] = self.shared
@@ -227,7 +229,7 @@ class PFedNetServer(ServerHalf):
 class PFedNetSite(SiteHalf):
     """Trains the shared part, then its personal part, from what the server sent; sends its data sketch once."""
 
-    def setup(self, site) -> Payload:
+    def setup(self, site: SiteView, ctx: RoundContext) -> Payload:
         """Data/feature space: the site's sketch of its training split; model space: nothing."""
         if self.options.graph_space == "model":
             return {}
@@ -236,25 +238,25 @@ class PFedNetSite(SiteHalf):
             return {"sketch": feature_sketch(site.data.train)}
         sketch = data_sketch(
             site.data.train,
-            site.module.num_classes,
+            site.module(MODEL).num_classes,
             features=self.options.kernel_features,
             bandwidth=self.options.kernel_bandwidth,
             seed=self.seed,
         )
         return {"sketch": sketch}
 
-    def receive(self, site, phase: str, payload: Payload) -> None:
+    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
         for part in ("shared", "personal"):
             if part in payload:
-                site.module.set_vector(part, payload[part])
+                site.set(MODEL, part, payload[part])
 
-    def plan(self, phase: str) -> tuple[TrainingPlan, ...]:
+    def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
         """The phase's part ("shared" or "personal") for half the round's epochs (all with full_epoch_per_phase)."""
-        return (TrainingPlan(part=phase, share=1.0 if self.options.full_epoch_per_phase else 0.5),)
+        return (TrainingPlan(part=ctx.phase, share=1.0 if self.options.full_epoch_per_phase else 0.5),)
 
-    def reply(self, site, phase: str) -> Payload:
-        reply = {phase: site.module.get_vector(phase)}
-        if phase == "shared":
+    def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
+        reply = {ctx.phase: site.get(MODEL, ctx.phase)}
+        if ctx.phase == "shared":
             reply["num_samples"] = num_samples(site)
         return reply
 

@@ -58,20 +58,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import DataLoader
 
 from medfed.config import require
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.strategies.base import DELIVER, Payload, ServerHalf, SiteHalf, Strategy, num_samples
+from medfed.federated.strategies.base import (
+    DELIVER, MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+)
 from medfed.federated.strategies.live_parameters import live_parameters, live_vector
 
 
-def training_risk(site) -> tuple[float, torch.Tensor]:
-    """f(theta) and grad f(theta) of the site's module over its whole training split.
+def training_risk(site: SiteView) -> tuple[float, torch.Tensor]:
+    """f(theta) and grad f(theta) of the site's model over its whole training split.
 
     f is the sample-weighted mean of ``training_step`` over batches (the
-    training loader's batch size, in a fixed order that leaves the site's
-    shuffling generator untouched), grad f the same mean of the batch
+    training batch size, in a fixed order that leaves the site's shuffling
+    generator untouched: :meth:`~medfed.federated.site_view.SiteView.full_pass`,
+    counted as ``aux/gradient_estimate``), grad f the same mean of the batch
     gradients (zero for a parameter the loss does not use).
 
     The module runs in train mode, as in local training: BatchNorm normalises
@@ -86,16 +88,15 @@ def training_risk(site) -> tuple[float, torch.Tensor]:
         ``(f, gradient)``: a float and a float32 vector of shape
         ``(size("all"),)`` on the module's device.
     """
-    parameters = live_parameters(site.module, "all")
-    loader = DataLoader(site.data.train, batch_size=site.train_loader.batch_size, shuffle=False)
+    module = site.module(MODEL)
+    parameters = live_parameters(module, "all")
     risk = 0.0
     gradient = torch.zeros(sum(p.numel() for p in parameters), dtype=torch.float64, device=parameters[0].device)
-    buffers = [(buffer, buffer.clone()) for buffer in site.module.buffers()]
-    site.module.train()
-    for batch in loader:
-        batch = site.fabric.to_device(batch)
-        share = batch[0].shape[0] / site.n_train
-        loss = site.module.training_step(batch, 0)
+    buffers = [(buffer, buffer.clone()) for buffer in module.buffers()]
+    module.train()
+    for batch, samples in site.full_pass("train", "gradient_estimate", backward=True):
+        share = samples / site.n_train
+        loss = module.training_step(batch, 0)
         batch_gradients = torch.autograd.grad(loss, parameters, allow_unused=True, materialize_grads=True)
         gradient += share * torch.cat([g.reshape(-1) for g in batch_gradients]).to(torch.float64)
         risk += share * loss.item()
@@ -108,12 +109,12 @@ def training_risk(site) -> tuple[float, torch.Tensor]:
 class PGFedServer(ServerHalf):
     """Holds the global model, the learned weights A and the last participants' gradients."""
 
-    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
+    def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.global_model = initial["all"].clone()
         self.alpha: torch.Tensor | None = None  # A (N, N), from the end of round 1
         self.previous: dict | None = None  # S_{t-1}: "sites" (k,), "gradients" (k, d), "offsets" (k,)
 
-    def message(self, phase: str, site_index: int) -> Payload:
+    def message(self, ctx: RoundContext, site_index: int) -> Payload:
         message = {"all": self.global_model}
         if self.previous is None:  # round 1
             return message
@@ -133,7 +134,7 @@ class PGFedServer(ServerHalf):
         )
         return message
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         if self.alpha is None:
             self.alpha = torch.full((self.n_sites, self.n_sites), 1.0 / len(replies), device=self.global_model.device)
         sites = sorted(replies)
@@ -174,10 +175,10 @@ class PGFedSite(SiteHalf):
         """Momentum on the auxiliary gradient (eq. 15)."""
         return 0.0
 
-    def receive(self, site, phase: str, payload: Payload) -> None:
-        if phase == DELIVER:
+    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        if ctx.phase == DELIVER:
             return
-        site.module.set_vector("all", payload["all"])  # theta_i <- theta_glob^{t-1}
+        site.set(MODEL, "all", payload["all"])  # theta_i <- theta_glob^{t-1}
         if "aux_gradient" not in payload:  # round 1: FedAvg-style local training
             return
         downloaded = payload["aux_gradient"]
@@ -191,35 +192,35 @@ class PGFedSite(SiteHalf):
             "alpha_step_due": False,
         }
 
-    def loss(self, site, plan, batch) -> torch.Tensor:
+    def loss(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan, batch) -> torch.Tensor:
         """Before batch k's step, do batch k-1's a step (its theta step is done); then the loss of line 8."""
         if self.this_round is not None:
             if self.this_round["alpha_step_due"]:
                 self._alpha_step(site, self.this_round)
             self.this_round["alpha_step_due"] = True
-        return super().loss(site, plan, batch)
+        return super().loss(site, ctx, plan, batch)
 
-    def regularizer(self, site, plan) -> torch.Tensor | None:
+    def regularizer(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan) -> torch.Tensor | None:
         """<g~_i, theta_i> on the live parameters: its gradient is the auxiliary gradient g~_i (line 8)."""
         if self.this_round is None:
             return None
-        return torch.dot(self.aux_gradient, live_vector(site.module, "all"))
+        return torch.dot(self.aux_gradient, live_vector(site.module(MODEL), "all"))
 
-    def _alpha_step(self, site, this_round: dict) -> None:
+    def _alpha_step(self, site: SiteView, this_round: dict) -> None:
         """Lines 9-10: a_ij <- max(0, a_ij - eta_2 (g1_{t-1}[j] + gbar^T theta_i)) for j in S_{t-1}."""
-        theta = site.module.get_vector("all")
+        theta = site.get(MODEL, "all")
         g2 = torch.dot(this_round["mean_gradient"].to(torch.float64), theta.to(torch.float64))
         mask = this_round["in_previous"]
         alpha = this_round["alpha"]
         step = self.options.alpha_lr * (this_round["offsets"][mask].to(torch.float64) + g2)
         alpha[mask] = (alpha[mask].to(torch.float64) - step).clamp_min(0.0).to(alpha.dtype)
 
-    def reply(self, site, phase: str) -> Payload:
+    def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
         this_round, self.this_round = self.this_round, None
         if this_round is not None and this_round["alpha_step_due"]:
             self._alpha_step(site, this_round)  # the last batch's a step
         risk, gradient = training_risk(site)
-        theta = site.module.get_vector("all")
+        theta = site.get(MODEL, "all")
         offset = self.options.mu * (risk - float(torch.dot(gradient.to(torch.float64), theta.to(torch.float64))))
         reply = {
             "all": theta,

@@ -25,17 +25,17 @@ A round in which the pool site does not take part (``federation.participation``
 from __future__ import annotations
 
 from medfed.data.pooling import POOL_SITE
-from medfed.federated.strategies.base import Payload, Strategy, TrainingPlan
+from medfed.federated.strategies.base import Payload, RoundContext, SiteView, Strategy, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgServer, FedAvgSite
 
 
 class PooledServer(FedAvgServer):
     """Keeps the pool site's last model and delivers it to every site."""
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         trained = {index: reply for index, reply in replies.items() if reply}
         if trained:
-            super().aggregate(phase, trained)
+            super().aggregate(ctx, trained)
 
 
 class PooledSite(FedAvgSite):
@@ -45,11 +45,11 @@ class PooledSite(FedAvgSite):
     def holds_pool(self) -> bool:
         return self.index == POOL_SITE
 
-    def plan(self, phase: str) -> tuple[TrainingPlan, ...]:
+    def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
         return (TrainingPlan(),) if self.holds_pool else ()
 
-    def reply(self, site, phase: str) -> Payload:
-        return super().reply(site, phase) if self.holds_pool else {}
+    def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
+        return super().reply(site, ctx) if self.holds_pool else {}
 
 
 class Pooled(Strategy):

@@ -17,9 +17,9 @@ received, FedProx-like; nu pushes the two towards orthogonality, so the
 segment spans distinct low-loss solutions). The mixture's forward pass runs
 ``training_step`` of the federated slot with the mixed parameters
 (``torch.func.functional_call``, :func:`~medfed.federated.strategies.live_parameters.training_loss_with`);
-the federated slot's optimiser steps w^f and, hooked to its steps, the
-local slot's optimiser steps w^l (each with its own state, e.g. Adam
-moments).
+the training plan steps the federated slot's optimiser on w^f and, declared
+in the plan (``TrainingPlan.also_steps``), the local slot's optimiser on
+w^l after it (each with its own state, e.g. Adam moments).
 
 **Personalisation starts** at round ``start_round`` (the authors' code:
 after round floor(L R), L = ``--L``). Before it only w^f trains, with
@@ -78,7 +78,9 @@ from dataclasses import dataclass
 import torch
 
 from medfed.config import require
-from medfed.federated.strategies.base import DELIVER, Payload, SiteHalf, Strategy, TrainingPlan, num_samples
+from medfed.federated.strategies.base import (
+    DELIVER, Payload, RoundContext, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+)
 from medfed.federated.strategies.fedavg import FedAvgServer
 from medfed.federated.strategies.live_parameters import live_parameters, live_vector, squared_distance, training_loss_with, unwrap
 
@@ -90,18 +92,18 @@ _INITIALISATION_STREAM = 0
 class SuPerFedServer(FedAvgServer):
     """FedAvg's average of the federated models, sent with the round number at the start of each round."""
 
-    def setup(self, initial: Payload, replies: dict[int, Payload]) -> None:
-        super().setup(initial, replies)
+    def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
+        super().setup(ctx, initial, replies)
         self.completed_rounds = 0
 
-    def message(self, phase: str, site_index: int) -> Payload:
+    def message(self, ctx: RoundContext, site_index: int) -> Payload:
         return {"all": self.global_model, "buffers": self.global_buffers, "round": torch.tensor([float(self.completed_rounds + 1)], device=self.global_model.device)}
 
-    def aggregate(self, phase: str, replies: dict[int, Payload]) -> None:
-        super().aggregate(phase, replies)
+    def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
+        super().aggregate(ctx, replies)
         self.completed_rounds += 1
 
-    def deliver(self, site_index: int) -> Payload:
+    def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
         return {}
 
     def state_dict(self) -> dict:
@@ -118,34 +120,34 @@ class SuPerFedSite(SiteHalf):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.round = 0  # the round of the last message (0: none yet)
-        self._local_steps = None  # the hook that steps w^l after every step of w^f, once registered
 
     @property
     def personalising(self) -> bool:
         return self.round >= self.options.start_round
 
-    def setup(self, site) -> Payload:
+    def setup(self, site: SiteView, ctx: RoundContext) -> Payload:
         """Draw the local model afresh, independently of the federated one (seeded by the run seed and the site)."""
         with site.global_rng(_INITIALISATION_STREAM), torch.no_grad():
-            for layer in unwrap(site.slot(LOCAL).module).modules():
+            for layer in unwrap(site.module(LOCAL)).modules():
                 if hasattr(layer, "reset_parameters"):
                     layer.reset_parameters()
         return {}
 
-    def receive(self, site, phase: str, payload: Payload) -> None:
-        if phase == DELIVER:
+    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        if ctx.phase == DELIVER:
             self._load_personalised_model(site)
             return
-        federated = site.slot(FEDERATED).module
-        federated.set_vector("all", payload["all"])
-        federated.set_vector("buffers", payload["buffers"])
+        site.set(FEDERATED, "all", payload["all"])
+        site.set(FEDERATED, "buffers", payload["buffers"])
         self.global_model = payload["all"]  # w^g, the proximal centre (until the reply)
         self.round = int(payload["round"])
 
-    def plan(self, phase: str) -> tuple[TrainingPlan, ...]:
-        return (TrainingPlan(slot=FEDERATED),)
+    def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
+        """w^f's steps; the local slot's optimiser steps w^l after each (a step without a gradient for w^l,
+        before ``start_round``, leaves it and its optimiser state alone)."""
+        return (TrainingPlan(slot=FEDERATED, also_steps=(LOCAL,)),)
 
-    def loss(self, site, plan: TrainingPlan, batch) -> torch.Tensor:
+    def loss(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan, batch) -> torch.Tensor:
         """Before ``start_round``: l(w^f; B) + mu ||w^f - w^g||^2; from it on, the mixture's loss at a fresh lambda ~ U(0, 1).
 
         lambda comes from torch's CPU generator, which the loop seeds for
@@ -153,16 +155,14 @@ class SuPerFedSite(SiteHalf):
         the draws are the same in a resumed run, and reading them costs no
         device synchronisation.
         """
-        federated = site.slot(FEDERATED).module
+        federated = site.module(FEDERATED)
         if not self.personalising:
             return federated.training_step(batch, 0) + self.options.mu * squared_distance(federated, "all", self.global_model)
         return self.mixture_loss(site, batch, float(torch.rand((), device="cpu")))
 
-    def mixture_loss(self, site, batch, lam: float) -> torch.Tensor:
+    def mixture_loss(self, site: SiteView, batch, lam: float) -> torch.Tensor:
         """l(W(lam); B) + mu ||w^f - w^g||^2 + nu cos^2(w^f, w^l), differentiable in both models' live parameters."""
-        federated, local = site.slot(FEDERATED).module, site.slot(LOCAL).module
-        self._step_local_model_with_federated(site)
-        site.slot(LOCAL).optimizer.zero_grad(set_to_none=True)  # (a step that raised before its optimiser step left one)
+        federated, local = site.module(FEDERATED), site.module(LOCAL)
         parameters = live_parameters(federated, "all")
         f, l = live_vector(federated, "all"), live_vector(local, "all")  # (d,) w^f and w^l
         mixed = torch.lerp(f, l, lam)  # (1 - lam) w^f + lam w^l
@@ -173,37 +173,17 @@ class SuPerFedSite(SiteHalf):
         cosine_squared = (f @ l).square() / ((f @ f) * (l @ l)).clamp_min(torch.finfo(f.dtype).tiny)
         return data_loss + self.options.mu * proximal + self.options.nu * cosine_squared
 
-    def _step_local_model_with_federated(self, site) -> None:
-        """Make every step of the federated slot's optimiser also step the local slot's, then free w^l's gradient.
-
-        The loop steps only the optimiser of the slot a plan names; w^l's
-        gradient comes from the same backward pass. Registered once per half
-        (the optimisers live as long as the site); a step without a gradient
-        for w^l leaves it and its optimiser state alone.
-        """
-        if self._local_steps is None:
-            local_optimizer = site.slot(LOCAL).optimizer
-
-            def step_local_model(*_) -> None:
-                local_optimizer.step()
-                local_optimizer.zero_grad(set_to_none=True)
-
-            self._local_steps = site.slot(FEDERATED).optimizer.register_step_post_hook(step_local_model)
-
-    def _load_personalised_model(self, site) -> None:
+    def _load_personalised_model(self, site: SiteView) -> None:
         """personalised <- W(eval_lambda) of the two models (w^f before personalisation), with the federated buffers."""
-        federated = site.slot(FEDERATED).module
-        weights = federated.get_vector("all")
+        weights = site.get(FEDERATED, "all")
         if self.personalising:
-            weights = torch.lerp(weights, site.slot(LOCAL).module.get_vector("all"), self.options.eval_lambda)
-        personalised = site.slot(PERSONALISED).module
-        personalised.set_vector("all", weights)
-        personalised.set_vector("buffers", federated.get_vector("buffers"))
+            weights = torch.lerp(weights, site.get(LOCAL, "all"), self.options.eval_lambda)
+        site.set(PERSONALISED, "all", weights)
+        site.set(PERSONALISED, "buffers", site.get(FEDERATED, "buffers"))
 
-    def reply(self, site, phase: str) -> Payload:
+    def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
         del self.global_model  # only needed while training
-        federated = site.slot(FEDERATED).module
-        return {"all": federated.get_vector("all"), "buffers": federated.get_vector("buffers"), "num_samples": num_samples(site)}
+        return {"all": site.get(FEDERATED, "all"), "buffers": site.get(FEDERATED, "buffers"), "num_samples": num_samples(site)}
 
     def state_dict(self) -> dict:
         return {"round": self.round}

@@ -1,0 +1,129 @@
+"""Compute accounting: the samples each site passes per plan, auxiliary pass and evaluation, against hand counts.
+
+The sites have 37, 45 and 53 training samples and the batch size is 8, which
+divides none of them: a pass over a site is B = ceil(n / 8) batches whose
+last one holds n mod 8 = 5 samples, and a plan cut at k < B steps passes 8k
+samples, not k/B of an epoch.
+"""
+
+import math
+
+import pytest
+
+from medfed.federated.compute import compute_summary, training_epochs
+from medfed.federated.loop import _flatten_for_logging
+from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
+from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation
+
+BATCH = 8
+N_TEST = 48
+
+
+def _loop(name, options=None, participation=1.0, local_epochs=1):
+    federation = two_group_federation(n_sites=3, n_train=37, n_test=N_TEST)
+    return build_loop(name, federation, seeded(LinearClassifier, 4, 2), options, participation=participation,
+                      local_epochs=local_epochs, batch_size=BATCH)
+
+
+def _sizes(loop):
+    return {site.name: site.n_train for site in loop.sites}
+
+
+def _fresh_pass(n, steps):
+    """Samples in the first ``steps`` batches of a pass over n samples (batches of BATCH, the last one short)."""
+    return sum(min(BATCH, n - BATCH * k) for k in range(steps))
+
+
+def _batches(n):
+    return math.ceil(n / BATCH)
+
+
+def test_a_one_plan_strategy_counts_its_epochs_and_its_evaluation():
+    loop = _loop("fedavg", local_epochs=2)
+    loop.fit(2)
+    for record in loop.history:
+        assert set(record["compute"]) == set(loop.site_names)
+        for name, n in _sizes(loop).items():  # two whole passes: every sample twice
+            assert record["compute"][name] == {"train/fit/model": 2.0, "evaluation": N_TEST / n}
+    assert [site.n_train for site in loop.sites] == [37, 45, 53]
+
+
+def test_sites_that_skip_a_round_count_only_their_evaluation():
+    loop = _loop("fedavg", participation=2 / 3)
+    loop.fit(2)
+    for record in loop.history:
+        for name, n in _sizes(loop).items():
+            expected = {"evaluation": N_TEST / n}
+            if name in record["participants"]:
+                expected["train/fit/model"] = 1.0
+            assert record["compute"][name] == expected
+
+
+def test_pfednets_two_half_epoch_phases_count_the_batches_they_pass():
+    loop = _loop("pfednet")
+    loop.fit(2)
+    for name, n in _sizes(loop).items():
+        b = _batches(n)
+        first = math.floor(b * 0.5 + 0.5)  # the shared phase's steps: the first of a fresh pass
+        shared, personal = _fresh_pass(n, first), _fresh_pass(n, b - first)  # the personal phase: a fresh pass too
+        assert shared + personal == BATCH * b > n  # two cut passes cost more than one epoch
+        for record in loop.history:
+            assert record["compute"][name] == {
+                "train/shared/model": shared / n, "train/personal/model": personal / n, "evaluation": N_TEST / n,
+            }
+
+
+def test_dittos_global_and_personal_plans_are_counted_apart():
+    loop = _loop("ditto", {"personal_steps": 3})
+    loop.fit(2)
+    for name, n in _sizes(loop).items():
+        for record in loop.history:
+            assert record["compute"][name] == {
+                "train/fit/global": 1.0, "train/fit/personal": 3 * BATCH / n, "evaluation": N_TEST / n,
+            }
+            assert training_epochs(record["compute"][name]) == 1.0 + 3 * BATCH / n
+
+
+@pytest.mark.parametrize("inner_steps", [1, 5])
+def test_pfedmes_inner_steps_count_k_passes_per_mini_batch(inner_steps):
+    loop = _loop("pfedme", {"lam": 1.0, "inner_steps": inner_steps})
+    loop.fit(2)
+    for name, n in _sizes(loop).items():
+        for record in loop.history:
+            assert record["compute"][name] == {"train/fit/local": float(inner_steps), "evaluation": N_TEST / n}
+
+
+def test_auxiliary_and_forward_passes_are_counted_apart_from_the_plans():
+    pgfed, apfl, ifca = _loop("pgfed"), _loop("apfl"), _loop("ifca", {"clusters": 3})
+    for loop in (pgfed, apfl, ifca):
+        loop.fit(1)
+    for name in pgfed.site_names:
+        n = _sizes(pgfed)[name]
+        # PGFed: every round also estimates f and grad f over the whole training split
+        assert pgfed.history[0]["compute"][name] == {"train/fit/model": 1.0, "aux/gradient_estimate": 1.0, "evaluation": N_TEST / n}
+        # APFL: each step also steps the local model on the mixture, a second pass of the batch
+        assert apfl.history[0]["compute"][name] == {"train/fit/global": 2.0, "evaluation": N_TEST / n}
+        # IFCA: the cluster estimate is k forward passes over the training split (evaluation batches)
+        assert ifca.history[0]["compute"][name] == {"train/fit/model": 1.0, "forward/cluster_choice": 3.0, "evaluation": N_TEST / n}
+
+
+def test_the_results_summary_adds_up_the_rounds_and_the_loggers_see_each_count():
+    loop = _loop("ditto", {"personal_steps": 3}, participation=2 / 3)
+    loop.fit(3)
+    summary = compute_summary(loop.history, loop.site_names)
+    sizes = _sizes(loop)
+    rounds_in = {name: sum(name in r["participants"] for r in loop.history) for name in loop.site_names}
+    for name, n in sizes.items():
+        assert [entry["round"] for entry in summary["per_round"][name]] == [1, 2, 3]  # evaluated every round
+        totals = summary["totals"][name]
+        assert totals["train/fit/global"] == pytest.approx(rounds_in[name])
+        assert totals["train/fit/personal"] == pytest.approx(rounds_in[name] * 3 * BATCH / n)
+        assert totals["evaluation"] == pytest.approx(3 * N_TEST / n)
+        assert summary["training_epochs"][name] == pytest.approx(rounds_in[name] * (1 + 3 * BATCH / n))
+    assert summary["per_plan"]["train/fit/global"] == pytest.approx(sum(rounds_in.values()) / 3)
+    assert summary["mean_training_epochs_per_round"] == pytest.approx(sum(summary["training_epochs"].values()) / 3 / 3)
+    flat = _flatten_for_logging(loop.history[-1])
+    for name, counts in loop.history[-1]["compute"].items():
+        assert flat[f"{name}/compute/training_epochs"] == training_epochs(counts)
+        for key, epochs in counts.items():
+            assert flat[f"{name}/compute/{key}"] == epochs
