@@ -20,7 +20,9 @@ import torch
 from torch.utils.data import TensorDataset
 
 from medfed.cli import main
-from medfed.compare import Finished, Grid, Run, format_cell, markdown, read_grid, selected_round
+from medfed.compare.grid import Grid, read_grid
+from medfed.compare.plan import Run
+from medfed.compare.tables import Finished, format_cell, markdown, selected_round
 from medfed.evaluation.rounds import ValidationEvaluation
 
 from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation
@@ -267,7 +269,7 @@ def test_the_run_server_starts_with_the_runs_thread_count_and_leaves_this_proces
     script = tmp_path / "server_environment.py"
     script.write_text(
         "import multiprocessing, os\n"
-        "from medfed.compare import _start_run_server\n"
+        "from medfed.compare.runner import _start_run_server\n"
         "def report(writer):\n"
         "    writer.send(os.environ.get('OMP_NUM_THREADS'))\n"
         "if __name__ == '__main__':\n"
