@@ -10,7 +10,7 @@ fails differently is reported instead of timed.
 
 Run from the repository root::
 
-    python -m benchmarks.cli_start [--repeat 5] [--baseline /path/to/other/checkout]
+    python benchmarks/cli_start.py [--repeat 5] [--baseline /path/to/other/checkout]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 COMMANDS = [
-    ("--help", [], 0),
+    ("--help", ["--help"], 0),
     ("fit --help", ["fit", "--help"], 0),
     ("strategies", ["strategies"], 0),
     ("fit --print-config", ["fit", "--config", "brats_lack0", "--print-config"], 0),

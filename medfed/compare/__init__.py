@@ -8,10 +8,15 @@ given on the command line (:mod:`medfed.compare.grid`). :func:`compare`
 
 1. plans every run (:mod:`medfed.compare.plan`) and checks the whole grid before any run starts: each
    config is resolved with its overrides (:func:`medfed.components.resolve`),
-   every strategy name is known, each site's round can be chosen on a
-   validation split (``federation.validation_fraction`` > 0, ``holdout:
-   test``), and a run folder that holds a run of another config is refused;
-   any problem is one :class:`~medfed.errors.ConfigError`;
+   every strategy name is known, the runs report test metrics
+   (``holdout: test``), an override of a key compare sets itself
+   (``output_dir``, ``strategy.name``, ``trainer.seed``,
+   ``trainer.num_threads``) is refused, and a run folder that holds a run of
+   another config is refused; any problem is one
+   :class:`~medfed.errors.ConfigError` (a damaged results.json, one
+   :class:`~medfed.errors.DataError` naming it). A config without a
+   validation split gets one (``federation.validation_fraction=0.2``, said in
+   one line and recorded in each run's config) to choose each site's round on;
 2. runs each (config, strategy, seed) (:mod:`medfed.compare.runner`) as ``medfed fit`` in a process of its
    own (forked from a run server that imported torch once) with its own ``output_dir``, ``<output>/<config>/<strategy>/seed<k>``,
    ``jobs`` at a time, each with ``trainer.num_threads`` = cores // jobs
@@ -38,7 +43,7 @@ import sys
 from dataclasses import replace
 
 from medfed.atomic import atomic_write
-from medfed.compare.grid import Grid
+from medfed.compare.grid import Grid, check_overrides
 from medfed.compare.plan import default_jobs, plan_runs
 from medfed.compare.runner import execute
 from medfed.compare.tables import collect, comparison_rows, markdown, reported_metrics, run_means, write_csv
@@ -70,9 +75,10 @@ def compare(
     """
     from medfed.viz.plots import plot_comparison, save_figure
 
-    jobs = jobs or default_jobs()
+    jobs = default_jobs() if jobs is None else jobs
     if jobs < 1:
-        raise ConfigError(f"--jobs {jobs}: expected an integer >= 1")
+        raise ConfigError(f"--jobs {jobs}: expected an integer >= 1 (runs at once; leave it out for one per core)")
+    check_overrides(overrides)
     runs = plan_runs(grid, overrides, jobs)
     done = sum(run.action == "done" for run in runs)
     print(

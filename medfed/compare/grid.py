@@ -18,6 +18,13 @@ from medfed.errors import ConfigError
 GRID_KEYS = ("configs", "strategies", "seeds", "overrides", "metrics", "output")
 BUNDLED_GRIDS = BUNDLED_CONFIGS / "paper"
 """Grids shipped with medfed (``configs/paper`` in the repository): ``--grid table3_brats`` finds them."""
+SET_BY_COMPARE = {
+    "output_dir": "each run's folder is <output>/<config>/<strategy>/seed<k>; choose <output> with --output or the grid's output",
+    "strategy.name": "the runs' strategies are the grid's strategies (--strategies)",
+    "trainer.seed": "the runs' seeds are the grid's seeds (--seeds)",
+    "trainer.num_threads": "each new run gets cores // --jobs threads",
+}
+"""Config keys compare sets for each run itself, and how to choose them instead: an override of one is refused."""
 
 
 @dataclass(frozen=True)
@@ -77,10 +84,8 @@ def make_grid(configs: Any, strategies: Any, seeds: Any, overrides: Any, metrics
         ConfigError: naming the grid key whose value is of the wrong kind, or an unknown strategy.
     """
     configs, overrides, metrics = (_strings(value, key) for value, key in ((configs, "configs"), (overrides, "overrides"), (metrics, "metrics")))
-    bad = [override for override in overrides if "=" not in override]
-    if bad:
-        raise ConfigError(f"grid key 'overrides': {bad[0]!r} is not key=value")
-    strategies = _strings(strategies, "strategies")
+    check_overrides(overrides, "grid key 'overrides': ")
+    strategies = [name.strip() for item in _strings(strategies, "strategies") for name in item.split(",")]  # "a,b" as well as a b
     if strategies == ["all"]:
         strategies = list(STRATEGY_NAMES)
     unknown = [name for name in strategies if name not in STRATEGY_NAMES]
@@ -93,6 +98,20 @@ def make_grid(configs: Any, strategies: Any, seeds: Any, overrides: Any, metrics
         if not values or len(set(values)) != len(values):
             raise ConfigError(f"grid key '{key}' = {values!r}: expected a non-empty list without repeats")
     return Grid(configs, strategies, seeds, overrides, metrics, Path(output))
+
+
+def check_overrides(overrides: list[str] | tuple[str, ...], where: str = "") -> None:
+    """Refuse an override that is not ``key=value`` or that sets a key of :data:`SET_BY_COMPARE`.
+
+    Raises:
+        ConfigError: naming the override (prefixed by ``where``) and what to use instead.
+    """
+    for override in overrides:
+        key, equals, _ = override.partition("=")
+        if not equals:
+            raise ConfigError(f"{where}{override!r} is not key=value")
+        if key.strip() in SET_BY_COMPARE:
+            raise ConfigError(f"{where}override {override!r}: compare sets {key.strip()} itself ({SET_BY_COMPARE[key.strip()]})")
 
 
 def _strings(value: Any, key: str) -> list[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,10 @@ from medfed.checkpoint import FOLDER, checkpoints, config_differences
 from medfed.compare.grid import Grid
 from medfed.components import resolve
 from medfed.config import find_config, load_config
-from medfed.errors import ConfigError
+from medfed.errors import ConfigError, DataError
 
+VALIDATION_SPLIT = "federation.validation_fraction=0.2"
+"""The override compare adds to the runs of a config without a validation split (their rounds are chosen on it)."""
 NOT_COMPARED = ("trainer.num_threads",)
 """Config keys a finished run may differ in and still count as the grid's run (besides the resumable ones)."""
 
@@ -72,17 +75,22 @@ def plan_runs(grid: Grid, overrides: list[str] | tuple[str, ...] = (), jobs: int
         overrides: more ``key=value`` overrides (the command line's), after the grid's.
         jobs: runs at once; a new run gets ``trainer.num_threads`` = cores // jobs (at least 1).
 
+    A config without a validation split (``federation.validation_fraction``
+    0) gets one for its runs, :data:`VALIDATION_SPLIT` (recorded in each
+    run's config), and one line on stderr says so.
+
     Raises:
         ConfigError: the first problem, naming the run and the key: a config
-            that does not resolve, no validation split to choose rounds on,
-            a folder holding a run of another config.
+            that does not resolve or does not report test metrics, a folder
+            holding a run of another config.
+        DataError: a run folder's results.json or config.json is damaged (naming it).
     """
     threads = max(1, default_jobs() // (jobs or default_jobs()))
     paths = {config: find_config(config) for config in grid.configs}
     labels = [path.stem for path in paths.values()]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"grid key 'configs': two configs share a file name ({', '.join(labels)}); the tables need distinct names")
-    runs = []
+    runs, without_validation = [], []
     for config, path in paths.items():
         for strategy in grid.strategies:
             for seed in grid.seeds:
@@ -91,26 +99,32 @@ def plan_runs(grid: Grid, overrides: list[str] | tuple[str, ...] = (), jobs: int
                 where = f"{path.stem}/{strategy}/seed{seed}"
                 try:
                     resolved = resolve(load_config(path, [*fixed, f"trainer.num_threads={threads}"]))
+                    if resolved.run.federation.validation_fraction <= 0:
+                        fixed.append(VALIDATION_SPLIT)
+                        resolved = resolve(load_config(path, [*fixed, f"trainer.num_threads={threads}"]))
+                        if path.stem not in without_validation:
+                            without_validation.append(path.stem)
                     _check_selectable(resolved.run.federation)
                     action, run_threads = _inspect(output_dir, resolved.config, threads)
                 except ConfigError as error:
                     raise ConfigError(f"{where}: {error}") from None
                 log = grid.output / "logs" / path.stem / strategy / f"seed{seed}.log"
                 runs.append(Run(path.stem, path, strategy, seed, output_dir, (*fixed, f"trainer.num_threads={run_threads}"), run_threads, log, action))
+    if without_validation:
+        print(
+            f"medfed: compare: {', '.join(without_validation)} without a validation split: its runs choose their rounds on "
+            f"{VALIDATION_SPLIT} of each site's training data (recorded in each run's config)",
+            file=sys.stderr,
+        )
     return runs
 
 
 def _check_selectable(federation: Any) -> None:
-    """The runs must report test metrics and a validation split to choose each site's round on."""
+    """The runs must report test metrics (a validation split to choose each site's round on is added when missing)."""
     if federation.holdout != "test":
         raise ConfigError(
             f"config key 'federation.holdout' = {federation.holdout!r}: compare reports test metrics and chooses rounds on a "
-            "validation split beside them; use holdout test with federation.validation_fraction > 0"
-        )
-    if federation.validation_fraction <= 0:
-        raise ConfigError(
-            "config key 'federation.validation_fraction' = 0.0: compare chooses each site's round on its validation split; "
-            "set it > 0 (e.g. federation.validation_fraction=0.2 in the grid's overrides)"
+            "validation split beside them; use holdout test"
         )
 
 
@@ -124,12 +138,15 @@ def _inspect(output_dir: Path, config: dict[str, Any], threads: int) -> tuple[st
 
     Raises:
         ConfigError: the folder holds a run of another config, or of more rounds.
+        DataError: its results.json or config.json is damaged (naming the file).
     """
     results, started = output_dir / "results.json", output_dir / "config.json"
     source = results if results.is_file() else started if checkpoints(output_dir / FOLDER) and started.is_file() else None
     if source is None:
         return "new", threads
-    saved = json.loads(source.read_text())["config"] if source == results else json.loads(source.read_text())
+    saved = read_run_file(source, "config") if source == results else read_run_file(source)
+    if not isinstance(saved.get("trainer"), dict) or not isinstance(saved["trainer"].get("rounds"), int):
+        raise DataError(f"{source}: holds no run config with trainer.rounds; the file is damaged: delete the run folder {output_dir} to run it again")
     changed = [key for key in config_differences(saved, config) if key not in NOT_COMPARED]
     rounds, saved_rounds = config["trainer"]["rounds"], saved["trainer"]["rounds"]
     if saved_rounds > rounds:
@@ -139,7 +156,24 @@ def _inspect(output_dir: Path, config: dict[str, Any], threads: int) -> tuple[st
             f"config key 'output_dir' = '{output_dir}' holds a run of another config (it differs at {', '.join(changed)}); "
             "delete that folder or choose another grid output"
         )
-    saved_threads = saved["trainer"]["num_threads"] or threads
+    saved_threads = saved["trainer"].get("num_threads") or threads
     if source == results and saved_rounds == rounds:
         return "done", saved_threads
     return "resume", saved_threads
+
+
+def read_run_file(path: Path, key: str | None = None) -> dict[str, Any]:
+    """A run's results.json or config.json (or its mapping under ``key``), read as a JSON object.
+
+    Raises:
+        DataError: naming the file: unreadable, truncated or corrupt JSON, not an object, or without ``key``.
+    """
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise DataError(f"{path}: not readable as JSON ({error}); the file is damaged: delete its run folder to run it again") from None
+    if key is not None:
+        value = value.get(key) if isinstance(value, dict) else None
+    if not isinstance(value, dict):
+        raise DataError(f"{path}: expected a JSON object{f' with a {key!r} object' if key else ''}; the file is damaged: delete its run folder to run it again")
+    return value

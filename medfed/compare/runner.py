@@ -7,6 +7,8 @@ starts in a fraction of a second instead of ~10 s; see :func:`execute`.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -25,8 +27,9 @@ from medfed.fit import fit
 
 TAIL_LINES = 5
 """Lines of a failed run's log shown in its report."""
-RUN_SERVER_PRELOAD = ("medfed.compare.runner", "medfed.experiment", "medfed.tasks.brats", "medfed.tasks.luna16", "medfed.tasks.clinical")
-"""Modules the run server imports once, so a run does not spend ~10 s importing torch, Lightning and MONAI again."""
+RUN_SERVER_PRELOAD = ("medfed.compare.run_server", "medfed.compare.runner", "medfed.experiment", "medfed.tasks.brats", "medfed.tasks.luna16", "medfed.tasks.clinical")
+"""Modules the run server imports once, so a run does not spend ~10 s importing torch, Lightning and MONAI again
+(the first makes the server die with compare)."""
 
 
 def execute(runs: list[Run], jobs: int, progress: bool = True) -> dict[str, str]:
@@ -43,7 +46,10 @@ def execute(runs: list[Run], jobs: int, progress: bool = True) -> dict[str, str]
     earlier ``execute``, keeps its own). A run's output (stdout and stderr) goes to its ``log``,
     beside the run folders. On Ctrl-C no further run starts, the running
     ones get SIGINT (each checkpoints and stops) and KeyboardInterrupt is
-    raised.
+    raised. If this process ends any other way (``kill -9`` included), the
+    run server and every run end with it within moments
+    (:func:`_die_with_compare`): finished rounds are checkpointed and the
+    next ``compare`` resumes them.
 
     Returns:
         ``{run name: the last lines of its log}`` of the runs that failed.
@@ -57,9 +63,10 @@ def execute(runs: list[Run], jobs: int, progress: bool = True) -> dict[str, str]
     context.set_forkserver_preload(list(RUN_SERVER_PRELOAD))
     if todo:
         _start_run_server(min(run.threads for run in todo))
+    alive, alive_writer = context.Pipe(duplex=False)  # the writer stays in this process only: the runs see EOF once it ends
     bar = tqdm(total=len(todo), desc="runs", unit="run", disable=not progress)
     pool = ThreadPoolExecutor(max_workers=jobs)
-    futures = {pool.submit(_fit, context, run, running, lock, stopping): run for run in todo}
+    futures = {pool.submit(_fit, context, run, alive, running, lock, stopping): run for run in todo}
     try:
         for future in as_completed(futures):
             run = futures[future]
@@ -79,11 +86,16 @@ def execute(runs: list[Run], jobs: int, progress: bool = True) -> dict[str, str]
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
+        alive_writer.close()
+        alive.close()
     return failed
 
 
 def _start_run_server(threads: int) -> None:
-    """Start the forkserver (if it is not running) with ``OMP_NUM_THREADS=threads`` in its environment; this process's is left as it was."""
+    """Start the forkserver (if it is not running) with ``OMP_NUM_THREADS=threads`` in its environment; this process's is left as it was.
+
+    The server dies with the thread that starts it (:mod:`medfed.compare.run_server`): call this from the thread
+    that runs the whole comparison (the command line's main thread)."""
     previous = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(threads)
     try:
@@ -95,14 +107,16 @@ def _start_run_server(threads: int) -> None:
             os.environ["OMP_NUM_THREADS"] = previous
 
 
-def _fit(context: Any, run: Run, running: dict[str, Any], lock: threading.Lock, stopping: threading.Event) -> tuple[int, str]:
+def _fit(
+    context: Any, run: Run, alive: Any, running: dict[str, Any], lock: threading.Lock, stopping: threading.Event
+) -> tuple[int, str]:
     """One run as a ``fit`` process forked from the run server; ``(exit status, last lines of its log)``."""
     run.log.parent.mkdir(parents=True, exist_ok=True)
     with lock:
         if stopping.is_set():
             return INTERRUPTED, "not started (interrupted)"
         status_reader, status_writer = context.Pipe(duplex=False)
-        process = context.Process(target=_fit_in_run_server_child, args=(run, status_writer), name=run.name)
+        process = context.Process(target=_fit_in_run_server_child, args=(run, alive, status_writer), name=run.name)
         process.start()
         status_writer.close()
         running[run.name] = process
@@ -120,9 +134,10 @@ def _fit(context: Any, run: Run, running: dict[str, Any], lock: threading.Lock, 
     return code, " | ".join(lines[-TAIL_LINES:])
 
 
-def _fit_in_run_server_child(run: Run, status: Any) -> None:
+def _fit_in_run_server_child(run: Run, alive: Any, status: Any) -> None:
     """The run's process: stdout and stderr to its log, then ``medfed fit --quiet``; fit's exit status goes to
-    ``status`` (a pipe's end) and is the process's."""
+    ``status`` (a pipe's end) and is the process's. It ends at once when compare ends (``alive``: :func:`_die_with_compare`)."""
+    _die_with_compare(alive)
     descriptor = os.open(run.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -139,3 +154,33 @@ def _fit_in_run_server_child(run: Run, status: Any) -> None:
         sys.stderr.flush()
     status.send(code)
     sys.exit(code)
+
+
+PR_SET_PDEATHSIG = 1
+"""Linux's prctl option: the signal the kernel sends this process when the thread that started it ends."""
+
+
+def die_with_parent() -> None:
+    """On Linux, have the kernel SIGKILL this process the moment its parent ends (elsewhere, nothing)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _die_with_compare(alive: Any) -> None:
+    """End this run process (SIGKILL) as soon as the compare process ends, however it ends.
+
+    Two guards: the kernel kills it when its parent, the run server, ends
+    (:func:`die_with_parent`; the run server dies with compare, see
+    :mod:`medfed.compare.run_server`); and a thread waits on ``alive``, the
+    read end of a pipe whose only writer is the compare process, and kills
+    this process at its EOF: that also covers a compare (or run server) that
+    ended before this process started listening, and systems without prctl.
+    """
+    die_with_parent()
+
+    def wait_for_eof() -> None:
+        with contextlib.suppress(EOFError, OSError):
+            alive.recv_bytes()  # nothing is ever sent: this returns at EOF
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait_for_eof, name="die-with-compare", daemon=True).start()

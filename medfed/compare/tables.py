@@ -10,7 +10,6 @@ choice.
 from __future__ import annotations
 
 import csv
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +19,11 @@ import numpy as np
 
 from medfed.atomic import atomic_write
 from medfed.compare.grid import Grid
-from medfed.compare.plan import Run
-from medfed.errors import ConfigError
+from medfed.compare.plan import Run, read_run_file
+from medfed.errors import ConfigError, DataError
+
+RESULTS_KEYS = ("config", "federation", "history", "timing")
+"""What the tables read from each run's results.json."""
 
 
 @dataclass(frozen=True)
@@ -38,12 +40,20 @@ class Finished:
 
 
 def collect(runs: list[Run]) -> list[Finished]:
-    """The runs whose results.json is there (failed ones are left out)."""
+    """The runs whose results.json is there (failed ones are left out).
+
+    Raises:
+        DataError: a results.json is damaged or lacks what the tables read (naming the file).
+    """
     finished = []
     for run in runs:
         path = run.output_dir / "results.json"
         if path.is_file():
-            finished.append(Finished(run, json.loads(path.read_text())))
+            results = read_run_file(path)
+            missing = [key for key in RESULTS_KEYS if key not in results]
+            if missing or not results["history"]:
+                raise DataError(f"{path}: no {(missing or ['history'])[0]!r} in it; the file is damaged: delete its run folder to run it again")
+            finished.append(Finished(run, results))
     return finished
 
 
