@@ -1,4 +1,4 @@
-"""Command line: ``python -m medfed fit --config configs/brats_lack0.yaml [key=value ...]``.
+"""Command line: ``python -m medfed fit --config configs/brats_lack0.yaml [key=value ...]`` (:mod:`medfed.fit`).
 
 ``compare`` runs every (config, strategy, seed) of a grid as its own ``fit``
 and tabulates them (:mod:`medfed.compare`)::
