@@ -310,7 +310,7 @@ def test_a_config_without_a_validation_split_gets_one_said_in_one_line_and_recor
     assert len(runs) == 4 and all(VALIDATION_SPLIT in run.overrides for run in runs)
     assert load_config(runs[0].config_path, list(runs[0].overrides)).federation.validation_fraction == 0.2  # what fit records
     error = capsys.readouterr().err
-    assert error.count("\n") == 1 and f"tiny_clinical without a validation split: its runs choose their rounds on {VALIDATION_SPLIT}" in error
+    assert error.count("\n") == 1 and f"no validation split in tiny_clinical: each of its runs chooses its sites' rounds on {VALIDATION_SPLIT}" in error
     assert not (tmp_path / "out").exists()
 
 

@@ -112,8 +112,8 @@ def plan_runs(grid: Grid, overrides: list[str] | tuple[str, ...] = (), jobs: int
                 runs.append(Run(path.stem, path, strategy, seed, output_dir, (*fixed, f"trainer.num_threads={run_threads}"), run_threads, log, action))
     if without_validation:
         print(
-            f"medfed: compare: {', '.join(without_validation)} without a validation split: its runs choose their rounds on "
-            f"{VALIDATION_SPLIT} of each site's training data (recorded in each run's config)",
+            f"medfed: compare: no validation split in {', '.join(without_validation)}: each of its runs chooses its sites' rounds "
+            f"on {VALIDATION_SPLIT} of each site's training data (recorded in the run's config)",
             file=sys.stderr,
         )
     return runs
