@@ -19,7 +19,7 @@ tests/test_network_lasso.py).
 ``--compare FILE`` also times the ``solve_network_lasso`` of another copy of
 the module, side by side, e.g. the previous commit's:
 
-    git show HEAD~1:medfed/federated/network_lasso.py > outputs/old_network_lasso.py
+    git show HEAD~1:medfed/federated/strategies/solvers/network_lasso.py > outputs/old_network_lasso.py
     python -m benchmarks.bench_network_lasso --compare outputs/old_network_lasso.py
 
 Run from the repository root:  python -m benchmarks.bench_network_lasso [--d 316495] [--sites 5] [--k 3]
@@ -35,8 +35,8 @@ import time
 
 import torch
 
-from medfed.federated.graph import connected_components, incidence_matrix, knn_edges
-from medfed.federated.network_lasso import solve_network_lasso
+from medfed.federated.strategies.solvers.graph import connected_components, incidence_matrix, knn_edges
+from medfed.federated.strategies.solvers.network_lasso import solve_network_lasso
 
 DUAL_NORM = {1: math.inf, 2: 2, math.inf: 1}
 

@@ -87,9 +87,9 @@ def static_path(checkpoint: Path, lams: list[float], norms: list[str]) -> list[d
     """One server step on the stored Z~ for each (p, lam): the fraction of spread it removes."""
     import torch
 
-    from medfed.federated.fusion import fusion_threshold, spread_removed
-    from medfed.federated.graph import SimilarityGraph, connected_components
-    from medfed.federated.network_lasso import solve_network_lasso
+    from medfed.federated.strategies.solvers.fusion import fusion_threshold, spread_removed
+    from medfed.federated.strategies.solvers.graph import SimilarityGraph, connected_components
+    from medfed.federated.strategies.solvers.network_lasso import solve_network_lasso
 
     server = read_checkpoint(checkpoint)["server"]
     centre = server["personal"].to(torch.float64)

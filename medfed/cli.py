@@ -1,4 +1,4 @@
-"""Command line: ``python -m medfed fit --config configs/brats_lack0.yaml [key=value ...]``.
+"""Command line: ``python -m medfed fit --config configs/brats_lack0.yaml [key=value ...]`` (:mod:`medfed.fit`).
 
 ``compare`` runs every (config, strategy, seed) of a grid as its own ``fit``
 and tabulates them (:mod:`medfed.compare`)::
@@ -27,14 +27,14 @@ it is fixed). Ctrl-C ends with one line saying how to resume (exit status 130).
 from __future__ import annotations
 
 import argparse
-import logging
-import shlex
 import sys
 from pathlib import Path
 
-from medfed.errors import ConfigError, DataError, SiteFailure
+from medfed.console import one_line_errors, show_warnings
+from medfed.errors import INTERRUPTED
 
-INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
+# Each command's module is imported when that command runs: ``--help``, ``strategies`` and a config error
+# answer without importing torch, Lightning or MONAI (tests/test_cli_start.py, benchmarks/cli_start.py).
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,52 +98,36 @@ def main(argv: list[str] | None = None) -> int:
     stray = [arg for arg in extra if arg.startswith("-") or "=" not in arg or args.command not in ("fit", "compare")]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    _show_warnings()
-    try:
-        if args.command == "strategies":
-            from medfed.federated.strategies import strategy_table
-
-            print(strategy_table(markdown=args.markdown))
-            return 0
-        if args.command == "predict":
-            from medfed.predict import predict
-
-            written = predict(args.run, args.site, args.input, args.out, overwrite=args.overwrite)
-            print(f"medfed: wrote {written}", file=sys.stderr)
-            return 0
-        if args.command == "compare":
-            return _compare(args, [*args.overrides, *extra])
-        if args.command == "deploy":
-            return _deploy_submit(args)
-        return _fit(args, [*args.overrides, *extra])
-    except (ConfigError, DataError) as error:
-        print(f"medfed: error: {error}", file=sys.stderr)
-        return 2
+    show_warnings()
+    return one_line_errors(lambda: _run_command(args, extra))
 
 
-def _fit(args: argparse.Namespace, overrides: list[str]) -> int:
-    from medfed.components import resolve
-    from medfed.config import load_config, to_yaml
-    from medfed.experiment import run
+def _run_command(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.command == "strategies":
+        from medfed.components import strategy_table
 
-    cfg = load_config(args.config, overrides)
-    if args.print_config:
-        print(to_yaml(resolve(cfg).config), end="")
+        print(strategy_table(markdown=args.markdown))
         return 0
-    try:
-        run(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet, config_name=Path(args.config).stem)
-    except SiteFailure as error:
-        print(f"medfed: error: {error}; {_how_to_resume(args.config, overrides, Path(cfg.output_dir))}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"medfed: interrupted; {_how_to_resume(args.config, overrides, Path(cfg.output_dir))}", file=sys.stderr)
-        return INTERRUPTED
-    return 0
+    if args.command == "predict":
+        from medfed.predict import predict
+
+        written = predict(args.run, args.site, args.input, args.out, overwrite=args.overwrite)
+        print(f"medfed: wrote {written}", file=sys.stderr)
+        return 0
+    if args.command == "compare":
+        return _compare(args, [*args.overrides, *extra])
+    if args.command == "deploy":
+        return _deploy_submit(args)
+    from medfed.fit import fit
+
+    overrides = [*args.overrides, *extra]
+    return fit(args.config, overrides, resume=args.resume, overwrite=args.overwrite, quiet=args.quiet, print_config=args.print_config)
 
 
 def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
     """``compare``: 0 when every run finished, 1 when some failed (the tables hold the others), 130 on Ctrl-C."""
-    from medfed.compare import compare, make_grid, read_grid
+    from medfed.compare import compare
+    from medfed.compare.grid import make_grid, read_grid
 
     if args.grid is not None:
         grid, source = read_grid(args.grid), args.grid
@@ -173,29 +157,3 @@ def _deploy_submit(args: argparse.Namespace) -> int:
         print(f"medfed: error: deploy submit needs Flower: pip install 'medfed[deploy]' ({error})", file=sys.stderr)
         return 2
     return submit(args.app_dir, args.superlink, args.run_config)
-
-
-def _how_to_resume(config: str, overrides: list[str], output_dir: Path) -> str:
-    """What an interrupted user can do next, in one line."""
-    from medfed.checkpoint import FOLDER, checkpoints
-
-    found = checkpoints(output_dir / FOLDER)
-    if not found:
-        return "no round had finished, so there is nothing to resume; run the same command again"
-    command = shlex.join(["python", "-m", "medfed", "fit", "--config", config, *overrides, "--resume"])
-    return f"every finished round is checkpointed in {found[-1].parent} (newest {found[-1].name}); continue with: {command}"
-
-
-def _show_warnings() -> None:
-    """Send the ``medfed`` logger's records to stderr as ``medfed: warning: ...`` (``info``, ...) lines."""
-    logger = logging.getLogger("medfed")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(_OneLineFormatter())
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-
-
-class _OneLineFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        return f"medfed: {record.levelname.lower()}: {record.getMessage()}"

@@ -15,22 +15,138 @@ config that fails anywhere fails before a single file is opened, and
 :attr:`ResolvedRun.config` is the *full* config, every component default
 filled in, which ``--print-config`` prints and ``config.json`` stores (and
 which loads back as a config that resolves to itself).
+
+This module imports neither torch nor any component: :data:`STRATEGY_CATALOG`
+declares the registered strategies' names and one-line descriptions (``python
+-m medfed strategies``, the strategy names a config or a grid may use; a test
+checks it against the registry, :data:`medfed.federated.strategies.REGISTERED`),
+and :func:`resolve` imports the components' registries (torch, Lightning,
+MONAI) only once the names in a config are known to be right.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from medfed.config import RunConfig, parse_options, to_plain_dict
 from medfed.errors import ConfigError
-from medfed.federated.strategies import strategy_from_config, strategy_subgroups
-from medfed.models import model_class
-from medfed.tasks import Task, get_task
+
+if TYPE_CHECKING:
+    from medfed.tasks import Task
+
+
+class StrategyEntry(NamedTuple):
+    """A registered strategy as ``python -m medfed strategies`` lists it (its class's ``name``, ``summary``, ``reference``)."""
+
+    name: str
+    summary: str
+    reference: str
+
+
+STRATEGY_CATALOG: tuple[StrategyEntry, ...] = (
+    StrategyEntry("local", "every site trains its own model alone; nothing is exchanged (the lower reference)", ""),
+    StrategyEntry(
+        "fedavg", "one global model, sample-weighted averaging of parameters and buffers",
+        "McMahan et al., Communication-efficient learning of deep networks from decentralized data, AISTATS 2017",
+    ),
+    StrategyEntry(
+        "fedbn", "FedAvg with every BatchNorm layer (affine and running statistics) kept at its site",
+        "Li et al., FedBN: Federated learning on non-IID features via local batch normalization, ICLR 2021",
+    ),
+    StrategyEntry(
+        "fedprox", "FedAvg whose local objective adds mu/2 ||w - w_global||^2",
+        "Li, Sahu, Zaheer, Sanjabi, Talwalkar, Smith, Federated optimization in heterogeneous networks, MLSys 2020",
+    ),
+    StrategyEntry(
+        "fedper", "shared base layers averaged (FedAvg), personalisation layers (the split's personal part) never leave the site",
+        "Arivazhagan, Aggarwal, Singh, Choudhary, Federated learning with personalization layers, arXiv:1912.00818, 2019",
+    ),
+    StrategyEntry(
+        "fedrep", "each round trains the personal head (body frozen), then the shared body (head frozen); bodies averaged",
+        "Collins, Hassani, Mokhtari, Shakkottai, Exploiting shared representations for personalized federated learning, ICML 2021",
+    ),
+    StrategyEntry(
+        "fedrod", "body + generic head trained with the balanced softmax and averaged; a personal head adds its logits at each site",
+        "Chen and Chao, On bridging generic and personalized federated learning for image classification, ICLR 2022",
+    ),
+    StrategyEntry(
+        "fedbabu",
+        "body trained and averaged with the head (last layer) frozen at its initialisation; the head fine-tuned at each site to evaluate",
+        "Oh, Kim and Yun, FedBABU: Towards enhanced representation for federated image classification, ICLR 2022",
+    ),
+    StrategyEntry(
+        "ditto", "a FedAvg global model, and a personal model per site trained near it (lambda/2 ||v - w||^2)",
+        "Li, Hu, Beirami, Smith, Ditto: fair and robust federated learning through personalization, ICML 2021",
+    ),
+    StrategyEntry(
+        "apfl", "each site evaluates alpha v + (1 - alpha) w, its own model mixed with the FedAvg one, alpha learned",
+        "Deng, Kamani, Mahdavi, Adaptive personalized federated learning, arXiv 2003.13461 (2020)",
+    ),
+    StrategyEntry(
+        "l2gd", "local models trained alone, then each moved part of the way (theta) towards their mean every round",
+        "Hanzely and Richtarik, Federated learning of a mixture of global and local models, arXiv 2002.05516 (2020)",
+    ),
+    StrategyEntry(
+        "pfedme", "personalised models as proximal points of each site's loss (Moreau envelopes) around a global model",
+        "Dinh, Tran and Nguyen, Personalized federated learning with Moreau envelopes, NeurIPS 2020",
+    ),
+    StrategyEntry(
+        "superfed", "federated and local models trained as the ends of a low-loss line (random mixtures, orthogonality, proximal term)",
+        "Hahn, Jeong and Lee, Connecting low-loss subspace for personalized federated learning, KDD 2022",
+    ),
+    StrategyEntry(
+        "ifca", "k cluster models: each site trains, and is evaluated with, the one with the lowest loss on its data",
+        "Ghosh, Chung, Yin and Ramchandran, An efficient framework for clustered federated learning, NeurIPS 2020 / IEEE Trans. Inf. Theory 2022",
+    ),
+    StrategyEntry(
+        "fpfc", "personalised models fused into clusters by a concave (SCAD/MCP) pairwise penalty, ADMM with the pair variables on the server",
+        "Yu, Liu, Wang and Sun, Clustered federated learning based on nonconvex pairwise fusion, arXiv 2211.04218",
+    ),
+    StrategyEntry(
+        "fedamp", "attentive message passing: each site trains near a cloud model of similar sites' models",
+        "Huang et al., Personalized cross-silo federated learning on non-IID data, AAAI 2021",
+    ),
+    StrategyEntry(
+        "apple", "each site mixes every site's core model with directed relationships it learns",
+        "Luo and Wu, Adapt to adaptation: learning personalization for cross-silo federated learning, IJCAI 2022",
+    ),
+    StrategyEntry(
+        "pgfed", "each site adds a first-order estimate of the other sites' risks, weighted by learned a_ij",
+        "Luo, Chen, Wu, Zhang, PGFed: personalize each client's global objective for federated learning, ICCV 2023",
+    ),
+    StrategyEntry(
+        "pgfedmo", "PGFed with momentum on each site's auxiliary gradient",
+        "Luo, Chen, Wu, Zhang, PGFed: personalize each client's global objective for federated learning, ICCV 2023",
+    ),
+    StrategyEntry(
+        "pfednet", "graph-coupled personalisation: shared part averaged, personal parts fused over a site similarity network",
+        "Zhao, Liu, Liu, He, Medical federated model with mixture of personalized and sharing components",
+    ),
+    StrategyEntry(
+        "pooled", "one model trained on every site's training data pooled, evaluated at each site (NOT federated: the centralised upper reference)",
+        "the pooled (centralised) baseline of du Terrail et al., FLamby: datasets and benchmarks for cross-silo federated learning in "
+        "realistic healthcare settings, NeurIPS 2022",
+    ),
+)
+"""Every registered strategy, in the registry's order (:data:`medfed.federated.strategies.REGISTERED`; tests/test_registry.py
+checks that the two agree), declared here so that listing and naming strategies needs no torch."""
+STRATEGY_NAMES: tuple[str, ...] = tuple(entry.name for entry in STRATEGY_CATALOG)
+
+
+def strategy_table(markdown: bool = False) -> str:
+    """The catalog as text: one line per strategy (name, summary, reference), or the README's markdown table."""
+    if markdown:
+        rows = [f"| `{entry.name}` | {entry.summary} | {entry.reference or '—'} |" for entry in STRATEGY_CATALOG]
+        return "\n".join(["| name | what it does | reference |", "|---|---|---|", *rows])
+    width = max(map(len, STRATEGY_NAMES))
+    return "\n".join(
+        f"{entry.name:<{width}}  {entry.summary}" + (f"\n{'':<{width}}  ({entry.reference})" if entry.reference else "")
+        for entry in STRATEGY_CATALOG
+    )
 
 
 @dataclass(frozen=True)
@@ -74,6 +190,11 @@ def resolve(cfg: DictConfig) -> ResolvedRun:
     """
     config = to_plain_dict(cfg)
     run: RunConfig = OmegaConf.to_object(cfg)
+    check_strategy_names(config["strategy"])
+    from medfed.federated.strategies import strategy_from_config, strategy_subgroups  # torch, Lightning, MONAI: from here on
+    from medfed.models import model_class
+    from medfed.tasks import get_task
+
     task = get_task(_required(config["data"], "task", "data"))
     data_options = parse_options(task.Options, config["data"], "data", ignore=("task",))
     model_name = config["model"].get("name") or task.default_model
@@ -102,8 +223,26 @@ def resolve(cfg: DictConfig) -> ResolvedRun:
     return ResolvedRun(full, run, task, data_options, model_cls, model_options, strategy_cls, strategy_options)
 
 
+def check_strategy_names(group: dict[str, Any]) -> None:
+    """Refuse a ``strategy`` group whose ``name`` or an options subgroup is not a registered strategy (from the catalog).
+
+    Raises:
+        ConfigError: naming ``strategy.name`` or the unknown ``strategy.<key>``.
+    """
+    name = group.get("name")
+    if name not in STRATEGY_NAMES:
+        raise ConfigError(f"config key 'strategy.name' = {name!r}: expected one of {', '.join(sorted(STRATEGY_NAMES))}")
+    unknown = [key for key in group if key != "name" and key not in STRATEGY_NAMES]
+    if unknown:
+        raise ConfigError(
+            f"unknown config key 'strategy.{unknown[0]}' (expected 'name' or a strategy's options: {', '.join(sorted(STRATEGY_NAMES))})"
+        )
+
+
 def check_device(device: str) -> None:
     """Refuse ``trainer.device`` values this machine cannot run (``cuda``/``gpu`` without CUDA, ``mps`` without MPS)."""
+    import torch  # the device check is the one thing here that needs it
+
     if device in ("cuda", "gpu") and not torch.cuda.is_available():
         raise ConfigError(
             f"config key 'trainer.device' = {device!r}: this machine has no CUDA GPU that torch "

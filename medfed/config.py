@@ -170,6 +170,9 @@ def _site_sizes(value: Any, n_sites: int) -> str | list[float]:
 
 
 DEVICES = ("cpu", "cuda", "gpu", "mps", "auto")
+CODEC_NAMES = ("dense", "stc", "cer", "cer+stc")
+"""The codecs of :mod:`medfed.compression.codecs` by name, here so that a config is checked without importing torch
+(tests/test_cli_start.py checks the two agree)."""
 
 
 @dataclass
@@ -250,8 +253,6 @@ class CodecConfig:
     quant_bits: int | None = None
 
     def __post_init__(self) -> None:
-        from medfed.compression.codecs import CODEC_NAMES
-
         for key in ("up", "down"):
             require(getattr(self, key) in CODEC_NAMES, f"codec.{key}", getattr(self, key), f"one of {', '.join(CODEC_NAMES)}")
         require(self.gamma >= 0, "codec.gamma", self.gamma, "a CER weight >= 0")

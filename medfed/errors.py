@@ -9,6 +9,9 @@ Input that is legal but probably not what the user meant is reported with
 
 import logging
 
+INTERRUPTED = 130
+"""The exit status of a command ended by Ctrl-C (the shell's status for a process ended by SIGINT)."""
+
 
 class DataError(ValueError):
     """A data file or data set is missing, unreadable, or not what was expected."""

@@ -10,8 +10,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +22,10 @@ import torch
 from torch.utils.data import TensorDataset
 
 from medfed.cli import main
-from medfed.compare import Finished, Grid, Run, format_cell, markdown, read_grid, selected_round
+from medfed.compare.grid import Grid, make_grid, read_grid
+from medfed.compare.plan import VALIDATION_SPLIT, Run, plan_runs
+from medfed.compare.tables import Finished, format_cell, markdown, selected_round
+from medfed.config import load_config
 from medfed.evaluation.rounds import ValidationEvaluation
 
 from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation
@@ -179,7 +184,12 @@ def test_a_rerun_runs_nothing_and_a_run_without_results_is_resumed(compared, tmp
         ({"strategies": "[local, fedavgg]"}, [], "grid key 'strategies': unknown strategy 'fedavgg'"),
         ({"colours": "[red]"}, [], "unknown grid key 'colours'"),
         ({}, ["trainer.roundz=2"], "tiny_clinical/local/seed0: .*unknown config key 'trainer.roundz'"),
-        ({}, ["federation.validation_fraction=0"], "config key 'federation.validation_fraction' = 0.0: compare chooses"),
+        ({}, ["federation.holdout=validation"], "config key 'federation.holdout' = 'validation': compare reports test metrics"),
+        ({}, ["output_dir=elsewhere"], "override 'output_dir=elsewhere': compare sets output_dir itself .*--output"),
+        ({"overrides": "[strategy.name=ditto]"}, [], "grid key 'overrides': override 'strategy.name=ditto': compare sets strategy.name"),
+        ({}, ["trainer.seed=3"], "override 'trainer.seed=3': compare sets trainer.seed itself .*--seeds"),
+        ({}, ["--jobs", "0"], r"--jobs 0: expected an integer >= 1"),
+        ({}, ["--strategies", "local,fedavgg"], "unknown strategy 'fedavgg'"),
         ({"overrides": "[model.lr=-1]"}, [], "tiny_clinical/local/seed0: config key 'model.lr'"),
     ],
 )
@@ -267,7 +277,7 @@ def test_the_run_server_starts_with_the_runs_thread_count_and_leaves_this_proces
     script = tmp_path / "server_environment.py"
     script.write_text(
         "import multiprocessing, os\n"
-        "from medfed.compare import _start_run_server\n"
+        "from medfed.compare.runner import _start_run_server\n"
         "def report(writer):\n"
         "    writer.send(os.environ.get('OMP_NUM_THREADS'))\n"
         "if __name__ == '__main__':\n"
@@ -285,3 +295,99 @@ def test_the_run_server_starts_with_the_runs_thread_count_and_leaves_this_proces
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=environment, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["3", "None"]
+
+
+def test_strategies_may_be_given_comma_separated():
+    grid = make_grid(["c.yaml"], ["local,fedavg", "ditto"], [0], [], [], "out")
+    assert grid.strategies == ["local", "fedavg", "ditto"]
+
+
+def test_a_config_without_a_validation_split_gets_one_said_in_one_line_and_recorded_in_each_run(tmp_path, capsys):
+    grid = read_grid(write_grid(tmp_path, tmp_path / "out"))
+    config = tmp_path / "tiny_clinical.yaml"
+    config.write_text(config.read_text().replace("  validation_fraction: 0.2\n", ""))
+    runs = plan_runs(grid, jobs=1)
+    assert len(runs) == 4 and all(VALIDATION_SPLIT in run.overrides for run in runs)
+    assert load_config(runs[0].config_path, list(runs[0].overrides)).federation.validation_fraction == 0.2  # what fit records
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and f"no validation split in tiny_clinical: each of its runs chooses its sites' rounds on {VALIDATION_SPLIT}" in error
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", [lambda text: text[: len(text) // 2], lambda text: "[]", lambda text: '{"config": {}}'])
+def test_a_damaged_results_json_stops_compare_with_one_line_naming_it(compared, tmp_path, capsys, damage):
+    grid, out, _ = compared
+    copy = shutil.copytree(out, tmp_path / "out")
+    results = copy / "tiny_clinical" / "fedavg" / "seed1" / "results.json"
+    results.write_text(damage(results.read_text()))
+    assert main(["compare", "--grid", str(grid), "--output", str(copy), "--quiet"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"medfed: error: {results}: ") and error.count("\n") == 1, error
+
+
+def _descendants(pid: int) -> dict[int, int]:
+    """``{pid: start time}`` of every process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        fields = _stat_fields(int(stat.parent.name))
+        if fields:
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = {}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            fields = _stat_fields(child)
+            if fields:
+                found[child] = int(fields[19])
+                todo.append(child)
+    return found
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat after the command name: state, ppid, ..., start time at index 19; None when gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return f"{pid} (gone)"
+
+
+def _running(pid: int, start: int) -> bool:
+    fields = _stat_fields(pid)
+    return fields is not None and int(fields[19]) == start and fields[0] not in ("Z", "X")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_every_process_compare_started_ends_within_seconds_of_a_kill_9(tmp_path):
+    grid = write_grid(tmp_path, tmp_path / "out")
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPOSITORY)}
+    command = [sys.executable, "-m", "medfed", "compare", "--grid", str(grid), "--jobs", "2", "--quiet", "trainer.rounds=2000"]
+    with (tmp_path / "compare.log").open("w") as log:
+        compare = subprocess.Popen(command, stdout=log, stderr=log, env=environment, cwd=tmp_path)
+    family: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 180
+        while len(list((tmp_path / "out" / "logs").rglob("*.log"))) < 2 or len(family) < 3:  # the run server and two runs
+            assert compare.poll() is None and time.monotonic() < deadline, (tmp_path / "compare.log").read_text()
+            time.sleep(0.5)
+            family = _descendants(compare.pid)
+        time.sleep(2)  # the runs are training
+        family = _descendants(compare.pid)
+        os.kill(compare.pid, signal.SIGKILL)
+        compare.wait()
+        deadline = time.monotonic() + 10
+        while any(_running(pid, start) for pid, start in family.items()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        survivors = [_command_line(pid) for pid, start in family.items() if _running(pid, start)]
+        assert not survivors, f"{len(survivors)} of compare's {len(family)} processes alive 10 s after its kill -9: {survivors}"
+    finally:
+        for pid, start in family.items():
+            if _running(pid, start):
+                os.kill(pid, signal.SIGKILL)
+        if compare.poll() is None:
+            compare.kill()

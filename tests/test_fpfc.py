@@ -9,7 +9,7 @@ from torch.utils.data import TensorDataset
 
 from medfed.data.federation import Federation, SiteData
 from medfed.errors import ConfigError
-from medfed.federated.concave_penalty import fusion_prox, penalty_value, shrunk_norm
+from medfed.federated.strategies.solvers.concave_penalty import fusion_prox, penalty_value, shrunk_norm
 from medfed.federated.strategies import strategy_from_config
 from medfed.federated.strategies.base import RoundContext
 from medfed.federated.strategies.fpfc import FPFC

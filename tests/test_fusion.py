@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from medfed.federated.fusion import between_site_spread, component_means, fusion_threshold, spread_removed
-from medfed.federated.graph import SimilarityGraph, connected_components
+from medfed.federated.strategies.solvers.fusion import between_site_spread, component_means, fusion_threshold, spread_removed
+from medfed.federated.strategies.solvers.graph import SimilarityGraph, connected_components
 
 NORMS = [1.0, 2.0, math.inf]
 

@@ -4,7 +4,7 @@ import scipy.sparse
 import scipy.sparse.csgraph
 import torch
 
-from medfed.federated.graph import (
+from medfed.federated.strategies.solvers.graph import (
     SimilarityGraph,
     connected_components,
     gaussian_edge_weights,

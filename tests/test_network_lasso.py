@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-import medfed.federated.network_lasso as network_lasso
-from medfed.federated.graph import connected_components, incidence_matrix, knn_edges
-from medfed.federated.network_lasso import (
+import medfed.federated.strategies.solvers.network_lasso as network_lasso
+from medfed.federated.strategies.solvers.graph import connected_components, incidence_matrix, knn_edges
+from medfed.federated.strategies.solvers.network_lasso import (
     AdmmState,
     network_lasso_objective,
     prox_sum_of_norms,

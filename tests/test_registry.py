@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from medfed.federated.strategies import REGISTERED, STRATEGIES, strategy_table
+from medfed.components import STRATEGY_CATALOG, strategy_table
+from medfed.federated.strategies import REGISTERED, STRATEGIES
 from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,6 +23,10 @@ def test_every_entry_is_complete_and_named_once():
         assert cls.evaluated_slot in cls.slots and len(set(cls.slots)) == len(cls.slots)
         assert dataclasses.is_dataclass(cls.Options)
         cls.Options()  # the defaults are valid
+
+
+def test_the_catalog_that_lists_strategies_without_torch_is_the_registry():
+    assert [tuple(entry) for entry in STRATEGY_CATALOG] == [(cls.name, cls.summary, cls.reference) for cls in REGISTERED]
 
 
 def test_the_cli_lists_every_strategy():

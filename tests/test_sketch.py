@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from medfed.errors import DataError
-from medfed.federated.sketch import check_sketch_size, data_sketch, feature_sketch, observations
+from medfed.federated.strategies.solvers.sketch import check_sketch_size, data_sketch, feature_sketch, observations
 
 
 def _dataset(n, seed, shift=0.0, positive=0.3, channels=2):

@@ -38,9 +38,8 @@ from typing import Any
 import click
 from flwr.common.config import get_fused_config_from_dir, parse_config_args
 
-from medfed.cli import INTERRUPTED
 from medfed.deploy.server_app import run_settings
-from medfed.errors import ConfigError
+from medfed.errors import INTERRUPTED, ConfigError
 
 FLWR = [sys.executable, "-m", "flwr.cli.app"]
 """The ``flwr`` CLI of this Python (the ``deploy`` extra's Flower)."""

@@ -1,9 +1,11 @@
 """Federated algorithms, one module each, registered by their config name.
 
-:data:`STRATEGIES` is the registry: the ``strategy.name`` choices, ``python
--m medfed strategies`` (and the README's list, generated from it), the
+:data:`STRATEGIES` is the registry: the ``strategy.name`` choices, the
 config comments and the registry-driven tests all derive from it. A new
-algorithm is one module plus one entry in :data:`REGISTERED`.
+algorithm is one module plus one entry in :data:`REGISTERED` and its line in
+:data:`medfed.components.STRATEGY_CATALOG` (which ``python -m medfed
+strategies`` and the README's list print without importing torch; a test
+checks that the two agree).
 
 The ``strategy`` config group names the algorithm and may hold options for
 any registered algorithm under its own name, so switching ``strategy.name``
@@ -52,15 +54,6 @@ REGISTERED: tuple[type[Strategy], ...] = (
     FedAMP, APPLE, PGFed, PGFedMo, PFedNet, Pooled,
 )
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in REGISTERED}
-
-
-def strategy_table(markdown: bool = False) -> str:
-    """The registry as text: one line per strategy (name, summary, reference), or a markdown table."""
-    if markdown:
-        rows = [f"| `{cls.name}` | {cls.summary} | {cls.reference or '—'} |" for cls in REGISTERED]
-        return "\n".join(["| name | what it does | reference |", "|---|---|---|", *rows])
-    width = max(len(name) for name in STRATEGIES)
-    return "\n".join(f"{cls.name:<{width}}  {cls.summary}" + (f"\n{'':<{width}}  ({cls.reference})" if cls.reference else "") for cls in REGISTERED)
 
 
 def strategy_from_config(group: dict[str, Any]) -> tuple[type[Strategy], Any]:

@@ -3,7 +3,7 @@
 Yu, Liu, Wang and Sun, "Clustered federated learning based on nonconvex
 pairwise fusion", arXiv 2211.04218 ("Fusion Penalized Federated Clustering").
 Every site i has its own model w_i; all pairs are coupled by a concave fusion
-penalty (SCAD, or MCP; :mod:`medfed.federated.concave_penalty`)::
+penalty (SCAD, or MCP; :mod:`medfed.federated.strategies.solvers.concave_penalty`)::
 
     min_{w_1..w_N}  sum_i f_i(w_i) + sum_{i<j} g_lam(||w_i - w_j||)
 
@@ -83,8 +83,8 @@ import torch
 
 from medfed.config import require
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.concave_penalty import PENALTIES, fusion_prox
-from medfed.federated.graph import connected_components, incidence_matrix
+from medfed.federated.strategies.solvers.concave_penalty import PENALTIES, fusion_prox
+from medfed.federated.strategies.solvers.graph import connected_components, incidence_matrix
 from medfed.federated.strategies.base import (
     DELIVER, MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )

@@ -31,7 +31,7 @@ inside h. Here the sites train their personal parts for several Adam steps
 on f_n, so Z~ is no gradient step of known length and no learning rate
 calibrates eta_s; only lam_t * eta_s matters in the problem above.
 
-**Penalty strength** (``lam_scale``, see :mod:`medfed.federated.fusion`):
+**Penalty strength** (``lam_scale``, see :mod:`medfed.federated.strategies.solvers.fusion`):
 
 - ``fusion`` (default): ``lam`` is a fraction of the fusion threshold of the
   round's Z~: lam_t = lam * lam_bar(Z~_t), where at lam_bar every connected
@@ -74,10 +74,16 @@ import torch
 
 from medfed.config import require
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.fusion import fusion_threshold, spread_removed
-from medfed.federated.graph import KNN_RULES, EDGE_WEIGHTINGS, SimilarityGraph, connected_components, similarity_graph
-from medfed.federated.network_lasso import AdmmState, solve_network_lasso
-from medfed.federated.sketch import check_sketch_size, data_sketch, feature_sketch
+from medfed.federated.strategies.solvers.fusion import fusion_threshold, spread_removed
+from medfed.federated.strategies.solvers.graph import (
+    EDGE_WEIGHTINGS,
+    KNN_RULES,
+    SimilarityGraph,
+    connected_components,
+    similarity_graph,
+)
+from medfed.federated.strategies.solvers.network_lasso import AdmmState, solve_network_lasso
+from medfed.federated.strategies.solvers.sketch import check_sketch_size, data_sketch, feature_sketch
 from medfed.federated.strategies.base import (
     MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )

@@ -156,7 +156,7 @@ def solve_network_lasso(
     Args:
         Z_tilde: ``(d, N)`` float32 or float64 proximal centre, one column per
             site. The solve runs on its device and in its dtype.
-        Q: ``(N, M)`` graph incidence matrix (:func:`medfed.federated.graph.incidence_matrix`);
+        Q: ``(N, M)`` graph incidence matrix (:func:`medfed.federated.strategies.solvers.graph.incidence_matrix`);
             any real ``(N, M)`` matrix is accepted.
         lam: penalty weight ``>= 0``.
         eta: server step size ``> 0``.

@@ -44,7 +44,7 @@ import math
 
 import torch
 
-from medfed.federated.graph import SimilarityGraph, connected_components
+from medfed.federated.strategies.solvers.graph import SimilarityGraph, connected_components
 
 #: The dual norm q of each penalty norm p (1/p + 1/q = 1).
 DUAL_NORM = {1.0: math.inf, 2.0: 2.0, math.inf: 1.0}

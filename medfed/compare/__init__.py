@@ -1,0 +1,109 @@
+"""``python -m medfed compare``: every (config, strategy, seed) of a grid as its own run, then the tables.
+
+A *grid* names run configs (the settings, the tables' columns), strategies
+(``all``: every registered one, the tables' rows), seeds, overrides common to
+every run, the metrics to tabulate and an output folder; it is a YAML file
+(:func:`~medfed.compare.grid.read_grid`, e.g. ``configs/paper/table3_brats.yaml``) or the same
+given on the command line (:mod:`medfed.compare.grid`). :func:`compare`
+
+1. plans every run (:mod:`medfed.compare.plan`) and checks the whole grid before any run starts: each
+   config is resolved with its overrides (:func:`medfed.components.resolve`),
+   every strategy name is known, the runs report test metrics
+   (``holdout: test``), an override of a key compare sets itself
+   (``output_dir``, ``strategy.name``, ``trainer.seed``,
+   ``trainer.num_threads``) is refused, and a run folder that holds a run of
+   another config is refused; any problem is one
+   :class:`~medfed.errors.ConfigError` (a damaged results.json, one
+   :class:`~medfed.errors.DataError` naming it). A config without a
+   validation split gets one (``federation.validation_fraction=0.2``, said in
+   one line and recorded in each run's config) to choose each site's round on;
+2. runs each (config, strategy, seed) (:mod:`medfed.compare.runner`) as ``medfed fit`` in a process of its
+   own (forked from a run server that imported torch once) with its own ``output_dir``, ``<output>/<config>/<strategy>/seed<k>``,
+   ``jobs`` at a time, each with ``trainer.num_threads`` = cores // jobs
+   (a resumed run keeps the count it started with); a run whose
+   ``results.json`` holds the same config is not run again, one with a
+   checkpoint but no results (interrupted, or asked for more rounds) is
+   continued with ``--resume``; a failing run is reported with the end of
+   its log (``<output>/logs/...``) and the others go on;
+3. writes (:mod:`medfed.compare.tables`) ``comparison.csv`` (one row per run and site), ``comparison.md``
+   (methods x settings, ``mean ± std`` over seeds of the mean over sites, per
+   metric, for the last round and for the validation-selected round; wall
+   times) and ``comparison.png`` from every run that finished.
+
+The validation-selected round of a site (:func:`~medfed.compare.tables.selected_round`) is the round
+whose validation score of the *primary* metric (the first of ``metrics``;
+higher is better) is highest, the earliest of equal ones; the site's *test*
+metrics at that round are reported. The test split never takes part in the
+choice.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+from medfed.atomic import atomic_write
+from medfed.compare.grid import Grid, check_overrides
+from medfed.compare.plan import default_jobs, plan_runs
+from medfed.compare.runner import execute
+from medfed.compare.tables import collect, comparison_rows, markdown, reported_metrics, run_means, write_csv
+from medfed.errors import ConfigError
+
+
+def compare(
+    grid: Grid,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    jobs: int | None = None,
+    source: str = "command line",
+    progress: bool = True,
+) -> dict[str, str]:
+    """Plan and check the whole grid, run what is not done, write comparison.csv, comparison.md and comparison.png.
+
+    Args:
+        grid: what to compare.
+        overrides: more ``key=value`` overrides for every run.
+        jobs: runs at once (default: the cores available).
+        source: where the grid came from, for the md.
+        progress: show a progress bar over the runs.
+
+    Returns:
+        ``{run name: the end of its log}`` of the failed runs (empty: all finished).
+
+    Raises:
+        ConfigError: a bad grid (before any run starts), or a metric no run reports.
+    """
+    from medfed.viz.plots import plot_comparison, save_figure
+
+    jobs = default_jobs() if jobs is None else jobs
+    if jobs < 1:
+        raise ConfigError(f"--jobs {jobs}: expected an integer >= 1 (runs at once; leave it out for one per core)")
+    check_overrides(overrides)
+    runs = plan_runs(grid, overrides, jobs)
+    done = sum(run.action == "done" for run in runs)
+    print(
+        f"medfed: compare: {len(runs)} runs, {done} already finished, {sum(run.action == 'resume' for run in runs)} to resume; "
+        f"{jobs} at a time in {grid.output}",
+        file=sys.stderr,
+    )
+    failed = execute(runs, jobs, progress)
+    finished = collect(runs)
+    metrics = grid.metrics or reported_metrics(finished)
+    rows = comparison_rows(finished, metrics) if metrics else []
+    settings = list(dict.fromkeys(run.setting for run in runs))
+    grid.output.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, grid.output / "comparison.csv")
+    with atomic_write(grid.output / "comparison.md") as handle:
+        handle.write(markdown(replace(grid, overrides=[*grid.overrides, *overrides]), source, settings, rows, finished, failed, metrics))
+    if rows:
+        generated = any(item.results["federation"]["generated"] for item in finished)
+        figure = plot_comparison(
+            {column: run_means(rows, column) for metric in metrics for column in (f"last_{metric}", f"selected_{metric}")},
+            metrics,
+            settings,
+            grid.strategies,
+            title=f"{source}: mean ± std over seeds of the mean over sites" + (" (GENERATED data)" if generated else ""),
+        )
+        save_figure(figure, grid.output / "comparison.png")
+    print(f"medfed: compare: wrote {grid.output / 'comparison.md'}, comparison.csv and comparison.png", file=sys.stderr)
+    return failed

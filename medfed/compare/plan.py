@@ -1,0 +1,179 @@
+"""Planning a comparison: every (config, strategy, seed) of a grid as a :class:`Run`, checked before any run starts.
+
+:func:`plan_runs` resolves each run's config with its overrides
+(:func:`medfed.components.resolve`), checks that each site's round can be
+chosen on a validation split, gives each run its folder
+(``<output>/<config>/<strategy>/seed<k>``) and thread count, and looks in
+that folder (:func:`_inspect`): a run already finished with this config
+is ``done``, one with a checkpoint is resumed, a folder holding a run of
+another config is refused. Nothing is run or written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from medfed.checkpoint import FOLDER, checkpoints, config_differences
+from medfed.compare.grid import Grid
+from medfed.components import resolve
+from medfed.config import find_config, load_config
+from medfed.errors import ConfigError, DataError
+
+VALIDATION_SPLIT = "federation.validation_fraction=0.2"
+"""The override compare adds to the runs of a config without a validation split (their rounds are chosen on it)."""
+NOT_COMPARED = ("trainer.num_threads",)
+"""Config keys a finished run may differ in and still count as the grid's run (besides the resumable ones)."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One (config, strategy, seed) of a grid.
+
+    Attributes:
+        setting: the config's label (its file name without ``.yaml``).
+        config_path: the config file.
+        strategy, seed: as run.
+        output_dir: the run's own folder.
+        overrides: every override ``fit`` gets (the grid's, the run's
+            strategy, seed, output_dir and thread count).
+        threads: ``trainer.num_threads`` of the run.
+        log: where its output goes (``<output>/logs/<config>/<strategy>/seed<k>.log``).
+        action: ``"done"`` (finished with this config), ``"resume"``
+            (a checkpoint to continue) or ``"new"``.
+    """
+
+    setting: str
+    config_path: Path
+    strategy: str
+    seed: int
+    output_dir: Path
+    overrides: tuple[str, ...]
+    threads: int
+    log: Path
+    action: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.setting}/{self.strategy}/seed{self.seed}"
+
+
+def default_jobs() -> int:
+    """The cores this process may use (its CPU affinity where the system has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def plan_runs(grid: Grid, overrides: list[str] | tuple[str, ...] = (), jobs: int | None = None) -> list[Run]:
+    """Every run of ``grid``, each config resolved and its folder inspected; nothing is run or written.
+
+    Args:
+        grid: the grid.
+        overrides: more ``key=value`` overrides (the command line's), after the grid's.
+        jobs: runs at once; a new run gets ``trainer.num_threads`` = cores // jobs (at least 1).
+
+    A config without a validation split (``federation.validation_fraction``
+    0) gets one for its runs, :data:`VALIDATION_SPLIT` (recorded in each
+    run's config), and one line on stderr says so.
+
+    Raises:
+        ConfigError: the first problem, naming the run and the key: a config
+            that does not resolve or does not report test metrics, a folder
+            holding a run of another config.
+        DataError: a run folder's results.json or config.json is damaged (naming it).
+    """
+    threads = max(1, default_jobs() // (jobs or default_jobs()))
+    paths = {config: find_config(config) for config in grid.configs}
+    labels = [path.stem for path in paths.values()]
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"grid key 'configs': two configs share a file name ({', '.join(labels)}); the tables need distinct names")
+    runs, without_validation = [], []
+    for config, path in paths.items():
+        for strategy in grid.strategies:
+            for seed in grid.seeds:
+                output_dir = grid.output / path.stem / strategy / f"seed{seed}"
+                fixed = [*grid.overrides, *overrides, f"strategy.name={strategy}", f"trainer.seed={seed}", f"output_dir={output_dir}"]
+                where = f"{path.stem}/{strategy}/seed{seed}"
+                try:
+                    resolved = resolve(load_config(path, [*fixed, f"trainer.num_threads={threads}"]))
+                    if resolved.run.federation.validation_fraction <= 0:
+                        fixed.append(VALIDATION_SPLIT)
+                        resolved = resolve(load_config(path, [*fixed, f"trainer.num_threads={threads}"]))
+                        if path.stem not in without_validation:
+                            without_validation.append(path.stem)
+                    _check_selectable(resolved.run.federation)
+                    action, run_threads = _inspect(output_dir, resolved.config, threads)
+                except ConfigError as error:
+                    raise ConfigError(f"{where}: {error}") from None
+                log = grid.output / "logs" / path.stem / strategy / f"seed{seed}.log"
+                runs.append(Run(path.stem, path, strategy, seed, output_dir, (*fixed, f"trainer.num_threads={run_threads}"), run_threads, log, action))
+    if without_validation:
+        print(
+            f"medfed: compare: no validation split in {', '.join(without_validation)}: each of its runs chooses its sites' rounds "
+            f"on {VALIDATION_SPLIT} of each site's training data (recorded in the run's config)",
+            file=sys.stderr,
+        )
+    return runs
+
+
+def _check_selectable(federation: Any) -> None:
+    """The runs must report test metrics (a validation split to choose each site's round on is added when missing)."""
+    if federation.holdout != "test":
+        raise ConfigError(
+            f"config key 'federation.holdout' = {federation.holdout!r}: compare reports test metrics and chooses rounds on a "
+            "validation split beside them; use holdout test"
+        )
+
+
+def _inspect(output_dir: Path, config: dict[str, Any], threads: int) -> tuple[str, int]:
+    """What a run folder holds for the run of ``config``: ``(action, thread count to run with)``.
+
+    ``done`` when results.json holds this config (the thread count, the
+    folder and kept checkpoints aside); ``resume`` when a checkpoint of it
+    (or results of fewer rounds) is there, with the thread count the run
+    started with, which ``--resume`` needs; else ``new``.
+
+    Raises:
+        ConfigError: the folder holds a run of another config, or of more rounds.
+        DataError: its results.json or config.json is damaged (naming the file).
+    """
+    results, started = output_dir / "results.json", output_dir / "config.json"
+    source = results if results.is_file() else started if checkpoints(output_dir / FOLDER) and started.is_file() else None
+    if source is None:
+        return "new", threads
+    saved = read_run_file(source, "config") if source == results else read_run_file(source)
+    if not isinstance(saved.get("trainer"), dict) or not isinstance(saved["trainer"].get("rounds"), int):
+        raise DataError(f"{source}: holds no run config with trainer.rounds; the file is damaged: delete the run folder {output_dir} to run it again")
+    changed = [key for key in config_differences(saved, config) if key not in NOT_COMPARED]
+    rounds, saved_rounds = config["trainer"]["rounds"], saved["trainer"]["rounds"]
+    if saved_rounds > rounds:
+        changed.append(f"trainer.rounds ({saved_rounds} there, {rounds} asked)")
+    if changed:
+        raise ConfigError(
+            f"config key 'output_dir' = '{output_dir}' holds a run of another config (it differs at {', '.join(changed)}); "
+            "delete that folder or choose another grid output"
+        )
+    saved_threads = saved["trainer"].get("num_threads") or threads
+    if source == results and saved_rounds == rounds:
+        return "done", saved_threads
+    return "resume", saved_threads
+
+
+def read_run_file(path: Path, key: str | None = None) -> dict[str, Any]:
+    """A run's results.json or config.json (or its mapping under ``key``), read as a JSON object.
+
+    Raises:
+        DataError: naming the file: unreadable, truncated or corrupt JSON, not an object, or without ``key``.
+    """
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise DataError(f"{path}: not readable as JSON ({error}); the file is damaged: delete its run folder to run it again") from None
+    if key is not None:
+        value = value.get(key) if isinstance(value, dict) else None
+    if not isinstance(value, dict):
+        raise DataError(f"{path}: expected a JSON object{f' with a {key!r} object' if key else ''}; the file is damaged: delete its run folder to run it again")
+    return value

@@ -1,0 +1,42 @@
+"""How medfed's commands speak on a terminal: ``medfed: warning: ...`` and ``medfed: error: ...`` lines.
+
+:func:`show_warnings` sends the ``medfed`` logger's records (:func:`medfed.errors.warn`)
+to stderr as one line each; :func:`one_line_errors` runs a command and turns bad
+input (:class:`~medfed.errors.ConfigError`, :class:`~medfed.errors.DataError`) into
+one line and exit status 2. The command line and each run ``compare`` starts use both.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+
+from medfed.errors import ConfigError, DataError
+
+BAD_INPUT = 2
+"""The exit status of a command refused for bad input (a config key or a data file)."""
+
+
+def show_warnings() -> None:
+    """Send the ``medfed`` logger's records to stderr as ``medfed: warning: ...`` (``info``, ...) lines."""
+    logger = logging.getLogger("medfed")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(_OneLineFormatter())
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
+def one_line_errors(command: Callable[[], int]) -> int:
+    """``command()``'s exit status; bad input is one line ``medfed: error: ...`` on stderr and :data:`BAD_INPUT`."""
+    try:
+        return command()
+    except (ConfigError, DataError) as error:
+        print(f"medfed: error: {error}", file=sys.stderr)
+        return BAD_INPUT
+
+
+class _OneLineFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"medfed: {record.levelname.lower()}: {record.getMessage()}"

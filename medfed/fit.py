@@ -1,0 +1,64 @@
+"""``python -m medfed fit``: one federated run from a config, as the command line runs it.
+
+:func:`fit` loads and checks the config (the fixed groups before torch is even
+imported; a bad key raises :class:`~medfed.errors.ConfigError` naming it),
+prints it resolved (``--print-config``) or runs it
+(:func:`medfed.experiment.run`), and turns the ways a run stops early into an
+exit status and one line saying how to resume: a failing site under
+``federation.on_site_failure: stop`` (2) and Ctrl-C (130). ``compare`` runs
+each of its runs through :func:`fit` as well.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+from medfed.components import resolve
+from medfed.config import load_config, to_yaml
+from medfed.errors import INTERRUPTED, SiteFailure
+
+
+def fit(
+    config: str, overrides: list[str], *, resume: bool = False, overwrite: bool = False, quiet: bool = False, print_config: bool = False
+) -> int:
+    """Run (or with ``print_config`` print) the config; the exit status: 0 done, 2 a site failed, 130 Ctrl-C.
+
+    Args:
+        config: a YAML path or a bundled config's name.
+        overrides: ``key=value`` overrides.
+        resume, overwrite: continue, or replace, the run in ``output_dir``.
+        quiet: no progress bars or final table.
+        print_config: print the full resolved config and return without running.
+
+    Raises:
+        ConfigError, DataError: bad input, before any data is read where the config is at fault.
+    """
+    cfg = load_config(config, overrides)
+    resolved = resolve(cfg)  # every component checked before a run's modules are imported
+    if print_config:
+        print(to_yaml(resolved.config), end="")
+        return 0
+    from medfed.experiment import run  # torch, Lightning and MONAI: only for a run
+
+    try:
+        run(cfg, resume=resume, overwrite=overwrite, progress=not quiet, config_name=Path(config).stem)
+    except SiteFailure as error:
+        print(f"medfed: error: {error}; {how_to_resume(config, overrides, Path(cfg.output_dir))}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"medfed: interrupted; {how_to_resume(config, overrides, Path(cfg.output_dir))}", file=sys.stderr)
+        return INTERRUPTED
+    return 0
+
+
+def how_to_resume(config: str, overrides: list[str], output_dir: Path) -> str:
+    """What an interrupted user can do next, in one line."""
+    from medfed.checkpoint import FOLDER, checkpoints  # torch; needed only once a run has stopped
+
+    found = checkpoints(output_dir / FOLDER)
+    if not found:
+        return "no round had finished, so there is nothing to resume; run the same command again"
+    command = shlex.join(["python", "-m", "medfed", "fit", "--config", config, *overrides, "--resume"])
+    return f"every finished round is checkpointed in {found[-1].parent} (newest {found[-1].name}); continue with: {command}"
