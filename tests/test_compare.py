@@ -22,7 +22,7 @@ from torch.utils.data import TensorDataset
 from medfed.cli import main
 from medfed.compare.grid import Grid, read_grid
 from medfed.compare.plan import Run
-from medfed.compare.tables import Finished, format_cell, markdown, selected_round
+from medfed.compare.tables import Finished, format_cell, markdown, resolve_reference, selected_round
 from medfed.evaluation.rounds import ValidationEvaluation
 
 from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation
@@ -455,3 +455,20 @@ def test_the_figure_draws_every_site_value_as_a_dot_over_bars_of_the_mean_with_t
                 points = dots[index * len(settings) + position].get_offsets()
                 assert sorted(points[:, 1]) == pytest.approx(sorted(np.ravel(LAST_AUROC[setting][method]) - shift))
                 assert np.all(np.abs(points[:, 0] - (patch.get_x() + patch.get_width() / 2)) <= patch.get_width() / 2)
+
+
+def test_without_fedavg_the_reference_is_the_first_method_and_a_setting_missing_a_method_is_left_out_of_the_ranks():
+    assert resolve_reference(None, ["local", "ditto"]) == "local" and resolve_reference(None, ["local", "fedavg"]) == "fedavg"
+    assert resolve_reference("ditto", ["local", "ditto"]) == "ditto"
+    results = {"federation": {"description": "d", "generated": False}, "config": {"trainer": {"rounds": 1}}, "history": []}
+    finished = [Finished(Run(s, Path(f"{s}.yaml"), m, 0, Path("o"), (), 1, Path("l"), "done"), results) for s, m in
+                [("a", "local"), ("a", "ditto"), ("b", "local")]]
+    rows = [
+        {"config": s, "strategy": m, "seed": 0, "site": "site0", "last_iou": v, "selected_iou": v, "wall_s": 1.0}
+        for s, m, v in [("a", "local", 0.5), ("a", "ditto", 0.6), ("b", "local", 0.7)]
+    ]
+    md = markdown(Grid(["a", "b"], ["local", "ditto"], [0], metrics=["iou"]), "test", ["a", "b"], rows, finished, {}, ["iou"])
+    assert "| method | a | Δ vs local | b | Δ vs local | average rank |" in md
+    assert "| ditto | **0.6000** | +0.1000 (1 pair) 1/0/0 | — | — | 1.00 |" in md  # ranked over a alone
+    assert "| local | 0.5000 | reference | **0.7000** | reference | 2.00 |" in md
+    assert "Average rank over a (the settings where every method has a value)." in md
