@@ -234,8 +234,8 @@ def markdown(
         table = table_statistics(rows, column, settings, grid.strategies, reference)
         header = "".join(f" {setting} | Δ vs {reference} |" for setting in settings)
         lines = [f"| method |{header} average rank |", "|---|" + "---|---|" * len(settings) + "---|"]
+        cells = table.cells
         for strategy in grid.strategies:
-            cells = table.cells
             pairs = "".join(
                 f" {format_summary(cells[(s, strategy)].summary, n_seeds, cells[(s, strategy)].with_best)} |"
                 f" {format_paired(cells[(s, strategy)].versus_reference, strategy == reference)} |"
