@@ -24,7 +24,7 @@ from torch.utils.data import TensorDataset
 from medfed.cli import main
 from medfed.compare.grid import Grid, make_grid, read_grid
 from medfed.compare.plan import VALIDATION_SPLIT, Run, plan_runs
-from medfed.compare.tables import Finished, format_cell, markdown, selected_round
+from medfed.compare.tables import Finished, format_cell, markdown, resolve_reference, selected_round
 from medfed.config import load_config
 from medfed.evaluation.rounds import ValidationEvaluation
 
@@ -149,7 +149,7 @@ def test_each_md_cell_is_mean_and_std_over_seeds_of_the_mean_over_sites_from_the
                     np.mean([float(r[column]) for r in rows if r["strategy"] == strategy and r["seed"] == str(seed)]) for seed in SEEDS
                 ]
                 mean, std = np.mean(per_seed), np.std(per_seed, ddof=1)
-                assert f"| {strategy} | {mean:.4f} ± {std:.4f} |" in table
+                assert re.search(rf"\| {strategy} \| (\*\*)?{mean:.4f} ± {std:.4f} \[", table), table
     assert "| local |" in sections["Wall time per run, seconds (timing.wall_s; a resumed run's counts its last part only)"]
 
 
@@ -229,14 +229,17 @@ def test_md_cells_count_the_seeds_and_generated_data_are_named_in_every_heading(
     assert format_cell([0.5], 3) == "0.5000 (1/3)"
     assert format_cell([], 3) == "—"
     run = Run("lack0", Path("lack0.yaml"), "fedavg", 0, Path("o"), (), 1, Path("l"), "done")
-    results = {"federation": {"description": "GENERATED BraTS-like data", "generated": True}, "config": {"trainer": {"rounds": 3}}}
+    history = [{"round": r, "validation": {"site0": {"iou": 0.5}}} for r in (1, 2, 3)]
+    results = {"federation": {"description": "GENERATED BraTS-like data", "generated": True}, "config": {"trainer": {"rounds": 3}}, "history": history}
     rows = [{"config": "lack0", "strategy": "fedavg", "seed": 0, "site": "site0", "last_iou": 0.5, "selected_iou": 0.6, "wall_s": 2.0}]
     grid = Grid(["lack0"], ["fedavg"], [0], metrics=["iou"])
     md = markdown(grid, "test", ["lack0"], rows, [Finished(run, results)], {"lack1/fedavg/seed0": "boom"}, ["iou"])
     headings = [line for line in md.splitlines() if line.startswith("#")]
     assert headings[0] == "# Method comparison (GENERATED data)"
     assert all("(GENERATED data)" in h for h in headings if h.startswith("## iou"))
-    assert "| fedavg | 0.5000 |" in md and "| fedavg | 0.6000 |" in md and "- lack1/fedavg/seed0: boom" in md
+    # one seed of one: the mean alone, the best of its setting (bold), the reference, rank 1, a 3-round run is early
+    assert "| fedavg | **0.5000** | reference | 1.00 |" in md and "| fedavg | **0.6000** | reference | 1.00 |" in md
+    assert "| *runs' validation curves* | early-training snapshot | | |" in md and "- lack1/fedavg/seed0: boom" in md
 
 
 def test_validation_evaluation_scores_each_sites_model_on_its_validation_split():
@@ -391,3 +394,185 @@ def test_every_process_compare_started_ends_within_seconds_of_a_kill_9(tmp_path)
                 os.kill(pid, signal.SIGKILL)
         if compare.poll() is None:
             compare.kill()
+
+
+# The tables' statistics on a comparison whose runs are fake results.json files (no training): settings tiny_a
+# (7 rounds: validation curves that plateau, but fedavg's seed 2 still improving) and tiny_b (3 rounds: early),
+# methods local, fedavg and ditto, seeds 0-2, sites site0-site2; the last round's test AUROC per seed and site:
+LAST_AUROC = {
+    "tiny_a": {
+        "local": [(0.70, 0.80, 0.75), (0.71, 0.79, 0.74), (0.69, 0.83, 0.77)],
+        "fedavg": [(0.60, 0.70, 0.65), (0.62, 0.66, 0.70), (0.58, 0.72, 0.66)],
+        "ditto": [(0.70, 0.79, 0.76), (0.73, 0.75, 0.72), (0.66, 0.84, 0.78)],
+    },
+    "tiny_b": {
+        "local": [(0.50, 0.40, 0.45), (0.45, 0.43, 0.44), (0.47, 0.41, 0.46)],
+        "fedavg": [(0.50, 0.52, 0.51), (0.51, 0.49, 0.50), (0.50, 0.50, 0.53)],
+        "ditto": [(0.503, 0.52, 0.50), (0.51, 0.47, 0.52), (0.55, 0.50, 0.51)],
+    },
+}
+FAKE_ROUNDS = {"tiny_a": 7, "tiny_b": 3}
+
+
+def fake_history(setting: str, strategy: str, seed: int) -> list[dict]:
+    """Validation AUROC rising to a plateau at round 2 (fedavg seed 2 in tiny_a: rising to the end); test AUROC = the
+    last round's minus 0.01 per round before it."""
+    rounds = FAKE_ROUNDS[setting]
+    improving = (setting, strategy, seed) == ("tiny_a", "fedavg", 2)
+    history = []
+    for r in range(1, rounds + 1):
+        validation = 0.5 + 0.05 * r if improving else 0.5 + 0.1 * min(r, 2)
+        last = LAST_AUROC[setting][strategy][seed]
+        history.append(
+            {
+                "round": r,
+                "metrics": {f"site{i}": {"auroc": value - 0.01 * (rounds - r)} for i, value in enumerate(last)},
+                "validation": {f"site{i}": {"auroc": validation} for i in range(3)},
+            }
+        )
+    return history
+
+
+@pytest.fixture
+def fake_comparison(tmp_path):
+    """A grid over tiny_a and tiny_b whose every run folder holds a finished results.json of fake_history."""
+    from medfed.compare import plan_runs
+    from medfed.components import resolve
+    from medfed.config import load_config
+
+    grid = write_grid(tmp_path, tmp_path / "out", strategies="[local, fedavg, ditto]", seeds="[0, 1, 2]", metrics="[auroc]")
+    configs = []
+    for setting, rounds in FAKE_ROUNDS.items():
+        configs.append(tmp_path / f"{setting}.yaml")
+        configs[-1].write_text(TINY_CLINICAL.format(data=tmp_path).replace("rounds: 2", f"rounds: {rounds}"))
+    grid.write_text(re.sub(r"configs: \[.*\]", f"configs: [{', '.join(map(str, configs))}]", grid.read_text()))
+    for run in plan_runs(read_grid(grid)):
+        run.output_dir.mkdir(parents=True)
+        results = {
+            "config": resolve(load_config(run.config_path, list(run.overrides))).config,
+            "history": fake_history(run.setting, run.strategy, run.seed),
+            "federation": {"description": "fake results", "generated": False},
+            "timing": {"wall_s": 1.0 + run.seed},
+            "strategy": run.strategy,
+            "seed": run.seed,
+        }
+        (run.output_dir / "results.json").write_text(json.dumps(results))
+    return grid, tmp_path / "out"
+
+
+def expected_rows(column: str, reference: str) -> dict[tuple[str, str], str]:
+    """``{(setting, method): "mean ± std [t interval] | Δ [ttest_rel interval] W/T/L"}`` from scipy, bold by ttest_rel's p."""
+    from scipy import stats
+
+    shift = {"last": {"tiny_a": 0.0, "tiny_b": 0.0}, "selected": {"tiny_a": 0.05, "tiny_b": 0.01}}[column.split("_")[0]]
+
+    def values(setting, strategy):
+        table = np.array(LAST_AUROC[setting][strategy])
+        if column.startswith("selected") and (setting, strategy) == ("tiny_a", "fedavg"):
+            return table - np.array([[0.05], [0.05], [0.0]])  # seed 2's chosen round is its last
+        return table - shift[setting]
+
+    cells = {}
+    for setting in LAST_AUROC:
+        means = {m: values(setting, m).mean() for m in LAST_AUROC[setting]}
+        best = max(means, key=means.get)
+        for method in LAST_AUROC[setting]:
+            per_seed = values(setting, method).mean(axis=1)
+            low, high = stats.t.interval(0.95, 2, loc=per_seed.mean(), scale=stats.sem(per_seed))
+            cell = f"{per_seed.mean():.4f} ± {np.std(per_seed, ddof=1):.4f} [{low:.4f}, {high:.4f}]"
+            a, b = values(setting, method).ravel(), values(setting, best).ravel()
+            if method == best or stats.ttest_rel(a, b).pvalue >= 0.05:
+                cell = f"**{cell}**"
+            if method == reference:
+                paired = "reference"
+            else:
+                d = values(setting, method).ravel() - values(setting, reference).ravel()
+                interval = stats.ttest_rel(values(setting, method).ravel(), values(setting, reference).ravel()).confidence_interval(0.95)
+                counts = f"{(d > 0.005).sum()}/{(abs(d) <= 0.005).sum()}/{(d < -0.005).sum()}"
+                paired = f"{d.mean():+.4f} [{interval.low:+.4f}, {interval.high:+.4f}] {counts}"
+            cells[(setting, method)] = f"{cell} | {paired}"
+    return cells
+
+
+def test_the_tables_give_intervals_paired_differences_ranks_the_best_group_and_plateaus(fake_comparison, capsys):
+    from scipy import stats
+
+    grid, out = fake_comparison
+    assert main(["compare", "--grid", str(grid), "--reference", "local", "--quiet"]) == 0
+    assert "18 runs, 18 already finished, 0 to resume" in capsys.readouterr().err
+    assert len(read_rows(out)) == 2 * 3 * 3 * 3  # comparison.csv: still one row per run and site
+    md = (out / "comparison.md").read_text()
+    sections = {section.split("\n", 1)[0]: section for section in md.split("\n## ")[1:]}
+    for column, heading in (("last_auroc", "auroc, last round"), ("selected_auroc", "auroc, validation-selected round")):
+        table = sections[heading]
+        assert "| method | tiny_a | Δ vs local | tiny_b | Δ vs local | average rank |" in table
+        cells = expected_rows(column, "local")
+        rows = {line.split(" | ")[0][2:]: line for line in table.splitlines() if line.startswith("| ")}
+        for method in ("local", "fedavg", "ditto"):
+            assert rows[method].startswith(f"| {method} | {cells[('tiny_a', method)]} | {cells[('tiny_b', method)]} | "), (rows[method], cells)
+        # ranks: the selected round shifts every method of a setting alike (fedavg's seed 2 aside), so both tables rank alike
+        ranks = np.mean([stats.rankdata([-np.mean(LAST_AUROC[s][m]) for m in ("local", "fedavg", "ditto")]) for s in LAST_AUROC], axis=0)
+        assert list(ranks) == [2.0, 2.5, 1.5]  # by hand: tiny_a local 1, ditto 2, fedavg 3; tiny_b ditto 1, fedavg 2, local 3
+        assert [rows[m].rsplit(" | ", 1)[1] for m in ("local", "fedavg", "ditto")] == ["2.00 |", "2.50 |", "1.50 |"]
+        assert "| *runs' validation curves* | 8/9 plateaued, 1 improving | | early-training snapshot | | |" in table
+    assert "**" not in rows["fedavg"].split(" | ")[1] and "**" in rows["ditto"].split(" | ")[1]  # tiny_a: ditto with the best, fedavg not
+    status = sections["Runs' validation curves (auroc, last 5 rounds against the earlier best)"]
+    assert "| fedavg | 2/3 plateaued, 1 improving | early-training snapshot |" in status
+    assert "| local | 3/3 plateaued | early-training snapshot |" in status
+    assert "| local | 2.0 ± 1.0 | 2.0 ± 1.0 |" in sections["Wall time per run, seconds (timing.wall_s; a resumed run's counts its last part only)"]
+
+
+def test_the_reference_defaults_to_fedavg_and_an_unknown_one_is_refused_before_anything_runs(fake_comparison, capsys):
+    grid, out = fake_comparison
+    assert main(["compare", "--grid", str(grid), "--quiet"]) == 0
+    assert "| tiny_a | Δ vs fedavg |" in (out / "comparison.md").read_text()
+    (out / "comparison.md").unlink()
+    capsys.readouterr()
+    assert main(["compare", "--grid", str(grid), "--reference", "fedprox", "--quiet"]) == 2
+    error = capsys.readouterr().err
+    assert error == "medfed: error: --reference 'fedprox': not one of the grid's strategies (local, fedavg, ditto)\n"
+    assert not (out / "comparison.md").exists()
+
+
+def test_the_figure_draws_every_site_value_as_a_dot_over_bars_of_the_mean_with_the_std_over_seeds():
+    from matplotlib.collections import PathCollection
+    from matplotlib.container import BarContainer
+
+    from medfed.viz.plots import plot_comparison
+
+    methods, settings = ["local", "fedavg", "ditto"], list(LAST_AUROC)
+    rows = [
+        {"config": s, "strategy": m, "seed": seed, "site": f"site{i}", "last_auroc": v, "selected_auroc": v - 0.01}
+        for s in settings for m in methods for seed, values in enumerate(LAST_AUROC[s][m]) for i, v in enumerate(values)
+    ]
+    figure = plot_comparison(rows, ["auroc"], settings, methods, title="fake")
+    for axis, shift in zip(figure.axes[:2], (0.0, 0.01)):
+        bars = [c for c in axis.containers if isinstance(c, BarContainer)]
+        dots = [c for c in axis.collections if isinstance(c, PathCollection)]
+        assert [bar.get_label() for bar in bars] == methods and len(dots) == len(methods) * len(settings)
+        for index, (method, bar) in enumerate(zip(methods, bars)):
+            per_seed = [np.array(LAST_AUROC[s][method]).mean(axis=1) - shift for s in settings]
+            assert [patch.get_height() for patch in bar.patches] == pytest.approx([v.mean() for v in per_seed])
+            lower_caps = bar.errorbar.lines[1][0].get_ydata()  # (data line, (lower caps, upper caps), bars)
+            assert list(lower_caps) == pytest.approx([v.mean() - np.std(v, ddof=1) for v in per_seed])
+            for position, setting, patch in zip(range(len(settings)), settings, bar.patches):
+                points = dots[index * len(settings) + position].get_offsets()
+                assert sorted(points[:, 1]) == pytest.approx(sorted(np.ravel(LAST_AUROC[setting][method]) - shift))
+                assert np.all(np.abs(points[:, 0] - (patch.get_x() + patch.get_width() / 2)) <= patch.get_width() / 2)
+
+
+def test_without_fedavg_the_reference_is_the_first_method_and_a_setting_missing_a_method_is_left_out_of_the_ranks():
+    assert resolve_reference(None, ["local", "ditto"]) == "local" and resolve_reference(None, ["local", "fedavg"]) == "fedavg"
+    assert resolve_reference("ditto", ["local", "ditto"]) == "ditto"
+    results = {"federation": {"description": "d", "generated": False}, "config": {"trainer": {"rounds": 1}}, "history": []}
+    finished = [Finished(Run(s, Path(f"{s}.yaml"), m, 0, Path("o"), (), 1, Path("l"), "done"), results) for s, m in
+                [("a", "local"), ("a", "ditto"), ("b", "local")]]
+    rows = [
+        {"config": s, "strategy": m, "seed": 0, "site": "site0", "last_iou": v, "selected_iou": v, "wall_s": 1.0}
+        for s, m, v in [("a", "local", 0.5), ("a", "ditto", 0.6), ("b", "local", 0.7)]
+    ]
+    md = markdown(Grid(["a", "b"], ["local", "ditto"], [0], metrics=["iou"]), "test", ["a", "b"], rows, finished, {}, ["iou"])
+    assert "| method | a | Δ vs local | b | Δ vs local | average rank |" in md
+    assert "| ditto | **0.6000** | +0.1000 (1 pair) 1/0/0 | — | — | 1.00 |" in md  # ranked over a alone
+    assert "| local | 0.5000 | reference | **0.7000** | reference | 2.00 |" in md
+    assert "Average rank over a (the settings where every method has a value)." in md

@@ -26,9 +26,12 @@ given on the command line (:mod:`medfed.compare.grid`). :func:`compare`
    continued with ``--resume``; a failing run is reported with the end of
    its log (``<output>/logs/...``) and the others go on;
 3. writes (:mod:`medfed.compare.tables`) ``comparison.csv`` (one row per run and site), ``comparison.md``
-   (methods x settings, ``mean ± std`` over seeds of the mean over sites, per
-   metric, for the last round and for the validation-selected round; wall
-   times) and ``comparison.png`` from every run that finished.
+   (methods x settings per metric, for the last round and for the
+   validation-selected round: ``mean ± std [95% interval]`` over seeds of the
+   mean over sites, the paired difference against a reference method with
+   wins/ties/losses, the average rank, the methods indistinguishable from
+   the best in bold, whether the runs had plateaued; wall times) and
+   ``comparison.png`` (bars and every site's value) from every run that finished.
 
 The validation-selected round of a site (:func:`~medfed.compare.tables.selected_round`) is the round
 whose validation score of the *primary* metric (the first of ``metrics``;
@@ -46,7 +49,7 @@ from medfed.atomic import atomic_write
 from medfed.compare.grid import Grid, check_overrides
 from medfed.compare.plan import default_jobs, plan_runs
 from medfed.compare.runner import execute
-from medfed.compare.tables import collect, comparison_rows, markdown, reported_metrics, run_means, write_csv
+from medfed.compare.tables import collect, comparison_rows, markdown, reported_metrics, resolve_reference, write_csv
 from medfed.errors import ConfigError
 
 
@@ -57,6 +60,7 @@ def compare(
     jobs: int | None = None,
     source: str = "command line",
     progress: bool = True,
+    reference: str | None = None,
 ) -> dict[str, str]:
     """Plan and check the whole grid, run what is not done, write comparison.csv, comparison.md and comparison.png.
 
@@ -66,6 +70,7 @@ def compare(
         jobs: runs at once (default: the cores available).
         source: where the grid came from, for the md.
         progress: show a progress bar over the runs.
+        reference: the method the tables pair every other against (default: fedavg if in the grid, else its first strategy).
 
     Returns:
         ``{run name: the end of its log}`` of the failed runs (empty: all finished).
@@ -79,6 +84,7 @@ def compare(
     if jobs < 1:
         raise ConfigError(f"--jobs {jobs}: expected an integer >= 1 (runs at once; leave it out for one per core)")
     check_overrides(overrides)
+    reference = resolve_reference(reference, grid.strategies)
     runs = plan_runs(grid, overrides, jobs)
     done = sum(run.action == "done" for run in runs)
     print(
@@ -94,15 +100,11 @@ def compare(
     grid.output.mkdir(parents=True, exist_ok=True)
     write_csv(rows, grid.output / "comparison.csv")
     with atomic_write(grid.output / "comparison.md") as handle:
-        handle.write(markdown(replace(grid, overrides=[*grid.overrides, *overrides]), source, settings, rows, finished, failed, metrics))
+        handle.write(markdown(replace(grid, overrides=[*grid.overrides, *overrides]), source, settings, rows, finished, failed, metrics, reference))
     if rows:
         generated = any(item.results["federation"]["generated"] for item in finished)
         figure = plot_comparison(
-            {column: run_means(rows, column) for metric in metrics for column in (f"last_{metric}", f"selected_{metric}")},
-            metrics,
-            settings,
-            grid.strategies,
-            title=f"{source}: mean ± std over seeds of the mean over sites" + (" (GENERATED data)" if generated else ""),
+            rows, metrics, settings, grid.strategies, title=source + (" (GENERATED data)" if generated else "")
         )
         save_figure(figure, grid.output / "comparison.png")
     print(f"medfed: compare: wrote {grid.output / 'comparison.md'}, comparison.csv and comparison.png", file=sys.stderr)

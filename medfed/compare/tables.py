@@ -1,5 +1,9 @@
 """A comparison's tables: comparison.csv (one row per run and site) and comparison.md (methods x settings).
 
+The md's statistics (intervals over seeds, paired differences against a
+reference method, average ranks, the best group, plateaus) are
+:mod:`medfed.compare_stats`'s.
+
 The validation-selected round of a site (:func:`selected_round`) is the round
 whose validation score of the *primary* metric (the first of ``metrics``;
 higher is better) is highest, the earliest of equal ones; the site's *test*
@@ -20,6 +24,17 @@ import numpy as np
 from medfed.atomic import atomic_write
 from medfed.compare.grid import Grid
 from medfed.compare.plan import Run, read_run_file
+from medfed.compare_stats import (
+    PLATEAU_ROUNDS,
+    PLATEAU_TOLERANCE,
+    TIE_TOLERANCE,
+    Paired,
+    Summary,
+    plateau_status,
+    seed_values,
+    table_statistics,
+    validation_curve,
+)
 from medfed.errors import ConfigError, DataError
 
 RESULTS_KEYS = ("config", "federation", "history", "timing")
@@ -125,18 +140,6 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
         writer.writerows(rows)
 
 
-def run_means(rows: list[dict[str, Any]], column: str) -> dict[tuple[str, str], list[float]]:
-    """``{(config, strategy): [per seed: the mean over sites of column]}``, seeds in row order; missing values skipped."""
-    per_run: dict[tuple[str, str, int], list[float]] = {}
-    for row in rows:
-        if row[column] is not None:
-            per_run.setdefault((row["config"], row["strategy"], row["seed"]), []).append(float(row[column]))
-    means: dict[tuple[str, str], list[float]] = {}
-    for (config, strategy, _), values in per_run.items():
-        means.setdefault((config, strategy), []).append(float(np.mean(values)))
-    return means
-
-
 def format_cell(values: list[float], n_seeds: int, digits: int = 4) -> str:
     """``mean ± std`` (sample std, ddof 1) over seeds, the mean alone for one seed; ``(k/n)`` when only k of the
     grid's n seeds finished; ``—`` for none."""
@@ -146,31 +149,120 @@ def format_cell(values: list[float], n_seeds: int, digits: int = 4) -> str:
     return cell if len(values) == n_seeds else f"{cell} ({len(values)}/{n_seeds})"
 
 
+def resolve_reference(reference: str | None, strategies: list[str]) -> str:
+    """The method every other is paired against: ``reference``, else fedavg, else the grid's first strategy.
+
+    Raises:
+        ConfigError: ``reference`` is not one of ``strategies``.
+    """
+    if reference is None:
+        return "fedavg" if "fedavg" in strategies else strategies[0]
+    if reference not in strategies:
+        raise ConfigError(f"--reference {reference!r}: not one of the grid's strategies ({', '.join(strategies)})")
+    return reference
+
+
+def plateaus(finished: list[Finished], primary: str) -> dict[tuple[str, str], list[str]]:
+    """``{(setting, method): [per run: plateau status]}`` of each run's validation curve of ``primary`` (:func:`plateau_status`)."""
+    statuses: dict[tuple[str, str], list[str]] = {}
+    for item in finished:
+        curve = validation_curve(item.results["history"], primary)
+        statuses.setdefault((item.run.setting, item.run.strategy), []).append(plateau_status(curve))
+    return statuses
+
+
+def format_plateaus(statuses: list[str]) -> str:
+    """``p/n plateaued`` (with the improving and early runs counted), ``early-training snapshot`` when every run is early, ``—`` for none."""
+    if not statuses:
+        return "—"
+    if all(status == "early" for status in statuses):
+        return "early-training snapshot"
+    counts = {status: statuses.count(status) for status in ("plateaued", "improving", "early")}
+    extra = "".join(f", {counts[status]} {status}" for status in ("improving", "early") if counts[status])
+    return f"{counts['plateaued']}/{len(statuses)} plateaued{extra}"
+
+
+def format_summary(summary: Summary, n_seeds: int, with_best: bool, digits: int = 4) -> str:
+    """``mean ± std [low, high]`` over seeds (the mean alone for one seed), ``(k/n)`` for k of n seeds, bold in the best group, ``—`` for none."""
+    if summary.n == 0:
+        return "—"
+    cell = f"{summary.mean:.{digits}f}"
+    if summary.n > 1:
+        cell += f" ± {summary.std:.{digits}f} [{summary.low:.{digits}f}, {summary.high:.{digits}f}]"
+    cell = f"**{cell}**" if with_best else cell
+    return cell if summary.n == n_seeds else f"{cell} ({summary.n}/{n_seeds})"
+
+
+def format_paired(paired: Paired | None, is_reference: bool, digits: int = 4) -> str:
+    """``+mean [low, high] W/T/L`` of a method against the reference; ``reference`` on its own row; ``—`` without pairs."""
+    if is_reference:
+        return "reference"
+    if paired is None or paired.n == 0:
+        return "—"
+    interval = f" [{paired.low:+.{digits}f}, {paired.high:+.{digits}f}]" if paired.n > 1 else " (1 pair)"
+    return f"{paired.mean:+.{digits}f}{interval} {paired.wins}/{paired.ties}/{paired.losses}"
+
+
 def markdown(
-    grid: Grid, source: str, settings: list[str], rows: list[dict[str, Any]], finished: list[Finished], failed: dict[str, str], metrics: list[str]
+    grid: Grid,
+    source: str,
+    settings: list[str],
+    rows: list[dict[str, Any]],
+    finished: list[Finished],
+    failed: dict[str, str],
+    metrics: list[str],
+    reference: str | None = None,
 ) -> str:
-    """comparison.md: provenance, one methods x settings table per metric and round choice, wall times, failures.
+    """comparison.md: provenance, one methods x settings table per metric and round choice, training status, wall times, failures.
+
+    Each metric table (:func:`medfed.compare_stats.table_statistics`) has per
+    setting a cell over seeds (mean ± std [95% t interval], bold when
+    indistinguishable from the setting's best) and the paired difference
+    against ``reference`` over (seed, site) with W/T/L; then the average rank
+    over settings; its last row is the plateau status of each setting's runs.
 
     Args:
         grid, source: what was compared and where the grid came from.
         settings: the configs' labels, the tables' columns in this order.
         rows: :func:`comparison_rows`.
-        finished: the runs with results (their data descriptions, rounds).
+        finished: the runs with results (their data descriptions, rounds, validation curves).
         failed: ``{run name: end of its log}``.
-        metrics: the tabulated metrics, the first primary.
+        metrics: the tabulated metrics, the first primary (chooses the validation round, and its curve the plateau status).
+        reference: the method the others are paired against (:func:`resolve_reference`).
     """
+    reference = resolve_reference(reference, grid.strategies)
     descriptions = {item.run.setting: item.results["federation"]["description"] for item in finished}
     generated = any(item.results["federation"]["generated"] for item in finished)
     rounds = sorted({item.results["config"]["trainer"]["rounds"] for item in finished})
     tag = " (GENERATED data)" if generated else ""
     n_seeds = len(grid.seeds)
+    primary = metrics[0] if metrics else "(primary metric)"
+    statuses = plateaus(finished, metrics[0]) if metrics else {}
+    by_setting = {s: [status for m in grid.strategies for status in statuses.get((s, m), [])] for s in settings}
 
-    def table(column: str, digits: int = 4) -> list[str]:
-        means = run_means(rows, column)
+    def statistics_table(column: str) -> list[str]:
+        table = table_statistics(rows, column, settings, grid.strategies, reference)
+        header = "".join(f" {setting} | Δ vs {reference} |" for setting in settings)
+        lines = [f"| method |{header} average rank |", "|---|" + "---|---|" * len(settings) + "---|"]
+        cells = table.cells
+        for strategy in grid.strategies:
+            pairs = "".join(
+                f" {format_summary(cells[(s, strategy)].summary, n_seeds, cells[(s, strategy)].with_best)} |"
+                f" {format_paired(cells[(s, strategy)].versus_reference, strategy == reference)} |"
+                for s in settings
+            )
+            rank = table.ranks[strategy]
+            lines.append(f"| {strategy} |{pairs} {'—' if math.isnan(rank) else f'{rank:.2f}'} |")
+        lines.append("| *runs' validation curves* |" + "".join(f" {format_plateaus(by_setting[s])} | |" for s in settings) + " |")
+        if table.ranked != settings:
+            lines += ["", f"Average rank over {', '.join(table.ranked) or 'no setting'} (the settings where every method has a value)."]
+        return lines
+
+    def wall_table() -> list[str]:
+        means = seed_values(rows, "wall_s")
         lines = ["| method | " + " | ".join(settings) + " |", "|---|" + "---|" * len(settings)]
         for strategy in grid.strategies:
-            cells = [format_cell(means.get((setting, strategy), []), n_seeds, digits) for setting in settings]
-            lines.append(f"| {strategy} | " + " | ".join(cells) + " |")
+            lines.append(f"| {strategy} | " + " | ".join(format_cell(list(means.get((s, strategy), {}).values()), n_seeds, 1) for s in settings) + " |")
         return lines
 
     lines = [
@@ -181,15 +273,38 @@ def markdown(
         "",
         *(f"- {setting}: {text}" for setting, text in descriptions.items()),
         "",
-        "Each cell: mean ± standard deviation (ddof 1) over seeds of the mean over sites of the site's TEST metric (the mean "
-        "alone for one seed); "
-        f"(k/{n_seeds}) marks a cell with only k of the {n_seeds} seeds finished. Validation-selected: for each site, the round "
-        f"with the highest VALIDATION {metrics[0]} (ties: the earliest round), and that site's test metric at that round.",
+        "How to read the tables (95% intervals are Student t intervals; higher is better):",
+        "",
+        "- Each setting's first column: mean ± standard deviation (ddof 1) over seeds of the mean over sites of the site's "
+        "TEST metric, and [a 95% t interval for that mean over seeds] (seeds taken as independent normal draws; the mean "
+        f"alone for one seed); (k/{n_seeds}) marks a cell with only k of the {n_seeds} seeds finished.",
+        "- **Bold**: indistinguishable from the setting's best method (the highest mean): the 95% t interval of the paired "
+        "differences (method − best, over the (seed, site) pairs both have) contains 0.",
+        f"- Δ vs {reference}: the mean over (seed, site) pairs of the method's value minus {reference}'s on the same seed and "
+        "site, [a 95% t interval over the pairs] (taken as independent draws; sites of one run share a federation, so it "
+        f"is narrower than it should be: a screen, not a test) and wins/ties/losses (tie: |Δ| <= {TIE_TOLERANCE}).",
+        "- Average rank: each setting ranks the methods by their mean (1 = best, equal means share their average rank), "
+        "averaged over the settings.",
+        f"- Validation-selected: for each site, the round with the highest VALIDATION {primary} (ties: the earliest round), "
+        "and that site's test metric at that round.",
+        f"- Runs' validation curves: a run has *plateaued* when the best of its last {PLATEAU_ROUNDS} rounds' validation "
+        f"{primary} (mean over sites) is at most {PLATEAU_TOLERANCE} above its best before them, else it is *improving*; "
+        f"with fewer than {PLATEAU_ROUNDS + 1} rounds it is *early*. An early-training snapshot measures how fast the "
+        "methods learn, not where they end.",
     ]
     for metric in metrics:
         for when, column in (("last round", f"last_{metric}"), ("validation-selected round", f"selected_{metric}")):
-            lines += ["", f"## {metric}, {when}{tag}", "", *table(column)]
-    lines += ["", "## Wall time per run, seconds (timing.wall_s; a resumed run's counts its last part only)", "", *table("wall_s", 1)]
+            lines += ["", f"## {metric}, {when}{tag}", "", *statistics_table(column)]
+    if metrics:
+        lines += [
+            "",
+            f"## Runs' validation curves ({metrics[0]}, last {PLATEAU_ROUNDS} rounds against the earlier best)",
+            "",
+            "| method | " + " | ".join(settings) + " |",
+            "|---|" + "---|" * len(settings),
+            *(f"| {m} | " + " | ".join(format_plateaus(statuses.get((s, m), [])) for s in settings) + " |" for m in grid.strategies),
+        ]
+    lines += ["", "## Wall time per run, seconds (timing.wall_s; a resumed run's counts its last part only)", "", *wall_table()]
     if failed:
         lines += ["", "## Failed runs", "", *(f"- {name}: {tail}" for name, tail in failed.items())]
     return "\n".join(lines) + "\n"

@@ -201,36 +201,50 @@ def save_figure(figure: Figure, path: Path) -> None:
 
 
 def plot_comparison(
-    means: dict[str, dict[tuple[str, str], list[float]]], metrics: list[str], settings: list[str], strategies: list[str], title: str
+    rows: list[dict[str, Any]], metrics: list[str], settings: list[str], strategies: list[str], title: str, jitter_seed: int = 0
 ) -> Figure:
-    """Grouped bars, one panel per metric (rows) and round choice (columns: last round, validation-selected round).
+    """Grouped bars with every site's value as a dot, one panel per metric (rows) and round choice (columns).
 
     Args:
-        means: ``{"last_<metric>" or "selected_<metric>": {(setting, strategy): [per seed: mean over sites]}}``.
+        rows: compare's long table (one row per run and site, columns
+            ``last_<metric>`` and ``selected_<metric>``; see :mod:`medfed.compare_stats`).
         metrics: the metrics, one row of panels each.
         settings: the groups along x (the grid's configs).
-        strategies: the bars in each group, one colour each; height the mean
-            over seeds, error bar the standard deviation over seeds (ddof 1).
+        strategies: the bars in each group, one colour each: height the mean
+            over seeds of the mean over sites, error bar their standard
+            deviation (ddof 1; none for one seed; the tables give the t
+            intervals, which with 2-3 seeds would dwarf the panel); dots: every (seed, site) value,
+            spread sideways across the bar at random (``jitter_seed``) so
+            equal values stay visible.
         title: the figure's title (the data's provenance included).
     """
-    figure = Figure(figsize=(max(8.0, 2.4 * len(settings)), 3.2 * len(metrics) + 1.2), layout="constrained")
+    from medfed.compare_stats import seed_values, site_values, summarise
+
+    figure = Figure(figsize=(max(8.0, 2.4 * len(settings)), 3.2 * len(metrics) + 1.4), layout="constrained")
     axes = figure.subplots(len(metrics), 2, squeeze=False)
     width = 0.8 / max(len(strategies), 1)
     colours = [f"C{i % 10}" for i in range(len(strategies))]
+    jitter = np.random.default_rng(jitter_seed)
     for row, metric in enumerate(metrics):
         for column, (prefix, when) in enumerate((("last", "last round"), ("selected", "validation-selected round"))):
             axis = axes[row][column]
-            values = means[f"{prefix}_{metric}"]
+            runs, sites = seed_values(rows, f"{prefix}_{metric}"), site_values(rows, f"{prefix}_{metric}")
             for index, strategy in enumerate(strategies):
-                seeds = [values.get((setting, strategy), []) for setting in settings]
-                heights = [float(np.mean(v)) if v else np.nan for v in seeds]
-                errors = [float(np.std(v, ddof=1)) if len(v) > 1 else 0.0 for v in seeds]
                 x = np.arange(len(settings)) - 0.4 + width * (index + 0.5)
-                axis.bar(x, heights, width, yerr=errors, capsize=2, color=colours[index], label=strategy)
+                summaries = [summarise(list(runs.get((setting, strategy), {}).values())) for setting in settings]
+                heights = np.array([s.mean for s in summaries])
+                errors = [s.std if s.n > 1 else 0.0 for s in summaries]
+                axis.bar(x, heights, width, yerr=errors, capsize=2, color=colours[index], alpha=0.55, label=strategy)
+                for position, setting in zip(x, settings):
+                    points = np.array(list(sites.get((setting, strategy), {}).values()))
+                    spread = jitter.uniform(-0.3 * width, 0.3 * width, points.size)
+                    axis.scatter(position + spread, points, s=9, color=colours[index], edgecolors="black", linewidths=0.4, zorder=3)
             axis.set_xticks(np.arange(len(settings)), settings, rotation=20, ha="right")
             axis.set_title(f"{metric}, {when}", fontsize=9)
             axis.set_ylabel(metric)
+            axis.grid(axis="y", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="outside lower center", ncols=min(len(strategies), 8), fontsize=8)
-    figure.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=9)
+    caption = "bars: mean over seeds of the mean over sites; error bars: std over seeds; dots: each seed's sites"
+    figure.suptitle("\n".join(textwrap.wrap(f"{title}; {caption}", 110)), fontsize=9)
     return figure
