@@ -83,6 +83,9 @@ def resolve(cfg: DictConfig) -> ResolvedRun:
             f"config key 'model.name' = {model_name!r}: the {task.name} task's samples fit {', '.join(task.models)} only"
         )
     model_options = parse_options(model_cls.Options, config["model"], "model", ignore=("name",))
+    check_input_size = getattr(model_cls, "check_input_size", None)  # a model whose layers constrain the patch size
+    if check_input_size is not None and hasattr(data_options, "patch_size"):
+        check_input_size(model_options, data_options.patch_size, "data.patch_size")
     target = getattr(model_options, "target", None)
     if target is not None and target not in task.targets:
         raise ConfigError(f"config key 'model.target' = {target!r}: the {task.name} task labels samples for {', '.join(task.targets) or 'no target choice'}")

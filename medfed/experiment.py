@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 import medfed
 from medfed.checkpoint import FOLDER, resume_state, round_checkpoints
 from medfed.components import resolve
-from medfed.config import RunConfig
+from medfed.config import RunConfig, check_wandb_key
 from medfed.errors import warn
 from medfed.evaluation.rounds import ValidationEvaluation, VolumeEvaluation
 from medfed.federated.link import Link
@@ -60,6 +60,7 @@ def run(
     config, run_cfg = resolved.config, resolved.run
     trainer = run_cfg.trainer
     output_dir = Path(run_cfg.output_dir)
+    check_wandb_key(run_cfg.logger.wandb)
     check_output_dir(output_dir, resume=resume, overwrite=overwrite)
     resumed = resume_state(output_dir, config) if resume else None  # checked before any data is read
     if trainer.num_threads is not None:
