@@ -74,7 +74,7 @@ def predict(run_dir: Path, site: str, inputs: list[Path], out: Path, *, overwrit
     model.eval()
 
     case = case_from_paths(inputs)
-    volume = load_case(case)
+    volume = load_case(case, resolved.data_options.resample)
     image = zscore_over_brain(volume.image)
     lacking, channel = missing_channel_sites(resolved.run.federation)
     if index in lacking:
