@@ -41,7 +41,7 @@ def assert_same_tensors(a, b):
 def count_reads(monkeypatch):
     reads = []
     real_load_case = brats.load_case
-    monkeypatch.setattr(brats, "load_case", lambda case: reads.append(case.case_id) or real_load_case(case))
+    monkeypatch.setattr(brats, "load_case", lambda case, resample=False: reads.append(case.case_id) or real_load_case(case, resample))
     return reads
 
 
@@ -54,7 +54,7 @@ def test_second_build_reads_no_volume_and_gives_the_same_tensors(tiny_brats_root
     assert os.listdir(cache_dir) == [entry.name]  # no temporary file left behind
     assert stat.S_IMODE(entry.stat().st_mode) == 0o644
 
-    def no_reading(case):
+    def no_reading(case, resample=False):
         raise AssertionError(f"read {case.case_id} although the federation is cached")
 
     monkeypatch.setattr(brats, "load_case", no_reading)
