@@ -292,3 +292,13 @@ def test_a_finite_float_volume_is_read(tmp_path):
     write_candidates(tmp_path / "candidates.csv", [("7.7", *world_of_index(image, (1, 1, 1)), 0)])
     patches = extract_candidate_patches(tmp_path, progress=False).patches
     np.testing.assert_allclose(patches[0, 16:20, 16:20], hu_to_unit_interval(np.array(-500.0)))
+
+
+def test_candidates_csv_with_a_byte_order_mark_reads_as_without(one_series):
+    root, image = one_series
+    write_candidates(root / "candidates.csv", [("7.7", *world_of_index(image, (1, 1, 1)), 1)])
+    plain = extract_candidate_patches(root, progress=False)
+    (root / "candidates.csv").write_bytes(b"\xef\xbb\xbf" + (root / "candidates.csv").read_bytes())
+    with_bom = extract_candidate_patches(root, progress=False)
+    np.testing.assert_array_equal(plain.patches, with_bom.patches)
+    assert list(with_bom.series_uids) == ["7.7"] and list(with_bom.labels) == [1]

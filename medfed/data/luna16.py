@@ -30,7 +30,6 @@ already have identity directions; other MetaImage data need not.
 
 from __future__ import annotations
 
-import csv
 import math
 import zlib
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tqdm import tqdm
 
+from medfed.data.csv_rows import read_csv_rows
 from medfed.errors import DataError
 
 if TYPE_CHECKING:  # SimpleITK is imported where series are read: the other tasks run without it
@@ -346,14 +346,9 @@ def _rows_by_series(table: CandidateTable) -> tuple[np.ndarray, list[np.ndarray]
 
 def _read_uid_and_numbers(path: Path, header: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows of a LUNA16 CSV: str (n,) series uids, float64 (n, columns - 1) finite numbers, int (n,) line numbers."""
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
-    with path.open(newline="") as handle:
-        reader = csv.reader(handle)
-        found = next(reader, None)
-        if found is None or tuple(field.strip() for field in found) != header:
-            raise DataError(f"{path}: expected the header {','.join(header)}, found {found}")
-        numbered_rows = [(reader.line_num, row) for row in reader if "".join(row).strip()]
+    found, numbered_rows = read_csv_rows(path)
+    if found is None or tuple(field.strip() for field in found) != header:
+        raise DataError(f"{path}: expected the header {','.join(header)}, found {found}")
     if not numbered_rows:
         raise DataError(f"{path}: no rows after the header")
     for line_number, row in numbered_rows:
