@@ -32,7 +32,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from medfed.errors import ConfigError, DataError, SiteFailure
+from medfed.errors import ConfigError, DataError, RunFailed, SiteFailure
 
 INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
 
@@ -132,6 +132,9 @@ def _fit(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     try:
         run(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet, config_name=Path(args.config).stem)
+    except RunFailed as error:  # resuming would fail the same way
+        print(f"medfed: error: {error}", file=sys.stderr)
+        return 2
     except SiteFailure as error:
         print(f"medfed: error: {error}; {_how_to_resume(args.config, overrides, Path(cfg.output_dir))}", file=sys.stderr)
         return 2

@@ -26,3 +26,8 @@ def warn(message: str) -> None:
 class SiteFailure(RuntimeError):
     """A site failed in a round under ``federation.on_site_failure: stop``, every site has been excluded, or a
     deployed site cannot go back to the round its resumed server continues from."""
+
+
+class RunFailed(SiteFailure):
+    """The run ended without learning: every site failed in every round, or every site was excluded. Its results are
+    written; resuming would fail the same way, so the cause must be fixed (the message says which failures)."""

@@ -31,7 +31,7 @@ import medfed
 from medfed.checkpoint import FOLDER, resume_state, round_checkpoints
 from medfed.components import resolve
 from medfed.config import RunConfig, check_wandb_key
-from medfed.errors import warn
+from medfed.errors import RunFailed, SiteFailure, warn
 from medfed.evaluation.rounds import ValidationEvaluation, VolumeEvaluation
 from medfed.federated.link import Link
 from medfed.federated.loop import FederatedLoop
@@ -43,7 +43,7 @@ from medfed.models.base import FederatedModule
 from medfed.models.classification import BinaryClassifier
 from medfed.models.split import PARTS
 from medfed.output_dir import check_output_dir, finish_run, start_run
-from medfed.results import communication_totals, format_table, summarise, write_json_atomic
+from medfed.results import communication_totals, format_table, learned_nothing, summarise, write_json_atomic
 from medfed.tracking import Tracker, classification_figures
 from medfed.viz.plots import plot_learning_curves, plot_segmentation_examples, save_figure
 
@@ -106,29 +106,38 @@ def run(
         write_json_atomic(output_dir / "config.json", config)
     tracker.start(loop.history)
 
+    def results_so_far() -> dict[str, Any]:
+        return {
+            "medfed_version": medfed.__version__,
+            "strategy": strategy.name,
+            "seed": trainer.seed,
+            "num_threads": torch.get_num_threads(),
+            "federation": federation.summary(),
+            **({"pooled": pooled_reference(federation.sites)} if strategy.pools_data else {}),
+            **summarise(loop.history, {site.name: site.n_test for site in sites}, federation.holdout),
+            "failures": [failure for record in loop.history for failure in record["failures"]],
+            "excluded": loop.excluded,
+            "communication": communication_totals(links),
+            "timing": _timing(loop.history, time.perf_counter() - started, fabric),
+            "config": config,
+            "history": loop.history,
+        }
+
     bar = tqdm(total=trainer.rounds, initial=loop.round, desc=f"{strategy.name} rounds", unit="round", disable=not progress)
     try:
         loop.fit(trainer.rounds, progress=lambda record: (bar.set_postfix(record["mean"]), bar.update()))
-    except BaseException:  # Ctrl-C included: the W&B run ends marked as failed, resumable
+    except BaseException as error:  # Ctrl-C included: the W&B run ends marked as failed, resumable
         tracker.finish(step=loop.round, exit_code=1)
+        if isinstance(error, SiteFailure) and loop.history and len(loop.excluded) == len(sites):
+            write_json_atomic(output_dir / "results.json", results_so_far())  # what the rounds before the exclusions gave
+            raise RunFailed(f"{error}; the {len(loop.history)} rounds' results are in {output_dir / 'results.json'}") from None
         raise
     bar.close()
 
-    results = {
-        "medfed_version": medfed.__version__,
-        "strategy": strategy.name,
-        "seed": trainer.seed,
-        "num_threads": torch.get_num_threads(),
-        "federation": federation.summary(),
-        **({"pooled": pooled_reference(federation.sites)} if strategy.pools_data else {}),
-        **summarise(loop.history, {site.name: site.n_test for site in sites}, federation.holdout),
-        "failures": [failure for record in loop.history for failure in record["failures"]],
-        "excluded": loop.excluded,
-        "communication": communication_totals(links),
-        "timing": _timing(loop.history, time.perf_counter() - started, fabric),
-        "config": config,
-        "history": loop.history,
-    }
+    results = results_so_far()
+    failed = learned_nothing(loop.history)
+    if failed is not None:
+        results["outcome"] = f"failed: {failed}"
     write_json_atomic(output_dir / "results.json", results)
     title = f"{strategy.name} on {federation.task}, seed {trainer.seed}; data: {federation.description}"
     if strategy.pools_data:
@@ -143,7 +152,12 @@ def run(
         figures.update(classification_figures(sites, title, tracker.class_labels))
     for name, figure in figures.items():
         save_figure(figure, output_dir / f"{name}.png")
-    tracker.finish([output_dir / f"{name}.png" for name in figures], step=loop.round)
+    tracker.finish([output_dir / f"{name}.png" for name in figures], step=loop.round, exit_code=0 if failed is None else 1)
+    if failed is not None:  # an --overwrite keeps the run it replaced
+        raise RunFailed(
+            f"{failed}: nothing was learned, the metrics in {output_dir / 'results.json'} are those of the initial models; "
+            "fix the cause and start the run again with --overwrite"
+        )
     if resume or overwrite:
         finish_run(output_dir)
     if progress:
