@@ -9,9 +9,9 @@ same seeded prototype), the strategy, the links and the loop; trains for
 thread count, the splits, the sites' failures and exclusions, bytes on the
 wire, timings; with a validation split beside the test split, every round's
 validation metrics, :class:`~medfed.evaluation.rounds.ValidationEvaluation`)
-next to the CSV and W&B logs. The output folder and, with
-``--resume``, the checkpoint are checked before any data is read
-(:mod:`medfed.output_dir`).
+next to the CSV and W&B logs. The output folder is held by this run alone
+while it runs; it and, with ``--resume``, the checkpoint are checked before
+any data is read (:mod:`medfed.output_dir`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 import medfed
 from medfed.checkpoint import FOLDER, resume_state, round_checkpoints
-from medfed.components import resolve
+from medfed.components import ResolvedRun, resolve
 from medfed.config import RunConfig, check_wandb_key
 from medfed.errors import RunFailed, SiteFailure, warn
 from medfed.evaluation.rounds import ValidationEvaluation, VolumeEvaluation
@@ -42,7 +42,7 @@ from medfed.data.pooling import pool_training_data, pooled_reference
 from medfed.models.base import FederatedModule
 from medfed.models.classification import BinaryClassifier
 from medfed.models.split import PARTS
-from medfed.output_dir import check_output_dir, finish_run, start_run
+from medfed.output_dir import check_output_dir, finish_run, hold_output_dir, start_run
 from medfed.results import communication_totals, format_table, learned_nothing, summarise, write_json_atomic
 from medfed.tracking import Tracker, classification_figures
 from medfed.viz.plots import plot_learning_curves, plot_segmentation_examples, save_figure
@@ -57,10 +57,18 @@ def run(
     """
     started = time.perf_counter()
     resolved = resolve(cfg)  # every config key checked before any file is read or written
+    output_dir = Path(resolved.run.output_dir)
+    check_wandb_key(resolved.run.logger.wandb)
+    with hold_output_dir(output_dir):  # one run at a time writes a run folder
+        return _run(resolved, output_dir, started, resume=resume, overwrite=overwrite, progress=progress, config_name=config_name)
+
+
+def _run(
+    resolved: ResolvedRun, output_dir: Path, started: float, *, resume: bool, overwrite: bool, progress: bool, config_name: str | None
+) -> dict[str, Any]:
+    """:func:`run` once this process holds ``output_dir``."""
     config, run_cfg = resolved.config, resolved.run
     trainer = run_cfg.trainer
-    output_dir = Path(run_cfg.output_dir)
-    check_wandb_key(run_cfg.logger.wandb)
     check_output_dir(output_dir, resume=resume, overwrite=overwrite)
     resumed = resume_state(output_dir, config) if resume else None  # checked before any data is read
     if trainer.num_threads is not None:
