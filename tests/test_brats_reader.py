@@ -328,14 +328,14 @@ def test_msd_label_outside_dataset_json_is_rejected(tmp_path):
     assert str(path) in str(info.value)
 
 
-@pytest.mark.parametrize("bad_value", [np.nan, np.inf])
+@pytest.mark.parametrize("bad_value", [np.nan, np.inf, 1e300])
 def test_non_finite_voxels_are_counted(tmp_path, bad_value):
     folder = tmp_path / "Case_1"
     images, _ = write_brats_case(folder, np.random.default_rng(11))
-    t2 = images[3].astype(np.float32)
+    t2 = images[3].astype(np.float64)  # a float64 file: 1e300 is finite there, infinite in float32
     t2[0, 0, :3] = bad_value
     path = write_nifti(folder / "Case_1_t2.nii.gz", t2)
-    with pytest.raises(DataError, match="3 voxels are NaN or infinite") as info:
+    with pytest.raises(DataError, match="3 voxels are NaN, infinite or beyond float32's range") as info:
         load_case(only_case(tmp_path))
     assert str(path) in str(info.value)
 

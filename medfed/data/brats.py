@@ -666,7 +666,7 @@ def _finite_float32(data: np.ndarray, path: Path) -> np.ndarray:
     array = np.asarray(data, dtype=np.float32)
     bad = array.size - np.count_nonzero(np.isfinite(array))
     if bad:
-        raise DataError(f"{path}: {bad} voxels are NaN or infinite")
+        raise DataError(f"{path}: {bad} voxels are NaN, infinite or beyond float32's range (|x| > 3.4e38)")
     return array
 
 
