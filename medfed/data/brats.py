@@ -663,7 +663,8 @@ def _resampled(data: np.ndarray, affine: np.ndarray, target_affine: np.ndarray, 
 
 
 def _finite_float32(data: np.ndarray, path: Path) -> np.ndarray:
-    array = np.asarray(data, dtype=np.float32)
+    with np.errstate(over="ignore"):  # a value beyond float32 becomes inf and is counted below
+        array = np.asarray(data, dtype=np.float32)
     bad = array.size - np.count_nonzero(np.isfinite(array))
     if bad:
         raise DataError(f"{path}: {bad} voxels are NaN, infinite or beyond float32's range (|x| > 3.4e38)")
