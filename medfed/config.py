@@ -386,6 +386,10 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     schema = OmegaConf.structured(RunConfig)
     merged = _merge(schema, file_cfg, str(path))
     merged = _merge(merged, cli_cfg, "command line", overrides)
+    if _interpolated_size(OmegaConf.to_container(merged, resolve=False)) > MAX_YAML_NODES:
+        raise ConfigError(
+            f"{path}: its interpolations (${{...}}) expand to more than {MAX_YAML_NODES} values (an interpolation bomb?)"
+        )
     try:
         OmegaConf.resolve(merged)
         OmegaConf.to_object(merged)  # runs the dataclasses' __post_init__ checks
@@ -433,6 +437,67 @@ MAX_YAML_DEPTH = 64
 """Deepest nesting of mappings and lists in a YAML document (medfed's configs nest 4 levels)."""
 MAX_YAML_NODES = 100_000
 """Most nodes (scalars, lists, mappings) in a YAML document with every alias expanded."""
+
+
+_INTERPOLATION = re.compile(r"\$\{([^${}]*)\}")
+
+
+def _interpolated_size(root: Any) -> int:
+    """Values in ``root`` (plain containers, interpolations unresolved) once every ``${key}`` is resolved, capped.
+
+    Like :func:`_expanded_size` for aliases: each ``${key}`` counts the
+    values of the node it names (memoised per node, so the cost is the
+    document's size), a string also one per 100 characters; ``${resolver:...}``
+    and keys that name nothing count 1, a cycle counts 1 (OmegaConf reports it).
+    The result is capped just above :data:`MAX_YAML_NODES`.
+    """
+    sizes: dict[tuple, int] = {}
+    active: set[tuple] = set()
+
+    def lookup(path: tuple) -> Any:
+        node = root
+        for key in path:
+            if isinstance(node, dict) and key in node:
+                node = node[key]
+            elif isinstance(node, list) and str(key).isdigit() and int(key) < len(node):
+                node = node[int(key)]
+            else:
+                return None
+        return node
+
+    def target(reference: str, path: tuple) -> tuple | None:
+        if ":" in reference:
+            return None  # a resolver's result is not a node of the document
+        reference = re.sub(r"\[\s*([^\]]*?)\s*\]", r".\1", reference)  # a[0].b is a.0.b
+        dots = len(reference) - len(reference.lstrip("."))
+        keys = tuple(key for key in reference.lstrip(".").split(".") if key)
+        return (path[: len(path) - dots] if dots else ()) + keys
+
+    def size_at(path: tuple) -> int:
+        if path in sizes:
+            return sizes[path]
+        if path in active:
+            return 1
+        active.add(path)
+        value = lookup(path)
+        if isinstance(value, dict):
+            total = 1 + sum(size_at((*path, key)) for key in value)
+        elif isinstance(value, list):
+            total = 1 + sum(size_at((*path, str(index))) for index in range(len(value)))
+        elif isinstance(value, str):
+            total = 1 + len(value) // 100
+            for reference in _INTERPOLATION.findall(value):
+                named = target(reference.strip(), path)
+                total += 1 if named is None else size_at(named)
+                if total > MAX_YAML_NODES:
+                    break
+        else:
+            total = 1
+        active.discard(path)
+        sizes[path] = min(total, MAX_YAML_NODES + 1)
+        return sizes[path]
+
+    return size_at(())
 
 
 def read_yaml_text(path: Path, kind: str = "config file") -> str:

@@ -37,3 +37,12 @@ def test_a_run_whose_sites_were_all_excluded_writes_its_rounds_and_ends_with_sta
     assert error_lines[0].startswith("medfed: error: every site has been excluded") and "--resume" not in error_lines[0]
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert len(results["history"]) == 1 and set(results["excluded"]) == {"site0", "site1", "site2"}
+
+
+def test_wandb_online_without_a_key_is_refused_before_any_data_is_read(tiny_run_config, tmp_path, monkeypatch, reading_forbidden, capsys):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    assert main(["fit", "--config", str(tiny_run_config), "--quiet", "logger.wandb=online"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith("medfed: error: config key 'logger.wandb' = 'online': no W&B API key here")
+    assert not (tmp_path / "run").exists()

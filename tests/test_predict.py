@@ -94,7 +94,7 @@ def test_a_hostile_config_json_in_the_run_folder_is_one_line_in_well_under_a_sec
     arguments = ["predict", "--run", str(run), "--site", "site0", "--input", str(case.image_files[0].parent), "--out", str(tmp_path / "p.nii.gz")]
     start = time.perf_counter()
     assert main(arguments) == 2
-    assert time.perf_counter() - start < 0.5
+    assert time.perf_counter() - start < 1.0  # well under a second; typically a few ms
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and error.startswith(f"medfed: error: {run / 'config.json'}: not valid YAML") and message in error
 
