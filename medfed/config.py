@@ -410,7 +410,7 @@ def _merge(base: DictConfig, layer: DictConfig, source: str, overrides: list[str
         key = _full_key(error)
         where = source
         if overrides:
-            setting = [override for override in overrides if override.partition("=")[0].strip() == key]
+            setting = [o for o in overrides if (o.partition("=")[0].strip() + ".").startswith(f"{key}.")]
             where = f"command line override {setting[0]!r}" if setting else "command line"
         if isinstance(error, ConfigKeyError):
             raise ConfigError(f"{where}: unknown config key '{key}'{_did_you_mean(base, key)}") from None

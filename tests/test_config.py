@@ -222,6 +222,12 @@ def test_unknown_key_typed_on_the_command_line_is_blamed_on_it_with_a_suggestion
     )
 
 
+def test_an_unknown_group_typed_on_the_command_line_names_the_override(config_file):
+    with pytest.raises(ConfigError) as error:
+        load_config(config_file, ["trainer.seed=1", "trainr.rounds=3"])
+    assert str(error.value) == "command line override 'trainr.rounds=3': unknown config key 'trainr'; did you mean 'trainer'?"
+
+
 def test_unknown_key_in_the_file_is_blamed_on_the_file_with_a_suggestion(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(BASE + "federaton: {n_sites: 3}\n")
