@@ -57,9 +57,7 @@ def save_checkpoint(folder: Path, state: dict[str, Any], keep: int) -> Path:
     path = folder / f"round-{state['round']}.ckpt"
     try:
         with atomic_write(path, "wb") as file:
-            hashing = _HashingWriter(file)
-            torch.save(state, hashing)
-            file.write(_TRAILER_START + hashing.digest.hexdigest().encode() + b"\n")
+            save_with_digest(state, file)
     except (OSError, RuntimeError) as error:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip().splitlines()[0]
         free_mib = shutil.disk_usage(folder).free / 2**20
@@ -84,29 +82,81 @@ def checkpoints(folder: Path) -> list[Path]:
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
-    """The state saved by :func:`save_checkpoint`, mapped to the CPU.
+    """The state saved by :func:`save_checkpoint`, mapped to the CPU, its keys checked.
 
     Raises:
         DataError: the file is missing, empty, truncated, changed since it
-            was written, not a medfed checkpoint, or holds objects other than
-            tensors and plain data.
+            was written, not a medfed checkpoint, holds objects other than
+            tensors and plain data, or lacks a key the loop's state has
+            (a file that passes its checksum was still written by someone).
+    """
+    state = load_with_digest(path, "checkpoint")
+    if not isinstance(state, dict):
+        raise DataError(f"checkpoint {path} is not a medfed checkpoint (expected a dict of the run's state)")
+    _check_keys(path, state, STATE_KEYS)
+    return state
+
+
+STATE_KEYS = ("round", "config", "sites", "links")
+"""The keys of every checkpoint: the loop's (:meth:`~medfed.federated.loop.FederatedLoop.state_dict` and the config) and a deployed site's snapshot."""
+LOOP_KEYS = ("history", "server", "failure_streaks", "excluded", "num_threads")
+"""The further keys of a loop's checkpoint, which a resumed run needs (:func:`resume_state`)."""
+SITE_KEYS = ("slots", "generator", "data_orders", "strategy")
+"""The keys of each entry of ``sites`` (:meth:`~medfed.federated.site.Site.state_dict`)."""
+SLOT_KEYS = ("module", "optimizer")
+"""The keys of each of a site's ``slots``."""
+
+
+def _check_keys(path: Path, state: dict[str, Any], required: tuple[str, ...]) -> None:
+    """One DataError naming the first missing or mistyped entry of ``state``, so that loading it never meets a KeyError."""
+    missing = [key for key in required if key not in state]
+    if missing:
+        raise DataError(f"checkpoint {path} lacks the key {missing[0]!r} (expected {', '.join(required)}): not written by this medfed")
+    if not (isinstance(state["round"], int) and state["round"] >= 0):
+        raise DataError(f"checkpoint {path}: 'round' is {state['round']!r}, expected an integer >= 0")
+    for key, kind in (("config", dict), ("sites", list), ("links", list)):
+        if not isinstance(state[key], kind):
+            raise DataError(f"checkpoint {path}: {key!r} is a {type(state[key]).__name__}, expected a {kind.__name__}")
+    for index, site in enumerate(state["sites"]):
+        lacking = [key for key in SITE_KEYS if not isinstance(site, dict) or key not in site]
+        if lacking:
+            raise DataError(f"checkpoint {path}: site {index}'s state lacks the key {lacking[0]!r} (expected {', '.join(SITE_KEYS)})")
+        slots = site["slots"]
+        for name, slot in slots.items() if isinstance(slots, dict) else [("?", None)]:
+            lacking = [key for key in SLOT_KEYS if not isinstance(slot, dict) or key not in slot]
+            if lacking:
+                raise DataError(f"checkpoint {path}: site {index}'s model slot {name!r} lacks the key {lacking[0]!r}")
+
+
+def save_with_digest(obj: Any, file: BinaryIO) -> None:
+    """:func:`torch.save` ``obj`` into ``file``, hashed while written, then the SHA-256 trailer (no second copy in memory)."""
+    hashing = _HashingWriter(file)
+    torch.save(obj, hashing)
+    file.write(_TRAILER_START + hashing.digest.hexdigest().encode() + b"\n")
+
+
+def load_with_digest(path: Path, what: str) -> Any:
+    """What :func:`save_with_digest` wrote to ``path``, mapped to the CPU: the digest checked before anything is unpickled.
+
+    ``what`` names the kind of file in the messages ("checkpoint").
+
+    Raises:
+        DataError: the file is missing, empty, truncated, fails its SHA-256
+            check, or holds objects other than tensors and plain data.
     """
     try:
         with open(path, "rb") as file:
-            size = _verify(file, path)
-            state = torch.load(_Prefix(file, size), map_location="cpu", weights_only=True)
+            size = _verify(file, path, what)
+            return torch.load(_Prefix(file, size), map_location="cpu", weights_only=True)
     except OSError as error:
-        raise DataError(f"checkpoint {path} cannot be read ({error.strerror})") from None
+        raise DataError(f"{what} {path} cannot be read ({error.strerror})") from None
     except DataError:
         raise
     except Exception as error:  # whatever the unpickler makes of a file that passed the checksum
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         if "weights_only" in str(error):
             reason = "it holds objects other than tensors and plain data, refused by torch.load(weights_only=True)"
-        raise DataError(f"checkpoint {path} cannot be unpickled safely: {reason}") from None
-    if not (isinstance(state, dict) and {"round", "config", "sites"} <= set(state)):
-        raise DataError(f"checkpoint {path} is not a medfed checkpoint (expected a dict with round, config and sites)")
-    return state
+        raise DataError(f"{what} {path} cannot be unpickled safely: {reason}") from None
 
 
 def resume_state(
@@ -135,6 +185,7 @@ def resume_state(
     newest = found[-1]
     try:
         state = read_checkpoint(newest)
+        _check_keys(newest, state, STATE_KEYS + LOOP_KEYS)
     except DataError as error:
         raise DataError(f"{switch}: {error}; {_fallback(found[:-1], newest, switch, fresh)}") from None
     changed = config_differences(state["config"], config)
@@ -164,25 +215,25 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: s
     return differences
 
 
-def _verify(file: BinaryIO, path: Path) -> int:
+def _verify(file: BinaryIO, path: Path, what: str = "checkpoint") -> int:
     """Check ``file``'s trailer and digest; returns the payload's size (the bytes before the trailer)."""
     size = file.seek(0, io.SEEK_END)
     if size == 0:
-        raise DataError(f"checkpoint {path} is empty (0 bytes)")
+        raise DataError(f"{what} {path} is empty (0 bytes)")
     if size < _TRAILER_SIZE:
-        raise DataError(f"checkpoint {path} is truncated ({size} bytes)")
+        raise DataError(f"{what} {path} is truncated ({size} bytes)")
     file.seek(size - _TRAILER_SIZE)
     trailer = file.read(_TRAILER_SIZE)
     expected = trailer[len(_TRAILER_START) : -1]
     if not (trailer.startswith(_TRAILER_START) and trailer.endswith(b"\n") and re.fullmatch(rb"[0-9a-f]{64}", expected)):
-        raise DataError(f"checkpoint {path} has no checksum trailer (truncated, or not written by medfed)")
+        raise DataError(f"{what} {path} has no checksum trailer (truncated, or not written by medfed)")
     payload = size - _TRAILER_SIZE
     digest = hashlib.sha256()
     file.seek(0)
     for chunk in iter(lambda: file.read(min(_CHUNK, payload - file.tell())), b""):
         digest.update(chunk)
     if digest.hexdigest().encode() != expected:
-        raise DataError(f"checkpoint {path} fails its SHA-256 check (changed or damaged since it was written)")
+        raise DataError(f"{what} {path} fails its SHA-256 check (changed or damaged since it was written)")
     file.seek(0)
     return payload
 

@@ -204,6 +204,9 @@ def resolve(cfg: DictConfig) -> ResolvedRun:
             f"config key 'model.name' = {model_name!r}: the {task.name} task's samples fit {', '.join(task.models)} only"
         )
     model_options = parse_options(model_cls.Options, config["model"], "model", ignore=("name",))
+    check_input_size = getattr(model_cls, "check_input_size", None)  # a model whose layers constrain the patch size
+    if check_input_size is not None and hasattr(data_options, "patch_size"):
+        check_input_size(model_options, data_options.patch_size, "data.patch_size")
     target = getattr(model_options, "target", None)
     if target is not None and target not in task.targets:
         raise ConfigError(f"config key 'model.target' = {target!r}: the {task.name} task labels samples for {', '.join(task.targets) or 'no target choice'}")
@@ -249,7 +252,7 @@ def check_device(device: str) -> None:
             f"{torch.__version__} can use; set trainer.device=cpu (or auto)"
         )
     if device == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(f"config key 'trainer.device' = 'mps': Apple MPS is not available here; set trainer.device=cpu (or auto)")
+        raise ConfigError("config key 'trainer.device' = 'mps': Apple MPS is not available here; set trainer.device=cpu (or auto)")
 
 
 def _required(group: dict[str, Any], key: str, name: str) -> Any:

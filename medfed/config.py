@@ -14,6 +14,16 @@ YAML is read with YAML 1.2 booleans: only ``true``/``false`` are booleans, so
 False); a typed boolean option still accepts ``yes``/``no``. Duplicate keys
 and syntax errors are one-line errors naming the file, line and column.
 
+A YAML (or JSON) document is read with bounds, since configs, grids and a
+run folder's ``config.json`` may come from elsewhere: at most
+:data:`MAX_YAML_BYTES`, nested at most :data:`MAX_YAML_DEPTH` levels, and at
+most :data:`MAX_YAML_NODES` nodes once every alias is expanded (a 1 KB
+"billion laughs" alias bomb expands to 10^9 nodes). Each is refused in one
+line before anything is built from the document.
+
+An unknown key is named with where it came from (the file, or the command
+line override that set it) and the closest known keys ("did you mean").
+
 ``--config`` takes a path or the name of a config shipped inside the package
 (``brats_lack0`` finds ``medfed/configs/brats_lack0.yaml``), so an installed
 medfed runs without a clone of the repository.
@@ -22,6 +32,10 @@ medfed runs without a clone of the repository.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
+import netrc
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,6 +187,9 @@ DEVICES = ("cpu", "cuda", "gpu", "mps", "auto")
 CODEC_NAMES = ("dense", "stc", "cer", "cer+stc")
 """The codecs of :mod:`medfed.compression.codecs` by name, here so that a config is checked without importing torch
 (tests/test_cli_start.py checks the two agree)."""
+MAX_QUANT_BITS = 16
+"""The most bits CER's run values may be quantised to (:data:`medfed.compression.piecewise.MAX_QUANT_BITS`, here for
+the same reason; the same test checks them)."""
 
 
 @dataclass
@@ -193,6 +210,7 @@ class TrainerConfig:
         require(self.rounds >= 1, "trainer.rounds", self.rounds, "an integer >= 1")
         require(self.local_epochs >= 1, "trainer.local_epochs", self.local_epochs, "an integer >= 1")
         require(self.batch_size >= 1, "trainer.batch_size", self.batch_size, "an integer >= 1")
+        require(0 <= self.seed < 2**63, "trainer.seed", self.seed, "an integer in [0, 2^63) (torch and numpy seeds are 64-bit)")
         require(self.device in DEVICES, "trainer.device", self.device, f"one of {', '.join(DEVICES)}")
         require(self.num_threads is None or self.num_threads >= 1, "trainer.num_threads", self.num_threads, "null or >= 1")
         require(self.keep_checkpoints >= 1, "trainer.keep_checkpoints", self.keep_checkpoints, "an integer >= 1")
@@ -255,8 +273,14 @@ class CodecConfig:
     def __post_init__(self) -> None:
         for key in ("up", "down"):
             require(getattr(self, key) in CODEC_NAMES, f"codec.{key}", getattr(self, key), f"one of {', '.join(CODEC_NAMES)}")
-        require(self.gamma >= 0, "codec.gamma", self.gamma, "a CER weight >= 0")
+        require(math.isfinite(self.gamma) and self.gamma >= 0, "codec.gamma", self.gamma, "a finite CER weight >= 0")
         require(0 < self.sparsity <= 1, "codec.sparsity", self.sparsity, "a fraction in (0, 1]")
+        require(
+            self.quant_bits is None or 1 <= self.quant_bits <= MAX_QUANT_BITS,
+            "codec.quant_bits",
+            self.quant_bits,
+            f"null (exact float32 run values) or an integer 1..{MAX_QUANT_BITS}",
+        )
 
     def spec(self, direction: str) -> dict[str, Any]:
         """``{"name": ..., <the options that codec takes>}`` for ``direction`` ("up" or "down")."""
@@ -285,6 +309,30 @@ def require(ok: bool, key: str, value: Any, expected: str) -> None:
     """Raise ConfigError naming ``key`` unless ``ok``; options dataclasses call it in ``__post_init__``."""
     if not ok:
         raise ConfigError(f"config key '{key}' = {value!r}: expected {expected}")
+
+
+def check_wandb_key(mode: str) -> None:
+    """``logger.wandb: online`` needs a W&B API key here: ``WANDB_API_KEY``, or the netrc entry ``wandb login`` writes.
+
+    The host is ``WANDB_BASE_URL``'s (default ``api.wandb.ai``); the netrc
+    file is ``$NETRC`` or ``~/.netrc``. Checked before any data are read, so a
+    run does not train for hours and then fail to log.
+
+    Raises:
+        ConfigError: online mode and no key.
+    """
+    if mode != "online" or os.environ.get("WANDB_API_KEY"):
+        return
+    host = re.sub(r"^\w+://", "", os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").split("/")[0].split(":")[0]
+    try:
+        if netrc.netrc(os.environ.get("NETRC") or None).authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise ConfigError(
+        f"config key 'logger.wandb' = 'online': no W&B API key here (WANDB_API_KEY unset and no {host} entry in the netrc file); "
+        "run `wandb login`, or set logger.wandb=offline"
+    )
 
 
 BUNDLED_CONFIGS = Path(__file__).parent / "configs"
@@ -327,7 +375,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
             unknown key (named in full), or a value of the wrong type.
     """
     path = find_config(path)
-    file_cfg = OmegaConf.create(read_yaml_mapping(path.read_text(encoding="utf-8", errors="replace"), str(path)))
+    file_cfg = OmegaConf.create(read_yaml_mapping(read_yaml_text(path), str(path)))
     cli_cfg = OmegaConf.create()
     for override in overrides:
         key, _, value = override.partition("=")
@@ -338,15 +386,136 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         except OmegaConfBaseException as error:
             raise ConfigError(f"override {override!r}: {_first_line(error)}") from None
     schema = OmegaConf.structured(RunConfig)
+    merged = _merge(schema, file_cfg, str(path))
+    merged = _merge(merged, cli_cfg, "command line", overrides)
+    if _interpolated_size(OmegaConf.to_container(merged, resolve=False)) > MAX_YAML_NODES:
+        raise ConfigError(
+            f"{path}: its interpolations (${{...}}) expand to more than {MAX_YAML_NODES} values (an interpolation bomb?)"
+        )
     try:
-        merged = OmegaConf.merge(schema, file_cfg, cli_cfg)
         OmegaConf.resolve(merged)
         OmegaConf.to_object(merged)  # runs the dataclasses' __post_init__ checks
-    except ConfigKeyError as error:
-        raise ConfigError(f"{path}: unknown config key '{_full_key(error)}'") from None
     except OmegaConfBaseException as error:
         raise ConfigError(f"{path}: config key '{_full_key(error)}': {_first_line(error)}") from None
     return merged
+
+
+def _merge(base: DictConfig, layer: DictConfig, source: str, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """``layer`` merged onto ``base``; a key ``base`` lacks or a mistyped value is blamed on ``source``.
+
+    ``source`` is the config file's path, or ``"command line"`` (then the
+    message quotes the override that set the key, from ``overrides``).
+    """
+    try:
+        return OmegaConf.merge(base, layer)
+    except OmegaConfBaseException as error:
+        key = _full_key(error)
+        where = source
+        if overrides:
+            setting = [o for o in overrides if (o.partition("=")[0].strip() + ".").startswith(f"{key}.")]
+            where = f"command line override {setting[0]!r}" if setting else "command line"
+        if isinstance(error, ConfigKeyError):
+            raise ConfigError(f"{where}: unknown config key '{key}'{_did_you_mean(base, key)}") from None
+        raise ConfigError(f"{where}: config key '{key}': {_first_line(error)}") from None
+
+
+def _did_you_mean(base: DictConfig, key: str) -> str:
+    """``"; did you mean 'trainer.rounds'?"`` for the known keys of ``key``'s group closest to it (empty if none is close)."""
+    parent, _, name = key.rpartition(".")
+    group = OmegaConf.select(base, parent) if parent else base
+    known = [str(k) for k in group.keys()] if isinstance(group, DictConfig) else []
+    return did_you_mean(name, known, f"{parent}." if parent else "")
+
+
+def did_you_mean(name: str, known: list[str], prefix: str = "") -> str:
+    """``"; did you mean 'prefix.close'?"`` for up to three of ``known`` closest to ``name`` (difflib), else ``""``."""
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(prefix + match) for match in close)}?" if close else ""
+
+
+MAX_YAML_BYTES = 1 << 20
+"""Largest config, grid or config.json read (1 MiB; medfed's configs are a few kB)."""
+MAX_YAML_DEPTH = 64
+"""Deepest nesting of mappings and lists in a YAML document (medfed's configs nest 4 levels)."""
+MAX_YAML_NODES = 100_000
+"""Most nodes (scalars, lists, mappings) in a YAML document with every alias expanded."""
+
+
+_INTERPOLATION = re.compile(r"\$\{([^${}]*)\}")
+
+
+def _interpolated_size(root: Any) -> int:
+    """Values in ``root`` (plain containers, interpolations unresolved) once every ``${key}`` is resolved, capped.
+
+    Like :func:`_expanded_size` for aliases: each ``${key}`` counts the
+    values of the node it names (memoised per node, so the cost is the
+    document's size), a string also one per 100 characters; ``${resolver:...}``
+    and keys that name nothing count 1, a cycle counts 1 (OmegaConf reports it).
+    The result is capped just above :data:`MAX_YAML_NODES`.
+    """
+    sizes: dict[tuple, int] = {}
+    active: set[tuple] = set()
+
+    def lookup(path: tuple) -> Any:
+        node = root
+        for key in path:
+            if isinstance(node, dict) and key in node:
+                node = node[key]
+            elif isinstance(node, list) and str(key).isdigit() and int(key) < len(node):
+                node = node[int(key)]
+            else:
+                return None
+        return node
+
+    def target(reference: str, path: tuple) -> tuple | None:
+        if ":" in reference:
+            return None  # a resolver's result is not a node of the document
+        reference = re.sub(r"\[\s*([^\]]*?)\s*\]", r".\1", reference)  # a[0].b is a.0.b
+        dots = len(reference) - len(reference.lstrip("."))
+        keys = tuple(key for key in reference.lstrip(".").split(".") if key)
+        return (path[: len(path) - dots] if dots else ()) + keys
+
+    def size_at(path: tuple) -> int:
+        if path in sizes:
+            return sizes[path]
+        if path in active:
+            return 1
+        active.add(path)
+        value = lookup(path)
+        if isinstance(value, dict):
+            total = 1 + sum(size_at((*path, key)) for key in value)
+        elif isinstance(value, list):
+            total = 1 + sum(size_at((*path, str(index))) for index in range(len(value)))
+        elif isinstance(value, str):
+            total = 1 + len(value) // 100
+            for reference in _INTERPOLATION.findall(value):
+                named = target(reference.strip(), path)
+                total += 1 if named is None else size_at(named)
+                if total > MAX_YAML_NODES:
+                    break
+        else:
+            total = 1
+        active.discard(path)
+        sizes[path] = min(total, MAX_YAML_NODES + 1)
+        return sizes[path]
+
+    return size_at(())
+
+
+def read_yaml_text(path: Path, kind: str = "config file") -> str:
+    """The text of a YAML file of at most :data:`MAX_YAML_BYTES` (undecodable bytes replaced).
+
+    Raises:
+        ConfigError: the file is larger (nothing of it is read), or cannot be read.
+    """
+    try:
+        size = os.stat(path).st_size
+        if size > MAX_YAML_BYTES:
+            raise ConfigError(f"{path}: {size} bytes, larger than any {kind} medfed reads ({MAX_YAML_BYTES} bytes)")
+        with open(path, "rb") as file:
+            return file.read(MAX_YAML_BYTES + 1).decode("utf-8", errors="replace")
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot be read ({error.strerror})") from None
 
 
 def read_yaml_mapping(text: str, source: str) -> dict[str, Any]:
@@ -367,13 +536,48 @@ def read_yaml_mapping(text: str, source: str) -> dict[str, Any]:
     return document
 
 
+class _YamlLimit(yaml.YAMLError):
+    """A document over one of the reader's bounds (depth, expanded size)."""
+
+    def __init__(self, problem: str, mark: yaml.Mark | None) -> None:
+        super().__init__(problem)
+        self.problem, self.problem_mark = problem, mark
+
+
 class _Yaml12Loader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2 booleans and floats, no timestamps, duplicate keys refused."""
+    """PyYAML's safe loader with YAML 1.2 booleans and floats, no timestamps, duplicate keys refused, bounded.
+
+    The composer (PyYAML's node builder, recursive) stops at
+    :data:`MAX_YAML_DEPTH` levels; the composed node graph, where an alias is
+    the node it names, is measured with every alias expanded before any
+    Python object is built from it.
+    """
 
     yaml_implicit_resolvers = {
         first: [(tag, regexp) for tag, regexp in resolvers if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:timestamp")]
         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
     }
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        self.depth += 1
+        try:
+            if self.depth > MAX_YAML_DEPTH:
+                raise _YamlLimit(f"nested deeper than {MAX_YAML_DEPTH} levels", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def get_single_node(self) -> yaml.Node | None:
+        node = super().get_single_node()
+        if node is not None and _expanded_size(node, {}) > MAX_YAML_NODES:
+            raise _YamlLimit(
+                f"more than {MAX_YAML_NODES} values once its aliases (*name) are expanded (an alias bomb?)", node.start_mark
+            )
+        return node
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen = set()
@@ -395,7 +599,24 @@ _Yaml12Loader.add_implicit_resolver(  # 1e-3 and 1.0e+5 are floats (YAML 1.1 wan
 )
 
 
+def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """Nodes in ``node``'s tree with every alias expanded; ``sizes`` memoises shared (aliased) nodes, so the cost is the graph's size."""
+    known = sizes.get(id(node))
+    if known is not None:
+        return known
+    if isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded_size(child, sizes) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size = 1 + sum(_expanded_size(key, sizes) + _expanded_size(value, sizes) for key, value in node.value)
+    else:
+        size = 1
+    sizes[id(node)] = min(size, MAX_YAML_NODES + 1)  # capped: no huge integers either
+    return sizes[id(node)]
+
+
 def _read_yaml(text: str, source: str) -> Any:
+    if len(text) > MAX_YAML_BYTES:
+        raise ConfigError(f"{source}: {len(text)} characters, more than any config medfed reads ({MAX_YAML_BYTES})")
     try:
         return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a safe loader
     except yaml.YAMLError as error:
@@ -433,7 +654,8 @@ def parse_options(options_cls: type, values: dict[str, Any] | DictConfig, group:
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(
-            f"unknown config key '{group}.{unknown[0]}' for {options_cls.__qualname__} (known keys: {', '.join(sorted(known))})"
+            f"unknown config key '{group}.{unknown[0]}' for {options_cls.__qualname__}"
+            f"{did_you_mean(unknown[0], sorted(known), f'{group}.')} (known keys: {', '.join(sorted(known))})"
         )
     try:
         typed = OmegaConf.merge(OmegaConf.structured(options_cls), values)

@@ -59,3 +59,8 @@ class MessageError(ValueError):
             None if self.sender is None else f"from {self.sender}", None if self.key is None else f"payload {self.key!r}"
         ) if part)
         return f"message {where}: {self.reason}" if where else self.reason
+
+
+class RunFailed(SiteFailure):
+    """The run ended without learning: every site failed in every round, or every site was excluded. Its results are
+    written; resuming would fail the same way, so the cause must be fixed (the message says which failures)."""

@@ -9,9 +9,9 @@ same seeded prototype), the strategy, the links and the loop; trains for
 thread count, the splits, the sites' failures and exclusions, bytes on the
 wire, timings; with a validation split beside the test split, every round's
 validation metrics, :class:`~medfed.evaluation.rounds.ValidationEvaluation`)
-next to the CSV and W&B logs. The output folder and, with
-``--resume``, the checkpoint are checked before any data is read
-(:mod:`medfed.output_dir`).
+next to the CSV and W&B logs. The output folder is held by this run alone
+while it runs; it and, with ``--resume``, the checkpoint are checked before
+any data is read (:mod:`medfed.output_dir`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from tqdm.auto import tqdm
 
 import medfed
 from medfed.checkpoint import FOLDER, resume_state, round_checkpoints
-from medfed.components import resolve
-from medfed.config import RunConfig
-from medfed.errors import warn
+from medfed.components import ResolvedRun, resolve
+from medfed.config import RunConfig, check_wandb_key
+from medfed.errors import RunFailed, SiteFailure, warn
 from medfed.evaluation.rounds import ValidationEvaluation, VolumeEvaluation
 from medfed.federated.compute import compute_summary
 from medfed.federated.link import Link
@@ -43,8 +43,8 @@ from medfed.data.pooling import pool_training_data, pooled_reference
 from medfed.models.base import FederatedModule
 from medfed.models.classification import BinaryClassifier
 from medfed.models.split import PARTS
-from medfed.output_dir import check_output_dir, finish_run, start_run
-from medfed.results import communication_totals, format_table, summarise, write_json_atomic
+from medfed.output_dir import check_output_dir, finish_run, hold_output_dir, start_run
+from medfed.results import communication_totals, format_table, learned_nothing, summarise, write_json_atomic
 from medfed.tracking import Tracker, classification_figures
 from medfed.viz.plots import plot_learning_curves, plot_segmentation_examples, save_figure
 
@@ -58,9 +58,18 @@ def run(
     """
     started = time.perf_counter()
     resolved = resolve(cfg)  # every config key checked before any file is read or written
+    output_dir = Path(resolved.run.output_dir)
+    check_wandb_key(resolved.run.logger.wandb)
+    with hold_output_dir(output_dir):  # one run at a time writes a run folder
+        return _run(resolved, output_dir, started, resume=resume, overwrite=overwrite, progress=progress, config_name=config_name)
+
+
+def _run(
+    resolved: ResolvedRun, output_dir: Path, started: float, *, resume: bool, overwrite: bool, progress: bool, config_name: str | None
+) -> dict[str, Any]:
+    """:func:`run` once this process holds ``output_dir``."""
     config, run_cfg = resolved.config, resolved.run
     trainer = run_cfg.trainer
-    output_dir = Path(run_cfg.output_dir)
     check_output_dir(output_dir, resume=resume, overwrite=overwrite)
     resumed = resume_state(output_dir, config) if resume else None  # checked before any data is read
     if trainer.num_threads is not None:
@@ -109,30 +118,39 @@ def run(
         write_json_atomic(output_dir / "config.json", config)
     tracker.start(loop.history)
 
+    def results_so_far() -> dict[str, Any]:
+        return {
+            "medfed_version": medfed.__version__,
+            "strategy": strategy.name,
+            "seed": trainer.seed,
+            "num_threads": torch.get_num_threads(),
+            "federation": federation.summary(),
+            **({"pooled": pooled_reference(federation.sites)} if strategy.pools_data else {}),
+            **summarise(loop.history, {site.name: site.n_test for site in sites}, federation.holdout),
+            "failures": [failure for record in loop.history for failure in record["failures"]],
+            "excluded": loop.excluded,
+            "communication": communication_totals(links),
+            "compute": compute_summary(loop.history, loop.site_names),
+            "timing": _timing(loop.history, time.perf_counter() - started, fabric),
+            "config": config,
+            "history": loop.history,
+        }
+
     bar = tqdm(total=trainer.rounds, initial=loop.round, desc=f"{strategy.name} rounds", unit="round", disable=not progress)
     try:
         loop.fit(trainer.rounds, progress=lambda record: (bar.set_postfix(record["mean"]), bar.update()))
-    except BaseException:  # Ctrl-C included: the W&B run ends marked as failed, resumable
+    except BaseException as error:  # Ctrl-C included: the W&B run ends marked as failed, resumable
         tracker.finish(step=loop.round, exit_code=1)
+        if isinstance(error, SiteFailure) and loop.history and len(loop.excluded) == len(sites):
+            write_json_atomic(output_dir / "results.json", results_so_far())  # what the rounds before the exclusions gave
+            raise RunFailed(f"{error}; the {len(loop.history)} rounds' results are in {output_dir / 'results.json'}") from None
         raise
     bar.close()
 
-    results = {
-        "medfed_version": medfed.__version__,
-        "strategy": strategy.name,
-        "seed": trainer.seed,
-        "num_threads": torch.get_num_threads(),
-        "federation": federation.summary(),
-        **({"pooled": pooled_reference(federation.sites)} if strategy.pools_data else {}),
-        **summarise(loop.history, {site.name: site.n_test for site in sites}, federation.holdout),
-        "failures": [failure for record in loop.history for failure in record["failures"]],
-        "excluded": loop.excluded,
-        "communication": communication_totals(links),
-        "compute": compute_summary(loop.history, loop.site_names),
-        "timing": _timing(loop.history, time.perf_counter() - started, fabric),
-        "config": config,
-        "history": loop.history,
-    }
+    results = results_so_far()
+    failed = learned_nothing(loop.history)
+    if failed is not None:
+        results["outcome"] = f"failed: {failed}"
     write_json_atomic(output_dir / "results.json", results)
     title = f"{strategy.name} on {federation.task}, seed {trainer.seed}; data: {federation.description}"
     if strategy.pools_data:
@@ -147,7 +165,12 @@ def run(
         figures.update(classification_figures(sites, title, tracker.class_labels))
     for name, figure in figures.items():
         save_figure(figure, output_dir / f"{name}.png")
-    tracker.finish([output_dir / f"{name}.png" for name in figures], step=loop.round)
+    tracker.finish([output_dir / f"{name}.png" for name in figures], step=loop.round, exit_code=0 if failed is None else 1)
+    if failed is not None:  # an --overwrite keeps the run it replaced
+        raise RunFailed(
+            f"{failed}: nothing was learned, the metrics in {output_dir / 'results.json'} are those of the initial models; "
+            "fix the cause and start the run again with --overwrite"
+        )
     if resume or overwrite:
         finish_run(output_dir)
     if progress:

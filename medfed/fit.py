@@ -17,7 +17,7 @@ from pathlib import Path
 
 from medfed.components import resolve
 from medfed.config import load_config, to_yaml
-from medfed.errors import INTERRUPTED, SiteFailure
+from medfed.errors import INTERRUPTED, RunFailed, SiteFailure
 
 
 def fit(
@@ -44,6 +44,9 @@ def fit(
 
     try:
         run(cfg, resume=resume, overwrite=overwrite, progress=not quiet, config_name=Path(config).stem)
+    except RunFailed as error:  # resuming would fail the same way
+        print(f"medfed: error: {error}", file=sys.stderr)
+        return 2
     except SiteFailure as error:
         print(f"medfed: error: {error}; {how_to_resume(config, overrides, Path(cfg.output_dir))}", file=sys.stderr)
         return 2

@@ -19,9 +19,15 @@ whole in ``<output_dir>.previous`` and only the new run's files in
 
 from __future__ import annotations
 
+import datetime
+import fcntl
+import json
 import logging
 import os
 import shutil
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from medfed.atomic import TEMPORARY_SUFFIX, remove_stale_temporaries
@@ -40,6 +46,71 @@ def previous_run(output_dir: Path) -> Path:
 def holds_run(output_dir: Path) -> bool:
     """True if ``output_dir`` holds a finished run (``results.json``) or one with a checkpoint to resume."""
     return (output_dir / "results.json").exists() or bool(checkpoints(output_dir / FOLDER))
+
+
+def lock_file(output_dir: Path) -> Path:
+    """The lock :func:`hold_output_dir` takes: ``<output_dir>.lock``, beside the folder."""
+    return output_dir.with_name(output_dir.name + ".lock")
+
+
+@contextmanager
+def hold_output_dir(output_dir: Path) -> Iterator[None]:
+    """Hold ``output_dir`` for this process while the block runs (the lock file is deleted at the end).
+
+    Raises:
+        ConfigError: another living process holds it (the message names its
+            pid, host and start time), or the folder above cannot be created.
+    """
+    key = f"config key 'output_dir' = {str(output_dir)!r}"
+    path = lock_file(output_dir)
+    _check_writable(path.parent, key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor = _lock(path, key)
+    except OSError as error:
+        raise ConfigError(f"{key}: cannot create its lock file {path} ({error.strerror})") from None
+    try:
+        yield
+    finally:
+        os.unlink(path)  # while locked: a run waiting on this file finds it gone and locks a new one
+        os.close(descriptor)
+
+
+def _lock(path: Path, key: str) -> int:
+    """An open descriptor of ``path`` holding its exclusive lock, the holder written in it."""
+    while True:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(descriptor)
+            os.close(descriptor)
+            raise ConfigError(
+                f"{key} is being written by another run ({holder}); wait for it to end, or choose another output_dir"
+            ) from None
+        try:
+            current = os.stat(path).st_ino == os.fstat(descriptor).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:  # not a file its last holder deleted after we opened it
+            break
+        os.close(descriptor)
+    stale = _holder(descriptor)
+    if stale != "holder unknown":
+        logging.getLogger("medfed").info(f"took over the lock on {path.with_suffix('')} of a run that is no longer running ({stale})")
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    os.ftruncate(descriptor, 0)
+    os.pwrite(descriptor, json.dumps(record).encode(), 0)
+    return descriptor
+
+
+def _holder(descriptor: int) -> str:
+    """``pid 123 on host h, started <UTC time>`` from a lock file's record."""
+    try:
+        record = json.loads(os.pread(descriptor, 4096, 0))
+        return f"pid {int(record['pid'])} on host {record['host']}, started {record['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "holder unknown"
 
 
 def check_output_dir(output_dir: Path, *, resume: bool, overwrite: bool) -> None:

@@ -30,12 +30,12 @@ import nibabel as nib
 import numpy as np
 import torch
 
-from medfed.checkpoint import FOLDER, checkpoints, read_checkpoint
+from medfed.checkpoint import FOLDER, checkpoints, config_differences, read_checkpoint
 from medfed.components import resolve
 from medfed.config import load_config
 from medfed.data.brats import MODALITIES, case_from_paths, load_case
 from medfed.data.patches import zscore_over_brain
-from medfed.errors import ConfigError
+from medfed.errors import ConfigError, DataError
 from medfed.evaluation.volume import segment_volume
 from medfed.tasks.brats import missing_channel_sites
 
@@ -60,6 +60,9 @@ def predict(run_dir: Path, site: str, inputs: list[Path], out: Path, *, overwrit
     if not saved:
         raise ConfigError(f"--run {run_dir}: no checkpoint in {FOLDER}/ (the run finished no round)")
     state = read_checkpoint(saved[-1])
+    changed = config_differences(state["config"], resolved.config)
+    if changed:
+        raise ConfigError(f"--run {run_dir}: config.json and the checkpoint {saved[-1].name} are of different runs (they differ at {', '.join(changed[:5])})")
     n_sites = len(state["sites"])
     names = [f"site{index}" for index in range(n_sites)]
     if site not in names:
@@ -70,11 +73,17 @@ def predict(run_dir: Path, site: str, inputs: list[Path], out: Path, *, overwrit
     model = resolved.model_cls(len(MODALITIES), 2 if target == "wt" else 3, resolved.model_options)
     evaluated = resolved.strategy_cls.evaluated_slot
     resolved.strategy_cls.prepare_slot(evaluated, model)
-    model.load_state_dict(state["sites"][index]["slots"][evaluated]["module"])  # the model it was evaluated with
+    slots = state["sites"][index]["slots"]
+    if evaluated not in slots:
+        raise DataError(f"checkpoint {saved[-1]}: {site} has the model slots {sorted(slots)}, not {evaluated!r} which {resolved.strategy_cls.name} evaluates")
+    try:
+        model.load_state_dict(slots[evaluated]["module"])  # the model it was evaluated with
+    except RuntimeError as error:  # weights of another shape than config.json's model
+        raise DataError(f"checkpoint {saved[-1]}: {site}'s weights do not fit the model config.json describes ({_first_line(error)})") from None
     model.eval()
 
     case = case_from_paths(inputs)
-    volume = load_case(case)
+    volume = load_case(case, resolved.data_options.resample)
     image = zscore_over_brain(volume.image)
     lacking, channel = missing_channel_sites(resolved.run.federation)
     if index in lacking:
@@ -93,6 +102,11 @@ def predict(run_dir: Path, site: str, inputs: list[Path], out: Path, *, overwrit
     nib.save(written, partial)
     os.replace(partial, out)
     return out
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 def _brats_labels(masks: np.ndarray) -> np.ndarray:

@@ -31,6 +31,19 @@ def summarise(history: list[dict[str, Any]], site_sizes: dict[str, int], split: 
     return {"sites": rows, "mean": mean}
 
 
+def learned_nothing(history: list[dict[str, Any]]) -> str | None:
+    """Why the run learned nothing, or None: every round's participants all failed (no reply was aggregated in any round).
+
+    The returned text counts the rounds and quotes the first failure, e.g.
+    ``every site failed in every one of the 3 rounds (first: site0 in round 1, local phase: non-finite reply ('all'))``.
+    """
+    if not history or any(set(record["participants"]) - {failure["site"] for failure in record["failures"]} for record in history):
+        return None
+    failures = [failure for record in history for failure in record["failures"]]
+    first = f" (first: {failures[0]['site']} in round {failures[0]['round']}, {failures[0]['phase']} phase: {failures[0]['reason']})" if failures else ""
+    return f"every site failed in every one of the {len(history)} rounds{first}"
+
+
 def communication_totals(links: list) -> dict[str, Any]:
     """Bytes up and down over the whole run (setup included) and the ratio against dense float32.
 

@@ -328,14 +328,14 @@ def test_msd_label_outside_dataset_json_is_rejected(tmp_path):
     assert str(path) in str(info.value)
 
 
-@pytest.mark.parametrize("bad_value", [np.nan, np.inf])
+@pytest.mark.parametrize("bad_value", [np.nan, np.inf, 1e300])
 def test_non_finite_voxels_are_counted(tmp_path, bad_value):
     folder = tmp_path / "Case_1"
     images, _ = write_brats_case(folder, np.random.default_rng(11))
-    t2 = images[3].astype(np.float32)
+    t2 = images[3].astype(np.float64)  # a float64 file: 1e300 is finite there, infinite in float32
     t2[0, 0, :3] = bad_value
     path = write_nifti(folder / "Case_1_t2.nii.gz", t2)
-    with pytest.raises(DataError, match="3 voxels are NaN or infinite") as info:
+    with pytest.raises(DataError, match="3 voxels are NaN, infinite or beyond float32's range") as info:
         load_case(only_case(tmp_path))
     assert str(path) in str(info.value)
 
@@ -398,3 +398,119 @@ def test_msd_listed_file_missing(tmp_path):
         find_cases(tmp_path)
     assert str(tmp_path / "labelsTr" / "BRATS_002.nii.gz") in str(info.value)
     assert "dataset.json" in str(info.value)
+
+
+# --- hostile headers and cases whose files are not on one grid (issue 24) ----------------------------
+
+
+def crafted_header(shape, dtype=np.float32):
+    """The bytes of a valid single-file NIfTI-1 header (352 bytes) claiming ``shape`` voxels of ``dtype``, and no voxels."""
+    header = nib.Nifti1Header()
+    header.set_data_shape(shape)
+    header.set_data_dtype(dtype)
+    header.set_qform(AFFINE, code=1)
+    header["vox_offset"] = 352
+    return header.binaryblock + b"\x00" * 4
+
+
+@pytest.mark.parametrize(
+    "name, content, claimed",
+    [
+        ("Case_1_t1.nii", crafted_header((16384, 16384, 4096)), 4 * 2**40 + 352),  # 352 bytes claiming 4 TiB
+        ("Case_1_t1.nii.gz", gzip.compress(crafted_header((1024, 1024, 384)), mtime=0), 1.5 * 2**30 + 352),  # 1.5 GiB
+        ("Case_1_t1.nii.gz", gzip.compress(crafted_header((16384, 16384, 4096)), mtime=0), 4 * 2**40 + 352),
+    ],
+    ids=["4TiB-nii", "1.5GiB-nii.gz", "4TiB-nii.gz"],
+)
+def test_a_header_claiming_more_voxels_than_its_file_holds_is_refused_before_allocating(tmp_path, name, content, claimed):
+    import tracemalloc
+
+    folder = tmp_path / "Case_1"
+    write_brats_case(folder, np.random.default_rng(20))
+    path = folder / name
+    for stale in folder.glob("Case_1_t1.nii*"):
+        stale.unlink()
+    path.write_bytes(content)
+    assert path.stat().st_size < 400
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError) as info:
+            load_case(only_case(tmp_path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    message = str(info.value)
+    assert message.startswith(f"{path}: cannot be read as NIfTI: its header claims {int(claimed)} bytes of voxels")
+    assert f"{path.stat().st_size}" in message and "\n" not in message
+    assert peak < 20 * 2**20
+
+
+def test_a_volume_whose_file_holds_its_voxels_is_read_with_the_size_check(tmp_path):
+    folder = tmp_path / "Case_1"
+    images, _ = write_brats_case(folder, np.random.default_rng(21), suffix=".nii")
+    np.testing.assert_array_equal(load_case(only_case(tmp_path)).image, images.astype(np.float32))
+
+
+def moved(affine, *, flip_x=False, shift_mm=(0.0, 0.0, 0.0)):
+    changed = affine.copy()
+    if flip_x:
+        changed[:3, 0] *= -1
+    changed[:3, 3] += shift_mm
+    return changed
+
+
+@pytest.mark.parametrize(
+    "file, affine, numbers",
+    [
+        ("Case_1_t1ce.nii.gz", moved(AFFINE, flip_x=True, shift_mm=(40.0, 0.0, 0.0)), ("origins 40 mm apart", "180 degrees")),
+        ("Case_1_seg.nii.gz", moved(AFFINE, shift_mm=(0.0, 100.0, 0.0)), ("origins 100 mm apart", "100 voxels apart")),
+        ("Case_1_t2.nii.gz", moved(AFFINE, shift_mm=(0.0, 0.0, 0.002)), ("0.002 voxels apart",)),
+    ],
+)
+def test_files_of_a_case_on_different_grids_are_refused_naming_both_and_the_difference(tmp_path, file, affine, numbers):
+    folder = tmp_path / "Case_1"
+    images, seg = write_brats_case(folder, np.random.default_rng(22))
+    write_nifti(folder / file, seg if "seg" in file else images[MODALITIES.index(file[7:-7])], affine)
+    with pytest.raises(DataError) as info:
+        load_case(only_case(tmp_path))
+    message = str(info.value)
+    assert message.startswith(f"{folder / file}: its voxel grid differs from Case_1_flair.nii.gz's")
+    assert all(number in message for number in numbers), message
+    assert "data.resample=true" in message and "\n" not in message
+
+
+def test_grids_equal_within_the_tolerance_are_one_grid(tmp_path):
+    folder = tmp_path / "Case_1"
+    images, seg = write_brats_case(folder, np.random.default_rng(23))
+    nearly = AFFINE + np.array([[1e-6, 2e-6, 0, 5e-4], [0, 1e-6, 0, -5e-4], [0, 0, 0, 5e-4], [0, 0, 0, 0]])
+    write_nifti(folder / "Case_1_t2.nii.gz", images[3], nearly)
+    write_nifti(folder / "Case_1_seg.nii.gz", seg, nearly)
+    volume = load_case(only_case(tmp_path))
+    np.testing.assert_array_equal(volume.image[3], images[3])
+    np.testing.assert_array_equal(volume.label, ours(seg))
+
+
+def test_resample_puts_a_shifted_modality_and_segmentation_on_the_first_modalitys_grid(tmp_path):
+    folder = tmp_path / "Case_1"
+    images, seg = write_brats_case(folder, np.random.default_rng(24))
+    one_voxel_on = AFFINE.copy()
+    one_voxel_on[:3, 3] += AFFINE[:3, 0]  # voxel i of these files lies where voxel i + 1 of the flair lies
+    write_nifti(folder / "Case_1_t1ce.nii.gz", images[2], one_voxel_on)
+    write_nifti(folder / "Case_1_seg.nii.gz", seg, one_voxel_on)
+    with pytest.raises(DataError, match="voxel grid differs"):
+        load_case(only_case(tmp_path))
+    volume = load_case(only_case(tmp_path), resample=True)
+    expected_t1ce = np.zeros(SHAPE, dtype=np.float32)
+    expected_t1ce[1:] = images[2][:-1]
+    np.testing.assert_allclose(volume.image[2], expected_t1ce, atol=1e-3)
+    expected_seg = np.zeros(SHAPE, dtype=np.uint8)
+    expected_seg[1:] = ours(seg)[:-1]
+    np.testing.assert_array_equal(volume.label, expected_seg)
+    np.testing.assert_array_equal(volume.image[[0, 1, 3]], images[[0, 1, 3]].astype(np.float32))
+
+
+def test_deeply_nested_dataset_json_is_one_line_not_a_recursion_error(tmp_path):
+    write_msd(tmp_path, np.random.default_rng(25))
+    (tmp_path / "dataset.json").write_text('{"training": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(DataError, match=r"dataset\.json: not a readable JSON file \(nested too deeply"):
+        find_cases(tmp_path)

@@ -76,7 +76,7 @@ def test_validation_holdout_splits_training_cases_and_never_reads_test_cases(tin
     on_test = build(0, "test")
     read = []
     real_load_case = brats.load_case
-    monkeypatch.setattr(brats, "load_case", lambda case: read.append(case.case_id) or real_load_case(case))
+    monkeypatch.setattr(brats, "load_case", lambda case, resample=False: read.append(case.case_id) or real_load_case(case, resample))
     on_validation = build(0, "validation")
     assert_validation_carved_from_training(on_test, on_validation, "cases")
     test_cases = {case for site in on_validation.sites for case in site.info["test_cases"]}
@@ -116,7 +116,7 @@ def copy_without_partition(root, destination):
     return shutil.copytree(root, destination, ignore=shutil.ignore_patterns("partitioning.csv"))
 
 
-def fail_on_read(case):
+def fail_on_read(case, resample=False):
     raise AssertionError(f"read {case.case_id} before the federation config was checked")
 
 
@@ -197,7 +197,7 @@ def test_site_sizes_cut_the_partitions_sites_to_seeded_subsets_and_read_only_tho
     own = [sorted(case for case, pid in partition.items() if pid == partition_id) for partition_id in sorted(set(partition.values()))]
     read = []
     real_load_case = brats.load_case
-    monkeypatch.setattr(brats, "load_case", lambda case: read.append(case.case_id) or real_load_case(case))
+    monkeypatch.setattr(brats, "load_case", lambda case, resample=False: read.append(case.case_id) or real_load_case(case, resample))
     federation = FederationConfig(n_sites=3, site_sizes=[2, 2, 3])  # 7 * [2, 2, 3] / 7: sizes 2, 2, 3 fit the partitions
     built = brats.build_federation(_options(tiny_brats_root), federation, seed=0, progress=False)
     kept = built.site_sizes["kept_cases"]

@@ -41,7 +41,7 @@ def assert_same_tensors(a, b):
 def count_reads(monkeypatch):
     reads = []
     real_load_case = brats.load_case
-    monkeypatch.setattr(brats, "load_case", lambda case: reads.append(case.case_id) or real_load_case(case))
+    monkeypatch.setattr(brats, "load_case", lambda case, resample=False: reads.append(case.case_id) or real_load_case(case, resample))
     return reads
 
 
@@ -54,7 +54,7 @@ def test_second_build_reads_no_volume_and_gives_the_same_tensors(tiny_brats_root
     assert os.listdir(cache_dir) == [entry.name]  # no temporary file left behind
     assert stat.S_IMODE(entry.stat().st_mode) == 0o644
 
-    def no_reading(case):
+    def no_reading(case, resample=False):
         raise AssertionError(f"read {case.case_id} although the federation is cached")
 
     monkeypatch.setattr(brats, "load_case", no_reading)
@@ -105,7 +105,82 @@ def test_a_garbled_entry_is_rebuilt_with_a_warning(tiny_brats_root, tmp_path, mo
     with caplog.at_level(logging.WARNING, logger="medfed"):
         rebuilt = build(tiny_brats_root, tmp_path / "cache")
     (warning,) = caplog.messages
-    assert warning == f"{entry}: unreadable preprocessed-data cache entry (UnpicklingError); rebuilding it"
+    assert warning == f"preprocessed-data cache entry {entry} fails its SHA-256 check (changed or damaged since it was written); rebuilding it"
     assert rebuilt.cache["hit"] is False and len(reads) == 9
     assert_same_tensors(first, rebuilt)
     assert build(tiny_brats_root, tmp_path / "cache").cache["hit"] is True  # rewritten whole
+
+
+# --- entries that pass as entries but must not be trained on (issue 24) ---------------------------------
+
+
+def test_one_flipped_bit_is_found_by_the_checksum_and_the_entry_rebuilt(tiny_brats_root, tmp_path, monkeypatch, caplog):
+    first = build(tiny_brats_root, tmp_path / "cache")
+    entry = first.cache["file"]
+    x = first.sites[0].train.tensors[0]
+    index = int(torch.nonzero((x.flatten().abs() >= 0.5) & (x.flatten().abs() < 1.0))[0])  # a patch value in [0.5, 1)
+    data = bytearray(open(entry, "rb").read())
+    offset = bytes(data).index(x.numpy().tobytes()[:64])  # the first site's training patches, stored raw in the zip
+    data[offset + index * 4 + 3] ^= 0x40  # one bit of that float32's exponent
+    open(entry, "wb").write(bytes(data))
+    flipped = torch.load(entry, weights_only=True)["federation"]["sites"][0]["train"][0].flatten()[index]
+    assert 1e37 < abs(flipped.item()) < 3.5e38  # what the bit did: a finite, huge patch value
+    reads = count_reads(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="medfed"):
+        rebuilt = build(tiny_brats_root, tmp_path / "cache")
+    assert caplog.messages == [f"preprocessed-data cache entry {entry} fails its SHA-256 check (changed or damaged since it was written); rebuilding it"]
+    assert rebuilt.cache["hit"] is False and len(reads) == 9
+    assert_same_tensors(first, rebuilt)
+
+
+def _rewritten(entry, change):
+    """The entry loaded, changed by ``change(federation)`` and written again under its name with a valid checksum."""
+    from medfed.checkpoint import load_with_digest, save_with_digest
+
+    stored = load_with_digest(entry, "entry")
+    change(stored["federation"])
+    with open(entry, "wb") as stream:
+        save_with_digest(stored, stream)
+
+
+def _nan_patches_labelled_7(federation):
+    x, y = federation["sites"][0]["train"][:2]
+    federation["sites"][0]["train"][0] = torch.full_like(x, float("nan"))
+    federation["sites"][0]["train"][1] = torch.full_like(y, 7)
+
+
+def _labels_7(federation):
+    federation["sites"][1]["test"][1] = torch.full_like(federation["sites"][1]["test"][1], 7)
+
+
+def _wrong_shape(federation):
+    federation["sites"][2]["train"][0] = federation["sites"][2]["train"][0][:, :, :16, :16].contiguous()
+
+
+def _lost_labels(federation):
+    federation["sites"][0]["test"][1] = federation["sites"][0]["test"][1][:1]
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (_nan_patches_labelled_7, "site0's train samples: x holds"),
+        (_labels_7, "site1's test samples: labels range over [7, 7], expected values in [0, 2)"),
+        (_wrong_shape, "site2's train samples: x has shape"),
+        (_lost_labels, "site0's test samples: tensors of different lengths"),
+    ],
+)
+def test_an_entry_with_a_valid_checksum_but_invalid_samples_is_rebuilt_with_a_warning(
+    tiny_brats_root, tmp_path, monkeypatch, caplog, change, reason
+):
+    first = build(tiny_brats_root, tmp_path / "cache")
+    entry = first.cache["file"]
+    _rewritten(entry, change)
+    reads = count_reads(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="medfed"):
+        rebuilt = build(tiny_brats_root, tmp_path / "cache")
+    (warning,) = caplog.messages
+    assert warning.startswith(f"preprocessed-data cache entry {entry}: {reason}") and warning.endswith("; rebuilding it")
+    assert rebuilt.cache["hit"] is False and len(reads) == 9
+    assert_same_tensors(first, rebuilt)
+    assert build(tiny_brats_root, tmp_path / "cache").cache["hit"] is True

@@ -15,13 +15,14 @@ from medfed.errors import DataError
 
 
 def _state(round_index):
-    return {"round": round_index, "config": {"trainer": {"rounds": 9}}, "sites": [{"weight": torch.arange(4.0)}]}
+    site = {"slots": {"model": {"module": {"weight": torch.arange(4.0)}, "optimizer": {}}}, "generator": None, "data_orders": {}, "strategy": {}}
+    return {"round": round_index, "config": {"trainer": {"rounds": 9}}, "sites": [site], "links": []}
 
 
 def test_a_checkpoint_round_trips(tmp_path):
     state = {**_state(1), "generator": torch.Generator().manual_seed(3).get_state(), "history": [{"mean": {"iou": 0.5}}]}
     loaded = read_checkpoint(save_checkpoint(tmp_path, state, keep=1))
-    assert torch.equal(loaded["sites"][0]["weight"], torch.arange(4.0)) and torch.equal(loaded["generator"], state["generator"])
+    assert torch.equal(loaded["sites"][0]["slots"]["model"]["module"]["weight"], torch.arange(4.0)) and torch.equal(loaded["generator"], state["generator"])
     assert loaded["history"] == state["history"] and loaded["config"] == state["config"]
 
 
@@ -153,3 +154,43 @@ def test_a_checkpoint_that_cannot_be_written_is_one_error_naming_it_and_the_earl
     assert ("unexpected pos" in message) if isinstance(failure, RuntimeError) else ("No space left on device" in message)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["round-1.ckpt"]  # no temporary left, the earlier one intact
     assert (tmp_path / "round-1.ckpt").read_bytes() == before
+
+
+def _without(state, *path):
+    """``state`` with the entry at ``path`` (keys and list indices) deleted."""
+    import copy
+
+    changed = copy.deepcopy(state)
+    holder = changed
+    for key in path[:-1]:
+        holder = holder[key]
+    del holder[path[-1]]
+    return changed
+
+
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        (("links",), "lacks the key 'links'"),
+        (("sites", 0, "strategy"), "site 0's state lacks the key 'strategy'"),
+        (("sites", 0, "slots", "model", "module"), "site 0's model slot 'model' lacks the key 'module'"),
+    ],
+)
+def test_a_checkpoint_passing_its_checksum_but_lacking_a_key_is_one_line(tmp_path, path, message):
+    written = save_checkpoint(tmp_path, _without(_state(1), *path), keep=1)  # a valid checksum over an incomplete state
+    with pytest.raises(DataError) as info:
+        read_checkpoint(written)
+    assert str(info.value).startswith(f"checkpoint {written}") and message in str(info.value)
+
+
+def test_resuming_from_a_checkpoint_lacking_the_loops_state_is_one_line_naming_the_previous_one(
+    tiny_run_config, tmp_path, finished_tiny_run, capsys
+):
+    run = shutil.copytree(finished_tiny_run, tmp_path / "run")
+    newest = checkpoints(run / FOLDER)[-1]
+    state = read_checkpoint(newest)
+    del state["server"]
+    save_checkpoint(run / FOLDER, state, keep=5)  # the same round, rewritten with a valid checksum
+    assert main(["fit", "--config", str(tiny_run_config), "--quiet", "--resume"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"checkpoint {newest} lacks the key 'server'" in error and "Traceback" not in error

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from medfed.compression.codecs import CODEC_NAMES as CODECS
-from medfed.config import CODEC_NAMES
+from medfed.compression.piecewise import MAX_QUANT_BITS as QUANT_BITS
+from medfed.config import CODEC_NAMES, MAX_QUANT_BITS
 from medfed.components import check_strategy_names
 from medfed.errors import ConfigError
 from medfed.federated.strategies import strategy_from_config, strategy_subgroups
@@ -69,8 +70,9 @@ def test_a_command_that_trains_nothing_answers_without_torch_lightning_or_monai(
     assert seconds < WALL_BOUND_S, f"{seconds:.2f} s"
 
 
-def test_the_config_check_knows_every_codec():
+def test_the_config_check_knows_every_codec_and_its_bounds():
     assert CODEC_NAMES == CODECS
+    assert MAX_QUANT_BITS == QUANT_BITS
 
 
 @pytest.mark.parametrize("group", [{"name": "pfednett"}, {"name": "fedavg", "fedprx": {}}, {"name": None}])

@@ -99,7 +99,8 @@ def _checkpointed(tmp_path: Path, rounds: int) -> dict:
     """RUN_CONFIG with its output-dir in ``tmp_path`` holding a checkpoint of round 1 of its config run for ``rounds`` rounds."""
     run_config = {**RUN_CONFIG, "output-dir": str(tmp_path / "out"), "overrides": f"{RUN_CONFIG['overrides']} trainer.rounds={rounds}"}
     config = server_app.run_settings(run_config).resolved.config
-    save_checkpoint(tmp_path / "out" / FOLDER, {"round": 1, "config": config, "sites": []}, keep=2)
+    loop_state = {"links": [], "history": [], "server": {}, "failure_streaks": [], "excluded": {}, "num_threads": 1}
+    save_checkpoint(tmp_path / "out" / FOLDER, {"round": 1, "config": config, "sites": [], **loop_state}, keep=2)
     return run_config
 
 

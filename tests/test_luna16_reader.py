@@ -234,3 +234,71 @@ def test_missing_layout_and_candidates_are_errors(tmp_path):
     write_series(tmp_path, "3.3", np.zeros((2, 4, 4), dtype=np.int16))
     with pytest.raises(DataError, match="no candidates file"):
         extract_candidate_patches(tmp_path, progress=False)
+
+
+# --- hostile headers and volumes (issue 24) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dim_size, compressed, claimed",
+    [("100000 100000 100000", False, 2 * 10**15), ("1024 1024 768", True, 1024 * 1024 * 768 * 2)],
+    ids=["2PB-raw", "1.5GiB-compressed"],
+)
+def test_a_metaimage_header_claiming_more_than_its_data_file_is_refused_before_reading(one_series, dim_size, compressed, claimed):
+    import tracemalloc
+    import zlib
+
+    root, image = one_series
+    mhd = root / "subset0" / "7.7.mhd"
+    raw = root / "subset0" / "7.7.raw"
+    text = mhd.read_text()
+    lines = [line for line in text.splitlines() if not line.startswith(("DimSize", "CompressedData", "CompressedDataSize"))]
+    lines.insert(-1, f"DimSize = {dim_size}")
+    if compressed:
+        raw.write_bytes(zlib.compress(b"\x00" * 1000))
+        lines.insert(-1, "CompressedData = True")
+        lines.insert(-1, f"CompressedDataSize = {raw.stat().st_size}")
+    mhd.write_text("\n".join(lines) + "\n")
+    write_candidates(root / "candidates.csv", [("7.7", *world_of_index(image, (1, 1, 1)), 0)])
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError) as info:
+            extract_candidate_patches(root, progress=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    message = str(info.value)
+    assert message.startswith(f"{mhd}: unreadable or corrupt MetaImage: its header claims {claimed} bytes of voxels")
+    assert f"7.7.raw, but it{'s' if compressed else ''} " in message and f"{raw.stat().st_size}" in message
+    assert peak < 20 * 2**20
+
+
+def test_a_float_volume_of_nan_is_refused_naming_the_file(tmp_path):
+    volume = np.zeros((3, 20, 20), dtype=np.float32)
+    volume[1, 5:9, 5:9] = np.nan
+    image = sitk.GetImageFromArray(volume)
+    (tmp_path / "subset0").mkdir()
+    sitk.WriteImage(image, str(tmp_path / "subset0" / "7.7.mhd"))
+    write_candidates(tmp_path / "candidates.csv", [("7.7", *world_of_index(image, (1, 1, 1)), 0)])
+    with pytest.raises(DataError, match=r"7\.7\.mhd: 16 of its 1200 voxels are NaN or infinite"):
+        extract_candidate_patches(tmp_path, progress=False)
+
+
+def test_a_finite_float_volume_is_read(tmp_path):
+    volume = np.full((3, 20, 20), -500.0, dtype=np.float32)
+    image = sitk.GetImageFromArray(volume)
+    (tmp_path / "subset0").mkdir()
+    sitk.WriteImage(image, str(tmp_path / "subset0" / "7.7.mhd"))
+    write_candidates(tmp_path / "candidates.csv", [("7.7", *world_of_index(image, (1, 1, 1)), 0)])
+    patches = extract_candidate_patches(tmp_path, progress=False).patches
+    np.testing.assert_allclose(patches[0, 16:20, 16:20], hu_to_unit_interval(np.array(-500.0)))
+
+
+def test_candidates_csv_with_a_byte_order_mark_reads_as_without(one_series):
+    root, image = one_series
+    write_candidates(root / "candidates.csv", [("7.7", *world_of_index(image, (1, 1, 1)), 1)])
+    plain = extract_candidate_patches(root, progress=False)
+    (root / "candidates.csv").write_bytes(b"\xef\xbb\xbf" + (root / "candidates.csv").read_bytes())
+    with_bom = extract_candidate_patches(root, progress=False)
+    np.testing.assert_array_equal(plain.patches, with_bom.patches)
+    assert list(with_bom.series_uids) == ["7.7"] and list(with_bom.labels) == [1]

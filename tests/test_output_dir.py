@@ -108,3 +108,89 @@ def test_a_moved_run_folder_resumes_to_the_same_metrics(tiny_run_config, tmp_pat
 def test_the_run_folder_is_readable_by_other_users(finished_tiny_run):
     for path in [finished_tiny_run, *finished_tiny_run.rglob("*")]:
         assert stat.S_IMODE(path.stat().st_mode) == (0o755 if path.is_dir() else 0o644), path
+
+
+# --- one run at a time (issue 24) ---------------------------------------------------------------------
+
+_HOLD = """
+import sys, time
+from pathlib import Path
+from medfed.output_dir import hold_output_dir
+with hold_output_dir(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.fixture
+def held_by_another_process(tmp_path):
+    """A live process holding ``tmp_path/run`` (yields it); killed with SIGKILL at the end, as a crashed run would die."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path / "run")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize("arguments", [(), ("--resume",), ("--overwrite",)])
+def test_a_second_run_on_a_held_output_dir_is_refused_naming_the_holder(
+    tiny_run_config, tmp_path, finished_tiny_run, reading_forbidden, capsys, held_by_another_process, arguments
+):
+    import socket
+
+    shutil.copytree(finished_tiny_run, tmp_path / "run")
+    before = {path: path.read_bytes() for path in (tmp_path / "run").rglob("*") if path.is_file()}
+    assert _fit(tiny_run_config, *arguments) == 2
+    error = _one_line_naming_output_dir(capsys)
+    assert f"is being written by another run (pid {held_by_another_process.pid} on host {socket.gethostname()}, started 20" in error
+    assert {path: path.read_bytes() for path in (tmp_path / "run").rglob("*") if path.is_file()} == before  # untouched
+
+
+def test_the_lock_of_a_killed_run_is_taken_over(tiny_run_config, tmp_path, finished_tiny_run, held_by_another_process, caplog):
+    import logging
+
+    shutil.copytree(finished_tiny_run, tmp_path / "run")
+    dead = held_by_another_process.pid
+    held_by_another_process.kill()
+    held_by_another_process.wait()
+    assert (tmp_path / "run.lock").exists()  # a kill -9 leaves the file, not the lock
+    with caplog.at_level(logging.INFO, logger="medfed"):
+        assert _fit(tiny_run_config, "--resume", "trainer.rounds=3") == 0
+    assert any(f"no longer running (pid {dead} on host" in message for message in caplog.messages)
+    assert not (tmp_path / "run.lock").exists()
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["history"][-1]["round"] == 3
+
+
+def test_one_process_cannot_hold_a_folder_twice_and_the_lock_goes_with_the_block(tmp_path):
+    from medfed.errors import ConfigError
+    from medfed.output_dir import hold_output_dir, lock_file
+
+    with hold_output_dir(tmp_path / "run"):
+        with pytest.raises(ConfigError, match=rf"is being written by another run \(pid {os.getpid()} on host"):
+            with hold_output_dir(tmp_path / "run"):
+                pass
+    assert not lock_file(tmp_path / "run").exists()
+    with hold_output_dir(tmp_path / "run"):  # free again
+        assert lock_file(tmp_path / "run").exists()
+
+
+def test_two_overwrites_at_once_end_as_one_run_and_one_refusal_without_a_traceback(tiny_run_config, tmp_path, finished_tiny_run):
+    import subprocess
+    import sys
+
+    shutil.copytree(finished_tiny_run, tmp_path / "run")
+    command = [sys.executable, "-m", "medfed", "fit", "--config", str(tiny_run_config), "--quiet", "--overwrite", "trainer.rounds=1"]
+    runs = [subprocess.Popen([*command, f"trainer.seed={seed}"], stderr=subprocess.PIPE, text=True, cwd=os.getcwd()) for seed in (1, 2)]
+    outcomes = sorted((run.wait(timeout=600), run.stderr.read()) for run in runs)
+    # started together, each holds the folder for the many seconds its run takes (both exited 0 before, one run silently lost)
+    assert [status for status, _ in outcomes] == [0, 2], outcomes
+    assert not any("Traceback" in err or "OSError" in err for _, err in outcomes), outcomes
+    assert "is being written by another run (pid" in outcomes[1][1] and outcomes[1][1].count("medfed: error") == 1
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["config"] == json.loads((tmp_path / "run" / "config.json").read_text())
+    assert len(results["history"]) == 1 and not (tmp_path / "run.previous").exists()

@@ -27,3 +27,12 @@ def test_bad_files_name_the_file(tmp_path, text, message):
     with pytest.raises(DataError, match=message) as info:
         read_partition_csv(path)
     assert str(path) in str(info.value)
+
+
+def test_a_byte_order_mark_is_read_as_excel_meant_it_and_latin1_is_one_line(tmp_path):
+    path = tmp_path / "partitioning.csv"
+    path.write_bytes(b"\xef\xbb\xbfPartition_ID,Subject_ID\r\n1,FeTS_001\r\n2,FeTS_002\r\n")
+    assert read_partition_csv(path) == {"FeTS_001": 1, "FeTS_002": 2}
+    path.write_bytes("Partition_ID,Subject_ID\n1,FeTS_001\n2,Fété_002\n".encode("latin-1"))
+    with pytest.raises(DataError, match=rf"^{path}, line 3: not UTF-8 text \(byte 0xe9"):
+        read_partition_csv(path)

@@ -153,9 +153,9 @@ def test_a_task_holds_its_generated_data_set_while_it_reads_it(tiny_run_config, 
     original = medfed.tasks.brats.load_case
     checked = []
 
-    def load_case(case):
+    def load_case(case, resample=False):
         checked.append(held())
-        return original(case)
+        return original(case, resample)
 
     monkeypatch.setattr(medfed.tasks.brats, "load_case", load_case)
     resolved = resolve(load_config(tiny_run_config, ["data.cache=false"]))

@@ -69,3 +69,63 @@ def test_region_masks_become_brats_labels():
 
     masks = np.array([[0, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 1]], dtype=bool).reshape(3, 4, 1, 1)  # (WT, TC, ET) per voxel
     assert _brats_labels(masks).ravel().tolist() == [0, 2, 1, 4]  # background, oedema, necrotic core, enhancing
+
+
+def _bomb():
+    lines = ['{"a": &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"],']
+    lines += [f'"{chr(98 + k)}": &{chr(98 + k)} [{",".join(["*" + chr(97 + k)] * 9)}],' for k in range(8)]
+    return "\n".join(lines).rstrip(",") + "}"
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [(_bomb(), "aliases (*name) are expanded"), ("[" * 50_000 + "]" * 50_000, "nested deeper than 64 levels")],
+    ids=["alias-bomb", "50000-brackets"],
+)
+def test_a_hostile_config_json_in_the_run_folder_is_one_line_in_well_under_a_second(
+    finished_run, tiny_brats_root, tmp_path, capsys, content, message
+):
+    import shutil
+    import time
+
+    run = shutil.copytree(finished_run, tmp_path / "run")
+    (run / "config.json").write_text(content)
+    case = find_cases(tiny_brats_root)[0]
+    arguments = ["predict", "--run", str(run), "--site", "site0", "--input", str(case.image_files[0].parent), "--out", str(tmp_path / "p.nii.gz")]
+    start = time.perf_counter()
+    assert main(arguments) == 2
+    assert time.perf_counter() - start < 1.0  # well under a second; typically a few ms
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith(f"medfed: error: {run / 'config.json'}: not valid YAML") and message in error
+
+
+def test_a_scan_whose_sequences_are_on_different_grids_is_refused_naming_the_files(finished_run, tiny_brats_root, tmp_path, capsys):
+    import shutil
+
+    case = find_cases(tiny_brats_root)[0]
+    folder = shutil.copytree(case.image_files[0].parent, tmp_path / case.image_files[0].parent.name)
+    t1ce = folder / case.image_files[2].name
+    image = nib.load(t1ce)
+    moved = image.affine.copy()
+    moved[:3, 3] += (40.0, 0.0, 0.0)
+    nib.save(nib.Nifti1Image(np.asarray(image.dataobj), moved, header=image.header), t1ce)
+    arguments = ["predict", "--run", str(finished_run), "--site", "site0", "--input", str(folder), "--out", str(tmp_path / "p.nii.gz")]
+    assert main(arguments) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and f"{t1ce}: its voxel grid differs from {case.image_files[0].name}'s (origins 40 mm apart" in error
+    assert not (tmp_path / "p.nii.gz").exists()
+
+
+def test_a_run_folder_whose_config_and_checkpoint_are_of_different_runs_is_one_line(finished_run, tiny_brats_root, tmp_path, capsys):
+    import json
+    import shutil
+
+    run = shutil.copytree(finished_run, tmp_path / "run")
+    config = json.loads((run / "config.json").read_text())
+    config["model"]["channels"] = [8, 16, 32]  # another run's config.json (two runs wrote one folder)
+    (run / "config.json").write_text(json.dumps(config))
+    case = find_cases(tiny_brats_root)[0]
+    arguments = ["predict", "--run", str(run), "--site", "site0", "--input", str(case.image_files[0].parent), "--out", str(tmp_path / "p.nii.gz")]
+    assert main(arguments) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "config.json and the checkpoint round-1.ckpt are of different runs (they differ at model.channels)" in error

@@ -182,3 +182,49 @@ def test_a_boolean_positive_value_says_the_config_read_a_boolean_and_to_quote_it
 def test_a_boolean_positive_value_matches_a_column_of_true_and_false(tmp_path):
     path = write(tmp_path, "a,event\n1,True\n2,False\n")
     np.testing.assert_array_equal(read_tabular_csv(path, target="event", positive=True).labels, [1, 0])
+
+
+# --- what hospitals' exports really hold (issue 24) ---------------------------------------------------
+
+
+def test_excel_csv_utf8_with_a_byte_order_mark_reads_as_without(tmp_path):
+    plain = tmp_path / "plain.csv"
+    plain.write_bytes(RECORDS.encode("utf-8"))
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbf" + RECORDS.replace("\n", "\r\n").encode("utf-8"))  # Excel's "CSV UTF-8"
+    kwargs = dict(target="bleeding", positive="yes", site_column="hospital", exclude_columns=("patient",))
+    a, b = read_tabular_csv(plain, **kwargs), read_tabular_csv(bom, **kwargs)
+    assert a.feature_names == b.feature_names == ("age", "creatinine")
+    np.testing.assert_array_equal(a.features, b.features)
+    np.testing.assert_array_equal(a.labels, b.labels)
+
+
+def test_a_latin1_byte_is_one_line_naming_the_file_line_and_byte(tmp_path):
+    path = tmp_path / "records.csv"
+    path.write_bytes(RECORDS.replace("p3,65.5,no,B", "p3,65.5,no,Bègles").encode("latin-1"))
+    with pytest.raises(DataError) as info:
+        read_tabular_csv(path, target="bleeding", positive="yes", exclude_columns=("patient",))
+    assert str(info.value).startswith(f"{path}, line 4: not UTF-8 text (byte 0xe8 at offset ")
+    assert "\n" not in str(info.value)
+
+
+def test_a_200_kb_cell_is_one_line_naming_the_file_and_line(tmp_path):
+    path = tmp_path / "records.csv"
+    path.write_text(RECORDS.replace("p4,80", "p4," + "8" * 200_000))
+    with pytest.raises(DataError, match=rf"^{path}, line \d+: not a readable CSV row \(field larger than field limit"):
+        read_tabular_csv(path, target="bleeding", positive="yes", exclude_columns=("patient",))
+
+
+@pytest.mark.parametrize("value", ["1e300", "-3.5e38"])
+def test_a_value_beyond_float32_is_refused_naming_column_and_line(tmp_path, value):
+    path = tmp_path / "records.csv"
+    path.write_text(RECORDS.replace("p5,59,no,A,0.9", f"p5,59,no,A,{value}"))
+    with pytest.raises(DataError, match=rf"column 'creatinine' holds '{value}' on line 7, beyond float32's range"):
+        read_tabular_csv(path, target="bleeding", positive="yes", exclude_columns=("patient",))
+
+
+def test_the_largest_float32_value_is_kept(tmp_path):
+    path = tmp_path / "records.csv"
+    path.write_text(RECORDS.replace("p5,59,no,A,0.9", "p5,59,no,A,3.4e38"))
+    data = read_tabular_csv(path, target="bleeding", positive="yes", exclude_columns=("patient", "hospital"))
+    assert np.isfinite(data.features).all() and data.features.max() == np.float32(3.4e38)

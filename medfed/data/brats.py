@@ -33,6 +33,25 @@ evaluation shares (whole tumour 1-3, core 1 and 3, enhancing 3). BraTS-PED
 files are rejected: the 2023 paediatric release used that convention, the 2024
 one numbers ET, NET, CC, ED as 1-4, and both name their files alike.
 
+A case's modalities and segmentation must share one voxel grid (the
+commonest silent error in imaging data: a sequence flipped or shifted, a
+segmentation drawn on another series). Their affines are compared with
+:func:`grid_difference`: with ``T = inv(A_first) @ A_other`` the voxel map
+between them, the grids agree when ``T``'s linear part is the identity within
+:data:`GRID_DIRECTION_TOLERANCE` (direction and spacing, relative) and its
+translation within :data:`GRID_OFFSET_TOLERANCE` voxels. Otherwise
+:func:`load_case` refuses the case in one line naming both files and the
+difference, or, with ``resample=True`` (``data.resample: true``), resamples the
+other file onto the first modality's grid (linear for images, nearest
+neighbour for the segmentation).
+
+Every volume's header is checked before its voxels are read: the bytes its
+shape and data type claim must fit in the file (for ``.nii.gz``, within
+deflate's largest compression ratio of the file's size) and in
+:data:`MAX_VOLUME_BYTES`, so a few hundred crafted bytes cannot make the
+reader allocate terabytes. ``dataset.json`` is read with bounded size and
+nesting.
+
 Every layout is converted to medfed's convention: images are float32
 ``(4, X, Y, Z)`` in :data:`MODALITIES` order, labels are uint8
 :class:`TumourLabel` values. :func:`find_cases` lists the labelled cases, the
@@ -44,6 +63,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +114,17 @@ _BRATS2023_UNSUPPORTED_SETS = {
     "PED": "the 2023 paediatric release numbers NCR, ED, ET as 1-3 and the 2024 one ET, NET, CC, ED as 1-4 "
     "under the same file names, so the label convention of these files cannot be told",
 }
+
+GRID_OFFSET_TOLERANCE = 1e-3
+"""Largest shift between two files' grids, in voxels of the first, that still counts as one grid."""
+GRID_DIRECTION_TOLERANCE = 1e-4
+"""Largest difference of the voxel map's linear part from the identity (direction cosines, relative spacing)."""
+MAX_VOLUME_BYTES = 4 << 30
+"""Largest volume read (4 GiB; a BraTS case is 4 x 36 MB of float32)."""
+DEFLATE_MAX_RATIO = 1032
+"""The most a deflate (gzip) stream can expand: a .nii.gz of n bytes holds at most about 1032 n bytes."""
+MAX_DATASET_JSON_BYTES = 16 << 20
+"""Largest dataset.json read (the MSD BraTS one is about 100 kB)."""
 
 _NIFTI_SUFFIXES = (".nii.gz", ".nii")
 _INVALID = 255  # marks label-file values outside a layout's convention in a lookup table
@@ -276,21 +307,30 @@ def case_from_paths(paths: list[Path]) -> BratsCase:
     )
 
 
-def load_case(case: BratsCase) -> BratsVolume:
+def load_case(case: BratsCase, resample: bool = False) -> BratsVolume:
     """Read one case's images and label into medfed's convention.
 
+    Args:
+        case: where the files are.
+        resample: a modality or segmentation on another grid than the first
+            modality's is resampled onto it (linear / nearest neighbour)
+            instead of refused.
+
     Raises:
-        DataError: a file is missing or unreadable, the modalities or the label
-            disagree in shape, voxels are NaN/Inf, or the label holds values
-            outside the layout's convention. Each message names the file.
+        DataError: a file is missing or unreadable, its header claims more
+            voxels than the file holds, the modalities or the label disagree
+            in shape or grid (affine), voxels are NaN/Inf, or the label holds
+            values outside the layout's convention. Each message names the file.
     """
     if case.channel_index is None:
-        image, affine = _read_modality_files(case.image_files)
+        image, affine = _read_modality_files(case.image_files, resample)
     else:
         image, affine = _read_four_d_image(case.image_files[0], case.channel_index)
     label = None
     if case.label_file is not None:
-        raw_label, _ = _read_nifti(case.label_file)
+        raw_label, label_affine = _read_nifti(case.label_file)
+        if _grid_mismatch(case.image_files[0], affine, case.label_file, label_affine, resample):
+            raw_label = _resampled(raw_label, label_affine, affine, image.shape[1:], order=0)
         if raw_label.shape != image.shape[1:]:
             raise DataError(
                 f"{case.label_file}: label shape {raw_label.shape} differs from the image shape "
@@ -427,9 +467,14 @@ def _find_msd_cases(dataset_json: Path) -> list[BratsCase]:
     """Cases listed in an MSD ``dataset.json`` ("training" with labels, "test" without)."""
     root = dataset_json.parent
     try:
-        spec = json.loads(dataset_json.read_text())
+        size = dataset_json.stat().st_size
+        if size > MAX_DATASET_JSON_BYTES:
+            raise DataError(f"{dataset_json}: {size} bytes, larger than any dataset.json medfed reads ({MAX_DATASET_JSON_BYTES})")
+        spec = json.loads(dataset_json.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise DataError(f"{dataset_json}: not a readable JSON file ({error})") from error
+        raise DataError(f"{dataset_json}: not a readable JSON file ({error})") from None
+    except RecursionError:
+        raise DataError(f"{dataset_json}: not a readable JSON file (nested too deeply to be a dataset.json)") from None
     if not isinstance(spec, dict) or not isinstance(spec.get("training"), list):
         raise DataError(f"{dataset_json}: expected a JSON object with a 'training' list")
     channel_index = _msd_channel_index(dataset_json, spec)
@@ -543,10 +588,13 @@ def _check_labels_all_or_none(root: Path, cases: list[BratsCase]) -> None:
 
 
 def _read_nifti(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """The voxel array (file dtype, scaling applied) and float64 (4, 4) affine of a NIfTI file."""
+    """The voxel array (file dtype, scaling applied) and float64 (4, 4) affine of a NIfTI file, its size checked first."""
     try:
         image = nib.load(path)
+        _check_claimed_size(path, image)
         data = np.asanyarray(image.dataobj)
+    except DataError:
+        raise
     except FileNotFoundError:
         raise DataError(f"{path}: file not found") from None
     except (ImageFileError, OSError, EOFError, zlib.error, ValueError) as error:
@@ -554,23 +602,87 @@ def _read_nifti(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return data, np.asarray(image.affine, dtype=np.float64)
 
 
+def _check_claimed_size(path: Path, image: nib.Nifti1Image) -> None:
+    """Refuse a header whose shape and data type claim more bytes than ``path`` can hold, before they are allocated."""
+    header = image.header
+    shape = header.get_data_shape()
+    if any(side < 0 for side in shape):
+        raise DataError(f"{path}: its header claims the shape {shape}")
+    claimed = getattr(image.dataobj, "offset", 0) + math.prod(shape) * header.get_data_dtype().itemsize  # the image's header copy has offset 0
+    size = path.stat().st_size
+    compressed = path.name.endswith(".gz")
+    room = size * DEFLATE_MAX_RATIO if compressed else size
+    if claimed > min(room, MAX_VOLUME_BYTES):
+        holds = f"a {size}-byte gzip file holds at most {room} bytes" if compressed else f"the file has {size} bytes"
+        raise DataError(
+            f"{path}: cannot be read as NIfTI: its header claims {claimed} bytes of voxels (shape {shape}, {header.get_data_dtype()}) but {holds}"
+            + (f" (and medfed reads at most {MAX_VOLUME_BYTES})" if claimed > MAX_VOLUME_BYTES else "")
+            + "; a damaged or crafted header"
+        )
+
+
+def grid_difference(affine: np.ndarray, other: np.ndarray) -> tuple[float, float]:
+    """How far ``other``'s voxel grid is from ``affine``'s: (largest shift in voxels of ``affine``, largest linear deviation).
+
+    With ``T = inv(affine) @ other`` (``other``'s voxel indices -> ``affine``'s),
+    the shift is ``max |T[:3, 3]|`` and the linear deviation ``max |T[:3, :3] - I|``
+    (direction cosines and relative spacing); both are 0 for one grid.
+    """
+    voxel_map = np.linalg.solve(affine, other)
+    return float(np.abs(voxel_map[:3, 3]).max()), float(np.abs(voxel_map[:3, :3] - np.eye(3)).max())
+
+
+def _grid_mismatch(first: Path, affine: np.ndarray, path: Path, other: np.ndarray, resample: bool) -> bool:
+    """True when ``path`` (affine ``other``) must be resampled onto ``first``'s grid; DataError when it differs and ``resample`` is off."""
+    shift, linear = grid_difference(affine, other)
+    if shift <= GRID_OFFSET_TOLERANCE and linear <= GRID_DIRECTION_TOLERANCE:
+        return False  # one grid (a shape difference is the shape checks')
+    if resample:
+        return True
+    offset_mm = np.linalg.norm(other[:3, 3] - affine[:3, 3])
+    axes = [_angle_degrees(affine[:3, k], other[:3, k]) for k in range(3)]
+    raise DataError(
+        f"{path}: its voxel grid differs from {first.name}'s (origins {offset_mm:.3g} mm apart, axes turned by up to "
+        f"{max(axes):.3g} degrees, grids {shift:.3g} voxels apart; tolerance {GRID_OFFSET_TOLERANCE} voxel and "
+        f"{GRID_DIRECTION_TOLERANCE} in direction); register the files, or set data.resample=true to resample onto {first.name}'s grid"
+    )
+
+
+def _angle_degrees(a: np.ndarray, b: np.ndarray) -> float:
+    cosine = np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b))
+    return float(np.degrees(np.arccos(np.clip(cosine, -1.0, 1.0))))
+
+
+def _resampled(data: np.ndarray, affine: np.ndarray, target_affine: np.ndarray, target_shape: tuple[int, ...], order: int) -> np.ndarray:
+    """``data`` (grid ``affine``) resampled onto ``target_affine``/``target_shape`` (order 0: nearest neighbour, 1: linear; 0 outside)."""
+    from nibabel.processing import resample_from_to
+
+    source = nib.Nifti1Image(np.asarray(data, dtype=np.float32 if order else data.dtype), affine)
+    resampled = resample_from_to(source, (tuple(target_shape), target_affine), order=order, mode="constant", cval=0.0)
+    return np.asarray(resampled.dataobj).astype(data.dtype if order == 0 else np.float32)
+
+
 def _finite_float32(data: np.ndarray, path: Path) -> np.ndarray:
-    array = np.asarray(data, dtype=np.float32)
+    with np.errstate(over="ignore"):  # a value beyond float32 becomes inf and is counted below
+        array = np.asarray(data, dtype=np.float32)
     bad = array.size - np.count_nonzero(np.isfinite(array))
     if bad:
-        raise DataError(f"{path}: {bad} voxels are NaN or infinite")
+        raise DataError(f"{path}: {bad} voxels are NaN, infinite or beyond float32's range (|x| > 3.4e38)")
     return array
 
 
-def _read_modality_files(files: tuple[Path, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """Four 3-D files -> float32 (4, X, Y, Z) and the first file's affine."""
+def _read_modality_files(files: tuple[Path, ...], resample: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Four 3-D files -> float32 (4, X, Y, Z) on the first file's grid, and its affine."""
     volumes = []
     affines = []
     for path in files:
         data, affine = _read_nifti(path)
         if data.ndim != 3:
             raise DataError(f"{path}: expected a 3-D image, found shape {data.shape}")
-        volumes.append(_finite_float32(data, path))
+        volume = _finite_float32(data, path)
+        if affines and _grid_mismatch(files[0], affines[0], path, affine, resample):
+            volume = _resampled(volume, affine, affines[0], volumes[0].shape, order=1)
+        volumes.append(volume)
         affines.append(affine)
     if len({volume.shape for volume in volumes}) > 1:
         listing = "; ".join(f"{path.name}: {volume.shape}" for path, volume in zip(files, volumes))

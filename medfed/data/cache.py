@@ -18,11 +18,17 @@ Touching, replacing or adding an input file changes the key, so a stale entry
 is never read; entries are never deleted (remove the folder to reclaim space).
 
 An entry is ``<cache_dir>/<task>-<key>.pt``: :func:`torch.save` of plain
-containers and tensors (read back with ``weights_only=True``, so a cache file
-cannot run code), written to a temporary file in the same folder, made
-mode 0644 and renamed over the entry, only once the whole federation was
-built: a failed build leaves nothing behind. An unreadable or malformed entry
-is reported with :func:`medfed.errors.warn`, rebuilt and rewritten. The
+containers and tensors followed by the SHA-256 of those bytes
+(:func:`~medfed.checkpoint.save_with_digest`, as checkpoints are written; read
+back with ``weights_only=True``, so a cache file cannot run code), written to
+a temporary file in the same folder, made mode 0644 and renamed over the
+entry, only once the whole federation was built: a failed build leaves nothing
+behind. Reading checks the digest (a flipped bit is found before any tensor is
+used), then the federation itself (:func:`check_federation`: every split's
+samples of the task's input shape, finite, labels in ``[0, num_classes)``),
+since a file that passes its checksum may still have been written by someone
+else under the right name. An unreadable, damaged or invalid entry is
+reported with :func:`medfed.errors.warn`, rebuilt and rewritten. The
 default folder is ``$XDG_CACHE_HOME/medfed``, else ``~/.cache/medfed``.
 """
 
@@ -40,10 +46,11 @@ from typing import Any
 import torch
 from torch.utils.data import TensorDataset
 
+from medfed.checkpoint import load_with_digest, save_with_digest
 from medfed.data.federation import Federation, Placement, SiteData
 from medfed.errors import DataError, warn
 
-FORMAT = 3
+FORMAT = 4
 """Version of the entry layout; part of every key."""
 
 
@@ -127,7 +134,7 @@ def load_or_build(
     if not enabled:
         return build()
     path = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / f"{task}-{key}.pt"
-    federation = _read(path, key) if path.exists() else None
+    federation = _read(path, key, task) if path.exists() else None
     hit = federation is not None
     if not hit:
         federation = build()
@@ -136,16 +143,86 @@ def load_or_build(
     return federation
 
 
-def _read(path: Path, key: str) -> Federation | None:
-    """The federation in ``path``, or None (with a warning) when the file is unreadable or not an entry for ``key``."""
+def _read(path: Path, key: str, task: str) -> Federation | None:
+    """The federation in ``path``, or None (with a warning) when the file is damaged, invalid or not ``task``'s entry for ``key``."""
     try:
-        entry = torch.load(path, map_location="cpu", weights_only=True)
-        if entry["format"] != FORMAT or entry["key"] != key:
-            raise ValueError("written in another format or for another key")
-        return _decode(entry["federation"])
-    except Exception as error:  # any damage to a cache file means "rebuild it", never a failed run
+        entry = load_with_digest(path, "preprocessed-data cache entry")
+        if not isinstance(entry, dict) or entry.get("format") != FORMAT or entry.get("key") != key:
+            raise DataError(f"preprocessed-data cache entry {path} was written in another format or for another key")
+        federation = _decode(entry["federation"], f"preprocessed-data cache entry {path}")
+        check_federation(federation, task, f"preprocessed-data cache entry {path}")
+        return federation
+    except DataError as error:
+        warn(f"{error}; rebuilding it")
+    except Exception as error:  # any other damage to a cache file means "rebuild it", never a failed run
         warn(f"{path}: unreadable preprocessed-data cache entry ({type(error).__name__}); rebuilding it")
-        return None
+    return None
+
+
+def check_federation(federation: Federation, task: str, source: str) -> None:
+    """Refuse a federation whose tensors training could not use or would be poisoned by.
+
+    Every split of every site: at least two tensors ``(x, y, ...)`` of one
+    length; ``x`` of shape ``(n, *input_shape)``; every floating-point tensor
+    finite; ``y`` in ``[0, num_classes)``. Each site's training volumes
+    (``random_crops``): floating-point tensors finite, integer ones
+    non-negative, crop centres inside their volume.
+
+    Raises:
+        DataError: naming ``source``, the site and the split.
+    """
+    if federation.task != task:
+        raise DataError(f"{source} holds a {federation.task!r} federation, expected {task!r}")
+    if not federation.sites:
+        raise DataError(f"{source} holds no site")
+    for site in federation.sites:
+        splits = {"train": site.train, "test": site.test, "validation": site.validation}
+        for split, data in splits.items():
+            if data is not None:
+                _check_split(list(data.tensors), federation, f"{source}: {site.name}'s {split} samples")
+        for index, volume in enumerate(site.train_volumes or []):
+            _check_volume(volume, f"{source}: {site.name}'s training volume {index}")
+
+
+def _dataset(tensors: list[torch.Tensor], where: str) -> TensorDataset:
+    """``TensorDataset(*tensors)``; DataError (not TensorDataset's AssertionError) for tensors of different lengths."""
+    lengths = sorted({len(tensor) for tensor in tensors})
+    if len(lengths) > 1:
+        raise DataError(f"{where}: tensors of different lengths {lengths}")
+    return TensorDataset(*tensors)
+
+
+def _check_split(tensors: list[torch.Tensor], federation: Federation, where: str) -> None:
+    if len(tensors) < 2 or not all(isinstance(tensor, torch.Tensor) for tensor in tensors):
+        raise DataError(f"{where}: expected tensors (x, y, ...)")
+    x, y = tensors[:2]
+    if tuple(x.shape[1:]) != tuple(federation.input_shape):
+        raise DataError(f"{where}: x has shape {tuple(x.shape)}, expected (n, {', '.join(map(str, federation.input_shape))})")
+    for name, tensor in zip(("x", "y", *(f"tensor {k}" for k in range(2, len(tensors)))), tensors):
+        if tensor.is_floating_point():
+            bad = tensor.numel() - int(torch.isfinite(tensor).sum())
+            if bad:
+                raise DataError(f"{where}: {name} holds {bad} NaN or infinite values")
+    if y.numel() and (y.is_floating_point() or y.dtype.is_signed or y.dtype == torch.uint8):
+        low, high = y.min().item(), y.max().item()
+        if low < 0 or high >= federation.num_classes:
+            raise DataError(f"{where}: labels range over [{low:g}, {high:g}], expected values in [0, {federation.num_classes})")
+
+
+def _check_volume(volume: Any, where: str) -> None:
+    if not (isinstance(volume, dict) and all(isinstance(tensor, torch.Tensor) for tensor in volume.values())):
+        raise DataError(f"{where}: expected a dict of tensors")
+    for name, tensor in volume.items():
+        if tensor.is_floating_point():
+            if not bool(torch.isfinite(tensor).all()):
+                raise DataError(f"{where}: {name} holds NaN or infinite values")
+        elif tensor.numel() and tensor.min().item() < 0:
+            raise DataError(f"{where}: {name} holds negative values")
+    label = volume.get("label")
+    for name in ("tumour", "background"):
+        centres = volume.get(name)
+        if label is not None and centres is not None and centres.numel() and centres.max().item() >= label.numel():
+            raise DataError(f"{where}: {name} crop centres lie outside the volume's {label.numel()} voxels")
 
 
 def _write(path: Path, key: str, federation: Federation) -> None:
@@ -159,7 +236,7 @@ def _write(path: Path, key: str, federation: Federation) -> None:
         return
     try:
         with os.fdopen(handle, "wb") as stream:
-            torch.save(entry, stream)
+            save_with_digest(entry, stream)
             stream.flush()
             os.fsync(stream.fileno())
         os.chmod(partial, 0o644)
@@ -199,15 +276,15 @@ def _encode(federation: Federation) -> dict[str, Any]:
     }
 
 
-def _decode(encoded: dict[str, Any]) -> Federation:
+def _decode(encoded: dict[str, Any], source: str) -> Federation:
     sites = [
         SiteData(
             name=site["name"],
-            train=TensorDataset(*site["train"]),
-            test=TensorDataset(*site["test"]),
+            train=_dataset(site["train"], f"{source}: {site['name']}'s train samples"),
+            test=_dataset(site["test"], f"{source}: {site['name']}'s test samples"),
             info=json.loads(site["info"]),
             train_volumes=site["train_volumes"],
-            validation=None if site["validation"] is None else TensorDataset(*site["validation"]),
+            validation=None if site["validation"] is None else _dataset(site["validation"], f"{source}: {site['name']}'s validation samples"),
         )
         for site in encoded["sites"]
     ]

@@ -30,7 +30,7 @@ already have identity directions; other MetaImage data need not.
 
 from __future__ import annotations
 
-import csv
+import math
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tqdm import tqdm
 
+from medfed.data.csv_rows import read_csv_rows
 from medfed.errors import DataError
 
 if TYPE_CHECKING:  # SimpleITK is imported where series are read: the other tasks run without it
@@ -345,14 +346,9 @@ def _rows_by_series(table: CandidateTable) -> tuple[np.ndarray, list[np.ndarray]
 
 def _read_uid_and_numbers(path: Path, header: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows of a LUNA16 CSV: str (n,) series uids, float64 (n, columns - 1) finite numbers, int (n,) line numbers."""
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
-    with path.open(newline="") as handle:
-        reader = csv.reader(handle)
-        found = next(reader, None)
-        if found is None or tuple(field.strip() for field in found) != header:
-            raise DataError(f"{path}: expected the header {','.join(header)}, found {found}")
-        numbered_rows = [(reader.line_num, row) for row in reader if "".join(row).strip()]
+    found, numbered_rows = read_csv_rows(path)
+    if found is None or tuple(field.strip() for field in found) != header:
+        raise DataError(f"{path}: expected the header {','.join(header)}, found {found}")
     if not numbered_rows:
         raise DataError(f"{path}: no rows after the header")
     for line_number, row in numbered_rows:
@@ -416,11 +412,21 @@ def _keep_mask(
 
 
 def _read_axial_image(mhd_path: Path) -> sitk.Image:
-    """The series as a 3-D SimpleITK image in ITK's identity (LPS) axis orientation."""
+    """The series as a 3-D SimpleITK image in ITK's identity (LPS) axis orientation.
+
+    The header is read first: the voxel bytes it claims must fit in the data
+    file (:func:`_check_claimed_size`); after reading, a floating-point volume
+    must be finite.
+    """
     import SimpleITK as sitk
 
     try:
-        image = sitk.ReadImage(str(mhd_path))
+        reader = sitk.ImageFileReader()
+        reader.SetFileName(str(mhd_path))
+        reader.ReadImageInformation()
+        if reader.GetDimension() == 3 and reader.GetNumberOfComponents() == 1:
+            _check_claimed_size(mhd_path, reader)
+        image = reader.Execute()
     except RuntimeError as error:
         data_file = _element_data_file(mhd_path)
         if data_file is not None and not data_file.is_file():
@@ -432,25 +438,64 @@ def _read_axial_image(mhd_path: Path) -> sitk.Image:
             f"{mhd_path}: expected a 3-D single-channel CT volume, found {image.GetDimension()}-D "
             f"with {image.GetNumberOfComponentsPerPixel()} components per voxel"
         )
+    volume = sitk.GetArrayViewFromImage(image)
+    if np.issubdtype(volume.dtype, np.floating):
+        bad = volume.size - np.count_nonzero(np.isfinite(volume))
+        if bad:
+            raise DataError(f"{mhd_path}: {bad} of its {volume.size} voxels are NaN or infinite")
     if not np.allclose(image.GetDirection(), np.eye(3).ravel()):
         image = sitk.DICOMOrient(image, "LPS")
     return image
 
 
+MAX_VOLUME_BYTES = 4 << 30
+"""Largest CT volume read (4 GiB; a LUNA16 series is about 512 x 512 x 300 int16 voxels, 150 MiB)."""
+DEFLATE_MAX_RATIO = 1032
+"""The most a zlib stream expands: ``CompressedData = True`` data of n bytes hold at most about 1032 n bytes."""
+
+
+def _check_claimed_size(mhd_path: Path, reader: sitk.ImageFileReader) -> None:
+    """Refuse a MetaImage header whose size and element type claim more bytes than its data file holds, before reading them."""
+    import SimpleITK as sitk
+
+    itemsize = sitk.GetArrayViewFromImage(sitk.Image([1, 1, 1], reader.GetPixelID())).itemsize
+    claimed = math.prod(reader.GetSize()) * itemsize
+    data_file = _element_data_file(mhd_path) or mhd_path  # LOCAL: the voxels follow the header in the same file
+    if not data_file.is_file():
+        return  # SimpleITK's error is reported with the missing file named
+    size = data_file.stat().st_size
+    compressed = _header_value(mhd_path, "CompressedData").lower() == "true"
+    room = size * DEFLATE_MAX_RATIO if compressed else size
+    if claimed > min(room, MAX_VOLUME_BYTES):
+        holds = f"its {size} compressed bytes hold at most {room}" if compressed else f"it has {size} bytes"
+        raise DataError(
+            f"{mhd_path}: unreadable or corrupt MetaImage: its header claims {claimed} bytes of voxels (size {tuple(reader.GetSize())}, "
+            f"{sitk.GetPixelIDValueAsString(reader.GetPixelID())}) in {data_file.name}, but {holds}"
+            + (f" (and medfed reads at most {MAX_VOLUME_BYTES})" if claimed > MAX_VOLUME_BYTES else "")
+            + "; a damaged or crafted header"
+        )
+
+
+def _header_value(mhd_path: Path, key: str) -> str:
+    """The value of ``key = value`` in a MetaImage header ("" when absent)."""
+    try:
+        with open(mhd_path, "rb") as file:
+            lines = file.read(1 << 16).decode("utf-8", errors="replace").splitlines()  # a header is a few hundred bytes
+    except OSError:
+        return ""
+    for line in lines:
+        name, _, value = line.partition("=")
+        if name.strip() == key:
+            return value.strip()
+    return ""
+
+
 def _element_data_file(mhd_path: Path) -> Path | None:
     """The voxel data file a MetaImage header names, or None when it names none (``LOCAL``, lists, patterns)."""
-    try:
-        lines = mhd_path.read_text(errors="replace").splitlines()
-    except OSError:
+    value = _header_value(mhd_path, "ElementDataFile")
+    if value in ("", "LOCAL") or value.startswith("LIST") or "%" in value:
         return None
-    for line in lines:
-        key, _, value = line.partition("=")
-        if key.strip() == "ElementDataFile":
-            value = value.strip()
-            if value == "LOCAL" or value.startswith("LIST") or "%" in value:
-                return None
-            return mhd_path.parent / value
-    return None
+    return mhd_path.parent / value
 
 
 def _nearest_voxels_inside(image: sitk.Image, world_mm: np.ndarray, mhd_path: Path, csv_path: Path) -> np.ndarray:

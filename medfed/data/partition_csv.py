@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from medfed.data.csv_rows import read_csv_rows
 from medfed.errors import DataError
 
 HEADER = ("Partition_ID", "Subject_ID")
@@ -47,25 +48,21 @@ def read_partition_csv(path: str | Path) -> dict[str, int]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: partition file not found")
+    header, rows = read_csv_rows(path)
+    if header is None or tuple(h.strip() for h in header[:2]) != HEADER:
+        raise DataError(f"{path}: expected the header {','.join(HEADER)}, found {header}")
     mapping: dict[str, int] = {}
-    with path.open(newline="") as handle:
-        reader = csv.reader(handle)
-        header = next(reader, None)
-        if header is None or tuple(h.strip() for h in header[:2]) != HEADER:
-            raise DataError(f"{path}: expected the header {','.join(HEADER)}, found {header}")
-        for line_no, row in enumerate(reader, start=2):
-            if not row or not "".join(row).strip():
-                continue
-            if len(row) < 2:
-                raise DataError(f"{path}, line {line_no}: expected 'Partition_ID,Subject_ID', found {row}")
-            partition, subject = row[0].strip(), row[1].strip()
-            try:
-                partition_id = int(partition)
-            except ValueError:
-                raise DataError(f"{path}, line {line_no}: Partition_ID must be an integer, found {partition!r}") from None
-            if subject in mapping:
-                raise DataError(f"{path}, line {line_no}: subject {subject!r} is listed twice")
-            mapping[subject] = partition_id
+    for line_no, row in rows:
+        if len(row) < 2:
+            raise DataError(f"{path}, line {line_no}: expected 'Partition_ID,Subject_ID', found {row}")
+        partition, subject = row[0].strip(), row[1].strip()
+        try:
+            partition_id = int(partition)
+        except ValueError:
+            raise DataError(f"{path}, line {line_no}: Partition_ID must be an integer, found {partition!r}") from None
+        if subject in mapping:
+            raise DataError(f"{path}, line {line_no}: subject {subject!r} is listed twice")
+        mapping[subject] = partition_id
     if not mapping:
         raise DataError(f"{path}: no subjects listed")
     return mapping

@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from medfed.atomic import atomic_write
+from medfed.data.csv_rows import read_csv_rows
 from medfed.errors import DataError
 
 MISSING_TOKENS = frozenset({"", "na", "n/a", "nan", "null"})  # compared after strip() and lower()
@@ -217,12 +218,8 @@ def write_breast_cancer_csv(path: str | Path) -> Path:
 
 def _read_cells(path: Path) -> tuple[list[str], np.ndarray, np.ndarray]:
     """The header, a str (n, columns) array of stripped cells, and each record's int (n,) line number."""
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
-    with path.open(newline="") as handle:
-        reader = csv.reader(handle)
-        header = [name.strip() for name in next(reader, [])]
-        numbered_rows = [(reader.line_num, row) for row in reader if "".join(row).strip()]
+    first, numbered_rows = read_csv_rows(path)
+    header = [name.strip() for name in first or []]
     if not header:
         raise DataError(f"{path}: empty file, expected a header row")
     duplicates = sorted({name for name in header if header.count(name) > 1})
@@ -235,6 +232,10 @@ def _read_cells(path: Path) -> tuple[list[str], np.ndarray, np.ndarray]:
             raise DataError(f"{path}, line {line_number}: expected {len(header)} fields, found {len(row)}")
     cells = np.array([[cell.strip() for cell in row] for _, row in numbered_rows], dtype=str)
     return header, cells, np.array([line_number for line_number, _ in numbered_rows])
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+"""Largest magnitude a feature may have: features are float32 tensors (3.4e38)."""
 
 
 def _is_missing(cells: np.ndarray) -> np.ndarray:
@@ -269,7 +270,14 @@ def _feature_block(path: Path, column: str, cells: np.ndarray, line_numbers: np.
     except ValueError:
         is_number = np.array([_is_number(cell) for cell in cells[present]], dtype=bool)
     if is_number.all():
-        values = np.where(missing, "0", cells).astype(np.float32)[:, None]
+        numbers = np.where(missing, "0", cells).astype(np.float64)
+        too_large = np.flatnonzero(np.abs(numbers) > FLOAT32_MAX)
+        if too_large.size:
+            raise DataError(
+                f"{path}: column {column!r} holds {str(cells[too_large[0]])!r} on line {line_numbers[too_large[0]]}, beyond "
+                f"float32's range (|x| <= {FLOAT32_MAX:.4g}); {too_large.size} value(s) so large: check the column's units"
+            )
+        values = numbers.astype(np.float32)[:, None]
         return _FeatureBlock(column, values, (column,), None, int(missing.sum()))
     if is_number.any():
         odd_ones_are_text = (~is_number).sum() <= is_number.sum()

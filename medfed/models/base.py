@@ -11,6 +11,8 @@ once, through :meth:`FederatedModule.prepare_for_site`.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -43,8 +45,8 @@ class ModelOptions:
     shared_patterns: list[str] | None = None
 
     def __post_init__(self) -> None:
-        require(self.lr > 0, "lr", self.lr, "a positive learning rate")
-        require(self.weight_decay >= 0, "weight_decay", self.weight_decay, ">= 0")
+        require(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "a positive finite learning rate")
+        require(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", self.weight_decay, "a finite number >= 0")
 
 
 class FederatedModule(PersonalizationSplit, L.LightningModule):

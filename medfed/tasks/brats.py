@@ -107,6 +107,9 @@ class Options:
     """``fixed``: train on the patches cut once; ``random_crops``: fresh crops every epoch, as many and as balanced (:mod:`medfed.data.crops`)."""
     augment: Augmentation = field(default_factory=Augmentation)
     """Flips and intensity changes of each crop (``random_crops`` only)."""
+    resample: bool = False
+    """A case's modality or segmentation on another voxel grid than its first modality's is resampled onto that grid (linear,
+    nearest neighbour for the segmentation) instead of refused (:func:`medfed.data.brats.load_case`)."""
     cache: bool = True
     """Keep the built patches in the preprocessed-data cache and reuse them (:mod:`medfed.data.cache`)."""
     cache_dir: str | None = None
@@ -187,7 +190,7 @@ def _plan_and_read(
         enabled=options.cache,
         cache_dir=options.cache_dir,
     )
-    built.volumes = BratsVolumes(cases, [split.evaluation for split in site_splits], drops, held)
+    built.volumes = BratsVolumes(cases, [split.evaluation for split in site_splits], drops, held, options.resample)
     built.site_sizes = placement.summary(federation, seed, "cases")
     _train_on_random_crops(built, options, target)
     return built
@@ -294,11 +297,13 @@ class BratsVolumes:
     drops: list[int | None]
     held: Callable[[], AbstractContextManager]
     """Holds the data set while volumes are read (another run may have generated other data there meanwhile)."""
+    resample: bool = False
+    """As ``data.resample``: files on another grid than the first modality's are resampled onto it."""
 
     def site_volumes(self, site: int) -> Iterator[EvaluationVolume]:
         with self.held():
             for case_id in self.evaluation_cases[site]:
-                volume = load_case(self.cases[case_id])
+                volume = load_case(self.cases[case_id], self.resample)
                 image = _normalised(volume, self.drops[site])
                 spacing = tuple(float(s) for s in np.linalg.norm(volume.affine[:3, :3], axis=0))
                 yield EvaluationVolume(case_id, image, volume.label, spacing)
@@ -333,7 +338,7 @@ def _read_federation(
             xs, ys = [], []
             tumour_voxels[split_name] = 0
             for case_id in ids:
-                volume = load_case(cases[case_id])  # labelled: find_cases lists only labelled cases
+                volume = load_case(cases[case_id], options.resample)  # labelled: find_cases lists only labelled cases
                 rng = np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(case_id.encode())]))
                 image = _normalised(volume, drop)
                 tumour = volume.label > 0

@@ -55,6 +55,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from medfed.config import FederationConfig, require
+from medfed.data.csv_rows import read_csv_rows
 from medfed.data.federation import (
     Federation,
     SiteData,
@@ -278,10 +279,8 @@ def site_records(options: Options, federation: FederationConfig, seed: int, out_
         exclude_columns=tuple(options.exclude_columns),
     )
     site_of_record, _ = _sites(data, federation, seed, path, options.site_column)
-    with path.open(newline="") as handle:  # the rows the reader keeps (blank lines skipped), one per record
-        reader = csv.reader(handle)
-        header = next(reader)
-        rows = [row for row in reader if "".join(row).strip()]
+    header, numbered_rows = read_csv_rows(path)  # the rows the reader keeps (blank lines skipped), one per record
+    rows = [row for _, row in numbered_rows]
     written = []
     for index in range(federation.n_sites):
         target = Path(out_dir) / f"site{index}" / path.name
