@@ -50,7 +50,7 @@ from medfed.output_dir import check_output_dir, finish_run, start_run
 from medfed.results import communication_totals, format_table, summarise, write_json_atomic
 from medfed.threads import choose_threads
 from medfed.tracking import Tracker, classification_figures
-from medfed.viz.plots import plot_learning_curves, plot_segmentation_examples, save_figure
+from medfed.viz.plots import add_source, plot_learning_curves, plot_segmentation_examples, save_figure
 
 
 def run(
@@ -162,7 +162,7 @@ def run(
         if isinstance(prototype, BinaryClassifier):  # ROC curves and confusion matrices, not one number
             figures.update(classification_figures(sites, title, tracker.class_labels))
         for name, figure in figures.items():
-            save_figure(figure, output_dir / f"{name}.png")
+            save_figure(add_source(figure, federation.description), output_dir / f"{name}.png")
     tracker.finish([output_dir / f"{name}.png" for name in figures], step=loop.round)
     results["timing"] = _timing(loop.history, time.perf_counter() - started, fabric, seconds, tracker.seconds)
     write_json_atomic(output_dir / "results.json", results)  # again, with the figures' and the tracker's time
