@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from lightning.fabric import Fabric
 from omegaconf import DictConfig
-from tqdm.auto import tqdm
+from tqdm import tqdm  # text bars: tqdm.auto warns in a notebook without ipywidgets
 
 import medfed
 from medfed.checkpoint import FOLDER, resume_state, round_checkpoints

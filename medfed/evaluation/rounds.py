@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
+from tqdm import tqdm  # text bars: tqdm.auto warns in a notebook without ipywidgets
 
 from medfed.data.brats import enhancing_tumour, tumour_core, whole_tumour
 from medfed.data.federation import VolumeSource
