@@ -17,11 +17,14 @@ a clone of the main branch) and then with this checkout's, one after the
 other, and the ratios are printed: baseline / this. Both read the same data
 set, generated once before either is timed (its generation time is printed
 apart: a first run on a fresh machine pays it once), and each starts with an
-empty preprocessed-data cache, so neither inherits the other's patches. The
-load average (1 min) is printed before and after each run: the machine may
-be shared.
+empty preprocessed-data cache, so neither inherits the other's patches. With
+``--cold`` each run generates its own data set instead, inside its timed run:
+what a user's very first command costs. The load average (1 min) is printed
+before and after each run: the machine may be shared. "written" is what the
+run wrote to the file system (``ru_oublock`` of the child, 512-byte blocks:
+checkpoints, logs, figures, data), not what is left at its end.
 
-    python benchmarks/first_run.py [--baseline /path/to/main] [--config configs/brats_lack0.yaml]
+    python benchmarks/first_run.py [--baseline /path/to/main] [--cold] [--config configs/brats_lack0.yaml]
         [--out outputs/bench_first_run] [key=value ...]
 """
 
@@ -84,11 +87,12 @@ def timed_run(code: Path, config: str, overrides: list[str], out: Path, cache: P
         "code": str(code),
         "wall_s": wall,
         "cpu_s": (usage.ru_utime - usage_before.ru_utime) + (usage.ru_stime - usage_before.ru_stime),
+        "written_mb": (usage.ru_oublock - usage_before.ru_oublock) * 512 / 1e6,
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
         "threads": results.get("num_threads"),
         "rounds": len(results["history"]),
-        "disk_mb": sum(path.stat().st_size for path in out.rglob("*") if path.is_file()) / 1e6,
+        "left_mb": sum(path.stat().st_size for path in out.rglob("*") if path.is_file()) / 1e6,
         "label_iou": results["mean"].get("label_iou"),
         "split": split(results),
     }
@@ -107,21 +111,25 @@ def split(results: dict[str, Any]) -> dict[str, float | None]:
     return parts
 
 
-def report(runs: list[dict[str, Any]], generation_s: float) -> str:
-    """The runs side by side: wall, CPU, the split, and baseline / this where there are two."""
+def report(runs: list[dict[str, Any]], generation_s: float | None) -> str:
+    """The runs side by side: wall, CPU, the split, and baseline / this (for times) where there are two."""
     names = ["baseline", "this checkout"] if len(runs) == 2 else ["this checkout"]
     width = 16
+    data = (
+        "each run generated its data set (in 'data')" if generation_s is None
+        else f"data generated once before the runs, untimed in them: {generation_s:.1f} s"
+    )
     lines = [
         f"machine: {platform.machine()} {platform.processor() or ''}, {len(os.sched_getaffinity(0))} cores usable (shared: see the loads)",
-        f"data generated once before the runs, untimed in them: {generation_s:.1f} s",
+        data,
         "",
         f"{'':<22}" + "".join(f"{name:>{width}}" for name in names) + (f"{'ratio':>{width}}" if len(runs) == 2 else ""),
     ]
 
-    def row(label: str, values: list[float | None], fmt: str = "{:.1f}") -> None:
+    def row(label: str, values: list[float | None], fmt: str = "{:.1f}", ratio_column: bool = True) -> None:
         cells = "".join(f"{('n/a' if v is None else fmt.format(v)):>{width}}" for v in values)
         ratio = ""
-        if len(values) == 2 and None not in values and values[1]:
+        if ratio_column and len(values) == 2 and None not in values and values[1]:
             ratio = f"{values[0] / values[1]:>{width - 1}.2f}x"
         lines.append(f"{label:<22}{cells}{ratio}")
 
@@ -130,15 +138,17 @@ def report(runs: list[dict[str, Any]], generation_s: float) -> str:
     for label, key in PARTS:
         row(f"  {label} (s)", [run["split"][key] for run in runs])
     row("  other (s)", [run["wall_s"] - sum(v for v in run["split"].values() if v is not None) for run in runs])
-    row("rounds", [run["rounds"] for run in runs], "{:d}")
-    row("torch threads", [run["threads"] for run in runs], "{:d}")
-    row("written (MB)", [run["disk_mb"] for run in runs], "{:.0f}")
-    row("label IoU (mean)", [run["label_iou"] for run in runs], "{:.3f}")
-    row("load before", [run["load_before"] for run in runs], "{:.2f}")
-    row("load after", [run["load_after"] for run in runs], "{:.2f}")
+    row("written (MB)", [run["written_mb"] for run in runs], "{:.0f}")
+    row("left in output (MB)", [run["left_mb"] for run in runs], "{:.0f}", ratio_column=False)
+    row("rounds", [run["rounds"] for run in runs], "{:d}", ratio_column=False)
+    row("torch threads", [run["threads"] for run in runs], "{:d}", ratio_column=False)
+    row("label IoU (mean)", [run["label_iou"] for run in runs], "{:.3f}", ratio_column=False)
+    row("load before", [run["load_before"] for run in runs], "{:.2f}", ratio_column=False)
+    row("load after", [run["load_after"] for run in runs], "{:.2f}", ratio_column=False)
     lines.append("")
-    lines.append("'other' = wall minus the parts: imports, models, the strategy's setup, server steps, codecs. "
-                 "'written' = the output folder at the end (checkpoints beyond the newest two are deleted during the run).")
+    lines.append("'other' = wall minus the parts: imports, models, the strategy's setup, server steps, codecs "
+                 "(and, where a part is n/a, that part). 'written' counts what the run wrote to the file system "
+                 "(checkpoints, start-of-round states, logs, figures); 'left' what its output folder holds at the end.")
     return "\n".join(lines)
 
 
@@ -147,15 +157,21 @@ def main() -> None:
     parser.add_argument("--config", default="configs/brats_lack0.yaml", help="relative to each checkout: its own version of the config")
     parser.add_argument("--baseline", type=Path, default=None, help="a checkout whose code (and config) runs the same command first")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "bench_first_run")
+    parser.add_argument("--cold", action="store_true", help="each run generates its own data set, timed: a user's very first run")
     args, overrides = parser.parse_known_args()
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    data_root = args.out / "data" / "brats2017"
-    overrides = [f"data.root={data_root}", *overrides]
-    generation_s = generate_data(REPO / args.config, overrides, data_root)
+    generation_s = None
+    if not args.cold:
+        data_root = args.out / "data" / "brats2017"
+        shared = [f"data.root={data_root}"]
+        generation_s = generate_data(REPO / args.config, [*shared, *overrides], data_root)
     runs = []
     for name, code in ([("baseline", args.baseline.resolve())] if args.baseline else []) + [("this", REPO)]:
-        runs.append(timed_run(code, args.config, overrides, args.out / name, args.out / f"cache-{name}"))
+        data = shared if not args.cold else [f"data.root={args.out / f'data-{name}' / 'brats2017'}"]
+        if args.cold:
+            shutil.rmtree(args.out / f"data-{name}", ignore_errors=True)
+        runs.append(timed_run(code, args.config, [*data, *overrides], args.out / name, args.out / f"cache-{name}"))
         print(f"{name}: {runs[-1]['wall_s']:.1f} s wall", file=sys.stderr)
     text = report(runs, generation_s)
     (args.out / "first_run.md").write_text(text + "\n")
