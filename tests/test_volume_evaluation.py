@@ -151,3 +151,18 @@ def test_bounding_box_is_the_smallest_box_holding_the_mask():
     mask[1, 2, 3] = mask[4, 2, 6] = mask[2, 5, 3] = True
     assert bounding_box(mask) == (slice(1, 5), slice(2, 6), slice(3, 7))
     assert mask[bounding_box(mask)].sum() == mask.sum() == 3
+
+
+def test_a_due_round_gets_the_site_scores_their_mean_and_the_evaluation_time_in_its_record():
+    label = np.zeros((40, 36, 6), dtype=np.uint8)
+    label[10:20, 8:18, 1:5] = TumourLabel.OEDEMA
+    evaluation = VolumeEvaluation(_Volumes(label, shift=3), patch_size=16, every=0, last_round=2, batch_size=4)
+    loop = SimpleNamespace(sites=[_site(_ChannelZeroModule())])
+    record = {"round": 1, "metrics": {"site0": {"iou": 0.5}}, "mean": {"iou": 0.5}, "timing": {"round_s": 1.0}}
+    evaluation.on_round_end(loop, record)  # every=0: only the last round is due
+    assert record["timing"] == {"round_s": 1.0} and record["metrics"]["site0"] == {"iou": 0.5}
+    record["round"] = 2
+    evaluation.on_round_end(loop, record)
+    assert record["metrics"]["site0"]["dice_wt"] == pytest.approx(7 / 10) == record["mean"]["dice_wt"]
+    assert set(record["mean"]) == {"iou", "dice_wt", "iou_wt", "hd95_wt"}
+    assert 0 < record["timing"]["volume_eval_s"] < 60
