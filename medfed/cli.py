@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     stray = [arg for arg in extra if arg.startswith("-") or "=" not in arg or args.command not in ("fit", "compare")]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    _show_warnings()
+    _show_warnings(quiet=getattr(args, "quiet", False))
     try:
         if args.command == "strategies":
             from medfed.federated.strategies import strategy_table
@@ -186,14 +186,14 @@ def _how_to_resume(config: str, overrides: list[str], output_dir: Path) -> str:
     return f"every finished round is checkpointed in {found[-1].parent} (newest {found[-1].name}); continue with: {command}"
 
 
-def _show_warnings() -> None:
-    """Send the ``medfed`` logger's records to stderr as ``medfed: warning: ...`` (``info``, ...) lines."""
+def _show_warnings(quiet: bool = False) -> None:
+    """Send the ``medfed`` logger's records to stderr as ``medfed: warning: ...`` (``info``, ...) lines; ``quiet``: warnings only."""
     logger = logging.getLogger("medfed")
     if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(_OneLineFormatter())
         logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
+    logger.setLevel(logging.WARNING if quiet else logging.INFO)
 
 
 class _OneLineFormatter(logging.Formatter):

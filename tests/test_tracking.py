@@ -175,3 +175,16 @@ def test_quiet_prints_nothing_and_a_normal_run_says_its_threads_first_and_its_re
     assert "anonymous" not in stderr  # W&B's warning about a setting medfed never sets
     assert stderr.splitlines()[-1].startswith(f"medfed: results in {tmp_path / 'loud'}: results.json, learning_curves.png")
     assert "site2" in stdout and "mean" in stdout
+
+
+def test_quiet_silences_medfeds_info_lines_but_not_its_warnings(tmp_path):
+    config = Path(__file__).resolve().parents[1] / "configs" / "clinical_delta1.yaml"
+    data = f"data.csv={tmp_path / 'breast_cancer.csv'}"
+    stdout, stderr = _fit_output(config, data, f"output_dir={tmp_path / 'loud'}", "logger.wandb=disabled")
+    assert "medfed: info: federation.label_ratio (delta 1, spread 1.5) kept" in stderr
+    stdout, stderr = _fit_output(config, data, f"output_dir={tmp_path / 'quiet'}", "logger.wandb=disabled", "--quiet")
+    assert stdout == stderr == ""
+    stdout, stderr = _fit_output(
+        config, data, f"output_dir={tmp_path / 'drops'}", "logger.wandb=disabled", "--quiet", "federation.label_ratio.max_drop=0.01"
+    )
+    assert stdout == "" and stderr.startswith("medfed: warning: federation.label_ratio (delta 1, spread 1.5) drops more than 1% of")
