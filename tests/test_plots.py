@@ -100,6 +100,13 @@ def test_learning_curves_have_readable_axes_whole_rounds_a_legend_off_the_data_a
     assert "GENERATED" in figure.get_suptitle()
 
 
+def test_a_metric_of_the_last_round_only_shares_the_rounds_axis_of_the_others():
+    figure = plot_learning_curves(_history(rounds=20, volume_rounds=(20,)), TITLE)
+    limits = {axis.get_xlim() for axis in figure.axes}
+    assert len(limits) == 1 and next(iter(limits))[0] <= 1 and next(iter(limits))[1] >= 20
+    assert _texts_outside(figure) == []
+
+
 def test_a_similarity_graph_gets_the_data_source_and_its_title_fits():
     figure = plot_similarity_graphs([("before training", _graph())], "pFedNet similarity network, data space, k=2 (union)")
     assert "GENERATED" not in figure.get_suptitle()

@@ -85,7 +85,7 @@ def plot_learning_curves(history: list[dict[str, Any]], title: str) -> Figure:
     """
     names = list(dict.fromkeys(name for record in history for name in record["mean"]))  # some only on some rounds
     figure = Figure(figsize=(3.6 * len(names) + 1.2, 3.8), layout="constrained")
-    axes = figure.subplots(1, len(names), squeeze=False)
+    axes = figure.subplots(1, len(names), squeeze=False, sharex=True)  # one round axis: a metric of the last round only sits there
     for axis, name in zip(axes[0], names):
         records = [record for record in history if name in record["mean"]]
         rounds = [record["round"] for record in records]
