@@ -211,7 +211,7 @@ def test_round_start_states_put_a_trained_site_back_from_memory_or_disk(tmp_path
     loop.fit(1)
     site = loop.sites[0]
     expected = {key: value.clone() for key, value in site.module.state_dict().items()}
-    expected_optimizer = [value.clone() for state in site.slot(site.evaluated_slot).optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+    expected_optimizer = [value.clone() for value in _optimizer_tensors(site)]
     expected_generator = site.generator.get_state().clone()
     states = RoundStartStates(tmp_path / "scratch", memory_budget=memory_budget)
     states.save(site)
@@ -222,7 +222,7 @@ def test_round_start_states_put_a_trained_site_back_from_memory_or_disk(tmp_path
         states.restore(site)
         for key, value in site.module.state_dict().items():
             assert torch.equal(value, expected[key]), key
-        restored = [value for state in site.slot(site.evaluated_slot).optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+        restored = _optimizer_tensors(site)
         assert len(restored) == len(expected_optimizer) and all(torch.equal(a, b) for a, b in zip(restored, expected_optimizer))
         assert torch.equal(site.generator.get_state(), expected_generator)
     on_disk = sorted(path.name for path in tmp_path.rglob("*.pt"))
@@ -244,6 +244,12 @@ def test_round_start_states_beyond_the_memory_budget_go_to_disk(tmp_path):
     assert sorted(states.in_memory) == [0, 1] and states.memory_bytes == 2 * one_site
     states.close()
     assert not list(tmp_path.rglob("*.pt")) and states.memory_bytes == 0
+
+
+def _optimizer_tensors(site):
+    """The tensors of the optimiser state of the site's evaluated slot (Adam's moments and step counts), in order."""
+    optimizer = site.slot(site.evaluated_slot).optimizer
+    return [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
 
 
 def _state_bytes(state):

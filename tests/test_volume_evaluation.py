@@ -122,7 +122,8 @@ def _monai_whole_grid_hd95(prediction, truth, spacing):
     as_batch = lambda mask: torch.from_numpy(np.ascontiguousarray(mask))[None, None]  # noqa: E731
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return float(compute_hausdorff_distance(as_batch(prediction), as_batch(truth), include_background=True, percentile=95, spacing=list(spacing)))
+        distance = compute_hausdorff_distance(as_batch(prediction), as_batch(truth), include_background=True, percentile=95, spacing=list(spacing))
+        return float(distance)
 
 
 def test_hd95_on_the_masks_bounding_box_equals_monais_whole_grid_value_on_real_cases(tiny_brats_root):

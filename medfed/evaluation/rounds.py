@@ -87,7 +87,8 @@ class VolumeEvaluation:
         if not self.due(record["round"]):
             return
         tic = time.perf_counter()
-        bar = tqdm(loop.sites, desc=f"round {record['round']}: whole-volume evaluation", unit="site", leave=False, disable=not self.progress)
+        description = f"round {record['round']}: whole-volume evaluation"
+        bar = tqdm(loop.sites, desc=description, unit="site", leave=False, disable=not self.progress)
         per_site = {site.name: self.evaluate_site(site) for site in bar}
         bar.close()
         for name, scores in per_site.items():
