@@ -141,8 +141,7 @@ def run(
         "failures": [failure for record in loop.history for failure in record["failures"]],
         "excluded": loop.excluded,
         "communication": communication_totals(links),
-        "num_threads_choice": threads.reason,
-        "timing": _timing(loop.history, time.perf_counter() - started, fabric, seconds, tracker.seconds),
+        "timing": {**_timing(loop.history, time.perf_counter() - started, fabric, seconds, tracker.seconds), "num_threads_reason": threads.reason},
         "config": config,
         "history": loop.history,
     }
@@ -164,7 +163,7 @@ def run(
         for name, figure in figures.items():
             save_figure(add_source(figure, federation.description), output_dir / f"{name}.png")
     tracker.finish([output_dir / f"{name}.png" for name in figures], step=loop.round)
-    results["timing"] = _timing(loop.history, time.perf_counter() - started, fabric, seconds, tracker.seconds)
+    results["timing"].update(_timing(loop.history, time.perf_counter() - started, fabric, seconds, tracker.seconds))
     write_json_atomic(output_dir / "results.json", results)  # again, with the figures' and the tracker's time
     if resume or overwrite:
         finish_run(output_dir)
