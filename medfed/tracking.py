@@ -104,7 +104,7 @@ class Tracker:
                 save_dir=str(self.output_dir),
                 offline=run_cfg.logger.wandb == "offline",
                 id=run_id_file.read_text().strip() if resume and run_id_file.is_file() else None,
-                settings=wandb.Settings(silent=quiet, quiet=quiet),
+                **({"settings": wandb.Settings(silent=True, quiet=True)} if quiet else {}),  # else W&B's own (WANDB_SILENT ...)
             )
             # Lightning passes W&B's deprecated `anonymous` setting (as None) to wandb.init, which then warns on every
             # run about a setting medfed never sets; left out, W&B's default is the same.
