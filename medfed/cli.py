@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     stray = [arg for arg in extra if arg.startswith("-") or "=" not in arg or args.command not in ("fit", "compare")]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    show_warnings()
+    show_warnings(quiet=getattr(args, "quiet", False))
     return one_line_errors(lambda: _run_command(args, extra))
 
 

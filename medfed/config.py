@@ -67,11 +67,17 @@ class LabelRatioConfig:
     """Label imbalance: site s has n_negative / n_positive = delta_s around ``delta``.
 
     delta_s = delta * spread ** ((s - (S-1)/2) / ((S-1)/2)); spread = 1 gives
-    every site the same ratio.
+    every site the same ratio. A site losing more than ``max_drop`` of its
+    samples to the ratio is named in a warning (a config that drops more by
+    design says so with a larger ``max_drop``).
     """
 
     delta: float = 1.0
     spread: float = 1.5
+    max_drop: float = 0.5
+
+    def __post_init__(self) -> None:
+        require(0.0 <= self.max_drop <= 1.0, "federation.label_ratio.max_drop", self.max_drop, "a share in [0, 1]")
 
 
 HOLDOUTS = ("test", "validation")

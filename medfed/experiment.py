@@ -18,14 +18,18 @@ from __future__ import annotations
 
 import copy
 import platform
+import sys
 import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric import Fabric
 from omegaconf import DictConfig
-from tqdm.auto import tqdm
+from tqdm import tqdm  # text bars: tqdm.auto warns in a notebook without ipywidgets
 
 import medfed
 from medfed.checkpoint import FOLDER, resume_state, round_checkpoints
@@ -45,8 +49,9 @@ from medfed.models.classification import BinaryClassifier
 from medfed.models.split import PARTS
 from medfed.output_dir import check_output_dir, finish_run, hold_output_dir, start_run
 from medfed.results import communication_totals, format_table, learned_nothing, summarise, write_json_atomic
+from medfed.threads import choose_threads
 from medfed.tracking import Tracker, classification_figures
-from medfed.viz.plots import plot_learning_curves, plot_segmentation_examples, save_figure
+from medfed.viz.plots import add_source, plot_learning_curves, plot_segmentation_examples, save_figure
 
 
 def run(
@@ -68,16 +73,20 @@ def _run(
     resolved: ResolvedRun, output_dir: Path, started: float, *, resume: bool, overwrite: bool, progress: bool, config_name: str | None
 ) -> dict[str, Any]:
     """:func:`run` once this process holds ``output_dir``."""
+    seconds: dict[str, float] = defaultdict(float)  # time of the steps outside the loop's rounds (results.json "timing")
     config, run_cfg = resolved.config, resolved.run
     trainer = run_cfg.trainer
     check_output_dir(output_dir, resume=resume, overwrite=overwrite)
     resumed = resume_state(output_dir, config) if resume else None  # checked before any data is read
-    if trainer.num_threads is not None:
-        torch.set_num_threads(trainer.num_threads)
+    threads = choose_threads(trainer.num_threads, resumed["num_threads"] if resumed is not None else None)
+    torch.set_num_threads(threads.threads)
+    if progress:
+        _status(f"{threads.threads} torch thread(s) ({threads.reason}); results go to {output_dir}")
 
-    federation = resolved.task.build_federation(
-        resolved.data_options, run_cfg.federation, trainer.seed, progress=progress, **resolved.task_inputs
-    )
+    with _timed(seconds, "data_s"):
+        federation = resolved.task.build_federation(
+            resolved.data_options, run_cfg.federation, trainer.seed, progress=progress, **resolved.task_inputs
+        )
     with torch.random.fork_rng():
         torch.manual_seed(trainer.seed)
         prototype = resolved.model_cls(federation.input_shape[0], federation.num_classes, resolved.model_options)
@@ -85,9 +94,9 @@ def _run(
     if strategy.pools_data and run_cfg.federation.participation < 1:
         warn(f"strategy {strategy.name!r} pools the training data at one site: it trains only in the rounds that site takes part in")
 
-    tracker = Tracker(run_cfg, config, federation, strategy.name, resume=resume, config_name=config_name)
+    tracker = Tracker(run_cfg, config, federation, strategy.name, resume=resume, config_name=config_name, quiet=not progress)
     validation = [ValidationEvaluation()] if any(site.validation is not None for site in federation.sites) else []
-    callbacks = [*_volume_evaluation(federation, run_cfg), *validation, tracker]  # scores join the round before the tracker logs
+    callbacks = [*_volume_evaluation(federation, run_cfg, progress), *validation, tracker]  # scores join the round before the tracker logs
     fabric = Fabric(accelerator=trainer.device, devices=1, loggers=tracker.loggers, callbacks=callbacks)
     sites = build_sites(fabric, federation, prototype, strategy, trainer.batch_size, trainer.seed)
     initial = strategy.initial_values(initial_vectors(prototype, fabric.device))
@@ -95,6 +104,14 @@ def _run(
         Link(run_cfg.codec.spec("up"), run_cfg.codec.spec("down"), strategy.coded_keys, initial, fabric.device, peer=site.name)
         for site in sites
     ]
+    write_checkpoint = round_checkpoints(output_dir, config, trainer.keep_checkpoints)
+
+    def save_checkpoint(state: dict[str, Any]) -> None:
+        bar.set_description_str(f"{strategy.name} rounds (writing checkpoint)")
+        with _timed(seconds, "checkpoint_s"):
+            write_checkpoint(state)
+        bar.set_description_str(f"{strategy.name} rounds")
+
     loop = FederatedLoop(
         fabric,
         sites,
@@ -104,7 +121,7 @@ def _run(
         local_epochs=trainer.local_epochs,
         participation=run_cfg.federation.participation,
         seed=trainer.seed,
-        save_checkpoint=round_checkpoints(output_dir, config, trainer.keep_checkpoints),
+        save_checkpoint=save_checkpoint,
         on_site_failure=run_cfg.federation.on_site_failure,
         update_norm_limit=run_cfg.federation.update_norm_limit,
         max_consecutive_failures=run_cfg.federation.max_consecutive_failures,
@@ -131,7 +148,7 @@ def _run(
             "excluded": loop.excluded,
             "communication": communication_totals(links),
             "compute": compute_summary(loop.history, loop.site_names),
-            "timing": _timing(loop.history, time.perf_counter() - started, fabric),
+            "timing": {**_timing(loop.history, time.perf_counter() - started, fabric, seconds, tracker.seconds), "num_threads_reason": threads.reason},
             "config": config,
             "history": loop.history,
         }
@@ -157,15 +174,20 @@ def _run(
         title += "; POOLED training data (centralised reference)"
     if federation.holdout != "test":
         title += f"; metrics on the {federation.holdout} split"
-    figures = {"learning_curves": plot_learning_curves(loop.history, title), **strategy.server.figures()}
-    examples = plot_segmentation_examples(sites, title, channel_names=tracker.channel_names)
-    if examples is not None:
-        figures["examples"] = examples
-    if isinstance(prototype, BinaryClassifier):  # ROC curves and confusion matrices, not one number
-        figures.update(classification_figures(sites, title, tracker.class_labels))
-    for name, figure in figures.items():
-        save_figure(figure, output_dir / f"{name}.png")
+    if progress:
+        _status("drawing the figures")
+    with _timed(seconds, "figures_s"):
+        figures = {"learning_curves": plot_learning_curves(loop.history, title), **strategy.server.figures()}
+        examples = plot_segmentation_examples(sites, title, channel_names=tracker.channel_names)
+        if examples is not None:
+            figures["examples"] = examples
+        if isinstance(prototype, BinaryClassifier):  # ROC curves and confusion matrices, not one number
+            figures.update(classification_figures(sites, title, tracker.class_labels))
+        for name, figure in figures.items():
+            save_figure(add_source(figure, federation.description), output_dir / f"{name}.png")
     tracker.finish([output_dir / f"{name}.png" for name in figures], step=loop.round, exit_code=0 if failed is None else 1)
+    results["timing"].update(_timing(loop.history, time.perf_counter() - started, fabric, seconds, tracker.seconds))
+    write_json_atomic(output_dir / "results.json", results)  # again, with the figures' and the tracker's time
     if failed is not None:  # an --overwrite keeps the run it replaced
         raise RunFailed(
             f"{failed}: nothing was learned, the metrics in {output_dir / 'results.json'} are those of the initial models; "
@@ -175,6 +197,7 @@ def _run(
         finish_run(output_dir)
     if progress:
         print(format_table(results))
+        _status(f"results in {output_dir}: results.json, {', '.join(f'{name}.png' for name in figures)}, csv/ (per-round metrics)")
     return results
 
 
@@ -202,20 +225,56 @@ def initial_vectors(prototype: FederatedModule, device: torch.device) -> dict[st
     return {part: prototype.get_vector(part).to(device) for part in PARTS}
 
 
-def _volume_evaluation(federation: Federation, run_cfg: RunConfig) -> list[VolumeEvaluation]:
+def _volume_evaluation(federation: Federation, run_cfg: RunConfig, progress: bool) -> list[VolumeEvaluation]:
     """The whole-volume evaluation callback, where the task has volumes and ``evaluation.volume_every`` is not null."""
     every = run_cfg.evaluation.volume_every
     if federation.volumes is None or every is None:
         return []
     patch_size = federation.input_shape[-1]
-    return [VolumeEvaluation(federation.volumes, patch_size, every, run_cfg.trainer.rounds, run_cfg.evaluation.volume_batch_size)]
+    return [
+        VolumeEvaluation(federation.volumes, patch_size, every, run_cfg.trainer.rounds, run_cfg.evaluation.volume_batch_size, progress)
+    ]
 
 
-def _timing(history: list[dict[str, Any]], wall_s: float, fabric: Fabric) -> dict[str, Any]:
+def _status(message: str) -> None:
+    """One progress line on stderr (``medfed: ...``), beside the progress bars."""
+    tqdm.write(f"medfed: {message}", file=sys.stderr)
+
+
+@contextmanager
+def _timed(seconds: dict[str, float], key: str) -> Iterator[None]:
+    """Adds the wall time of the block to ``seconds[key]``."""
+    tic = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[key] += time.perf_counter() - tic
+
+
+def _timing(
+    history: list[dict[str, Any]], wall_s: float, fabric: Fabric, steps: dict[str, float], tracker_s: float
+) -> dict[str, Any]:
+    """The run's wall time and its split: the rounds' parts summed over rounds, and the steps outside the rounds.
+
+    ``steps`` holds ``data_s`` (building the federation), ``checkpoint_s``
+    and ``figures_s``; ``tracker_s`` is the tracker's own time (starting and
+    finishing the loggers, W&B images; :attr:`Tracker.seconds`).
+    """
     round_s = sum(r["timing"]["round_s"] for r in history)
     server_s = sum(r["timing"]["server_s"] for r in history)
     codec_s = sum(r["timing"]["codec_s"] for r in history)
+    split = {
+        "data_s": steps.get("data_s", 0.0),
+        "train_s": sum(r["timing"]["train_s"] for r in history),
+        "patch_eval_s": sum(r["timing"]["eval_s"] for r in history),
+        "volume_eval_s": sum(r["timing"].get("volume_eval_s", 0.0) for r in history),
+        "round_start_s": sum(r["timing"].get("round_start_s", 0.0) for r in history),
+        "checkpoint_s": steps.get("checkpoint_s", 0.0),
+        "logging_s": tracker_s,
+        "figures_s": steps.get("figures_s", 0.0),
+    }
     return {
+        **split,
         "wall_s": wall_s,
         "rounds_s": round_s,
         "mean_round_s": round_s / max(len(history), 1),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +89,25 @@ def format_table(results: dict[str, Any]) -> str:
     pooled = results.get("pooled")
     if pooled:  # not a federated result: say so above the table
         title += f"\n{pooled['reference']} ({pooled['n_train']} training samples, held at {pooled['pool_site']})"
+    notes += _volume_note(names, size, results["federation"])
     return "\n".join([title, rule, line(header), rule, *map(line, body[:-1]), rule, line(body[-1]), *notes])
+
+
+def _volume_note(names: list[str], size: str, federation: dict[str, Any]) -> list[str]:
+    """Where whole-volume metrics sit beside patch metrics: a line saying what each counts (patches vs patients), HD95 in mm."""
+    volume = [name for name in names if re.fullmatch(r"(dice|iou|hd95)_(wt|tc|et)", name)]
+    if not volume:
+        return []
+    split = size.removeprefix("n_")
+    patients = sorted({len(site.get(f"{split}_cases", [])) for site in federation.get("sites", [])})
+    per_site = ""
+    if patients and patients[-1]:
+        per_site = f" ({patients[0]} per site)" if len(patients) == 1 else f" ({patients[0]}-{patients[-1]} per site)"
+    patch = [name for name in names if name not in volume]
+    return [
+        f"{', '.join(patch)}: over all {split} patches of a site ({size} = patches); "
+        f"{', '.join(volume)}: whole volumes, mean over the site's {split} patients{per_site}; hd95 in mm"
+    ]
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:

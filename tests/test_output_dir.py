@@ -159,8 +159,8 @@ def test_the_lock_of_a_killed_run_is_taken_over(tiny_run_config, tmp_path, finis
     held_by_another_process.kill()
     held_by_another_process.wait()
     assert (tmp_path / "run.lock").exists()  # a kill -9 leaves the file, not the lock
-    with caplog.at_level(logging.INFO, logger="medfed"):
-        assert _fit(tiny_run_config, "--resume", "trainer.rounds=3") == 0
+    with caplog.at_level(logging.INFO, logger="medfed"):  # without --quiet, which keeps info lines back
+        assert main(["fit", "--config", str(tiny_run_config), "--resume", "trainer.rounds=3"]) == 0
     assert any(f"no longer running (pid {dead} on host" in message for message in caplog.messages)
     assert not (tmp_path / "run.lock").exists()
     assert json.loads((tmp_path / "run" / "results.json").read_text())["history"][-1]["round"] == 3
