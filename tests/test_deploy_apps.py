@@ -100,7 +100,8 @@ def _checkpointed(tmp_path: Path, rounds: int) -> dict:
     run_config = {**RUN_CONFIG, "output-dir": str(tmp_path / "out"), "overrides": f"{RUN_CONFIG['overrides']} trainer.rounds={rounds}"}
     config = server_app.run_settings(run_config).resolved.config
     loop_state = {"links": [], "history": [], "server": {}, "failure_streaks": [], "excluded": {}, "num_threads": 1}
-    save_checkpoint(tmp_path / "out" / FOLDER, {"round": 1, "config": config, "sites": [], **loop_state}, keep=2)
+    sites = [{"seq": 2, "round": 1} for _ in range(config["federation"]["n_sites"])]  # FlowerSites.state_dict()'s shape
+    save_checkpoint(tmp_path / "out" / FOLDER, {"round": 1, "config": config, "sites": sites, **loop_state}, keep=2)
     return run_config
 
 
@@ -197,7 +198,18 @@ def test_a_resume_may_raise_trainer_rounds(tmp_path):
     run_config = _checkpointed(tmp_path, rounds=1)
     raised = {**run_config, "resume": True, "overrides": run_config["overrides"].replace("trainer.rounds=1", "trainer.rounds=2")}
     state = server_app.resumed_state(server_app.run_settings(raised))
-    assert state["round"] == 1
+    assert state["round"] == 1 and state["sites"][0] == {"seq": 2, "round": 1}
+
+
+def test_a_deployment_checkpoint_whose_site_entry_is_damaged_is_one_line(tmp_path):
+    run_config = _checkpointed(tmp_path, rounds=1)
+    (checkpoint,) = (tmp_path / "out" / FOLDER).glob("*.ckpt")
+    state = read_checkpoint(checkpoint)
+    state["sites"][1] = {"seq": -1, "round": 1}
+    checkpoint.unlink()
+    save_checkpoint(tmp_path / "out" / FOLDER, state, keep=2)
+    with pytest.raises(DataError, match="deployed site 1's entry is .* expected whole numbers >= 0 at seq, round"):
+        server_app.resumed_state(server_app.run_settings({**run_config, "resume": True}))
 
 
 def _worker(tmp_path: Path) -> tuple[SiteWorker, dict]:
