@@ -128,6 +128,7 @@ class FlowerSites:
         self._restore: set[int] = set()
         self._before_reply: dict[int, dict[str, Any]] = {}  # server link states before this phase's decoded replies
         self.delivered = 0  # the last round whose delivery every site has received
+        self.validation: dict[str, dict[str, float]] = {}  # the last evaluation's validation metrics of the sites that have the split
 
     # ------------------------------------------------------------------ before the loop
     def handshake(self) -> dict[str, Any]:
@@ -262,13 +263,23 @@ class FlowerSites:
         self.delivered = round_index
         if timing is not None:
             timing["eval_s"] = time.perf_counter() - tic
-        evaluations = {}
+        evaluations, self.validation = {}, {}
         for index in sorted(replies):
+            name = self.names[index]
             try:
-                evaluations[self.names[index]] = _evaluation(replies[index][0], self.names[index])
+                fields, validation = _validation(replies[index][0], name)
+                evaluations[name] = _evaluation(fields, name)
             except MessageError as error:
-                raise RuntimeError(f"{self.names[index]}: round {round_index}: {error}") from None
+                raise RuntimeError(f"{name}: round {round_index}: {error}") from None
+            if validation:
+                self.validation[name] = validation
         return evaluations
+
+    def on_round_end(self, loop: Any, record: dict[str, Any]) -> None:
+        """A Fabric callback: the round's validation metrics into its record (``record["validation"][site][metric]``),
+        as the simulator's :class:`~medfed.evaluation.rounds.ValidationEvaluation` puts them."""
+        if self.validation:
+            record["validation"] = self.validation
 
     def state_dict(self) -> list[dict[str, Any]]:
         """Each site's message count and the round its state is at (the sites keep their own state)."""
@@ -503,6 +514,26 @@ def _evaluation(fields: Any, name: str) -> SiteEvaluation:
     return SiteEvaluation(metrics, compute, losses, fields["adapt_error"][:1000] or None)
 
 
+def _validation(fields: Any, name: str) -> tuple[Any, dict[str, float]]:
+    """A delivery reply's validation metrics, checked (``{}``: the site has no validation split), and its other fields.
+
+    Raises:
+        MessageError: naming the site: no ``validation`` object, or a metric that is not a finite number.
+    """
+    if not isinstance(fields, dict):
+        return fields, {}  # _evaluation refuses it
+    fields = dict(fields)
+    try:
+        validation = fields.pop("validation", None)
+        if not isinstance(validation, dict):
+            raise MessageError("delivery reply: expected a 'validation' object of metrics")
+        metrics = {str(metric): float(expect({"value": value}, {"value": float}, f"validation metric {metric!r}")["value"])
+                   for metric, value in validation.items()}
+    except MessageError as error:
+        raise error.about(name) from None
+    return fields, metrics
+
+
 def run_settings(run_config: dict[str, Any]) -> RunSettings:
     """Check the run config and the medfed config it names, before any site is contacted.
 
@@ -586,7 +617,7 @@ def main(grid: Grid, context: Context) -> None:
     sites = FlowerSites(grid, run.federation.n_sites, to_yaml(config), settings.reply_timeout_s)
     described = sites.handshake()
     assembly = RunAssembly.from_config(resolved, described["input_shape"], described["num_classes"], run.federation.n_sites)
-    fabric = Fabric(accelerator=trainer.device, devices=1)
+    fabric = Fabric(accelerator=trainer.device, devices=1, callbacks=[sites])  # sites.on_round_end: the validation metrics
     initial = assembly.initial_values(fabric.device)
     sites.links = [assembly.link(initial, fabric.device, peer=name) for name in sites.names]
     loop = FederatedLoop(

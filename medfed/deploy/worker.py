@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 from lightning.fabric import Fabric
+from torch.utils.data import DataLoader
 
 from medfed.assembly import RunAssembly
 from medfed.atomic import atomic_write
@@ -97,6 +98,8 @@ class SiteWorker:
         assembly = RunAssembly.from_config(resolved, federation.input_shape, federation.num_classes, run.federation.n_sites)
         fabric = Fabric(accelerator=run.trainer.device, devices=1)
         self.site = assembly.site(fabric, site_index, federation.sites[0])
+        validation = self.site.data.validation  # evaluated as the simulator's ValidationEvaluation does (medfed.evaluation.rounds)
+        self.validation_loader = None if validation is None else DataLoader(validation, batch_size=self.site.test_loader.batch_size, shuffle=False)
         self.link = assembly.link(assembly.initial_values(fabric.device), fabric.device, peer=f"site{site_index}")
         self.config = resolved.config
         self.snapshots = Path(state_dir) / SNAPSHOTS
@@ -180,7 +183,7 @@ class SiteWorker:
 
     def _deliver(self, request: dict[str, Any], wire: dict[str, Wire]) -> dict[str, Any]:
         """Put the site back to the round's start first if it failed this round, receive the delivery, adapt and evaluate
-        if asked, snapshot the end of the round."""
+        if asked (on its validation split too, where it has one), snapshot the end of the round."""
         round_index = request["round"]
         if request["restore"]:
             self.site.load_state_dict(read_checkpoint(self._snapshot(round_index - 1))["sites"][0])
@@ -194,6 +197,7 @@ class SiteWorker:
                 "compute": evaluation.compute,
                 "adapt_losses": {("" if label is None else label): loss for label, loss in evaluation.adapt_losses.items()},
                 "adapt_error": evaluation.adapt_error,
+                "validation": {} if self.validation_loader is None else self.site.evaluate(self.validation_loader),
             }
         snapshot = {"round": round_index, "config": self.config, "sites": [self.site.state_dict()], "links": [self.link.state_dict()]}
         save_checkpoint(self.snapshots, snapshot, self.keep)
