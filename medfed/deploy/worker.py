@@ -32,7 +32,7 @@ What the site sends back: codec streams of its strategy half's replies
 (coded by its own end of the :class:`~medfed.federated.link.Link`), its
 training losses, the names of non-finite reply keys (a reply it refuses to
 send), the samples it passed (compute, in epochs of its training data), its
-test metrics, and, once, its model's input shape, class count and
+test metrics (and validation metrics, where it has a validation split), and, once, its model's input shape, class count and
 training-set size (the bound of the sample counts it may report), the size
 of the split it evaluates on and whether its data are generated (what
 results.json says of the federation). Never a path, a record or a sample. The server checks all of it (:mod:`medfed.deploy.server_app`); the
