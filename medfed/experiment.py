@@ -16,8 +16,6 @@ any data is read (:mod:`medfed.output_dir`).
 
 from __future__ import annotations
 
-import copy
-import platform
 import sys
 import time
 from collections import defaultdict
@@ -31,24 +29,18 @@ from lightning.fabric import Fabric
 from omegaconf import DictConfig
 from tqdm import tqdm  # text bars: tqdm.auto warns in a notebook without ipywidgets
 
-import medfed
+from medfed.assembly import RunAssembly
 from medfed.checkpoint import FOLDER, resume_state, round_checkpoints
 from medfed.components import ResolvedRun, resolve
 from medfed.config import RunConfig, check_wandb_key
 from medfed.errors import RunFailed, SiteFailure, warn
 from medfed.evaluation.rounds import ValidationEvaluation, VolumeEvaluation
-from medfed.federated.compute import compute_summary
-from medfed.federated.link import Link
 from medfed.federated.loop import FederatedLoop
-from medfed.federated.site import Site, Slot
-from medfed.federated.strategies.base import Strategy
 from medfed.data.federation import Federation
-from medfed.data.pooling import pool_training_data, pooled_reference
-from medfed.models.base import FederatedModule
+from medfed.data.pooling import pooled_reference
 from medfed.models.classification import BinaryClassifier
-from medfed.models.split import PARTS
 from medfed.output_dir import check_output_dir, finish_run, hold_output_dir, start_run
-from medfed.results import communication_totals, format_table, learned_nothing, summarise, write_json_atomic
+from medfed.results import format_table, learned_nothing, run_results, timing_summary, write_json_atomic
 from medfed.threads import choose_threads
 from medfed.tracking import Tracker, classification_figures
 from medfed.viz.plots import add_source, plot_learning_curves, plot_segmentation_examples, save_figure
@@ -87,10 +79,8 @@ def _run(
         federation = resolved.task.build_federation(
             resolved.data_options, run_cfg.federation, trainer.seed, progress=progress, **resolved.task_inputs
         )
-    with torch.random.fork_rng():
-        torch.manual_seed(trainer.seed)
-        prototype = resolved.model_cls(federation.input_shape[0], federation.num_classes, resolved.model_options)
-    strategy = resolved.strategy_cls(resolved.strategy_options, prototype.parameter_split, len(federation.sites), trainer.seed)
+    assembly = RunAssembly.from_config(resolved, federation.input_shape, federation.num_classes, len(federation.sites))
+    prototype, strategy = assembly.prototype, assembly.strategy
     if strategy.pools_data and run_cfg.federation.participation < 1:
         warn(f"strategy {strategy.name!r} pools the training data at one site: it trains only in the rounds that site takes part in")
 
@@ -98,12 +88,9 @@ def _run(
     validation = [ValidationEvaluation()] if any(site.validation is not None for site in federation.sites) else []
     callbacks = [*_volume_evaluation(federation, run_cfg, progress), *validation, tracker]  # scores join the round before the tracker logs
     fabric = Fabric(accelerator=trainer.device, devices=1, loggers=tracker.loggers, callbacks=callbacks)
-    sites = build_sites(fabric, federation, prototype, strategy, trainer.batch_size, trainer.seed)
-    initial = strategy.initial_values(initial_vectors(prototype, fabric.device))
-    links = [
-        Link(run_cfg.codec.spec("up"), run_cfg.codec.spec("down"), strategy.coded_keys, initial, fabric.device, peer=site.name)
-        for site in sites
-    ]
+    sites = assembly.sites(fabric, federation)
+    initial = assembly.initial_values(fabric.device)
+    links = [assembly.link(initial, fabric.device, site.name) for site in sites]
     write_checkpoint = round_checkpoints(output_dir, config, trainer.keep_checkpoints)
 
     def save_checkpoint(state: dict[str, Any]) -> None:
@@ -136,22 +123,15 @@ def _run(
     tracker.start(loop.history)
 
     def results_so_far() -> dict[str, Any]:
-        return {
-            "medfed_version": medfed.__version__,
-            "strategy": strategy.name,
-            "seed": trainer.seed,
-            "num_threads": torch.get_num_threads(),
-            "federation": federation.summary(),
-            **({"pooled": pooled_reference(federation.sites)} if strategy.pools_data else {}),
-            **summarise(loop.history, {site.name: site.n_test for site in sites}, federation.holdout),
-            "failures": [failure for record in loop.history for failure in record["failures"]],
-            "excluded": loop.excluded,
-            "communication": communication_totals(links),
-            "compute": compute_summary(loop.history, loop.site_names),
-            "timing": {**_timing(loop.history, time.perf_counter() - started, fabric, seconds, tracker.seconds), "num_threads_reason": threads.reason},
-            "config": config,
-            "history": loop.history,
-        }
+        timing = timing_summary(loop.history, time.perf_counter() - started, fabric.device, seconds, tracker.seconds)
+        return run_results(
+            loop,
+            engine="simulator",
+            federation=federation.summary(),
+            timing={**timing, "num_threads_reason": threads.reason},
+            config=config,
+            pooled=pooled_reference(federation.sites) if strategy.pools_data else None,
+        )
 
     bar = tqdm(total=trainer.rounds, initial=loop.round, desc=f"{strategy.name} rounds", unit="round", disable=not progress)
     try:
@@ -166,8 +146,6 @@ def _run(
 
     results = results_so_far()
     failed = learned_nothing(loop.history)
-    if failed is not None:
-        results["outcome"] = f"failed: {failed}"
     write_json_atomic(output_dir / "results.json", results)
     title = f"{strategy.name} on {federation.task}, seed {trainer.seed}; data: {federation.description}"
     if strategy.pools_data:
@@ -186,7 +164,7 @@ def _run(
         for name, figure in figures.items():
             save_figure(add_source(figure, federation.description), output_dir / f"{name}.png")
     tracker.finish([output_dir / f"{name}.png" for name in figures], step=loop.round, exit_code=0 if failed is None else 1)
-    results["timing"].update(_timing(loop.history, time.perf_counter() - started, fabric, seconds, tracker.seconds))
+    results["timing"].update(timing_summary(loop.history, time.perf_counter() - started, fabric.device, seconds, tracker.seconds))
     write_json_atomic(output_dir / "results.json", results)  # again, with the figures' and the tracker's time
     if failed is not None:  # an --overwrite keeps the run it replaced
         raise RunFailed(
@@ -199,30 +177,6 @@ def _run(
         print(format_table(results))
         _status(f"results in {output_dir}: results.json, {', '.join(f'{name}.png' for name in figures)}, csv/ (per-round metrics)")
     return results
-
-
-def build_sites(
-    fabric: Fabric, federation: Federation, prototype: FederatedModule, strategy: Strategy, batch_size: int, seed: int
-) -> list[Site]:
-    """One site per member of ``federation``: a copy of ``prototype`` with its optimiser per model slot, and its strategy half.
-
-    For a strategy that ``pools_data`` (the pooled reference) the pool site's
-    training split is the union of every site's (:mod:`medfed.data.pooling`).
-    """
-    sites = []
-    for index, site_data in enumerate(pool_training_data(federation.sites) if strategy.pools_data else federation.sites):
-        slots = {}
-        for name in strategy.slots:
-            module = copy.deepcopy(prototype)
-            strategy.prepare_slot(name, module)
-            slots[name] = Slot(*fabric.setup(module, module.configure_optimizers()))
-        sites.append(Site(index, site_data, slots, strategy.evaluated_slot, strategy.site_half(index), fabric, batch_size, seed))
-    return sites
-
-
-def initial_vectors(prototype: FederatedModule, device: torch.device) -> dict[str, torch.Tensor]:
-    """The initial model as ``{"shared", "personal", "all"}`` vectors (every site starts from it)."""
-    return {part: prototype.get_vector(part).to(device) for part in PARTS}
 
 
 def _volume_evaluation(federation: Federation, run_cfg: RunConfig, progress: bool) -> list[VolumeEvaluation]:
@@ -249,38 +203,3 @@ def _timed(seconds: dict[str, float], key: str) -> Iterator[None]:
         yield
     finally:
         seconds[key] += time.perf_counter() - tic
-
-
-def _timing(
-    history: list[dict[str, Any]], wall_s: float, fabric: Fabric, steps: dict[str, float], tracker_s: float
-) -> dict[str, Any]:
-    """The run's wall time and its split: the rounds' parts summed over rounds, and the steps outside the rounds.
-
-    ``steps`` holds ``data_s`` (building the federation), ``checkpoint_s``
-    and ``figures_s``; ``tracker_s`` is the tracker's own time (starting and
-    finishing the loggers, W&B images; :attr:`Tracker.seconds`).
-    """
-    round_s = sum(r["timing"]["round_s"] for r in history)
-    server_s = sum(r["timing"]["server_s"] for r in history)
-    codec_s = sum(r["timing"]["codec_s"] for r in history)
-    split = {
-        "data_s": steps.get("data_s", 0.0),
-        "train_s": sum(r["timing"]["train_s"] for r in history),
-        "patch_eval_s": sum(r["timing"]["eval_s"] for r in history),
-        "volume_eval_s": sum(r["timing"].get("volume_eval_s", 0.0) for r in history),
-        "round_start_s": sum(r["timing"].get("round_start_s", 0.0) for r in history),
-        "checkpoint_s": steps.get("checkpoint_s", 0.0),
-        "logging_s": tracker_s,
-        "figures_s": steps.get("figures_s", 0.0),
-    }
-    return {
-        **split,
-        "wall_s": wall_s,
-        "rounds_s": round_s,
-        "mean_round_s": round_s / max(len(history), 1),
-        "server_step_s": server_s,
-        "server_step_share": server_s / round_s if round_s else 0.0,
-        "codec_s": codec_s,
-        "codec_share": codec_s / round_s if round_s else 0.0,
-        "machine": f"{platform.machine()} {platform.processor() or ''} threads={torch.get_num_threads()} device={fabric.device}".strip(),
-    }

@@ -165,10 +165,12 @@ def test_a_malformed_delivery_reply_is_one_message_error_naming_the_site(change,
         ({"input_shape": [30, -1]}, "input_shape must be up to 8 positive whole numbers"),
         ({"num_samples": 0}, "num_classes and num_samples must be at least 1"),
         ({"num_samples": 1.5}, "field 'num_samples' is not a whole number"),
+        ({"num_evaluated": -1}, "num_evaluated must be at least 0"),
+        ({"generated": 1}, "field 'generated' is not true or false"),
     ],
 )
 def test_a_malformed_node_description_is_refused(change, message):
-    description = {"site_index": 1, "input_shape": [30], "num_classes": 2, "num_samples": 120}
+    description = {"site_index": 1, "input_shape": [30], "num_classes": 2, "num_samples": 120, "num_evaluated": 30, "generated": False}
     assert server_app._description(dict(description), 3) == description
     with pytest.raises(MessageError, match=re.escape(message)):
         server_app._description({**description, **change}, 3)
