@@ -52,6 +52,31 @@ that phase on: whatever it learns about a site, it learns from the replies.)
 model; pFedNet: M x + N z_i); strategies whose model never leaves the site
 deliver nothing (``delivered = None``).
 
+*The compute budget.* ``trainer.local_epochs`` = E is the budget of
+training passes per site and round, in epochs of the site's training split
+(E = 0.5: half a pass), the same for every strategy: the forward and
+backward passes of its training plans, counted as ``train/*`` in the round
+record's ``compute`` (:mod:`medfed.federated.compute`), sum to E epochs,
+up to the cut of each plan at whole mini-batches. A strategy states in its
+docstring how its plans split E (``TrainingPlan.share``): FedRep's head and
+body 2/3 + 1/3, Ditto's global and personal models 1/2 + 1/2, pFedNet's
+shared and personal phases 1/2 + 1/2 (all of it to the personal phase where
+the shared part is empty), APFL's steps (two passes each: w's and v_bar's)
+1/2, pFedMe's outer steps 1/K (each mini-batch costs its K inner passes).
+Passes outside the training plans are reported, not charged: ``aux/*``
+(PGFed's gradient estimate over the training split), ``adapt/*``
+(FedBABU's fine-tuning before each evaluation) and ``forward/*`` (IFCA's
+cluster losses, no backward pass). Equal budget is about the training a
+method gets, and those passes are not training a site could spend on its
+model instead: they are a fixed cost of the method's protocol (PGFed's
+estimate is one epoch whatever E, so charging it would leave PGFed no budget
+below one epoch and none of its own at E = 1), or of how often a run is
+evaluated (FedBABU fine-tunes at every evaluation, and each fine-tuning
+starts again from the delivered model); the compare tables show them beside
+the budget. A strategy whose published protocol trains more than E (FedRep,
+Ditto, APFL, pFedMe, pFedNet) keeps it as ``strategy.<name>.preset:
+published`` (:mod:`medfed.federated.strategies.presets`).
+
 *Model slots.* A site holds one model per name in ``slots`` (parameters,
 buffers and optimiser state together, e.g. Ditto's ``global`` and
 ``personal``), all initialised from the run's seeded prototype (and adapted

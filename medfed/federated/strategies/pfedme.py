@@ -56,13 +56,21 @@ w^t; medfed evaluates theta_i, as the paper defines. PFLlib's ``--beta``
 defaults to 0, with which w^{t+1} = w^t: its pFedMe learns a global model
 only when beta is given on the command line.
 
-**Cost.** Each mini-batch takes K forward and backward passes (the outer
-step needs no forward pass): K times a FedAvg step. The plan declares it
-(``data_pass=False``: its own step passes no sample) and each inner step
-goes through :meth:`~medfed.federated.site_view.SiteView.step`, so the run's
-compute counts K passes per mini-batch. With
-``inner_tolerance`` every inner step also reads the gradient norm on the
-host (one device synchronisation per inner step).
+**Cost and budget.** Each mini-batch takes K forward and backward passes
+(the outer step needs no forward pass): K times a FedAvg step. The plan
+declares it (``data_pass=False``: its own step passes no sample) and each
+inner step goes through :meth:`~medfed.federated.site_view.SiteView.step`,
+so the run's compute counts K passes per mini-batch. By default (``preset:
+equal``) those passes are the round's budget E = ``trainer.local_epochs``
+(:mod:`medfed.federated.strategies.base`): the plan takes E/K epochs of
+mini-batches (``share`` 1/K), each K times, so the local rounds R of
+Algorithm 1 are E B / K for B mini-batches an epoch (at least 1; the cut at
+whole mini-batches makes the passes E epochs within K/2 mini-batches).
+``preset: published`` is the paper's protocol as medfed shipped it before:
+a local round per mini-batch of E epochs, K E epochs of passes. With
+``inner_tolerance`` the inner steps may stop early and pass fewer (every
+inner step then also reads the gradient norm on the host: one device
+synchronisation per inner step).
 
 Defaults: lam = 15, K = 5, beta = 1, the paper's MNIST settings (the
 authors' README: ``--lamda 15 --K 5 --beta 1``).
@@ -80,6 +88,7 @@ from medfed.federated.strategies.base import (
     DELIVER, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.live_parameters import live_parameters, squared_distance
+from medfed.federated.strategies.presets import by_preset, check_preset
 
 LOCAL, PERSONAL = "local", "personal"
 
@@ -124,7 +133,9 @@ class PFedMeSite(SiteHalf):
             site.set(slot, "buffers", payload["buffers"])
 
     def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
-        return (TrainingPlan(slot=LOCAL, data_pass=False),)
+        """The local rounds: E/K epochs of mini-batches (equal preset) or E (published), K passes each."""
+        share = by_preset(self.options.preset, 1.0 / self.options.inner_steps, 1.0)
+        return (TrainingPlan(slot=LOCAL, share=share, data_pass=False),)
 
     def loss(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan, batch) -> torch.Tensor:
         """Solve the inner problem on ``batch``; return a loss whose gradient in w is lam (w - theta_i).
@@ -194,6 +205,9 @@ class PFedMe(Strategy):
 
     @dataclass
     class Options:
+        preset: str = "equal"
+        """"equal": the K inner passes of every mini-batch share trainer.local_epochs (E/K epochs of
+        mini-batches); "published": every mini-batch of E epochs takes them (K E epochs of passes)."""
         lam: float = 15.0
         """lambda: weight of ||theta - w||^2 in the inner problem (the paper's MNIST value)."""
         inner_steps: int = 5
@@ -207,6 +221,7 @@ class PFedMe(Strategy):
         """Server step: w <- (1 - beta) w + beta average (1: the average; the paper also uses 2)."""
 
         def __post_init__(self) -> None:
+            check_preset(self.preset)
             require(self.lam > 0, "lam", self.lam, "lambda > 0")
             require(self.inner_steps >= 1, "inner_steps", self.inner_steps, "K >= 1")
             require(

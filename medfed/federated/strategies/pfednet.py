@@ -19,10 +19,16 @@ alternates two phases:
 
    and delivers z_{t+1,n}, so site n is evaluated with M x_{t+1} + N z_{t+1,n}.
 
-**Fair compute.** By default each phase trains half of ``trainer.local_epochs``
-(a training plan with ``share`` = 0.5), so a round takes the local steps a one-phase
-baseline's round takes; ``full_epoch_per_phase`` gives each phase all of
-them (the paper's setting).
+**Budget** (:mod:`medfed.federated.strategies.base`). By default (``preset:
+equal``) each phase trains half of the round's budget E =
+``trainer.local_epochs`` (a training plan with ``share`` = 0.5; the personal
+phase continues the shared phase's data order, so together they take the
+steps of E epochs), and a part without parameters gives its half to the
+other: with the clinical logistic regression (all personal) the shared
+phase trains nothing and the personal phase trains E epochs. ``preset:
+published`` (or ``full_epoch_per_phase: true``) gives each phase all of E,
+the paper's setting (2 E epochs of passes a round), as medfed shipped it
+before.
 
 **The server step and the paper.** The paper's Algorithm 4 solves the same
 proximal problem around Z_t after one linearised step, with h(Z) =
@@ -87,6 +93,7 @@ from medfed.federated.strategies.solvers.sketch import check_sketch_size, data_s
 from medfed.federated.strategies.base import (
     MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
+from medfed.federated.strategies.presets import by_preset, check_preset
 
 P_NORMS = {"1": 1.0, "2": 2.0, "inf": float("inf")}
 GRAPH_SPACES = ("data", "feature", "model")
@@ -257,8 +264,14 @@ class PFedNetSite(SiteHalf):
                 site.set(MODEL, part, payload[part])
 
     def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
-        """The phase's part ("shared" or "personal") for half the round's epochs (all with full_epoch_per_phase)."""
-        return (TrainingPlan(part=ctx.phase, share=1.0 if self.options.full_epoch_per_phase else 0.5),)
+        """The phase's part ("shared" or "personal") for half the round's budget, all of it with
+        ``full_epoch_per_phase`` or when the other part has no parameters; nothing for a part without any."""
+        other = "personal" if ctx.phase == "shared" else "shared"
+        if self.options.full_epoch_per_phase:
+            return (TrainingPlan(part=ctx.phase),)
+        if self.split.size(ctx.phase) == 0:
+            return ()
+        return (TrainingPlan(part=ctx.phase, share=1.0 if self.split.size(other) == 0 else 0.5),)
 
     def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
         reply = {ctx.phase: site.get(MODEL, ctx.phase)}
@@ -308,12 +321,18 @@ class PFedNet(Strategy):
         admm_max_iter: int = 500
         admm_abs_tol: float = 1e-6
         admm_rel_tol: float = 1e-5
-        full_epoch_per_phase: bool = False
+        preset: str = "equal"
+        """"equal": the two phases share trainer.local_epochs; "published": each phase trains all of it."""
+        full_epoch_per_phase: bool | None = None
         """True: each phase trains all of trainer.local_epochs (the paper's setting: twice a
-        one-phase baseline's local steps per round); False: each phase takes half of them, so a
-        round takes the local steps a FedAvg round takes."""
+        one-phase baseline's local steps per round); False: each phase takes half of them (all of
+        them when the other part is empty), so a round takes the local steps a FedAvg round takes;
+        null: the preset's (False or True)."""
 
         def __post_init__(self) -> None:
+            check_preset(self.preset)
+            if self.full_epoch_per_phase is None:
+                self.full_epoch_per_phase = by_preset(self.preset, False, True)
             require(self.lam >= 0, "lam", self.lam, "lambda >= 0")
             require(self.lam_scale in LAM_SCALES, "lam_scale", self.lam_scale, "one of fusion, absolute")
             require(self.server_lr > 0, "server_lr", self.server_lr, "eta_s > 0")
