@@ -115,9 +115,9 @@ class TrainingPlan:
     over the training split if given, else ``share`` of the trainer's
     ``local_epochs`` (the default: all of them). Epochs are cut at whole
     steps by :meth:`~medfed.federated.site.Site.steps`, after the epochs the
-    site's earlier plans of the round took in the same data order, so plans
-    that split a round's epochs (shares summing to 1) take together the steps
-    one plan with all of them would.
+    site's earlier plans of the round took (whatever data order they drew
+    from), so plans that split a round's epochs (shares summing to 1) take
+    together the steps one plan with all of them would.
 
     Attributes:
         slot: the model slot trained (one of the strategy's ``slots``).
@@ -142,6 +142,14 @@ class TrainingPlan:
             passes are those the half makes through
             :meth:`~medfed.federated.site_view.SiteView.step` (pFedMe: its K
             inner steps per mini-batch; the outer step's loss has no forward pass).
+        passes_per_step: where a step passes its batch several times (pFedMe's
+            K inner steps): the plan's length counts those passes, in
+            mini-batches, and its steps are that count / ``passes_per_step``
+            rounded up; the loop hands the loss the plan with ``pass_budget``
+            set to the count, so that the last step can take only the passes
+            left (1 for a plan whose steps pass their batch once).
+        pass_budget: the plan's passes in mini-batches, set by the loop where
+            ``passes_per_step`` > 1 (None otherwise; not for a half to set).
     """
 
     slot: str = MODEL
@@ -153,8 +161,12 @@ class TrainingPlan:
     data_order: str | None = None
     also_steps: tuple[str, ...] = ()
     data_pass: bool = True
+    passes_per_step: int = 1
+    pass_budget: int | None = None
 
     def __post_init__(self) -> None:
+        if self.passes_per_step < 1:
+            raise ValueError(f"a training plan passes its batch at least once a step, got {self}")
         if self.share <= 0 or (self.epochs is not None and self.epochs <= 0) or (self.steps is not None and self.steps < 1):
             raise ValueError(f"a training plan needs share > 0, epochs > 0 and steps >= 1 where given, got {self}")
         if self.epochs is not None and self.steps is not None:

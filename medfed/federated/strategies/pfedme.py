@@ -62,15 +62,15 @@ declares it (``data_pass=False``: its own step passes no sample) and each
 inner step goes through :meth:`~medfed.federated.site_view.SiteView.step`,
 so the run's compute counts K passes per mini-batch. By default (``preset:
 equal``) those passes are the round's budget E = ``trainer.local_epochs``
-(:mod:`medfed.federated.strategies.base`): the plan takes E/K epochs of
-mini-batches (``share`` 1/K), each K times, so the local rounds R of
-Algorithm 1 are E B / K for B mini-batches an epoch (at least 1; the cut at
-whole mini-batches makes the passes E epochs within K/2 mini-batches).
-``preset: published`` is the paper's protocol as medfed shipped it before:
-a local round per mini-batch of E epochs, K E epochs of passes. With
-``inner_tolerance`` the inner steps may stop early and pass fewer (every
-inner step then also reads the gradient norm on the host: one device
-synchronisation per inner step).
+(:mod:`medfed.federated.strategies.base`): the plan's length counts passes
+(``TrainingPlan.passes_per_step`` = K), so its P = E B passes (B
+mini-batches an epoch, cut at a whole one) make ceil(P / K) local rounds of
+Algorithm 1, every one K inner steps but the round's last, which takes the
+P - K (ceil(P / K) - 1) passes left. ``preset: published`` is the paper's
+protocol as medfed shipped it before: a local round per mini-batch of E
+epochs, K E epochs of passes. With ``inner_tolerance`` the inner steps may
+stop early and pass fewer (every inner step then also reads the gradient
+norm on the host: one device synchronisation per inner step).
 
 Defaults: lam = 15, K = 5, beta = 1, the paper's MNIST settings (the
 authors' README: ``--lamda 15 --K 5 --beta 1``).
@@ -123,19 +123,21 @@ class PFedMeSite(SiteHalf):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._inner_sgd: torch.optim.SGD | None = None  # plain steps at inner_lr (stateless), made at first use
+        self.passes_taken = 0  # inner passes of the round's plan so far (equal preset), from the round's message on
 
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
         """w_{i,0} = theta = w^t (with its buffers); the delivery carries nothing."""
         if ctx.phase == DELIVER:
             return
+        self.passes_taken = 0
         for slot in (LOCAL, PERSONAL):
             site.set(slot, "all", payload["all"])
             site.set(slot, "buffers", payload["buffers"])
 
     def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
-        """The local rounds: E/K epochs of mini-batches (equal preset) or E (published), K passes each."""
-        share = by_preset(self.options.preset, 1.0 / self.options.inner_steps, 1.0)
-        return (TrainingPlan(slot=LOCAL, share=share, data_pass=False),)
+        """The local rounds: E epochs of passes, K a mini-batch (equal preset), or a mini-batch of E epochs each (published)."""
+        passes_per_step = by_preset(self.options.preset, self.options.inner_steps, 1)
+        return (TrainingPlan(slot=LOCAL, data_pass=False, passes_per_step=passes_per_step),)
 
     def loss(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan, batch) -> torch.Tensor:
         """Solve the inner problem on ``batch``; return a loss whose gradient in w is lam (w - theta_i).
@@ -143,17 +145,22 @@ class PFedMeSite(SiteHalf):
         Its value is f_i(theta; B) at the last inner iterate whose gradient
         was taken plus lam/2 ||w - theta_i||^2: an estimate of F_i(w; B).
         """
-        data_loss = self.solve_inner_problem(site, batch, site.get(LOCAL, "all"))
+        inner_steps = self.options.inner_steps
+        if plan.pass_budget is not None:  # the equal preset: the round's last mini-batch takes the passes left
+            inner_steps = min(inner_steps, plan.pass_budget - self.passes_taken)
+            self.passes_taken += inner_steps
+        data_loss = self.solve_inner_problem(site, batch, site.get(LOCAL, "all"), inner_steps)
         theta = site.get(PERSONAL, "all")
         return data_loss + self.options.lam / 2.0 * squared_distance(site.module(LOCAL), "all", theta)
 
-    def solve_inner_problem(self, site: SiteView, batch, centre: torch.Tensor) -> torch.Tensor:
+    def solve_inner_problem(self, site: SiteView, batch, centre: torch.Tensor, inner_steps: int | None = None) -> torch.Tensor:
         """theta <- approx. argmin f_i(theta; batch) + lam/2 ||theta - centre||^2, in the ``personal`` slot.
 
         Args:
             site: the site (its ``personal`` slot holds theta, the warm start).
             batch: the device batch B.
             centre: w_{i,r}, ``(d,)``, detached.
+            inner_steps: at most this many gradient steps (None: K; fewer: the passes left of the round's budget).
 
         Returns:
             f_i(theta; B), detached, at the last iterate whose gradient was
@@ -166,7 +173,7 @@ class PFedMeSite(SiteHalf):
         tolerance = self.options.inner_tolerance
         converged = None if tolerance is None else (lambda: _gradient_norm(parameters) <= tolerance)
         module.train()
-        for _ in range(self.options.inner_steps):
+        for _ in range(self.options.inner_steps if inner_steps is None else inner_steps):
             data_loss = module.training_step(batch, 0)
             objective = data_loss + self.options.lam / 2.0 * squared_distance(module, "all", centre)
             if not site.step(PERSONAL, objective, batch, optimizer=optimizer, stop_if=converged):
