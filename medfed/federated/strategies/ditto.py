@@ -29,7 +29,9 @@ neither model's batches depend on how long the other trains. It follows
 that the global model is a FedAvg run's, bit for bit, whatever lambda, when
 that run's budget is the global plan's; and that at lambda = 0 (no term is
 added at all) the personal model is a Local run's, bit for bit, when that
-run's budget is the personal plan's: its own steps on its own data in the
+run's budget is the personal plan's and whole epochs (the round's budget is
+cut at whole mini-batches along one axis, so a half epoch after the global
+plan's may end one mini-batch from where Local's would): its own steps on its own data in the
 batch order a Local site draws, the optimiser state carried across rounds
 (for models whose training draws nothing from the global generators, e.g.
 without dropout: within a phase those are shared between the two plans). As
