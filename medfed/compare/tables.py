@@ -172,7 +172,7 @@ def unequal_compute(finished: list[Finished], reference: str) -> list[str]:
         if measured:
             budget, what = float(np.mean(measured)), f"{reference}'s"
         else:
-            budget, what = float(items[0].results["config"]["trainer"]["local_epochs"]), "trainer.local_epochs"
+            budget, what = float(items[0].results["config"].get("trainer", {}).get("local_epochs", 1)), "trainer.local_epochs"
         for item in items:
             spent = run_compute(item.results)
             if spent is None:
