@@ -47,10 +47,27 @@ calibrates eta_s; only lam_t * eta_s matters in the problem above.
   model's scale, d or p.
 - ``absolute``: lam in the paper's units, with eta_s = ``server_lr``.
 
-Every round logs ``spread_removed``: the fraction of the between-site spread
-of the personal parts that the server step removed (0 = no effect, 1 = all
-fused), with ``lam_effective`` (lam_t in the paper's units) and
-``fusion_lam`` (lam_bar).
+**What lam means.** With the default ``fusion`` scale, lam = 1 fuses every
+connected component of the similarity network into one personal part (its
+mean), and lam = 0 leaves each site its own. In between, the parts fuse
+group by group: a tight group of similar sites fuses at a small fraction of
+lam_bar, because lam_bar is the threshold of the whole component, set by its
+most different sites. So a small lam (0.1 on BraTS-like sites) may already
+make the personal parts identical within each group of similar sites and
+keep only the groups apart: pFedNet then behaves as clustered
+personalisation, not as a gentle pull towards the neighbours.
+
+Every round logs, after the server step (server metrics):
+``distinct_personal``, the number of different personal parts left (parts
+closer than 1e-3 of their mean norm count as one:
+:func:`~medfed.federated.strategies.solvers.fusion.distinct_parts`), and
+``personal_distance_min`` / ``_median`` / ``_max``, their pairwise Euclidean
+distances; ``spread_removed``, the fraction of the between-site spread of
+the personal parts that the server step removed (0 = no effect, 1 = all
+fused; dominated by the largest differences, so it stays small when only
+the groups' insides fuse: read it with ``distinct_personal``); with
+``lam_effective`` (lam_t in the paper's units) and ``fusion_lam``
+(lam_bar).
 
 **Similarity network** (``graph_space``; the draft's section IV-A):
 
@@ -80,7 +97,7 @@ import torch
 
 from medfed.config import require
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.strategies.solvers.fusion import fusion_threshold, spread_removed
+from medfed.federated.strategies.solvers.fusion import distinct_parts, fusion_threshold, spread_removed
 from medfed.federated.strategies.solvers.graph import (
     EDGE_WEIGHTINGS,
     KNN_RULES,
@@ -181,7 +198,10 @@ class PFedNetServer(ServerHalf):
         )
         self.admm_state = result.state
         components = connected_components(self.graph.edges, self.n_sites)
+        parts = distinct_parts(result.Z)
         self.last_solve = {
+            "distinct_personal": parts["distinct"],
+            **{f"personal_{key}": parts[key] for key in ("distance_min", "distance_median", "distance_max")},
             "spread_removed": spread_removed(centre, result.Z, components),
             "lam_effective": float(lam),
             "fusion_lam": threshold,
@@ -287,8 +307,10 @@ class PFedNet(Strategy):
     @dataclass
     class Options:
         lam: float = 0.1
-        """Strength of the graph penalty: a fraction of the fusion threshold (lam_scale=fusion),
-        or lambda in the paper's units (lam_scale=absolute). 0 = independent personal parts.
+        """Strength of the graph penalty: a fraction of the fusion threshold (lam_scale=fusion: 1 fuses
+        each connected component into one personal part, and tight groups fuse well below 1; see the
+        module docstring and the distinct_personal metric), or lambda in the paper's units
+        (lam_scale=absolute). 0 = independent personal parts.
         0.1 was best on the validation split of brats_lack0 and luna16_delta4 among 0, 0.1,
         0.3, 1 (p = 2, 30 rounds, seed 0; benchmarks/pfednet_lambda_path.py)."""
         lam_scale: str = "fusion"
