@@ -57,12 +57,15 @@ training passes per site and round, in epochs of the site's training split
 (E = 0.5: half a pass), the same for every strategy: the forward and
 backward passes of its training plans, counted as ``train/*`` in the round
 record's ``compute`` (:mod:`medfed.federated.compute`), sum to E epochs,
-up to the cut of each plan at whole mini-batches. A strategy states in its
-docstring how its plans split E (``TrainingPlan.share``): FedRep's head and
-body 2/3 + 1/3, Ditto's global and personal models 1/2 + 1/2, pFedNet's
-shared and personal phases 1/2 + 1/2 (all of it to the personal phase where
-the shared part is empty), APFL's steps (two passes each: w's and v_bar's)
-1/2, pFedMe's outer steps 1/K (each mini-batch costs its K inner passes).
+cut at whole mini-batches (the round's plans are cut along one axis, so
+together they are within a mini-batch of E epochs; APFL's steps of two
+passes within two). A strategy states in its docstring how its plans split
+E (``TrainingPlan.share``): FedRep's head and body 2/3 + 1/3, Ditto's
+global and personal models 1/2 + 1/2, pFedNet's shared and personal phases
+1/2 + 1/2 (all of it to the personal phase where the shared part is empty),
+APFL's steps (two passes each: w's and v_bar's) 1/2, pFedMe's passes all
+of it (``TrainingPlan.passes_per_step`` = K: E B / K local rounds of K inner
+passes, the last one the passes left).
 Passes outside the training plans are reported, not charged: ``aux/*``
 (PGFed's gradient estimate over the training split), ``adapt/*``
 (FedBABU's fine-tuning before each evaluation) and ``forward/*`` (IFCA's
