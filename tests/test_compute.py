@@ -92,16 +92,18 @@ def test_dittos_global_and_personal_plans_are_counted_apart():
 
 @pytest.mark.parametrize("inner_steps", [1, 2, 5])
 def test_pfedmes_inner_steps_count_against_the_budget(inner_steps):
-    """K passes per mini-batch, B in all: ceil(B / K) mini-batches, the last one passed the B - K (ceil(B / K) - 1) left."""
+    """ceil(B / K) local rounds on the first mini-batches of a pass; each takes min(K, [left / m]) >= 1 inner passes of
+    its m samples, left = the samples of the epoch not yet passed, [x] = floor(x + 1/2)."""
     loop = _loop("pfedme", {"lam": 1.0, "inner_steps": inner_steps})
     loop.fit(2)
     for name, n in _sizes(loop).items():
-        b = _batches(n)
-        steps = math.ceil(b / inner_steps)
-        passes = [inner_steps] * (steps - 1) + [b - inner_steps * (steps - 1)]
-        samples = sum(k * _fresh_pass(n, s + 1) - k * _fresh_pass(n, s) for s, k in enumerate(passes))
+        left = n
+        for step in range(math.ceil(_batches(n) / inner_steps)):
+            m = _fresh_pass(n, step + 1) - _fresh_pass(n, step)
+            left -= m * max(1, min(inner_steps, math.floor(left / m + 0.5)))
+        assert abs(left) <= BATCH / 2  # the epoch, to within half a mini-batch
         for record in loop.history:
-            assert record["compute"][name] == {"train/fit/local": samples / n, "evaluation": N_TEST / n}
+            assert record["compute"][name] == {"train/fit/local": (n - left) / n, "evaluation": N_TEST / n}
 
 
 def test_pfedmes_published_preset_passes_k_times_every_mini_batch_of_the_epochs():

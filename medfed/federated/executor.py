@@ -369,8 +369,8 @@ def train_plans(
             before = epochs_before.get(ROUND_BUDGET, 0.0)
             epochs_before[ROUND_BUDGET] = before + epochs
             steps = site.steps(epochs, before)
-            if plan.passes_per_step > 1:  # the length counts passes; the loss is told how many (pFedMe)
-                plan = dataclasses.replace(plan, pass_budget=steps)
+            if plan.passes_per_step > 1:  # the length counts passes; the loss is told how many samples (pFedMe)
+                plan = dataclasses.replace(plan, pass_budget=round(epochs * site.n_train))
                 steps = math.ceil(steps / plan.passes_per_step)
         loss = site.train(
             steps,

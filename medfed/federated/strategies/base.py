@@ -64,8 +64,8 @@ E (``TrainingPlan.share``): FedRep's head and body 2/3 + 1/3, Ditto's
 global and personal models 1/2 + 1/2, pFedNet's shared and personal phases
 1/2 + 1/2 (all of it to the personal phase where the shared part is empty),
 APFL's steps (two passes each: w's and v_bar's) 1/2, pFedMe's passes all
-of it (``TrainingPlan.passes_per_step`` = K: E B / K local rounds of K inner
-passes, the last one the passes left).
+of it (``TrainingPlan.passes_per_step`` = K: about E B / K local rounds of K
+inner passes, the last ones the samples left).
 Passes outside the training plans are reported, not charged: ``aux/*``
 (PGFed's gradient estimate over the training split), ``adapt/*``
 (FedBABU's fine-tuning before each evaluation) and ``forward/*`` (IFCA's
@@ -145,14 +145,15 @@ class TrainingPlan:
             passes are those the half makes through
             :meth:`~medfed.federated.site_view.SiteView.step` (pFedMe: its K
             inner steps per mini-batch; the outer step's loss has no forward pass).
-        passes_per_step: where a step passes its batch several times (pFedMe's
-            K inner steps): the plan's length counts those passes, in
-            mini-batches, and its steps are that count / ``passes_per_step``
-            rounded up; the loop hands the loss the plan with ``pass_budget``
-            set to the count, so that the last step can take only the passes
-            left (1 for a plan whose steps pass their batch once).
-        pass_budget: the plan's passes in mini-batches, set by the loop where
-            ``passes_per_step`` > 1 (None otherwise; not for a half to set).
+        passes_per_step: where a step passes its batch up to this many times
+            (pFedMe's K inner steps): the plan's length counts those passes,
+            and its steps are its mini-batches / ``passes_per_step``, rounded
+            up; the loop hands the loss the plan with ``pass_budget`` set, so
+            that the half can spend exactly that many samples (1: each step
+            passes its batch once).
+        pass_budget: the plan's length in samples (its epochs x the training
+            samples), set by the loop where ``passes_per_step`` > 1 (None
+            otherwise; not for a half to set).
     """
 
     slot: str = MODEL

@@ -63,10 +63,13 @@ inner step goes through :meth:`~medfed.federated.site_view.SiteView.step`,
 so the run's compute counts K passes per mini-batch. By default (``preset:
 equal``) those passes are the round's budget E = ``trainer.local_epochs``
 (:mod:`medfed.federated.strategies.base`): the plan's length counts passes
-(``TrainingPlan.passes_per_step`` = K), so its P = E B passes (B
-mini-batches an epoch, cut at a whole one) make ceil(P / K) local rounds of
-Algorithm 1, every one K inner steps but the round's last, which takes the
-P - K (ceil(P / K) - 1) passes left. ``preset: published`` is the paper's
+(``TrainingPlan.passes_per_step`` = K), so its E B passes (B mini-batches
+an epoch, cut at a whole one) make ceil(E B / K) local rounds of Algorithm 1,
+and each local round on a mini-batch of m samples takes min(K, [left / m])
+inner steps, at least 1 ([x] = floor(x + 1/2); left: the samples of the
+round's E n still to pass), so the inner passes spend E epochs of samples
+to within half a mini-batch: K a local round, fewer at the end.
+``preset: published`` is the paper's
 protocol as medfed shipped it before: a local round per mini-batch of E
 epochs, K E epochs of passes. With ``inner_tolerance`` the inner steps may
 stop early and pass fewer (every inner step then also reads the gradient
@@ -78,12 +81,14 @@ authors' README: ``--lamda 15 --K 5 --beta 1``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from medfed.config import require
 from medfed.federated.aggregate import weighted_average
+from medfed.federated.compute import batch_samples
 from medfed.federated.strategies.base import (
     DELIVER, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
@@ -123,13 +128,13 @@ class PFedMeSite(SiteHalf):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._inner_sgd: torch.optim.SGD | None = None  # plain steps at inner_lr (stateless), made at first use
-        self.passes_taken = 0  # inner passes of the round's plan so far (equal preset), from the round's message on
+        self.samples_passed = 0  # samples the round's inner steps passed so far (equal preset), from the round's message on
 
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
         """w_{i,0} = theta = w^t (with its buffers); the delivery carries nothing."""
         if ctx.phase == DELIVER:
             return
-        self.passes_taken = 0
+        self.samples_passed = 0
         for slot in (LOCAL, PERSONAL):
             site.set(slot, "all", payload["all"])
             site.set(slot, "buffers", payload["buffers"])
@@ -146,9 +151,10 @@ class PFedMeSite(SiteHalf):
         was taken plus lam/2 ||w - theta_i||^2: an estimate of F_i(w; B).
         """
         inner_steps = self.options.inner_steps
-        if plan.pass_budget is not None:  # the equal preset: the round's last mini-batch takes the passes left
-            inner_steps = min(inner_steps, plan.pass_budget - self.passes_taken)
-            self.passes_taken += inner_steps
+        if plan.pass_budget is not None:  # the equal preset: spend the round's samples, K a mini-batch, fewer at the end
+            samples = batch_samples(batch)
+            inner_steps = max(1, min(inner_steps, math.floor((plan.pass_budget - self.samples_passed) / samples + 0.5)))
+            self.samples_passed += inner_steps * samples
         data_loss = self.solve_inner_problem(site, batch, site.get(LOCAL, "all"), inner_steps)
         theta = site.get(PERSONAL, "all")
         return data_loss + self.options.lam / 2.0 * squared_distance(site.module(LOCAL), "all", theta)
