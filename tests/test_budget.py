@@ -113,3 +113,12 @@ def test_an_empty_part_leaves_its_share_to_the_other(name):
         counts = loop.history[0]["compute"][site]
         assert training_epochs(counts) == pytest.approx(1.0)
         assert not any(key.startswith((f"{TRAIN}/shared", f"{TRAIN}/fit/body")) for key in counts)
+
+
+def test_a_budget_below_one_epoch_is_a_config_value_and_a_budget_of_nothing_is_refused_by_name():
+    from medfed.config import ConfigError, TrainerConfig, load_config
+
+    assert load_config("clinical_delta1", ["trainer.local_epochs=0.5"]).trainer.local_epochs == 0.5  # a bundled config
+    for bad in (0, -1, float("inf")):
+        with pytest.raises(ConfigError, match=r"^config key 'trainer\.local_epochs' = .*: expected a number of epochs > 0"):
+            TrainerConfig(local_epochs=bad)
