@@ -85,6 +85,8 @@ def mixture(alpha: torch.Tensor, local: torch.Tensor, global_: torch.Tensor) -> 
 class APFLSite(FedAvgSite):
     """FedAvg's site half on the ``global`` slot; also steps v_i and alpha_i on every batch; evaluated with the mixture."""
 
+    state_fields = ("alpha",)
+
     global_slot = GLOBAL
 
     def __init__(self, *args, **kwargs) -> None:
@@ -124,12 +126,6 @@ class APFLSite(FedAvgSite):
         if self.options.adaptive:
             rate = self.options.alpha_lr if self.options.alpha_lr is not None else site.learning_rate(LOCAL)
             self.alpha = (alpha.detach() - rate * alpha.grad).clamp(0.0, 1.0)
-
-    def state_dict(self) -> dict:
-        return {"alpha": self.alpha}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.alpha = state["alpha"]
 
 
 class APFL(FedAvg):

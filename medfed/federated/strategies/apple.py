@@ -163,6 +163,8 @@ CORE, PERSONALISED = "core", "personalised"
 class APPLEServer(ServerHalf):
     """Keeps the N core models; sends each site the cores it requests."""
 
+    state_fields = ("cores", "prior", "completed_rounds")
+
     def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.cores = initial["all"].reshape(1, -1).repeat(self.n_sites, 1)  # (N, d) w_j^(c)
         sizes = torch.cat([replies[i]["num_samples"] for i in range(self.n_sites)]).to(torch.float64)
@@ -189,27 +191,21 @@ class APPLEServer(ServerHalf):
     def metrics(self) -> dict[str, float]:
         return {"cores_sent_per_site": sum(map(len, self.requests.values())) / max(len(self.requests), 1)}
 
-    def state_dict(self) -> dict:
-        return {"cores": self.cores, "prior": self.prior, "completed_rounds": self.completed_rounds}
-
     def load_state_dict(self, state: dict) -> None:
-        self.cores = state["cores"]
-        self.prior = state["prior"]
-        self.completed_rounds = state["completed_rounds"]
-        self.requests = {}
-
-
-#: what a site half keeps (set at the first delivery): p_0, p_i, its copies of the core models (N, d),
-#: its download counts (N,), its download generator's state, and r
-_SITE_STATE = ("prior", "dr", "cores", "downloads", "generator", "completed_rounds")
+        super().load_state_dict(state)
+        self.requests = {}  # a round's requests never outlive it: a restored server has none pending
 
 
 class APPLESite(SiteHalf):
     """Holds p_i, p_0, its copies of the core models and its download counts; trains its core model."""
 
+    #: set at the first delivery: p_0, p_i, its copies of the core models (N, d), its download counts (N,),
+    #: its download generator's state, and r
+    state_fields = ("prior", "dr", "cores", "downloads", "generator", "completed_rounds")
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        for name in _SITE_STATE:
+        for name in self.state_fields:
             setattr(self, name, None)
 
     def setup(self, site: SiteView, ctx: RoundContext) -> Payload:
@@ -276,13 +272,6 @@ class APPLESite(SiteHalf):
         request = torch.zeros(self.n_sites, device="cpu")  # indexed by the CPU draw; the link carries it
         request[chosen] = 1.0
         return {"request": request}
-
-    def state_dict(self) -> dict:
-        return {name: getattr(self, name) for name in _SITE_STATE}
-
-    def load_state_dict(self, state: dict) -> None:
-        for name in _SITE_STATE:
-            setattr(self, name, state[name])
 
 
 class APPLE(Strategy):

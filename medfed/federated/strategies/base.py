@@ -146,7 +146,56 @@ class TrainingPlan:
         return self.name or self.slot
 
 
-class ServerHalf:
+class DeclaredState:
+    """A half whose checkpointed state is declared, not written out: :attr:`state_fields` names its attributes.
+
+    ``state_dict()`` is ``{field: value}`` for every declared field, in the
+    declared order (the checkpoint's layout); ``load_state_dict`` sets them
+    back. A value is plain data ``torch.load(weights_only=True)`` reads: a
+    tensor (a generator's state is a byte tensor), a number, ``None``, or
+    dicts, lists and tuples of them. The half's tensors go in as they are,
+    not copied (a half may go on to change them in place, e.g. APPLE's core
+    models: save the state, or clone it, before the half runs again); its
+    dicts, lists and tuples are copied on the way out and in, so the half and
+    a state taken of it never share a container. A loaded state comes through :func:`state_on_device` (floats on
+    the run's device, counters and generator states on the CPU).
+
+    A half with state that is not plain data (objects, sets) overrides both
+    methods; one with scratch that must not outlive a restore (a round's
+    pending requests) extends ``load_state_dict``.
+    """
+
+    #: the attributes the half must remember across rounds (checkpointed), in checkpoint order
+    state_fields: ClassVar[tuple[str, ...]] = ()
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{field: value}`` for every one of :attr:`state_fields` (the half's tensors themselves, its containers copied)."""
+        return {name: _plain_copy(getattr(self, name)) for name in self.state_fields}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Set every one of :attr:`state_fields` from ``state`` (which holds exactly those keys).
+
+        Raises:
+            ValueError: naming the half and the keys, where ``state`` holds other fields than the half declares.
+        """
+        if set(state) != set(self.state_fields):
+            raise ValueError(
+                f"{type(self).__name__}: the state holds {sorted(state)}, the half checkpoints {sorted(self.state_fields)}"
+            )
+        for name in self.state_fields:
+            setattr(self, name, _plain_copy(state[name]))
+
+
+def _plain_copy(value: Any) -> Any:
+    """``value`` with its dicts, lists and tuples copied (recursively); tensors and scalars are the same objects."""
+    if isinstance(value, dict):
+        return {key: _plain_copy(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain_copy(item) for item in value)
+    return value
+
+
+class ServerHalf(DeclaredState):
     """The server's half: defaults describe a server that keeps and sends nothing.
 
     Every round hook gets the :class:`~medfed.federated.site_view.RoundContext`
@@ -192,19 +241,12 @@ class ServerHalf:
         """Figures of the server's state to save with the run (``{file stem: matplotlib Figure}``)."""
         return {}
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything the server must remember across rounds (checkpointed)."""
-        return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; ``state`` comes through :func:`state_on_device` (floats on the run's device)."""
-
-
-class SiteHalf:
+class SiteHalf(DeclaredState):
     """One site's half: defaults describe local training of the site's one model with nothing exchanged.
 
     Per-site state lives on the instance (one instance per site) and is
-    checkpointed through :meth:`state_dict`; the site's models live in its
+    checkpointed as its :attr:`~DeclaredState.state_fields` declare; the site's models live in its
     slots (``site.module(name)``, ``site.get(name, part)``). Every hook gets
     the site's :class:`~medfed.federated.site_view.SiteView` and the
     :class:`~medfed.federated.site_view.RoundContext` it is called in.
@@ -259,13 +301,6 @@ class SiteHalf:
         Default: none.
         """
         return ()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The site half's own state (plain tensors and numbers; checkpointed with the site)."""
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; ``state`` comes through :func:`state_on_device` (floats on the run's device)."""
 
 
 class Strategy:

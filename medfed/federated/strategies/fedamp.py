@@ -113,6 +113,8 @@ def heuristic_attention(models: torch.Tensor, self_weight: float, cosine_scale: 
 class FedAMPServer(ServerHalf):
     """Keeps every site's last model; sends each site its cloud model u_i."""
 
+    state_fields = ("models", "attention")
+
     def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.models = initial["all"].reshape(1, -1).repeat(self.n_sites, 1)  # (N, d): last w_j of every site
         self.attention = self._attention()
@@ -134,13 +136,6 @@ class FedAMPServer(ServerHalf):
 
     def metrics(self) -> dict[str, float]:
         return {"self_attention_mean": float(self.attention.diagonal().mean())}
-
-    def state_dict(self) -> dict:
-        return {"models": self.models, "attention": self.attention}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.models = state["models"]
-        self.attention = state["attention"]
 
 
 class FedAMPSite(SiteHalf):

@@ -94,6 +94,8 @@ from medfed.federated.strategies.live_parameters import proximal_term
 class FPFCServer(ServerHalf):
     """Holds the shared average, every site's last personal part and the pair variables zeta, v; runs the ADMM's server steps."""
 
+    state_fields = ("shared", "models", "fusion", "duals", "last_step")
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.pairs = list(itertools.combinations(range(self.n_sites), 2))  # (i, j), i < j: row p of zeta and v
@@ -156,16 +158,6 @@ class FPFCServer(ServerHalf):
 
     def metrics(self) -> dict[str, float]:
         return dict(self.last_step)
-
-    def state_dict(self) -> dict:
-        return {"shared": self.shared, "models": self.models, "fusion": self.fusion, "duals": self.duals, "last_step": dict(self.last_step)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.shared = state["shared"]
-        self.models = state["models"]
-        self.fusion = state["fusion"]
-        self.duals = state["duals"]
-        self.last_step = dict(state["last_step"])
 
 
 class FPFCSite(SiteHalf):

@@ -123,6 +123,8 @@ def cluster_initialisations(model: torch.Tensor, split: ParameterSplit, clusters
 class IFCAServer(ServerHalf):
     """Holds the k cluster models and every site's last chosen cluster; averages each cluster's replies."""
 
+    state_fields = ("models", "buffers", "assignment", "reassigned")
+
     def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         k = self.options.clusters
         self.models = torch.stack([initial[f"{CLUSTER}/{j}"] for j in range(k)])  # (k, d)
@@ -156,15 +158,6 @@ class IFCAServer(ServerHalf):
         """How many sites are in each cluster now, and how many participants changed cluster this round."""
         sizes = {f"cluster_size/{j}": float(self.assignment.count(j)) for j in range(self.options.clusters)}
         return {**sizes, "reassigned": float(self.reassigned)}
-
-    def state_dict(self) -> dict:
-        return {"models": self.models, "buffers": self.buffers, "assignment": list(self.assignment), "reassigned": self.reassigned}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.models = state["models"]
-        self.buffers = state["buffers"]
-        self.assignment = list(state["assignment"])
-        self.reassigned = state["reassigned"]
 
 
 class IFCASite(SiteHalf):

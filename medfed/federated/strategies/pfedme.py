@@ -87,6 +87,8 @@ LOCAL, PERSONAL = "local", "personal"
 class PFedMeServer(ServerHalf):
     """Holds w^t (and the averaged buffers); mixes the participants' average into it with weight beta."""
 
+    state_fields = ("global_model", "global_buffers")
+
     def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.global_model = initial["all"].clone()
         self.global_buffers = initial["buffers"].clone()
@@ -99,13 +101,6 @@ class PFedMeServer(ServerHalf):
         average = weighted_average([reply["all"] for reply in replies.values()], weights)
         self.global_model = torch.lerp(self.global_model, average, self.options.beta)  # (1 - beta) w + beta average
         self.global_buffers = weighted_average([reply["buffers"] for reply in replies.values()], weights)
-
-    def state_dict(self) -> dict:
-        return {"global_model": self.global_model, "global_buffers": self.global_buffers}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.global_model = state["global_model"]
-        self.global_buffers = state["global_buffers"]
 
 
 class PFedMeSite(SiteHalf):

@@ -210,6 +210,7 @@ class PFedNetServer(ServerHalf):
         title = f"pFedNet similarity network, {self.options.graph_space} space, k={self.options.knn_k} ({self.options.knn_rule})"
         return {"similarity_graph": plot_similarity_graphs(panels, title)}
 
+    # Not declared fields: the graphs and the ADMM state are objects and the holders a set, checkpointed as plain data.
     def state_dict(self) -> dict:
         return {
             "graph_history": [(at, graph.to_dict()) for at, graph in self.graph_history],

@@ -109,6 +109,8 @@ def training_risk(site: SiteView) -> tuple[float, torch.Tensor]:
 class PGFedServer(ServerHalf):
     """Holds the global model, the learned weights A and the last participants' gradients."""
 
+    state_fields = ("global_model", "alpha", "previous")
+
     def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.global_model = initial["all"].clone()
         self.alpha: torch.Tensor | None = None  # A (N, N), from the end of round 1
@@ -153,17 +155,11 @@ class PGFedServer(ServerHalf):
     def metrics(self) -> dict[str, float]:
         return {} if self.alpha is None else {"alpha_mean": float(self.alpha.mean()), "alpha_min": float(self.alpha.min())}
 
-    def state_dict(self) -> dict:
-        return {"global_model": self.global_model, "alpha": self.alpha, "previous": self.previous}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.global_model = state["global_model"]
-        self.alpha = state["alpha"]
-        self.previous = state["previous"]
-
 
 class PGFedSite(SiteHalf):
     """Trains theta_i on its risk plus the first-order auxiliary risk; learns its row a_i of A."""
+
+    state_fields = ("aux_gradient",)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -232,12 +228,9 @@ class PGFedSite(SiteHalf):
             reply["alpha"] = this_round["alpha"]
         return reply
 
-    def state_dict(self) -> dict:
-        return {"aux_gradient": self.aux_gradient}
-
     def load_state_dict(self, state: dict) -> None:
-        self.aux_gradient = state["aux_gradient"]
-        self.this_round = None
+        super().load_state_dict(state)
+        self.this_round = None  # a round's reply material never outlives it: a restored site has none pending
 
 
 class PGFed(Strategy):

@@ -92,6 +92,8 @@ _INITIALISATION_STREAM = 0
 class SuPerFedServer(FedAvgServer):
     """FedAvg's average of the federated models, sent with the round number at the start of each round."""
 
+    state_fields = (*FedAvgServer.state_fields, "completed_rounds")
+
     def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         super().setup(ctx, initial, replies)
         self.completed_rounds = 0
@@ -106,16 +108,11 @@ class SuPerFedServer(FedAvgServer):
     def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
         return {}
 
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "completed_rounds": self.completed_rounds}
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self.completed_rounds = state["completed_rounds"]
-
 
 class SuPerFedSite(SiteHalf):
     """Trains w^f and w^l along the segment between them; evaluated with W(eval_lambda)."""
+
+    state_fields = ("round",)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -184,12 +181,6 @@ class SuPerFedSite(SiteHalf):
     def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
         del self.global_model  # only needed while training
         return {"all": site.get(FEDERATED, "all"), "buffers": site.get(FEDERATED, "buffers"), "num_samples": num_samples(site)}
-
-    def state_dict(self) -> dict:
-        return {"round": self.round}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.round = state["round"]
 
 
 class SuPerFed(Strategy):
