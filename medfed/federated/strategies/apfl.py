@@ -65,14 +65,12 @@ authors' code's default.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from medfed.config import require
 from medfed.federated.strategies.base import DELIVER, Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
 from medfed.federated.strategies.live_parameters import live_parameters, training_loss_with
+from medfed.options.strategies import APFLOptions
 
 GLOBAL, LOCAL, MIXED = "global", "local", "mixed"
 
@@ -137,15 +135,4 @@ class APFL(FedAvg):
     delivered_slot = GLOBAL  # the evaluated mixture is rebuilt from the delivered global model
     Site = APFLSite
 
-    @dataclass
-    class Options:
-        alpha: float = 0.5
-        """Initial mixing weight alpha_i of the local model (the authors' code's default)."""
-        adaptive: bool = True
-        """Learn alpha_i by projected gradient steps (APFL's adaptive variant); false keeps it fixed."""
-        alpha_lr: float | None = None
-        """eta_alpha: step of alpha's updates; null = the learning rate of the local model's optimiser."""
-
-        def __post_init__(self) -> None:
-            require(0.0 <= self.alpha <= 1.0, "alpha", self.alpha, "a weight in [0, 1]")
-            require(self.alpha_lr is None or self.alpha_lr >= 0, "alpha_lr", self.alpha_lr, "null or >= 0")
+    Options = APFLOptions

@@ -68,17 +68,14 @@ statistics), into the personalised slot. Each site holds N model vectors
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from medfed.config import require
 from medfed.federated.strategies.base import (
     DELIVER, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.live_parameters import live_parameters, training_loss_with
-
-SCHEDULERS = ("cosine", "exponential")
+from medfed.options.strategies import APPLEOptions
 
 
 def loss_scheduler(kind: str, completed_rounds: int, last_round: int, eps: float) -> float:
@@ -285,30 +282,4 @@ class APPLE(Strategy):
     Server = APPLEServer
     Site = APPLESite
 
-    @dataclass
-    class Options:
-        dr_lr: float = 1e-3
-        """eta_2: SGD step of the DR vector p_i (eq. 6)."""
-        mu: float = 0.1
-        """Weight of the proximal DR penalty (eq. 7); 0 disables it."""
-        scheduler: str = "cosine"
-        """Loss scheduler lambda(r): "cosine" or "exponential" (appendix A.1)."""
-        scheduler_rounds: int = 32
-        """L: lambda(r) = 0 from round r = L on (the paper uses 10-30% of its 160 rounds)."""
-        scheduler_eps: float = 1e-3
-        """eps of the exponential scheduler eps^(r/L)."""
-        download_budget: int | None = None
-        """M: core models a site downloads per round; null = all N - 1 (no limit)."""
-
-        def __post_init__(self) -> None:
-            require(self.dr_lr >= 0, "dr_lr", self.dr_lr, "eta_2 >= 0")
-            require(self.mu >= 0, "mu", self.mu, "mu >= 0")
-            require(self.scheduler in SCHEDULERS, "scheduler", self.scheduler, f"one of {', '.join(SCHEDULERS)}")
-            require(self.scheduler_rounds >= 1, "scheduler_rounds", self.scheduler_rounds, "L >= 1")
-            require(0 < self.scheduler_eps < 1, "scheduler_eps", self.scheduler_eps, "eps in (0, 1)")
-            require(
-                self.download_budget is None or self.download_budget >= 1,
-                "download_budget",
-                self.download_budget,
-                "null or M >= 1",
-            )
+    Options = APPLEOptions

@@ -69,6 +69,7 @@ import torch
 
 from medfed.federated.site_view import ADAPT, DELIVER, SETUP, RoundContext, SiteView
 from medfed.models.split import ParameterSplit
+from medfed.options.strategies import NoOptions
 
 if TYPE_CHECKING:
     from medfed.models.base import FederatedModule
@@ -343,9 +344,8 @@ class Strategy:
     Server: ClassVar[type[ServerHalf]] = ServerHalf
     Site: ClassVar[type[SiteHalf]] = SiteHalf
 
-    @dataclass
-    class Options:
-        """No options (the ``strategy.<name>`` group of a strategy that takes none)."""
+    #: the ``strategy.<name>`` group's dataclass, declared in the torch-free :mod:`medfed.options.strategies`
+    Options: ClassVar[type] = NoOptions
 
     def __init__(self, options: Any, split: ParameterSplit, n_sites: int, seed: int) -> None:
         self.options = options

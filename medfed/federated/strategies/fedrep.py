@@ -45,11 +45,9 @@ Defaults and readings where the paper is silent:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from medfed.config import require
 from medfed.federated.strategies.base import RoundContext, TrainingPlan
 from medfed.federated.strategies.fedper import FedPer, FedPerSite
+from medfed.options.strategies import FedRepOptions
 
 
 class FedRepSite(FedPerSite):
@@ -71,19 +69,4 @@ class FedRep(FedPer):
     )
     Site = FedRepSite
 
-    @dataclass
-    class Options:
-        head_share: float = 2.0
-        """tau_h: epochs of the head plan, in units of trainer.local_epochs (2:1 head:body as the authors' 10:5)."""
-        body_share: float = 1.0
-        """tau: epochs of the body plan, in units of trainer.local_epochs."""
-        head_steps: int | None = None
-        """tau_h as a number of optimiser steps instead (overrides head_share)."""
-        body_steps: int | None = None
-        """tau as a number of optimiser steps instead (overrides body_share)."""
-
-        def __post_init__(self) -> None:
-            require(self.head_share > 0, "head_share", self.head_share, "a positive multiple of trainer.local_epochs")
-            require(self.body_share > 0, "body_share", self.body_share, "a positive multiple of trainer.local_epochs")
-            require(self.head_steps is None or self.head_steps >= 1, "head_steps", self.head_steps, "null or an integer >= 1")
-            require(self.body_steps is None or self.body_steps >= 1, "body_steps", self.body_steps, "null or an integer >= 1")
+    Options = FedRepOptions

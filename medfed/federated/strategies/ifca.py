@@ -74,16 +74,15 @@ round: (k + 1) model vectors per participant.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from medfed.config import require
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.strategies.base import (
     DELIVER, MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, num_samples,
 )
+from medfed.options.strategies import IFCAOptions
 from medfed.models.split import ParameterSplit
 
 CLUSTER, CLUSTER_BUFFERS, CLUSTER_ID = "cluster", "cluster_buffers", "cluster_id"
@@ -252,16 +251,7 @@ class IFCA(Strategy):
     Server = IFCAServer
     Site = IFCASite
 
-    @dataclass
-    class Options:
-        clusters: int = 2
-        """k: cluster models on the server (the paper's CIFAR-10 setting; 1 = FedAvg)."""
-        init_scale: float = 1.0
-        """Seeded noise of the initial cluster models 2..k, in units of each parameter tensor's std."""
-
-        def __post_init__(self) -> None:
-            require(self.clusters >= 1, "clusters", self.clusters, "k >= 1")
-            require(self.init_scale >= 0, "init_scale", self.init_scale, "a scale >= 0")
+    Options = IFCAOptions
 
     def initial_values(self, model: Payload) -> Payload:
         """The model's parts and the k seeded initial cluster models as "cluster/j"."""

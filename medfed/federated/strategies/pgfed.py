@@ -55,16 +55,14 @@ coded against zero.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from medfed.config import require
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.strategies.base import (
     DELIVER, MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.live_parameters import live_parameters, live_vector
+from medfed.options.strategies import PGFedMoOptions, PGFedOptions
 
 
 def training_risk(site: SiteView) -> tuple[float, torch.Tensor]:
@@ -243,16 +241,7 @@ class PGFed(Strategy):
     Server = PGFedServer
     Site = PGFedSite
 
-    @dataclass
-    class Options:
-        mu: float = 0.1
-        """Weight of the auxiliary (other sites') risk in each site's objective (eq. 5)."""
-        alpha_lr: float = 0.01
-        """eta_2: step of the learned weights a_ij (Algorithm 1, line 10)."""
-
-        def __post_init__(self) -> None:
-            require(self.mu >= 0, "mu", self.mu, "mu >= 0")
-            require(self.alpha_lr >= 0, "alpha_lr", self.alpha_lr, "eta_2 >= 0")
+    Options = PGFedOptions
 
 
 class PGFedMoSite(PGFedSite):
@@ -268,11 +257,4 @@ class PGFedMo(PGFed):
     summary = "PGFed with momentum on each site's auxiliary gradient"
     Site = PGFedMoSite
 
-    @dataclass
-    class Options(PGFed.Options):
-        beta: float = 0.5
-        """Momentum on the auxiliary gradient; 0 gives PGFed exactly."""
-
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            require(0.0 <= self.beta < 1.0, "beta", self.beta, "a momentum in [0, 1)")
+    Options = PGFedMoOptions
