@@ -158,8 +158,9 @@ class DeclaredState:
     not copied (a half may go on to change them in place, e.g. APPLE's core
     models: save the state, or clone it, before the half runs again); its
     dicts, lists and tuples are copied on the way out and in, so the half and
-    a state taken of it never share a container. A loaded state comes through :func:`state_on_device` (floats on
-    the run's device, counters and generator states on the CPU).
+    a state taken of it never share a container. A loaded state comes through
+    :func:`state_on_device` (floats on the run's device, counters and
+    generator states on the CPU).
 
     A half with state that is not plain data (objects, sets) overrides both
     methods; one with scratch that must not outlive a restore (a round's
