@@ -33,7 +33,9 @@ COMMANDS = [
     ("fit --print-config", ["fit", "--config", "brats_lack0", "--print-config"], 0),
     ("config error: unknown key", ["fit", "--config", "brats_lack0", "trainer.roundz=3"], 2),
     ("config error: strategy name", ["fit", "--config", "brats_lack0", "strategy.name=pfednett"], 2),
-    ("config error: strategy option", ["fit", "--config", "brats_lack0", "strategy.pfednet.lamda=3"], 2),
+    ("config error: strategy option", ["fit", "--config", "brats_lack0", "strategy.pfednet.lamm=1"], 2),
+    ("config error: model option", ["fit", "--config", "brats_lack0", "model.num_res_unitz=1"], 2),
+    ("config error: data option", ["fit", "--config", "brats_lack0", "data.patch_size=40"], 2),
 ]
 
 

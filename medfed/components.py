@@ -20,8 +20,10 @@ This module imports neither torch nor any component: :data:`STRATEGY_CATALOG`
 declares the registered strategies' names and one-line descriptions (``python
 -m medfed strategies``, the strategy names a config or a grid may use; a test
 checks it against the registry, :data:`medfed.federated.strategies.REGISTERED`),
-and :func:`resolve` imports the components' registries (torch, Lightning,
-MONAI) only once the names in a config are known to be right.
+and :func:`resolve` checks every group against the components' options
+dataclasses, which live in the torch-free :mod:`medfed.options` package; the
+component classes themselves (torch, Lightning, MONAI) are imported only when
+a run asks :class:`ResolvedRun` for them.
 """
 
 from __future__ import annotations
@@ -34,8 +36,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from medfed.config import RunConfig, parse_options, to_plain_dict
 from medfed.errors import ConfigError
+from medfed.options.models import MODEL_OPTIONS
+from medfed.options.strategies import parse_strategy_group
+from medfed.options.tasks import task_spec
 
 if TYPE_CHECKING:
+    from medfed.federated.strategies.base import Strategy
+    from medfed.models.base import FederatedModule
     from medfed.tasks import Task
 
 
@@ -151,37 +158,61 @@ def strategy_table(markdown: bool = False) -> str:
 
 @dataclass(frozen=True)
 class ResolvedRun:
-    """A validated run: the typed groups, the chosen components and their options.
+    """A validated run: the typed groups, the chosen components' names and their options.
+
+    Resolving imports no torch; the component classes (``task``,
+    ``model_cls``, ``strategy_cls``) are imported on first use, by the run
+    that builds them.
 
     Attributes:
         config: the full resolved config as plain containers (every default
             of every component filled in).
         run: the typed fixed groups (``run.data`` etc. are the raw mappings).
-        task: the ``data.task`` component.
-        data_options: ``task.Options`` instance.
-        model_cls: the ``model.name`` class.
-        model_options: ``model_cls.Options`` instance.
-        strategy_cls: the ``strategy.name`` class.
-        strategy_options: ``strategy_cls.Options`` instance.
+        task_name, model_name, strategy_name: ``data.task``, ``model.name``
+            (default: the task's model) and ``strategy.name``.
+        data_options: the task's ``Options`` instance.
+        model_options: the model's ``Options`` instance.
+        strategy_options: the strategy's ``Options`` instance.
     """
 
     config: dict[str, Any]
     run: RunConfig
-    task: Task
+    task_name: str
     data_options: Any
-    model_cls: type
+    model_name: str
     model_options: Any
-    strategy_cls: type
+    strategy_name: str
     strategy_options: Any
+
+    @property
+    def task(self) -> Task:
+        """The ``data.task`` component (imports torch)."""
+        from medfed.tasks import get_task
+
+        return get_task(self.task_name)
+
+    @property
+    def model_cls(self) -> type[FederatedModule]:
+        """The ``model.name`` class (imports torch, Lightning, MONAI)."""
+        from medfed.models import model_class
+
+        return model_class(self.model_name)
+
+    @property
+    def strategy_cls(self) -> type[Strategy]:
+        """The ``strategy.name`` class (imports torch)."""
+        from medfed.federated.strategies import STRATEGIES
+
+        return STRATEGIES[self.strategy_name]
 
     @property
     def task_inputs(self) -> dict[str, Any]:
         """Keyword arguments of ``task.build_federation`` that the model decides (``target`` where the task offers a choice)."""
-        return {"target": self.model_options.target} if self.task.targets else {}
+        return {"target": self.model_options.target} if task_spec(self.task_name).targets else {}
 
 
 def resolve(cfg: DictConfig) -> ResolvedRun:
-    """Validate every component group of ``cfg`` and the device; fill in every default.
+    """Validate every component group of ``cfg`` and the device; fill in every default (no torch imported).
 
     Raises:
         ConfigError: naming the key: an unknown task, model or strategy, an
@@ -190,61 +221,42 @@ def resolve(cfg: DictConfig) -> ResolvedRun:
     """
     config = to_plain_dict(cfg)
     run: RunConfig = OmegaConf.to_object(cfg)
-    check_strategy_names(config["strategy"])
-    from medfed.federated.strategies import strategy_from_config, strategy_subgroups  # torch, Lightning, MONAI: from here on
-    from medfed.models import model_class
-    from medfed.tasks import get_task
-
-    task = get_task(_required(config["data"], "task", "data"))
+    strategy_name, strategy_options, given_strategy_options = parse_strategy_group(config["strategy"])
+    task = task_spec(_required(config["data"], "task", "data"))
     data_options = parse_options(task.Options, config["data"], "data", ignore=("task",))
     model_name = config["model"].get("name") or task.default_model
-    model_cls = model_class(model_name)
+    if model_name not in MODEL_OPTIONS:
+        raise ConfigError(f"config key 'model.name' = {model_name!r}: expected one of {', '.join(sorted(MODEL_OPTIONS))}")
     if model_name not in task.models:
         raise ConfigError(
             f"config key 'model.name' = {model_name!r}: the {task.name} task's samples fit {', '.join(task.models)} only"
         )
-    model_options = parse_options(model_cls.Options, config["model"], "model", ignore=("name",))
-    check_input_size = getattr(model_cls, "check_input_size", None)  # a model whose layers constrain the patch size
+    model_options = parse_options(MODEL_OPTIONS[model_name], config["model"], "model", ignore=("name",))
+    check_input_size = getattr(model_options, "check_input_size", None)  # a model whose layers constrain the patch size
     if check_input_size is not None and hasattr(data_options, "patch_size"):
-        check_input_size(model_options, data_options.patch_size, "data.patch_size")
+        check_input_size(data_options.patch_size, "data.patch_size")
     target = getattr(model_options, "target", None)
     if target is not None and target not in task.targets:
         raise ConfigError(f"config key 'model.target' = {target!r}: the {task.name} task labels samples for {', '.join(task.targets) or 'no target choice'}")
-    strategy_cls, strategy_options = strategy_from_config(config["strategy"])
-    given_strategy_options = strategy_subgroups(config["strategy"])
     check_device(run.trainer.device)
     full = {
         **config,
         "data": {"task": task.name, **dataclasses.asdict(data_options)},
         "model": {"name": model_name, **dataclasses.asdict(model_options)},
         "strategy": {
-            "name": strategy_cls.name,
+            "name": strategy_name,
             **{name: dataclasses.asdict(options) for name, options in given_strategy_options.items()},
-            strategy_cls.name: dataclasses.asdict(strategy_options),
+            strategy_name: dataclasses.asdict(strategy_options),
         },
     }
-    return ResolvedRun(full, run, task, data_options, model_cls, model_options, strategy_cls, strategy_options)
-
-
-def check_strategy_names(group: dict[str, Any]) -> None:
-    """Refuse a ``strategy`` group whose ``name`` or an options subgroup is not a registered strategy (from the catalog).
-
-    Raises:
-        ConfigError: naming ``strategy.name`` or the unknown ``strategy.<key>``.
-    """
-    name = group.get("name")
-    if name not in STRATEGY_NAMES:
-        raise ConfigError(f"config key 'strategy.name' = {name!r}: expected one of {', '.join(sorted(STRATEGY_NAMES))}")
-    unknown = [key for key in group if key != "name" and key not in STRATEGY_NAMES]
-    if unknown:
-        raise ConfigError(
-            f"unknown config key 'strategy.{unknown[0]}' (expected 'name' or a strategy's options: {', '.join(sorted(STRATEGY_NAMES))})"
-        )
+    return ResolvedRun(full, run, task.name, data_options, model_name, model_options, strategy_name, strategy_options)
 
 
 def check_device(device: str) -> None:
     """Refuse ``trainer.device`` values this machine cannot run (``cuda``/``gpu`` without CUDA, ``mps`` without MPS)."""
-    import torch  # the device check is the one thing here that needs it
+    if device not in ("cuda", "gpu", "mps"):
+        return  # cpu and auto run anywhere: no torch to import
+    import torch  # only a GPU device needs it
 
     if device in ("cuda", "gpu") and not torch.cuda.is_available():
         raise ConfigError(

@@ -4,8 +4,8 @@ Each command runs as ``python -m medfed ...`` in a fresh interpreter; the test
 asserts its exit status and output, that torch, Lightning and MONAI were never
 imported, and a generous wall-time bound (3 s; the figures on a 2-core VM are
 in benchmarks/cli_start.py). The torch-free declarations the fast paths read
-(the strategy catalog, the codec names) are checked against the registries
-they stand for.
+(the strategy catalog, the codec names, the components' options in
+:mod:`medfed.options`) are checked against the registries they stand for.
 """
 
 import os
@@ -19,9 +19,14 @@ import pytest
 from medfed.compression.codecs import CODEC_NAMES as CODECS
 from medfed.compression.piecewise import MAX_QUANT_BITS as QUANT_BITS
 from medfed.config import CODEC_NAMES, MAX_QUANT_BITS
-from medfed.components import check_strategy_names
-from medfed.errors import ConfigError
-from medfed.federated.strategies import strategy_from_config, strategy_subgroups
+from medfed.components import resolve
+from medfed.config import load_config
+from medfed.federated.strategies import STRATEGIES
+from medfed.models import MODELS
+from medfed.options.models import MODEL_OPTIONS
+from medfed.options.strategies import STRATEGY_OPTIONS
+from medfed.options.tasks import TASK_SPECS
+from medfed.tasks import TASKS
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "lightning", "monai")
@@ -51,6 +56,12 @@ sys.exit(code)
         (["fit", "--config", "brats_lack0", "strategy.name=pfednett"], 2, "config key 'strategy.name' = 'pfednett'"),
         (["fit", "--config", "brats_lack0", "strategy.fedprx.mu=1"], 2, "unknown config key 'strategy.fedprx'"),
         (["fit", "--config", "brats_lack0", "codec.up=zip"], 2, "'codec.up'"),
+        (["fit", "--config", "brats_lack0", "--print-config"], 0, "\n  pfednet:\n    lam: 0.1\n    lam_scale: fusion\n"),
+        (["fit", "--config", "brats_lack0", "strategy.pfednet.lamm=1"], 2, "unknown config key 'strategy.pfednet.lamm'"),
+        (["fit", "--config", "brats_lack0", "strategy.fedprox.mu=-1"], 2, "config key 'strategy.fedprox.mu' = -1"),
+        (["fit", "--config", "brats_lack0", "model.num_res_unitz=1"], 2, "unknown config key 'model.num_res_unitz'"),
+        (["fit", "--config", "brats_lack0", "data.patch_size=40"], 2, "config key 'data.patch_size' = 40"),
+        (["fit", "--config", "brats_lack0", "data.train_samplng=fixed"], 2, "unknown config key 'data.train_samplng'"),
         (["fit", "--config", "no_such_config"], 2, "no_such_config"),
     ],
     ids=lambda value: " ".join(value) if isinstance(value, list) else None,
@@ -75,10 +86,19 @@ def test_the_config_check_knows_every_codec_and_its_bounds():
     assert MAX_QUANT_BITS == QUANT_BITS
 
 
-@pytest.mark.parametrize("group", [{"name": "pfednett"}, {"name": "fedavg", "fedprx": {}}, {"name": None}])
-def test_the_torch_free_strategy_name_check_refuses_as_the_registry_does(group):
-    with pytest.raises(ConfigError) as fast:
-        check_strategy_names(group)
-    with pytest.raises(ConfigError) as registry:
-        strategy_from_config(group) if "fedprx" not in group else strategy_subgroups(group)
-    assert str(fast.value) == str(registry.value)
+def test_the_torch_free_options_are_the_components_own():
+    assert list(STRATEGY_OPTIONS) == list(STRATEGIES) and all(STRATEGY_OPTIONS[name] is cls.Options for name, cls in STRATEGIES.items())
+    assert MODEL_OPTIONS.keys() == MODELS.keys() and all(MODEL_OPTIONS[name] is cls.Options for name, cls in MODELS.items())
+    assert TASK_SPECS.keys() == TASKS.keys()
+    for name, task in TASKS.items():
+        spec = TASK_SPECS[name]
+        assert (spec.name, spec.Options, spec.default_model, spec.models, spec.targets) == (
+            task.name, task.Options, task.default_model, task.models, task.targets
+        )
+
+
+def test_a_resolved_run_hands_out_the_registered_components(tiny_run_config):
+    resolved = resolve(load_config(tiny_run_config, ["strategy.name=pgfedmo", "strategy.pgfedmo.beta=0.25"]))
+    assert resolved.strategy_cls is STRATEGIES["pgfedmo"] and resolved.strategy_options == STRATEGIES["pgfedmo"].Options(beta=0.25)
+    assert resolved.model_cls is MODELS[resolved.model_name] and isinstance(resolved.model_options, resolved.model_cls.Options)
+    assert resolved.task is TASKS[resolved.task_name] and isinstance(resolved.data_options, resolved.task.Options)

@@ -9,7 +9,7 @@ import torch
 from medfed.checkpoint import read_checkpoint, save_checkpoint
 from medfed.data.pooling import POOL_SITE
 from medfed.federated.strategies import STRATEGIES
-from medfed.federated.strategies.base import RoundContext
+from medfed.federated.strategies.base import DeclaredState, RoundContext
 from medfed.models.split import PARTS
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import DropoutClassifier, LinearClassifier, build_loop, seeded, two_group_federation, with_a_body
@@ -149,3 +149,56 @@ def test_a_resumed_state_has_its_floats_on_the_runs_device_and_its_counters_and_
     assert moved["pair"][0].device.type == "meta" and moved["pair"][0].dtype == torch.float64
     assert isinstance(moved["pair"], tuple) and moved["pair"][1][0].device.type == "meta"
     assert moved["downloads"] is state["downloads"] and moved["generator"] is state["generator"] and moved["round"] == 2
+
+
+def _identical(a, b, where="state"):
+    """``a`` and ``b`` are the same plain data: same container types and keys, tensors equal in dtype, shape and every bit."""
+    assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), f"{where}: keys {list(a)} vs {list(b)}"
+        for key in a:
+            _identical(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for index, (x, y) in enumerate(zip(a, b)):
+            _identical(x, y, f"{where}[{index}]")
+    else:
+        assert a == b or (a != a and b != b), f"{where}: {a!r} vs {b!r}"  # (NaN equals NaN here)
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_half_states_its_declared_fields_and_loads_them_back_bit_for_bit(name, tmp_path):
+    loop = _loop(name, participation=0.75)
+    loop.fit(2)
+    halves = [loop.server, *(site.strategy for site in loop.sites)]
+    for half in halves:
+        if type(half).state_dict is DeclaredState.state_dict:  # (not an override)
+            assert list(half.state_dict()) == list(half.state_fields), type(half).__name__
+    path = save_checkpoint(tmp_path, {**loop.state_dict(), "config": {}}, keep=1)
+    resumed = _loop(name, participation=0.75)
+    resumed.load_state_dict(read_checkpoint(path))
+    _identical(resumed.server.state_dict(), loop.server.state_dict(), "server")
+    for a, b in zip(resumed.sites, loop.sites):
+        _identical(a.strategy.state_dict(), b.strategy.state_dict(), a.name)
+
+
+def test_a_declared_state_refuses_other_fields_and_shares_no_container_with_the_half():
+    from medfed.federated.strategies.base import ServerHalf
+
+    class Half(ServerHalf):
+        state_fields = ("model", "history")
+
+    half = Half(None, None, 2, 0)
+    half.model, half.history = torch.arange(3.0), [{"loss": 1.0}]
+    state = half.state_dict()
+    assert list(state) == ["model", "history"] and state["model"] is half.model
+    half.history[0]["loss"] = 2.0
+    assert state["history"] == [{"loss": 1.0}]  # a later change of the half's containers does not reach the state
+    restored = Half(None, None, 2, 0)
+    restored.load_state_dict(state)
+    state["history"].append({"loss": 3.0})
+    assert restored.history == [{"loss": 1.0}] and torch.equal(restored.model, torch.arange(3.0))
+    with pytest.raises(ValueError, match=r"Half: the state holds \['model'\], the half checkpoints \['history', 'model'\]"):
+        Half(None, None, 2, 0).load_state_dict({"model": torch.zeros(3)})

@@ -5,8 +5,6 @@ import pytest
 from sklearn.datasets import load_breast_cancer
 
 from medfed.data.tabular import (
-    BREAST_CANCER_POSITIVE,
-    BREAST_CANCER_TARGET,
     check_sites_have_both_classes,
     fit_minmax,
     read_tabular_csv,
@@ -14,6 +12,7 @@ from medfed.data.tabular import (
     write_breast_cancer_csv,
 )
 from medfed.errors import DataError
+from medfed.options.tasks import BREAST_CANCER_POSITIVE, BREAST_CANCER_TARGET
 
 RECORDS = """patient,age,bleeding,hospital,creatinine
 p1,71,yes,A,1.2

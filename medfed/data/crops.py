@@ -42,34 +42,16 @@ reads those.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch.utils.data import Sampler, TensorDataset
 
-from medfed.config import require
 from medfed.data.brats import tumour_regions
+from medfed.options.tasks import Augmentation
 
 _SEED_HIGH = 2**62
 """Crop seeds are drawn from [0, _SEED_HIGH)."""
-
-
-@dataclass
-class Augmentation:
-    """The ``data.augment`` group: per-crop flips and intensity changes (``train_sampling: random_crops``)."""
-
-    flip_prob: float = 0.5
-    """Probability of mirroring each in-plane axis (left-right, anterior-posterior), independently."""
-    scale: float = 0.1
-    """Non-zero values of each channel times ``1 + f``, ``f ~ U(-scale, scale)``."""
-    shift: float = 0.1
-    """Then plus ``o ~ U(-shift, shift)`` per channel (z-score units)."""
-
-    def __post_init__(self) -> None:
-        require(0.0 <= self.flip_prob <= 1.0, "augment.flip_prob", self.flip_prob, "a probability in [0, 1]")
-        require(0.0 <= self.scale < 1.0, "augment.scale", self.scale, "a number in [0, 1)")
-        require(self.shift >= 0.0, "augment.shift", self.shift, ">= 0")
 
 
 def training_volume(image: np.ndarray, label: np.ndarray, tumour: np.ndarray, background: np.ndarray) -> dict[str, torch.Tensor]:

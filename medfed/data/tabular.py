@@ -45,13 +45,12 @@ import numpy as np
 from medfed.atomic import atomic_write
 from medfed.data.csv_rows import read_csv_rows
 from medfed.errors import DataError
+from medfed.options.tasks import BREAST_CANCER_TARGET
 
 MISSING_TOKENS = frozenset({"", "na", "n/a", "nan", "null"})  # compared after strip() and lower()
 MAX_LEVELS = 50  # most levels a categorical feature column may have
 # what YAML 1.1 reads as a boolean when unquoted (after lower()), for the hint of a boolean positive value
 YAML_BOOLEANS = {True: frozenset({"y", "yes", "true", "on"}), False: frozenset({"n", "no", "false", "off"})}
-BREAST_CANCER_TARGET = "diagnosis"
-BREAST_CANCER_POSITIVE = "malignant"
 
 
 @dataclass(frozen=True)

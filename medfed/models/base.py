@@ -11,42 +11,16 @@ once, through :meth:`FederatedModule.prepare_for_site`.
 
 from __future__ import annotations
 
-import math
-
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import lightning as L
 import torch
 
-from medfed.config import require
 from medfed.models.split import PersonalizationSplit
+from medfed.options.models import ModelOptions
 
 if TYPE_CHECKING:
     from medfed.data.federation import SiteData
-
-
-@dataclass
-class ModelOptions:
-    """Options every model takes (the ``model`` config group); models extend it with their own.
-
-    Attributes:
-        lr: Adam learning rate of local training.
-        weight_decay: Adam weight decay.
-        personal_patterns: regexes over parameter names that make a parameter
-            personal (``None``: the model's default split).
-        shared_patterns: regexes that make a parameter shared (``None``:
-            everything not personal is shared).
-    """
-
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    personal_patterns: list[str] | None = None
-    shared_patterns: list[str] | None = None
-
-    def __post_init__(self) -> None:
-        require(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "a positive finite learning rate")
-        require(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", self.weight_decay, "a finite number >= 0")
 
 
 class FederatedModule(PersonalizationSplit, L.LightningModule):

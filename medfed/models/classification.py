@@ -31,7 +31,6 @@ negative. The default, ``null``, weighs every sample 1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,9 +39,9 @@ from monai.networks.nets import DenseNet
 from torchmetrics import MetricCollection
 from torchmetrics.classification import BinaryAUROC, BinaryConfusionMatrix
 
-from medfed.config import require
 from medfed.errors import DataError
-from medfed.models.base import FederatedModule, ModelOptions
+from medfed.models.base import FederatedModule
+from medfed.options.models import ClassifierOptions, DenseNetOptions
 
 if TYPE_CHECKING:
     from medfed.data.federation import SiteData
@@ -50,30 +49,6 @@ if TYPE_CHECKING:
 #: MONAI's DenseNet holds its convolutional trunk in ``features`` and the final ReLU, pooling and
 #: fully connected layer in ``class_layers``; only ``class_layers.out`` has parameters.
 DENSENET_CLASSIFIER_PATTERN = r"^densenet\.class_layers\."
-
-
-CLASS_WEIGHTS = ("balanced",)
-
-
-@dataclass
-class ClassifierOptions(ModelOptions):
-    """Options every two-class model takes.
-
-    Attributes:
-        class_weight: ``None``: every sample weighs 1; ``"balanced"``: class c
-            weighs n / (2 n_c) in the loss, from the site's own training labels.
-    """
-
-    class_weight: str | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require(
-            self.class_weight is None or self.class_weight in CLASS_WEIGHTS,
-            "class_weight",
-            self.class_weight,
-            f"null or {' or '.join(CLASS_WEIGHTS)}",
-        )
 
 
 class BinaryClassifier(FederatedModule):
@@ -160,26 +135,7 @@ class NoduleClassifier(BinaryClassifier):
     BatchNorm running statistics are buffers and stay at their site.
     """
 
-    @dataclass
-    class Options(ClassifierOptions):
-        init_features: int = 16
-        growth_rate: int = 12
-        block_config: list[int] = field(default_factory=lambda: [4, 4, 4])
-        bn_size: int = 4
-        dropout: float = 0.0
-
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            require(self.init_features >= 1, "init_features", self.init_features, "an integer >= 1")
-            require(self.growth_rate >= 1, "growth_rate", self.growth_rate, "an integer >= 1")
-            require(
-                len(self.block_config) >= 1 and all(n >= 1 for n in self.block_config),
-                "block_config",
-                self.block_config,
-                "a non-empty list of layer counts >= 1",
-            )
-            require(self.bn_size >= 1, "bn_size", self.bn_size, "an integer >= 1")
-            require(0.0 <= self.dropout < 1.0, "dropout", self.dropout, "a number in [0, 1)")
+    Options = DenseNetOptions
 
     default_personal_patterns = (DENSENET_CLASSIFIER_PATTERN,)
 

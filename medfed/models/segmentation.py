@@ -23,9 +23,6 @@ whole-volume evaluation (:mod:`medfed.evaluation.volume`).
 
 from __future__ import annotations
 
-import math
-
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,9 +30,9 @@ from monai.losses import DiceCELoss, DiceLoss
 from monai.networks.nets import UNet
 from torchmetrics.classification import MulticlassJaccardIndex, MultilabelJaccardIndex
 
-from medfed.config import require
 from medfed.data.brats import REGIONS
-from medfed.models.base import FederatedModule, ModelOptions, log_odds_shift
+from medfed.models.base import FederatedModule, log_odds_shift
+from medfed.options.models import UNetOptions
 
 if TYPE_CHECKING:
     from medfed.data.federation import SiteData
@@ -43,9 +40,6 @@ if TYPE_CHECKING:
 #: MONAI's UNet nests ``Sequential(down, SkipConnection(submodule), up)``; index 2 at any depth is
 #: an up-sampling (decoder) block. Everything else — down blocks and the bottom — is the encoder.
 UNET_DECODER_PATTERN = r"^unet\.model\.(1\.submodule\.)*2\."
-
-TARGETS = ("wt", "regions")
-
 
 class RegionLoss(torch.nn.Module):
     """Dice + binary cross-entropy of overlapping regions: ``(B, R, H, W)`` logits against 0/1 masks of the same shape."""
@@ -62,47 +56,10 @@ class RegionLoss(torch.nn.Module):
 class UNetSegmenter(FederatedModule):
     """U-Net with the encoder shared and the decoder personal by default (pFedNet, section VI-A)."""
 
-    @dataclass
-    class Options(ModelOptions):
-        channels: list[int] = field(default_factory=lambda: [16, 32, 64, 128, 256])
-        strides: list[int] = field(default_factory=lambda: [2, 2, 2, 2])
-        num_res_units: int = 2
-        dropout: float = 0.0
-        target: str = "wt"
-        """``wt`` (whole tumour, two softmax classes) or ``regions`` (WT, TC, ET sigmoid outputs)."""
-
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            require(
-                len(self.channels) >= 2 and all(c >= 1 for c in self.channels),
-                "channels",
-                self.channels,
-                "at least two positive channel counts (one per U-Net level)",
-            )
-            require(len(self.strides) == len(self.channels) - 1, "strides", self.strides, "one fewer entry than channels")
-            require(all(s >= 1 for s in self.strides), "strides", self.strides, "positive integers")
-            require(self.num_res_units >= 0, "num_res_units", self.num_res_units, "an integer >= 0")
-            require(0.0 <= self.dropout < 1.0, "dropout", self.dropout, "a number in [0, 1)")
-            require(self.target in TARGETS, "target", self.target, " or ".join(TARGETS))
+    Options = UNetOptions
 
     metric_names = ("iou", "label_iou")
     default_personal_patterns = (UNET_DECODER_PATTERN,)
-
-    @staticmethod
-    def check_input_size(options: Options, size: int, key: str) -> None:
-        """Refuse a patch side ``size`` (config key ``key``) the U-Net cannot take back to its own size.
-
-        Each level divides the side by its stride and the decoder multiplies it
-        back, so the side must be a multiple of the strides' product, and the
-        bottom level at least 2 pixels wide (batch norm needs more than one value).
-        """
-        total = math.prod(options.strides)
-        require(
-            size % total == 0 and size // total >= 2,
-            key,
-            size,
-            f"a multiple of {total} (the product of model.strides {options.strides}) and at least {2 * total}",
-        )
 
     def __init__(self, in_channels: int, num_classes: int, options: Options | None = None) -> None:
         super().__init__()

@@ -14,14 +14,14 @@ the graph penalty couples the sites.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from medfed.models.base import log_odds_shift
-from medfed.models.classification import BinaryClassifier, ClassifierOptions
+from medfed.models.classification import BinaryClassifier
+from medfed.options.models import LogisticRegressionOptions
 
 if TYPE_CHECKING:
     from medfed.data.federation import SiteData
@@ -30,9 +30,7 @@ if TYPE_CHECKING:
 class LogisticRegression(BinaryClassifier):
     """One linear layer ``linear`` (weight (1, f), bias (1,)), personal by default."""
 
-    @dataclass
-    class Options(ClassifierOptions):
-        lr: float = 1e-2
+    Options = LogisticRegressionOptions
 
     default_personal_patterns = (r"^linear\.",)
 

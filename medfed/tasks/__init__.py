@@ -1,7 +1,8 @@
 """Tasks: how a data set becomes a federation, and which model serves it by default.
 
 A task is the ``data`` config group: ``data.task`` picks one, the remaining
-keys are that task's ``Options``.
+keys are that task's ``Options`` (declared, with the models each task's
+samples fit, in the torch-free :mod:`medfed.options.tasks`).
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from medfed.data.federation import Federation
-from medfed.errors import ConfigError
+from medfed.options.tasks import task_spec
 from medfed.tasks import brats, clinical, luna16
 
 
 @dataclass(frozen=True)
 class Task:
+    """A task: its :class:`~medfed.options.tasks.TaskSpec` (name, ``Options``, models, targets) and how it builds its data."""
+
     name: str
     Options: type
     build_federation: Callable[..., Federation]
@@ -33,16 +36,13 @@ class Task:
 
 TASKS: dict[str, Task] = {
     module.NAME: Task(
-        module.NAME, module.Options, module.build_federation, module.build_site, module.DEFAULT_MODEL, (module.DEFAULT_MODEL,),
-        getattr(module, "TARGETS", ()),
+        spec.name, spec.Options, module.build_federation, module.build_site, spec.default_model, spec.models, spec.targets
     )
     for module in (brats, luna16, clinical)
+    for spec in (task_spec(module.NAME),)
 }
 
 
 def get_task(name: str) -> Task:
     """The task registered as ``name`` (config key ``data.task``)."""
-    if name not in TASKS:
-        raise ConfigError(f"config key 'data.task' = {name!r}: expected one of {', '.join(sorted(TASKS))}")
-    return TASKS[name]
-
+    return TASKS[task_spec(name).name]

@@ -44,7 +44,7 @@ import shutil
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -53,10 +53,10 @@ import torch
 from torch.utils.data import TensorDataset
 from tqdm import tqdm  # text bars: tqdm.auto warns in a notebook without ipywidgets
 
-from medfed.config import FederationConfig, require
+from medfed.config import FederationConfig
 from medfed.data.brats import MODALITIES, REGIONS, BratsCase, BratsVolume, find_cases, load_case, tumour_regions
 from medfed.data.cache import cache_key, key_settings, load_or_build
-from medfed.data.crops import Augmentation, RandomCrops, training_volume
+from medfed.data.crops import RandomCrops, training_volume
 from medfed.data.federation import (
     EvaluationVolume,
     Federation,
@@ -73,59 +73,12 @@ from medfed.data.patches import extract_axial_patches, sample_centres, tumour_fr
 from medfed.data.phantoms.brats import brats_phantoms
 from medfed.data.phantoms.store import MARKER, describe_generated
 from medfed.errors import ConfigError, DataError, warn
+from medfed.options.tasks import BratsOptions as Options
+from medfed.options.tasks import GeneratedBrats
 
 NAME = "brats"
-DEFAULT_MODEL = "unet"
-TARGETS = ("wt", "regions")
-"""What the model may learn (``model.target``): whole tumour, or the WT/TC/ET regions."""
-TRAIN_SAMPLING = ("fixed", "random_crops")
-"""``data.train_sampling``: the patches cut once, or fresh augmented crops every epoch."""
 PREPROCESSING_VERSION = 1
 """Part of the cache key: bump it when a change here changes the tensors a federation holds."""
-
-
-@dataclass
-class GeneratedBrats:
-    """Settings of the generated default data set (one partition per site of the federation)."""
-
-    cases_per_site: int = 8
-    seed: int = 0
-    resolution_mm: float = 2.0
-
-
-@dataclass
-class Options:
-    """The ``data`` config group of the BraTS task."""
-
-    root: str = "data/generated/brats2017"
-    generate: GeneratedBrats | None = field(default_factory=GeneratedBrats)
-    partition_csv: str | None = None
-    patch_size: int = 64
-    tumour_patches_per_case: int = 12
-    background_patches_per_case: int = 4
-    train_sampling: str = "fixed"
-    """``fixed``: train on the patches cut once; ``random_crops``: fresh crops every epoch, as many and as balanced (:mod:`medfed.data.crops`)."""
-    augment: Augmentation = field(default_factory=Augmentation)
-    """Flips and intensity changes of each crop (``random_crops`` only)."""
-    resample: bool = False
-    """A case's modality or segmentation on another voxel grid than its first modality's is resampled onto that grid (linear,
-    nearest neighbour for the segmentation) instead of refused (:func:`medfed.data.brats.load_case`)."""
-    cache: bool = True
-    """Keep the built patches in the preprocessed-data cache and reuse them (:mod:`medfed.data.cache`)."""
-    cache_dir: str | None = None
-    """The cache folder; null: ``$XDG_CACHE_HOME/medfed``, else ``~/.cache/medfed``."""
-
-    def __post_init__(self) -> None:
-        require(self.patch_size >= 8 and self.patch_size % 2 == 0, "patch_size", self.patch_size, "an even number >= 8")
-        require(self.tumour_patches_per_case >= 0, "tumour_patches_per_case", self.tumour_patches_per_case, ">= 0")
-        require(self.background_patches_per_case >= 0, "background_patches_per_case", self.background_patches_per_case, ">= 0")
-        require(
-            self.tumour_patches_per_case + self.background_patches_per_case > 0,
-            "tumour_patches_per_case",
-            self.tumour_patches_per_case,
-            "at least one patch per case in total",
-        )
-        require(self.train_sampling in TRAIN_SAMPLING, "train_sampling", self.train_sampling, " or ".join(TRAIN_SAMPLING))
 
 
 def build_federation(

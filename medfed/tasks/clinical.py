@@ -46,7 +46,6 @@ from __future__ import annotations
 import csv
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -54,7 +53,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from medfed.config import FederationConfig, require
+from medfed.config import FederationConfig
 from medfed.data.csv_rows import read_csv_rows
 from medfed.data.federation import (
     Federation,
@@ -67,8 +66,6 @@ from medfed.data.federation import (
     split_site,
 )
 from medfed.data.tabular import (
-    BREAST_CANCER_POSITIVE,
-    BREAST_CANCER_TARGET,
     TabularData,
     check_sites_have_both_classes,
     fit_minmax,
@@ -77,37 +74,11 @@ from medfed.data.tabular import (
     write_breast_cancer_csv,
 )
 from medfed.errors import ConfigError, DataError
+from medfed.options.tasks import ClinicalOptions as Options
 from medfed.tasks.label_imbalance import refuse_label_ratio, sites_at_label_ratio
 
 NAME = "clinical"
-DEFAULT_MODEL = "logreg"
-EMBEDDED_TABLES = ("breast_cancer",)
 CLASS_NAMES = ("negative", "positive")  # label 0, label 1
-
-
-@dataclass
-class Options:
-    """The ``data`` config group of the clinical task."""
-
-    csv: str = "data/generated/clinical/breast_cancer.csv"
-    embedded: str | None = "breast_cancer"
-    """Write this table shipped with an installed package to ``csv`` first (a different file there is
-    an error, never overwritten); null reads your own ``csv``."""
-    target: str = BREAST_CANCER_TARGET
-    positive: str | int | bool = BREAST_CANCER_POSITIVE
-    """The target value meaning the event (label 1), compared as text; a bool (an unquoted YAML ``true``)
-    matching no cell is an error that says to quote it."""
-    site_column: str | None = None
-    exclude_columns: list[str] = field(default_factory=list)
-    """Columns that are neither features nor target nor site (e.g. a patient id)."""
-
-    def __post_init__(self) -> None:
-        require(
-            self.embedded is None or self.embedded in EMBEDDED_TABLES,
-            "embedded",
-            self.embedded,
-            f"null or one of {', '.join(EMBEDDED_TABLES)}",
-        )
 
 
 def build_federation(options: Options, federation: FederationConfig, seed: int, progress: bool = True) -> Federation:

@@ -48,7 +48,7 @@ import csv
 import shutil
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -56,7 +56,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from medfed.config import FederationConfig, require
+from medfed.config import FederationConfig
 from medfed.data.cache import cache_key, key_settings, load_or_build
 from medfed.data.federation import (
     Federation,
@@ -73,61 +73,12 @@ from medfed.data.partition_csv import find_partition_csv, read_partition_csv
 from medfed.data.phantoms.luna16 import luna16_phantoms
 from medfed.data.phantoms.store import MARKER, describe_generated
 from medfed.errors import ConfigError, DataError
+from medfed.options.tasks import Luna16Options as Options
 from medfed.tasks.label_imbalance import SiteSamples, refuse_label_ratio, sites_at_label_ratio
 
 NAME = "luna16"
-DEFAULT_MODEL = "densenet"
 PREPROCESSING_VERSION = 2
 """Part of the cache key: bump it when a change here changes the tensors a federation holds."""
-
-
-@dataclass
-class GeneratedLuna16:
-    """Settings of the generated default data set (one acquisition site per site of the federation).
-
-    The keys are those of :func:`~medfed.data.phantoms.luna16.luna16_phantoms`, which checks them.
-    """
-
-    series_per_site: int = 10
-    nodules_per_series: list[int] = field(default_factory=lambda: [3, 5])
-    nodule_diameter_mm: list[float] = field(default_factory=lambda: [3.0, 25.0])
-    negatives_per_series: int = 80
-    matrix_size: int = 192
-    z_extent_mm: float = 80.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for key in ("nodules_per_series", "nodule_diameter_mm"):
-            require(len(getattr(self, key)) == 2, f"generate.{key}", getattr(self, key), "a [low, high] pair")
-
-
-@dataclass
-class Options:
-    """The ``data`` config group of the LUNA16 task."""
-
-    root: str = "data/generated/luna16"
-    generate: GeneratedLuna16 | None = field(default_factory=GeneratedLuna16)
-    candidates_csv: str | None = None
-    """Default: ``root/candidates_V2.csv``, else ``root/candidates.csv``."""
-    partition_csv: str | None = None
-    """Default: ``root/partitioning.csv`` when present, else a seeded shuffle of the series."""
-    patch_size: int = 32
-    max_negatives_per_series: int | None = None
-    """Keep at most this many non-nodule candidates per series, drawn with the run's seed, before
-    the federation is built (real LUNA16 has ~620 per series); null keeps all."""
-    cache: bool = True
-    """Keep the cut patches in the preprocessed-data cache and reuse them (:mod:`medfed.data.cache`)."""
-    cache_dir: str | None = None
-    """The cache folder; null: ``$XDG_CACHE_HOME/medfed``, else ``~/.cache/medfed``."""
-
-    def __post_init__(self) -> None:
-        require(self.patch_size >= 1, "patch_size", self.patch_size, "a positive number of voxels")
-        require(
-            self.max_negatives_per_series is None or self.max_negatives_per_series >= 0,
-            "max_negatives_per_series",
-            self.max_negatives_per_series,
-            "null or >= 0",
-        )
 
 
 def build_federation(options: Options, federation: FederationConfig, seed: int, progress: bool = True) -> Federation:

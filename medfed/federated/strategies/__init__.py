@@ -5,7 +5,8 @@ config comments and the registry-driven tests all derive from it. A new
 algorithm is one module plus one entry in :data:`REGISTERED` and its line in
 :data:`medfed.components.STRATEGY_CATALOG` (which ``python -m medfed
 strategies`` and the README's list print without importing torch; a test
-checks that the two agree).
+checks that the two agree), and its options dataclass in
+:data:`medfed.options.strategies.STRATEGY_OPTIONS`.
 
 The ``strategy`` config group names the algorithm and may hold options for
 any registered algorithm under its own name, so switching ``strategy.name``
@@ -17,15 +18,15 @@ on the command line never invalidates a config::
       fedamp: {sigma: 1.0}
 
 Every subgroup is validated (typos are caught even in the unused ones); the
-chosen algorithm gets its subgroup, or its defaults.
+chosen algorithm gets its subgroup, or its defaults. The options are declared
+in the torch-free :mod:`medfed.options.strategies` (one dataclass per
+algorithm, set as its ``Options``), so a config is checked before torch is imported.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from medfed.config import parse_options
-from medfed.errors import ConfigError
 from medfed.federated.strategies.apfl import APFL
 from medfed.federated.strategies.apple import APPLE
 from medfed.federated.strategies.base import Strategy
@@ -47,6 +48,7 @@ from medfed.federated.strategies.pfednet import PFedNet
 from medfed.federated.strategies.pgfed import PGFed, PGFedMo
 from medfed.federated.strategies.pooled import Pooled
 from medfed.federated.strategies.superfed import SuPerFed
+from medfed.options.strategies import parse_strategy_group
 
 #: every algorithm, in the order they are listed
 REGISTERED: tuple[type[Strategy], ...] = (
@@ -57,24 +59,6 @@ STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in REGISTERED}
 
 
 def strategy_from_config(group: dict[str, Any]) -> tuple[type[Strategy], Any]:
-    """The chosen strategy class and its validated options, from the ``strategy`` config group."""
-    name = group.get("name")
-    if name not in STRATEGIES:
-        raise ConfigError(f"config key 'strategy.name' = {name!r}: expected one of {', '.join(sorted(STRATEGIES))}")
-    options = strategy_subgroups(group)
-    chosen = STRATEGIES[name]
-    return chosen, options.get(name, chosen.Options())
-
-
-def strategy_subgroups(group: dict[str, Any]) -> dict[str, Any]:
-    """Every options subgroup the ``strategy`` group holds, validated: ``{strategy name: its Options}``."""
-    options = {}
-    for key, values in group.items():
-        if key == "name":
-            continue
-        if key not in STRATEGIES:
-            raise ConfigError(
-                f"unknown config key 'strategy.{key}' (expected 'name' or a strategy's options: {', '.join(sorted(STRATEGIES))})"
-            )
-        options[key] = parse_options(STRATEGIES[key].Options, values or {}, f"strategy.{key}")
-    return options
+    """The chosen strategy class and its validated options, from the ``strategy`` config group (:func:`~medfed.options.strategies.parse_strategy_group`)."""
+    name, options, _ = parse_strategy_group(group)
+    return STRATEGIES[name], options

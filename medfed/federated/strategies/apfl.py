@@ -74,15 +74,12 @@ authors' code's default.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from medfed.config import require
 from medfed.federated.strategies.base import DELIVER, Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
 from medfed.federated.strategies.live_parameters import live_parameters, training_loss_with
-from medfed.federated.strategies.presets import by_preset, check_preset
+from medfed.options.strategies import APFLOptions
 
 GLOBAL, LOCAL, MIXED = "global", "local", "mixed"
 
@@ -94,6 +91,8 @@ def mixture(alpha: torch.Tensor, local: torch.Tensor, global_: torch.Tensor) -> 
 
 class APFLSite(FedAvgSite):
     """FedAvg's site half on the ``global`` slot; also steps v_i and alpha_i on every batch; evaluated with the mixture."""
+
+    state_fields = ("alpha",)
 
     global_slot = GLOBAL
 
@@ -136,12 +135,6 @@ class APFLSite(FedAvgSite):
             rate = self.options.alpha_lr if self.options.alpha_lr is not None else site.learning_rate(LOCAL)
             self.alpha = (alpha.detach() - rate * alpha.grad).clamp(0.0, 1.0)
 
-    def state_dict(self) -> dict:
-        return {"alpha": self.alpha}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.alpha = state["alpha"]
-
 
 class APFL(FedAvg):
     name = "apfl"
@@ -152,23 +145,4 @@ class APFL(FedAvg):
     delivered_slot = GLOBAL  # the evaluated mixture is rebuilt from the delivered global model
     Site = APFLSite
 
-    @dataclass
-    class Options:
-        preset: str = "equal"
-        """"equal": the steps' two passes each share trainer.local_epochs; "published": a step per mini-batch of it."""
-        step_share: float | None = None
-        """Epochs of steps per round, in units of trainer.local_epochs (two passes each); null: the preset's (1/2 or 1)."""
-        alpha: float = 0.5
-        """Initial mixing weight alpha_i of the local model (the authors' code's default)."""
-        adaptive: bool = True
-        """Learn alpha_i by projected gradient steps (APFL's adaptive variant); false keeps it fixed."""
-        alpha_lr: float | None = None
-        """eta_alpha: step of alpha's updates; null = the learning rate of the local model's optimiser."""
-
-        def __post_init__(self) -> None:
-            check_preset(self.preset)
-            if self.step_share is None:
-                self.step_share = by_preset(self.preset, 0.5, 1.0)
-            require(self.step_share > 0, "step_share", self.step_share, "a positive multiple of trainer.local_epochs")
-            require(0.0 <= self.alpha <= 1.0, "alpha", self.alpha, "a weight in [0, 1]")
-            require(self.alpha_lr is None or self.alpha_lr >= 0, "alpha_lr", self.alpha_lr, "null or >= 0")
+    Options = APFLOptions

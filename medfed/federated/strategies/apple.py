@@ -68,17 +68,14 @@ statistics), into the personalised slot. Each site holds N model vectors
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from medfed.config import require
 from medfed.federated.strategies.base import (
     DELIVER, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.live_parameters import live_parameters, training_loss_with
-
-SCHEDULERS = ("cosine", "exponential")
+from medfed.options.strategies import APPLEOptions
 
 
 def loss_scheduler(kind: str, completed_rounds: int, last_round: int, eps: float) -> float:
@@ -163,6 +160,8 @@ CORE, PERSONALISED = "core", "personalised"
 class APPLEServer(ServerHalf):
     """Keeps the N core models; sends each site the cores it requests."""
 
+    state_fields = ("cores", "prior", "completed_rounds")
+
     def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.cores = initial["all"].reshape(1, -1).repeat(self.n_sites, 1)  # (N, d) w_j^(c)
         sizes = torch.cat([replies[i]["num_samples"] for i in range(self.n_sites)]).to(torch.float64)
@@ -189,27 +188,21 @@ class APPLEServer(ServerHalf):
     def metrics(self) -> dict[str, float]:
         return {"cores_sent_per_site": sum(map(len, self.requests.values())) / max(len(self.requests), 1)}
 
-    def state_dict(self) -> dict:
-        return {"cores": self.cores, "prior": self.prior, "completed_rounds": self.completed_rounds}
-
     def load_state_dict(self, state: dict) -> None:
-        self.cores = state["cores"]
-        self.prior = state["prior"]
-        self.completed_rounds = state["completed_rounds"]
-        self.requests = {}
-
-
-#: what a site half keeps (set at the first delivery): p_0, p_i, its copies of the core models (N, d),
-#: its download counts (N,), its download generator's state, and r
-_SITE_STATE = ("prior", "dr", "cores", "downloads", "generator", "completed_rounds")
+        super().load_state_dict(state)
+        self.requests = {}  # a round's requests never outlive it: a restored server has none pending
 
 
 class APPLESite(SiteHalf):
     """Holds p_i, p_0, its copies of the core models and its download counts; trains its core model."""
 
+    #: set at the first delivery: p_0, p_i, its copies of the core models (N, d), its download counts (N,),
+    #: its download generator's state, and r
+    state_fields = ("prior", "dr", "cores", "downloads", "generator", "completed_rounds")
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        for name in _SITE_STATE:
+        for name in self.state_fields:
             setattr(self, name, None)
 
     def setup(self, site: SiteView, ctx: RoundContext) -> Payload:
@@ -277,13 +270,6 @@ class APPLESite(SiteHalf):
         request[chosen] = 1.0
         return {"request": request}
 
-    def state_dict(self) -> dict:
-        return {name: getattr(self, name) for name in _SITE_STATE}
-
-    def load_state_dict(self, state: dict) -> None:
-        for name in _SITE_STATE:
-            setattr(self, name, state[name])
-
 
 class APPLE(Strategy):
     name = "apple"
@@ -296,30 +282,4 @@ class APPLE(Strategy):
     Server = APPLEServer
     Site = APPLESite
 
-    @dataclass
-    class Options:
-        dr_lr: float = 1e-3
-        """eta_2: SGD step of the DR vector p_i (eq. 6)."""
-        mu: float = 0.1
-        """Weight of the proximal DR penalty (eq. 7); 0 disables it."""
-        scheduler: str = "cosine"
-        """Loss scheduler lambda(r): "cosine" or "exponential" (appendix A.1)."""
-        scheduler_rounds: int = 32
-        """L: lambda(r) = 0 from round r = L on (the paper uses 10-30% of its 160 rounds)."""
-        scheduler_eps: float = 1e-3
-        """eps of the exponential scheduler eps^(r/L)."""
-        download_budget: int | None = None
-        """M: core models a site downloads per round; null = all N - 1 (no limit)."""
-
-        def __post_init__(self) -> None:
-            require(self.dr_lr >= 0, "dr_lr", self.dr_lr, "eta_2 >= 0")
-            require(self.mu >= 0, "mu", self.mu, "mu >= 0")
-            require(self.scheduler in SCHEDULERS, "scheduler", self.scheduler, f"one of {', '.join(SCHEDULERS)}")
-            require(self.scheduler_rounds >= 1, "scheduler_rounds", self.scheduler_rounds, "L >= 1")
-            require(0 < self.scheduler_eps < 1, "scheduler_eps", self.scheduler_eps, "eps in (0, 1)")
-            require(
-                self.download_budget is None or self.download_budget >= 1,
-                "download_budget",
-                self.download_budget,
-                "null or M >= 1",
-            )
+    Options = APPLEOptions

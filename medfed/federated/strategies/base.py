@@ -78,7 +78,7 @@ evaluated (FedBABU fine-tunes at every evaluation, and each fine-tuning
 starts again from the delivered model); the compare tables show them beside
 the budget. A strategy whose published protocol trains more than E (FedRep,
 Ditto, APFL, pFedMe, pFedNet) keeps it as ``strategy.<name>.preset:
-published`` (:mod:`medfed.federated.strategies.presets`).
+published`` (:mod:`medfed.options.presets`).
 
 *Model slots.* A site holds one model per name in ``slots`` (parameters,
 buffers and optimiser state together, e.g. Ditto's ``global`` and
@@ -97,6 +97,7 @@ import torch
 
 from medfed.federated.site_view import ADAPT, DELIVER, SETUP, RoundContext, SiteView
 from medfed.models.split import ParameterSplit
+from medfed.options.strategies import NoOptions
 
 if TYPE_CHECKING:
     from medfed.models.base import FederatedModule
@@ -187,7 +188,57 @@ class TrainingPlan:
         return self.name or self.slot
 
 
-class ServerHalf:
+class DeclaredState:
+    """A half whose checkpointed state is declared, not written out: :attr:`state_fields` names its attributes.
+
+    ``state_dict()`` is ``{field: value}`` for every declared field, in the
+    declared order (the checkpoint's layout); ``load_state_dict`` sets them
+    back. A value is plain data ``torch.load(weights_only=True)`` reads: a
+    tensor (a generator's state is a byte tensor), a number, ``None``, or
+    dicts, lists and tuples of them. The half's tensors go in as they are,
+    not copied (a half may go on to change them in place, e.g. APPLE's core
+    models: save the state, or clone it, before the half runs again); its
+    dicts, lists and tuples are copied on the way out and in, so the half and
+    a state taken of it never share a container. A loaded state comes through
+    :func:`state_on_device` (floats on the run's device, counters and
+    generator states on the CPU).
+
+    A half with state that is not plain data (objects, sets) overrides both
+    methods; one with scratch that must not outlive a restore (a round's
+    pending requests) extends ``load_state_dict``.
+    """
+
+    #: the attributes the half must remember across rounds (checkpointed), in checkpoint order
+    state_fields: ClassVar[tuple[str, ...]] = ()
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{field: value}`` for every one of :attr:`state_fields` (the half's tensors themselves, its containers copied)."""
+        return {name: _plain_copy(getattr(self, name)) for name in self.state_fields}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Set every one of :attr:`state_fields` from ``state`` (which holds exactly those keys).
+
+        Raises:
+            ValueError: naming the half and the keys, where ``state`` holds other fields than the half declares.
+        """
+        if set(state) != set(self.state_fields):
+            raise ValueError(
+                f"{type(self).__name__}: the state holds {sorted(state)}, the half checkpoints {sorted(self.state_fields)}"
+            )
+        for name in self.state_fields:
+            setattr(self, name, _plain_copy(state[name]))
+
+
+def _plain_copy(value: Any) -> Any:
+    """``value`` with its dicts, lists and tuples copied (recursively); tensors and scalars are the same objects."""
+    if isinstance(value, dict):
+        return {key: _plain_copy(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain_copy(item) for item in value)
+    return value
+
+
+class ServerHalf(DeclaredState):
     """The server's half: defaults describe a server that keeps and sends nothing.
 
     Every round hook gets the :class:`~medfed.federated.site_view.RoundContext`
@@ -233,19 +284,12 @@ class ServerHalf:
         """Figures of the server's state to save with the run (``{file stem: matplotlib Figure}``)."""
         return {}
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything the server must remember across rounds (checkpointed)."""
-        return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; ``state`` comes through :func:`state_on_device` (floats on the run's device)."""
-
-
-class SiteHalf:
+class SiteHalf(DeclaredState):
     """One site's half: defaults describe local training of the site's one model with nothing exchanged.
 
     Per-site state lives on the instance (one instance per site) and is
-    checkpointed through :meth:`state_dict`; the site's models live in its
+    checkpointed as its :attr:`~DeclaredState.state_fields` declare; the site's models live in its
     slots (``site.module(name)``, ``site.get(name, part)``). Every hook gets
     the site's :class:`~medfed.federated.site_view.SiteView` and the
     :class:`~medfed.federated.site_view.RoundContext` it is called in.
@@ -301,13 +345,6 @@ class SiteHalf:
         """
         return ()
 
-    def state_dict(self) -> dict[str, Any]:
-        """The site half's own state (plain tensors and numbers; checkpointed with the site)."""
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; ``state`` comes through :func:`state_on_device` (floats on the run's device)."""
-
 
 class Strategy:
     """A registered algorithm: its name, options, round shape and halves.
@@ -349,9 +386,8 @@ class Strategy:
     Server: ClassVar[type[ServerHalf]] = ServerHalf
     Site: ClassVar[type[SiteHalf]] = SiteHalf
 
-    @dataclass
-    class Options:
-        """No options (the ``strategy.<name>`` group of a strategy that takes none)."""
+    #: the ``strategy.<name>`` group's dataclass, declared in the torch-free :mod:`medfed.options.strategies`
+    Options: ClassVar[type] = NoOptions
 
     def __init__(self, options: Any, split: ParameterSplit, n_sites: int, seed: int) -> None:
         self.options = options

@@ -60,15 +60,12 @@ part of the loss, so any optimiser descends h_k.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from medfed.config import require
 from medfed.federated.strategies.base import DELIVER, Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
 from medfed.federated.strategies.live_parameters import proximal_term
-from medfed.federated.strategies.presets import by_preset, check_preset
+from medfed.options.strategies import DittoOptions
 
 GLOBAL, PERSONAL = "global", "personal"
 
@@ -111,37 +108,4 @@ class Ditto(FedAvg):
     delivered = None  # the delivery sets the global slot; the evaluated personal model never leaves the site
     Site = DittoSite
 
-    @dataclass
-    class Options:
-        lam: float = 0.1
-        """lambda: pull of the personal model towards the global one; 0 = Local's model, large = the
-        global model. The paper tunes it per data set over a small grid between 0.01 and 2; 0.1 is not
-        tuned on medfed's tasks."""
-        preset: str = "equal"
-        """"equal": the global and personal plans share trainer.local_epochs equally; "published": each trains all of it."""
-        global_share: float | None = None
-        """Epochs of the global model per round, in units of trainer.local_epochs; null: the preset's (1/2 or 1)."""
-        personal_share: float | None = None
-        """Epochs of the personal model per round, in units of trainer.local_epochs; null: the preset's (1/2 or 1)."""
-        personal_epochs: float | None = None
-        """Epochs of the personal model per round instead (overrides personal_share)."""
-        personal_steps: int | None = None
-        """Optimiser steps of the personal model per round instead of epochs (the paper's s)."""
-
-        def __post_init__(self) -> None:
-            check_preset(self.preset)
-            if self.global_share is None:
-                self.global_share = by_preset(self.preset, 0.5, 1.0)
-            if self.personal_share is None:
-                self.personal_share = by_preset(self.preset, 0.5, 1.0)
-            require(self.global_share > 0, "global_share", self.global_share, "a positive multiple of trainer.local_epochs")
-            require(self.personal_share > 0, "personal_share", self.personal_share, "a positive multiple of trainer.local_epochs")
-            require(self.lam >= 0, "lam", self.lam, "lambda >= 0")
-            require(self.personal_epochs is None or self.personal_epochs > 0, "personal_epochs", self.personal_epochs, "null or > 0")
-            require(self.personal_steps is None or self.personal_steps >= 1, "personal_steps", self.personal_steps, "null or >= 1")
-            require(
-                self.personal_epochs is None or self.personal_steps is None,
-                "personal_steps",
-                self.personal_steps,
-                "null when personal_epochs is set (one length, epochs or steps)",
-            )
+    Options = DittoOptions

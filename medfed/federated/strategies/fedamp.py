@@ -36,18 +36,14 @@ nothing is delivered.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from medfed.config import require
 from medfed.errors import ConfigError
 from medfed.federated.strategies.base import (
     DELIVER, MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan,
 )
 from medfed.federated.strategies.live_parameters import proximal_term
-
-VARIANTS = ("exponential", "heuristic")
+from medfed.options.strategies import FedAMPOptions
 
 
 def gram_matrix(models: torch.Tensor) -> torch.Tensor:
@@ -113,6 +109,8 @@ def heuristic_attention(models: torch.Tensor, self_weight: float, cosine_scale: 
 class FedAMPServer(ServerHalf):
     """Keeps every site's last model; sends each site its cloud model u_i."""
 
+    state_fields = ("models", "attention")
+
     def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.models = initial["all"].reshape(1, -1).repeat(self.n_sites, 1)  # (N, d): last w_j of every site
         self.attention = self._attention()
@@ -134,13 +132,6 @@ class FedAMPServer(ServerHalf):
 
     def metrics(self) -> dict[str, float]:
         return {"self_attention_mean": float(self.attention.diagonal().mean())}
-
-    def state_dict(self) -> dict:
-        return {"models": self.models, "attention": self.attention}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.models = state["models"]
-        self.attention = state["attention"]
 
 
 class FedAMPSite(SiteHalf):
@@ -168,28 +159,7 @@ class FedAMP(Strategy):
     Server = FedAMPServer
     Site = FedAMPSite
 
-    @dataclass
-    class Options:
-        variant: str = "exponential"
-        """"exponential" (the paper's A(t) = 1 - exp(-t/sigma)) or "heuristic" (cosine softmax, for deep nets)."""
-        alpha: float = 0.01
-        """alpha_k: the server's step on the attention term; also divides lam in the proximal weight."""
-        lam: float = 0.01
-        """lambda: weight of the attention term; the site's proximal weight is lam / (2 alpha)."""
-        sigma: float = 1.0
-        """A's scale (exponential variant), in the units of squared parameter distances."""
-        self_weight: float = 0.5
-        """xi_ii of the heuristic variant."""
-        cosine_scale: float = 10.0
-        """The heuristic variant's sigma: multiplies the cosine similarities inside the softmax."""
-
-        def __post_init__(self) -> None:
-            require(self.variant in VARIANTS, "variant", self.variant, f"one of {', '.join(VARIANTS)}")
-            require(self.alpha > 0, "alpha", self.alpha, "alpha > 0")
-            require(self.lam >= 0, "lam", self.lam, "lambda >= 0")
-            require(self.sigma > 0, "sigma", self.sigma, "sigma > 0")
-            require(0.0 <= self.self_weight <= 1.0, "self_weight", self.self_weight, "a weight in [0, 1]")
-            require(self.cosine_scale >= 0, "cosine_scale", self.cosine_scale, "a scale >= 0")
+    Options = FedAMPOptions
 
     def __init__(self, options, split, n_sites: int, seed: int) -> None:
         super().__init__(options, split, n_sites, seed)

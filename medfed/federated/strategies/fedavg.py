@@ -42,6 +42,7 @@ class FedAvgServer(ServerHalf):
     parameters_part: ClassVar[str] = "all"
     #: the vector of floating-point buffers averaged (dense on the wire); None: buffers stay at their site
     buffers_part: ClassVar[str | None] = "buffers"
+    state_fields = ("global_model", "global_buffers")
 
     def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.global_model = initial[self.parameters_part].clone()
@@ -58,13 +59,6 @@ class FedAvgServer(ServerHalf):
         if self.buffers_part is not None:
             payload[self.buffers_part] = self.global_buffers
         return payload
-
-    def state_dict(self) -> dict:
-        return {"global_model": self.global_model, "global_buffers": self.global_buffers}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.global_model = state["global_model"]
-        self.global_buffers = state["global_buffers"]
 
 
 class FedAvgSite(SiteHalf):

@@ -49,13 +49,12 @@ average is FedAvg's sample-weighted one over the round's participants.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import torch
 
-from medfed.config import require
 from medfed.federated.strategies.base import DELIVER, Payload, RoundContext, SiteView, TrainingPlan, num_samples
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgServer, FedAvgSite
+from medfed.options.strategies import FedBABUOptions
 from medfed.models.base import FederatedModule
 from medfed.models.split import ParameterSplit
 
@@ -123,19 +122,7 @@ class FedBABU(FedAvg):
     Server = FedBABUServer
     Site = FedBABUSite
 
-    @dataclass
-    class Options:
-        finetune_part: str = "personal"
-        """What the adapt step fine-tunes before each evaluation: "personal" (the head, the last layer) or "all"."""
-        finetune_epochs: float = 1.0
-        """Epochs of fine-tuning per evaluation (over the site's training split)."""
-        finetune_steps: int | None = None
-        """Optimiser steps of fine-tuning per evaluation instead of epochs."""
-
-        def __post_init__(self) -> None:
-            require(self.finetune_part in ("personal", "all"), "finetune_part", self.finetune_part, '"personal" (the head) or "all"')
-            require(self.finetune_epochs > 0, "finetune_epochs", self.finetune_epochs, "epochs > 0")
-            require(self.finetune_steps is None or self.finetune_steps >= 1, "finetune_steps", self.finetune_steps, "null or >= 1")
+    Options = FedBABUOptions
 
     def __init__(self, options, split: ParameterSplit, n_sites: int, seed: int) -> None:
         super().__init__(options, split, n_sites, seed)

@@ -34,14 +34,12 @@ With mu = 0 no term is added at all: FedProx is then FedAvg, bit for bit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from medfed.config import require
 from medfed.federated.strategies.base import DELIVER, Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
 from medfed.federated.strategies.live_parameters import proximal_term
+from medfed.options.strategies import FedProxOptions
 
 
 class FedProxSite(FedAvgSite):
@@ -69,11 +67,4 @@ class FedProx(FedAvg):
     reference = "Li, Sahu, Zaheer, Sanjabi, Talwalkar, Smith, Federated optimization in heterogeneous networks, MLSys 2020"
     Site = FedProxSite
 
-    @dataclass
-    class Options:
-        mu: float = 0.01
-        """Weight of the proximal term; 0 is FedAvg. The paper tunes mu over {0.001, 0.01, 0.1, 1}
-        per data set; 0.01, inside that grid, is not tuned on medfed's tasks."""
-
-        def __post_init__(self) -> None:
-            require(self.mu >= 0, "mu", self.mu, "mu >= 0")
+    Options = FedProxOptions

@@ -52,12 +52,10 @@ Defaults and readings where the paper is silent:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from medfed.config import require
 from medfed.federated.strategies.base import RoundContext, TrainingPlan
 from medfed.federated.strategies.fedper import FedPer, FedPerSite
-from medfed.federated.strategies.presets import EQUAL, by_preset, check_preset
+from medfed.options.presets import EQUAL
+from medfed.options.strategies import FedRepOptions
 
 
 class FedRepSite(FedPerSite):
@@ -86,26 +84,4 @@ class FedRep(FedPer):
     )
     Site = FedRepSite
 
-    @dataclass
-    class Options:
-        preset: str = "equal"
-        """"equal": head and body share trainer.local_epochs 2:1; "published": the head 2 and the body 1 x local_epochs."""
-        head_share: float | None = None
-        """tau_h: epochs of the head plan, in units of trainer.local_epochs; null: the preset's (2/3 or 2)."""
-        body_share: float | None = None
-        """tau: epochs of the body plan, in units of trainer.local_epochs; null: the preset's (1/3 or 1)."""
-        head_steps: int | None = None
-        """tau_h as a number of optimiser steps instead (overrides head_share)."""
-        body_steps: int | None = None
-        """tau as a number of optimiser steps instead (overrides body_share)."""
-
-        def __post_init__(self) -> None:
-            check_preset(self.preset)
-            if self.head_share is None:
-                self.head_share = by_preset(self.preset, 2.0 / 3.0, 2.0)
-            if self.body_share is None:
-                self.body_share = by_preset(self.preset, 1.0 / 3.0, 1.0)
-            require(self.head_share > 0, "head_share", self.head_share, "a positive multiple of trainer.local_epochs")
-            require(self.body_share > 0, "body_share", self.body_share, "a positive multiple of trainer.local_epochs")
-            require(self.head_steps is None or self.head_steps >= 1, "head_steps", self.head_steps, "null or an integer >= 1")
-            require(self.body_steps is None or self.body_steps >= 1, "body_steps", self.body_steps, "null or an integer >= 1")
+    Options = FedRepOptions

@@ -80,14 +80,12 @@ generic one on a balanced test set: ``generic_output`` gives it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from medfed.config import require
 from medfed.federated.strategies.base import RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
 from medfed.federated.strategies.live_parameters import training_loss_with, unwrap
+from medfed.options.strategies import FedRoDOptions
 from medfed.models.additive_head import attach_additive_head, generic_output
 from medfed.models.base import FederatedModule
 
@@ -134,10 +132,4 @@ class FedRoD(FedAvg):
         """Every site's model gets its personalised head phi_m (a copy of the initial generic head)."""
         attach_additive_head(module)
 
-    @dataclass
-    class Options:
-        gamma: float = 1.0
-        """Exponent of the class counts in BSM (1: the Balanced Softmax; 0: plain empirical loss)."""
-
-        def __post_init__(self) -> None:
-            require(self.gamma >= 0, "gamma", self.gamma, "gamma >= 0")
+    Options = FedRoDOptions

@@ -77,22 +77,23 @@ fused pairs) and ``residual`` (primal residual sqrt(sum ||w_i - w_j - zeta_ij||^
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import torch
 
-from medfed.config import require
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.strategies.solvers.concave_penalty import PENALTIES, fusion_prox
+from medfed.federated.strategies.solvers.concave_penalty import fusion_prox
 from medfed.federated.strategies.solvers.graph import connected_components, incidence_matrix
 from medfed.federated.strategies.base import (
     DELIVER, MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.live_parameters import proximal_term
+from medfed.options.strategies import FPFCOptions
 
 
 class FPFCServer(ServerHalf):
     """Holds the shared average, every site's last personal part and the pair variables zeta, v; runs the ADMM's server steps."""
+
+    state_fields = ("shared", "models", "fusion", "duals", "last_step")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -157,16 +158,6 @@ class FPFCServer(ServerHalf):
     def metrics(self) -> dict[str, float]:
         return dict(self.last_step)
 
-    def state_dict(self) -> dict:
-        return {"shared": self.shared, "models": self.models, "fusion": self.fusion, "duals": self.duals, "last_step": dict(self.last_step)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.shared = state["shared"]
-        self.models = state["models"]
-        self.fusion = state["fusion"]
-        self.duals = state["duals"]
-        self.last_step = dict(state["last_step"])
-
 
 class FPFCSite(SiteHalf):
     """Trains its own model on f_i(w) + rho/2 ||w_personal - u_i||^2 (u_i from the server), shared part from the average."""
@@ -194,29 +185,4 @@ class FPFC(Strategy):
     Server = FPFCServer
     Site = FPFCSite
 
-    @dataclass
-    class Options:
-        lam: float = 0.4
-        """lambda of the pairwise penalty, in parameter-distance units (0 = no coupling: local training damped by rho)."""
-        penalty: str = "scad"
-        """"scad" (the paper's) or "mcp"."""
-        a: float = 3.7
-        """The penalty's concavity: flat beyond a * lam; SCAD needs a > 1 + 1/rho, MCP a > 1/rho (when lam > 0)."""
-        rho: float = 1.0
-        """ADMM penalty: weight of the site's proximal term and of the pair constraints."""
-        smoothing: float = 1e-6
-        """xi: the penalty is quadratic on [0, xi] (smooth at 0, as in the authors' code); 0 = plain SCAD/MCP."""
-
-        def __post_init__(self) -> None:
-            require(self.lam >= 0, "lam", self.lam, "lambda >= 0")
-            require(self.penalty in PENALTIES, "penalty", self.penalty, f"one of {', '.join(PENALTIES)}")
-            require(self.rho > 0, "rho", self.rho, "rho > 0")
-            require(self.smoothing >= 0, "smoothing", self.smoothing, "xi >= 0")
-            if self.lam == 0:  # the prox is the identity whatever a and xi
-                return
-            if self.penalty == "scad":
-                require(self.a > 1 + 1 / self.rho, "a", self.a, f"a > 1 + 1/rho = {1 + 1 / self.rho:g} (SCAD: a convex server step)")
-                require(self.smoothing < self.lam, "smoothing", self.smoothing, f"xi < lambda = {self.lam:g}")
-            else:
-                require(self.a > 1 / self.rho, "a", self.a, f"a > 1/rho = {1 / self.rho:g} (MCP: a convex server step)")
-                require(self.smoothing < self.a * self.lam, "smoothing", self.smoothing, f"xi < a lambda = {self.a * self.lam:g}")
+    Options = FPFCOptions

@@ -74,16 +74,15 @@ round: (k + 1) model vectors per participant.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from medfed.config import require
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.strategies.base import (
     DELIVER, MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, num_samples,
 )
+from medfed.options.strategies import IFCAOptions
 from medfed.models.split import ParameterSplit
 
 CLUSTER, CLUSTER_BUFFERS, CLUSTER_ID = "cluster", "cluster_buffers", "cluster_id"
@@ -123,6 +122,8 @@ def cluster_initialisations(model: torch.Tensor, split: ParameterSplit, clusters
 class IFCAServer(ServerHalf):
     """Holds the k cluster models and every site's last chosen cluster; averages each cluster's replies."""
 
+    state_fields = ("models", "buffers", "assignment", "reassigned")
+
     def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         k = self.options.clusters
         self.models = torch.stack([initial[f"{CLUSTER}/{j}"] for j in range(k)])  # (k, d)
@@ -156,15 +157,6 @@ class IFCAServer(ServerHalf):
         """How many sites are in each cluster now, and how many participants changed cluster this round."""
         sizes = {f"cluster_size/{j}": float(self.assignment.count(j)) for j in range(self.options.clusters)}
         return {**sizes, "reassigned": float(self.reassigned)}
-
-    def state_dict(self) -> dict:
-        return {"models": self.models, "buffers": self.buffers, "assignment": list(self.assignment), "reassigned": self.reassigned}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.models = state["models"]
-        self.buffers = state["buffers"]
-        self.assignment = list(state["assignment"])
-        self.reassigned = state["reassigned"]
 
 
 class IFCASite(SiteHalf):
@@ -259,16 +251,7 @@ class IFCA(Strategy):
     Server = IFCAServer
     Site = IFCASite
 
-    @dataclass
-    class Options:
-        clusters: int = 2
-        """k: cluster models on the server (the paper's CIFAR-10 setting; 1 = FedAvg)."""
-        init_scale: float = 1.0
-        """Seeded noise of the initial cluster models 2..k, in units of each parameter tensor's std."""
-
-        def __post_init__(self) -> None:
-            require(self.clusters >= 1, "clusters", self.clusters, "k >= 1")
-            require(self.init_scale >= 0, "init_scale", self.init_scale, "a scale >= 0")
+    Options = IFCAOptions
 
     def initial_values(self, model: Payload) -> Payload:
         """The model's parts and the k seeded initial cluster models as "cluster/j"."""

@@ -58,13 +58,11 @@ them too; a convex combination keeps running variances positive.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from medfed.config import require
 from medfed.federated.strategies.base import Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgServer, FedAvgSite
+from medfed.options.strategies import L2GDOptions
 
 FIT, MIX = "fit", "mix"
 
@@ -110,11 +108,4 @@ class L2GD(FedAvg):
     Server = L2GDServer
     Site = L2GDSite
 
-    @dataclass
-    class Options:
-        mixing: float = 0.5
-        """theta = alpha lambda / (n p): the fraction of the way to the mean each aggregation step
-        moves a model; 0 = Local, 1 = FedAvg. 1/2 is the paper's theory's value (module docstring)."""
-
-        def __post_init__(self) -> None:
-            require(0.0 <= self.mixing <= 1.0, "mixing", self.mixing, "theta in [0, 1]")
+    Options = L2GDOptions

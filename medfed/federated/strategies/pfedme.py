@@ -82,24 +82,25 @@ authors' README: ``--lamda 15 --K 5 --beta 1``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from medfed.config import require
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.compute import batch_samples
 from medfed.federated.strategies.base import (
     DELIVER, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.live_parameters import live_parameters, squared_distance
-from medfed.federated.strategies.presets import by_preset, check_preset
+from medfed.options.presets import by_preset
+from medfed.options.strategies import PFedMeOptions
 
 LOCAL, PERSONAL = "local", "personal"
 
 
 class PFedMeServer(ServerHalf):
     """Holds w^t (and the averaged buffers); mixes the participants' average into it with weight beta."""
+
+    state_fields = ("global_model", "global_buffers")
 
     def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.global_model = initial["all"].clone()
@@ -113,13 +114,6 @@ class PFedMeServer(ServerHalf):
         average = weighted_average([reply["all"] for reply in replies.values()], weights)
         self.global_model = torch.lerp(self.global_model, average, self.options.beta)  # (1 - beta) w + beta average
         self.global_buffers = weighted_average([reply["buffers"] for reply in replies.values()], weights)
-
-    def state_dict(self) -> dict:
-        return {"global_model": self.global_model, "global_buffers": self.global_buffers}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.global_model = state["global_model"]
-        self.global_buffers = state["global_buffers"]
 
 
 class PFedMeSite(SiteHalf):
@@ -216,30 +210,4 @@ class PFedMe(Strategy):
     Server = PFedMeServer
     Site = PFedMeSite
 
-    @dataclass
-    class Options:
-        preset: str = "equal"
-        """"equal": the K inner passes of every mini-batch share trainer.local_epochs (E/K epochs of
-        mini-batches); "published": every mini-batch of E epochs takes them (K E epochs of passes)."""
-        lam: float = 15.0
-        """lambda: weight of ||theta - w||^2 in the inner problem (the paper's MNIST value)."""
-        inner_steps: int = 5
-        """K: gradient steps on the inner problem per mini-batch (at most K with inner_tolerance)."""
-        inner_tolerance: float | None = None
-        """nu: stop the inner steps once ||grad h(theta)|| <= nu (null: always K steps)."""
-        inner_lr: float | None = None
-        """Plain gradient steps of this size on the inner problem (the paper's personal learning
-        rate); null: the model's own optimiser (e.g. Adam at model.lr) in the personal slot."""
-        beta: float = 1.0
-        """Server step: w <- (1 - beta) w + beta average (1: the average; the paper also uses 2)."""
-
-        def __post_init__(self) -> None:
-            check_preset(self.preset)
-            require(self.lam > 0, "lam", self.lam, "lambda > 0")
-            require(self.inner_steps >= 1, "inner_steps", self.inner_steps, "K >= 1")
-            require(
-                self.inner_tolerance is None or self.inner_tolerance > 0,
-                "inner_tolerance", self.inner_tolerance, "null or nu > 0",
-            )
-            require(self.inner_lr is None or self.inner_lr > 0, "inner_lr", self.inner_lr, "null or a step > 0")
-            require(self.beta > 0, "beta", self.beta, "beta > 0")
+    Options = PFedMeOptions

@@ -90,17 +90,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from medfed.config import require
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.strategies.solvers.fusion import distinct_parts, fusion_threshold, spread_removed
 from medfed.federated.strategies.solvers.graph import (
-    EDGE_WEIGHTINGS,
-    KNN_RULES,
     SimilarityGraph,
     connected_components,
     similarity_graph,
@@ -110,11 +106,7 @@ from medfed.federated.strategies.solvers.sketch import check_sketch_size, data_s
 from medfed.federated.strategies.base import (
     MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
-from medfed.federated.strategies.presets import by_preset, check_preset
-
-P_NORMS = {"1": 1.0, "2": 2.0, "inf": float("inf")}
-GRAPH_SPACES = ("data", "feature", "model")
-LAM_SCALES = ("fusion", "absolute")
+from medfed.options.strategies import PFedNetOptions, P_NORMS
 
 
 class PFedNetServer(ServerHalf):
@@ -237,6 +229,7 @@ class PFedNetServer(ServerHalf):
         title = f"pFedNet similarity network, {self.options.graph_space} space, k={self.options.knn_k} ({self.options.knn_rule})"
         return {"similarity_graph": plot_similarity_graphs(panels, title)}
 
+    # Not declared fields: the graphs and the ADMM state are objects and the holders a set, checkpointed as plain data.
     def state_dict(self) -> dict:
         return {
             "graph_history": [(at, graph.to_dict()) for at, graph in self.graph_history],
@@ -304,77 +297,9 @@ class PFedNet(Strategy):
     name = "pfednet"
     phases = ("shared", "personal")
 
-    @dataclass
-    class Options:
-        lam: float = 0.1
-        """Strength of the graph penalty: a fraction of the fusion threshold (lam_scale=fusion: 1 fuses
-        each connected component into one personal part, and tight groups fuse well below 1; see the
-        module docstring and the distinct_personal metric), or lambda in the paper's units
-        (lam_scale=absolute). 0 = independent personal parts.
-        0.1 was best on the validation split of brats_lack0 and luna16_delta4 among 0, 0.1,
-        0.3, 1 (p = 2, 30 rounds, seed 0; benchmarks/pfednet_lambda_path.py)."""
-        lam_scale: str = "fusion"
-        """"fusion" (lam relative to the round's fusion threshold) or "absolute"."""
-        server_lr: float = 0.015
-        """eta_s: weight 1/(2 eta_s) of the proximal term around the sites' trained z~.
-        Matters only with lam_scale=absolute (lam * eta_s is the per-edge shrinkage in parameter units)."""
-        p: str = "2"
-        """Column norm of the penalty: "1", "2" or "inf"."""
-        graph_space: str = "data"
-        """Similarity of sites measured in "data", "feature" or "model" space."""
-        knn_k: int = 2
-        """Neighbours per site (k = 2 at 5 sites leaves 5-8 of the 10 possible edges)."""
-        knn_rule: str = "union"
-        """"union" (i-j if either is among the other's k nearest) or "mutual" (both)."""
-        edge_weights: str = "gaussian"
-        """"gaussian" (exp(-d^2 / 2 sigma^2), sigma = median edge distance) or "uniform" (1)."""
-        graph_standardize: bool = False
-        """z-score sketch features across sites before measuring distances (data/feature spaces)."""
-        graph_refresh_rounds: int = 5
-        """Model space: rebuild the graph every this many rounds (0 = build once, at round 1)."""
-        min_sketch_samples: int = 16
-        """A site with fewer training samples refuses to send a (data/feature) sketch."""
-        kernel_features: int = 256
-        """Random Fourier features of the data-space sketch."""
-        kernel_bandwidth: float | None = None
-        """sigma of the data-space Gaussian kernel; null = sqrt(channels + classes)."""
-        rho: float | None = None
-        """ADMM penalty; default 1 / server_lr (then adapted by residual balancing)."""
-        admm_max_iter: int = 500
-        admm_abs_tol: float = 1e-6
-        admm_rel_tol: float = 1e-5
-        preset: str = "equal"
-        """"equal": the two phases share trainer.local_epochs; "published": each phase trains all of it."""
-        full_epoch_per_phase: bool | None = None
-        """True: each phase trains all of trainer.local_epochs (the paper's setting: twice a
-        one-phase baseline's local steps per round); False: each phase takes half of them (all of
-        them when the other part is empty), so a round takes the local steps a FedAvg round takes;
-        null: the preset's (False or True)."""
-
-        def __post_init__(self) -> None:
-            check_preset(self.preset)
-            if self.full_epoch_per_phase is None:
-                self.full_epoch_per_phase = by_preset(self.preset, False, True)
-            require(self.lam >= 0, "lam", self.lam, "lambda >= 0")
-            require(self.lam_scale in LAM_SCALES, "lam_scale", self.lam_scale, "one of fusion, absolute")
-            require(self.server_lr > 0, "server_lr", self.server_lr, "eta_s > 0")
-            require(str(self.p) in P_NORMS, "p", self.p, "one of 1, 2, inf")
-            require(self.graph_space in GRAPH_SPACES, "graph_space", self.graph_space, "one of data, feature, model")
-            require(self.knn_k >= 1, "knn_k", self.knn_k, "k >= 1")
-            require(self.knn_rule in KNN_RULES, "knn_rule", self.knn_rule, "one of union, mutual")
-            require(self.edge_weights in EDGE_WEIGHTINGS, "edge_weights", self.edge_weights, "one of gaussian, uniform")
-            require(self.graph_refresh_rounds >= 0, "graph_refresh_rounds", self.graph_refresh_rounds, "an integer >= 0")
-            require(self.min_sketch_samples >= 2, "min_sketch_samples", self.min_sketch_samples, "an integer >= 2")
-            require(self.kernel_features >= 1, "kernel_features", self.kernel_features, "an integer >= 1")
-            require(
-                self.kernel_bandwidth is None or self.kernel_bandwidth > 0,
-                "kernel_bandwidth", self.kernel_bandwidth, "null or sigma > 0",
-            )
-            require(self.rho is None or self.rho > 0, "rho", self.rho, "null or rho > 0")
-            require(self.admm_max_iter >= 1, "admm_max_iter", self.admm_max_iter, ">= 1")
+    Options = PFedNetOptions
     summary = "graph-coupled personalisation: shared part averaged, personal parts fused over a site similarity network"
     reference = "Zhao, Liu, Liu, He, Medical federated model with mixture of personalized and sharing components"
     delivered = "all"
     Server = PFedNetServer
     Site = PFedNetSite
-

@@ -55,16 +55,14 @@ coded against zero.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from medfed.config import require
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.strategies.base import (
     DELIVER, MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.live_parameters import live_parameters, live_vector
+from medfed.options.strategies import PGFedMoOptions, PGFedOptions
 
 
 def training_risk(site: SiteView) -> tuple[float, torch.Tensor]:
@@ -108,6 +106,8 @@ def training_risk(site: SiteView) -> tuple[float, torch.Tensor]:
 
 class PGFedServer(ServerHalf):
     """Holds the global model, the learned weights A and the last participants' gradients."""
+
+    state_fields = ("global_model", "alpha", "previous")
 
     def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.global_model = initial["all"].clone()
@@ -153,17 +153,11 @@ class PGFedServer(ServerHalf):
     def metrics(self) -> dict[str, float]:
         return {} if self.alpha is None else {"alpha_mean": float(self.alpha.mean()), "alpha_min": float(self.alpha.min())}
 
-    def state_dict(self) -> dict:
-        return {"global_model": self.global_model, "alpha": self.alpha, "previous": self.previous}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.global_model = state["global_model"]
-        self.alpha = state["alpha"]
-        self.previous = state["previous"]
-
 
 class PGFedSite(SiteHalf):
     """Trains theta_i on its risk plus the first-order auxiliary risk; learns its row a_i of A."""
+
+    state_fields = ("aux_gradient",)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -232,12 +226,9 @@ class PGFedSite(SiteHalf):
             reply["alpha"] = this_round["alpha"]
         return reply
 
-    def state_dict(self) -> dict:
-        return {"aux_gradient": self.aux_gradient}
-
     def load_state_dict(self, state: dict) -> None:
-        self.aux_gradient = state["aux_gradient"]
-        self.this_round = None
+        super().load_state_dict(state)
+        self.this_round = None  # a round's reply material never outlives it: a restored site has none pending
 
 
 class PGFed(Strategy):
@@ -250,16 +241,7 @@ class PGFed(Strategy):
     Server = PGFedServer
     Site = PGFedSite
 
-    @dataclass
-    class Options:
-        mu: float = 0.1
-        """Weight of the auxiliary (other sites') risk in each site's objective (eq. 5)."""
-        alpha_lr: float = 0.01
-        """eta_2: step of the learned weights a_ij (Algorithm 1, line 10)."""
-
-        def __post_init__(self) -> None:
-            require(self.mu >= 0, "mu", self.mu, "mu >= 0")
-            require(self.alpha_lr >= 0, "alpha_lr", self.alpha_lr, "eta_2 >= 0")
+    Options = PGFedOptions
 
 
 class PGFedMoSite(PGFedSite):
@@ -275,11 +257,4 @@ class PGFedMo(PGFed):
     summary = "PGFed with momentum on each site's auxiliary gradient"
     Site = PGFedMoSite
 
-    @dataclass
-    class Options(PGFed.Options):
-        beta: float = 0.5
-        """Momentum on the auxiliary gradient; 0 gives PGFed exactly."""
-
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            require(0.0 <= self.beta < 1.0, "beta", self.beta, "a momentum in [0, 1)")
+    Options = PGFedMoOptions

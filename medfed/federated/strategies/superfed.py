@@ -73,16 +73,14 @@ start_round = 7, i.e. L = 0.2 (their default ``--L``) of the repo's 30 rounds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from medfed.config import require
 from medfed.federated.strategies.base import (
     DELIVER, Payload, RoundContext, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.fedavg import FedAvgServer
 from medfed.federated.strategies.live_parameters import live_parameters, live_vector, squared_distance, training_loss_with, unwrap
+from medfed.options.strategies import SuPerFedOptions
 
 FEDERATED, LOCAL, PERSONALISED = "federated", "local", "personalised"
 #: the stream of :meth:`~medfed.federated.site.Site.global_rng` the local model is drawn under (rounds use (round, phase))
@@ -91,6 +89,8 @@ _INITIALISATION_STREAM = 0
 
 class SuPerFedServer(FedAvgServer):
     """FedAvg's average of the federated models, sent with the round number at the start of each round."""
+
+    state_fields = (*FedAvgServer.state_fields, "completed_rounds")
 
     def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         super().setup(ctx, initial, replies)
@@ -106,16 +106,11 @@ class SuPerFedServer(FedAvgServer):
     def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
         return {}
 
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "completed_rounds": self.completed_rounds}
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self.completed_rounds = state["completed_rounds"]
-
 
 class SuPerFedSite(SiteHalf):
     """Trains w^f and w^l along the segment between them; evaluated with W(eval_lambda)."""
+
+    state_fields = ("round",)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -185,12 +180,6 @@ class SuPerFedSite(SiteHalf):
         del self.global_model  # only needed while training
         return {"all": site.get(FEDERATED, "all"), "buffers": site.get(FEDERATED, "buffers"), "num_samples": num_samples(site)}
 
-    def state_dict(self) -> dict:
-        return {"round": self.round}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.round = state["round"]
-
 
 class SuPerFed(Strategy):
     name = "superfed"
@@ -202,19 +191,4 @@ class SuPerFed(Strategy):
     Server = SuPerFedServer
     Site = SuPerFedSite
 
-    @dataclass
-    class Options:
-        mu: float = 0.01
-        """Weight of the proximal term ||w^f - w^g||^2 (0: none)."""
-        nu: float = 2.0
-        """Weight of cos^2(w^f, w^l), the orthogonality regulariser (0: none)."""
-        start_round: int = 7
-        """First round that trains the mixture (the authors' floor(L R) + 1; 1 = from the start)."""
-        eval_lambda: float = 1.0
-        """The mixture each site is evaluated with: 0 = its federated model, 1 = its local model."""
-
-        def __post_init__(self) -> None:
-            require(self.mu >= 0, "mu", self.mu, "mu >= 0")
-            require(self.nu >= 0, "nu", self.nu, "nu >= 0")
-            require(self.start_round >= 1, "start_round", self.start_round, "a round >= 1")
-            require(0.0 <= self.eval_lambda <= 1.0, "eval_lambda", self.eval_lambda, "a weight in [0, 1]")
+    Options = SuPerFedOptions

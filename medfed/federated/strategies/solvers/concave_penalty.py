@@ -42,8 +42,6 @@ from __future__ import annotations
 
 import torch
 
-PENALTIES = ("scad", "mcp")
-
 
 def penalty_value(kind: str, t: torch.Tensor, lam: float, a: float, smoothing: float) -> torch.Tensor:
     """g(t) of the module docstring, elementwise, for norms ``t >= 0`` (any shape), in ``t``'s dtype."""

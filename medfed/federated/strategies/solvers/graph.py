@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from medfed.options.strategies import EDGE_WEIGHTINGS, KNN_RULES
+
 Edge = tuple[int, int]
-KNN_RULES = ("union", "mutual")
-EDGE_WEIGHTINGS = ("gaussian", "uniform")
 
 
 @dataclass(frozen=True)
