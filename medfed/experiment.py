@@ -36,6 +36,7 @@ from medfed.evaluation.rounds import ValidationEvaluation, VolumeEvaluation
 from medfed.federated.compute import compute_summary
 from medfed.federated.link import Link
 from medfed.federated.loop import FederatedLoop
+from medfed.federated.privacy import PrivacyRecord, SiteDP, dp_compatible, planned_steps, privacy_summary
 from medfed.federated.site import Site, Slot
 from medfed.federated.strategies.base import Strategy
 from medfed.data.federation import Federation
@@ -81,15 +82,26 @@ def _run(
     with torch.random.fork_rng():
         torch.manual_seed(trainer.seed)
         prototype = resolved.model_cls(federation.input_shape[0], federation.num_classes, resolved.model_options)
+    dp = run_cfg.privacy.dp
+    dp_fixes: list[str] = []
+    if dp.enabled:  # layers DP-SGD cannot train replaced before any site copies the prototype
+        prototype, dp_fixes = dp_compatible(prototype)
+        for fix in dp_fixes:
+            warn(f"privacy.dp: {fix}")
     strategy = resolved.strategy_cls(resolved.strategy_options, prototype.parameter_split, len(federation.sites), trainer.seed)
     if strategy.pools_data and run_cfg.federation.participation < 1:
         warn(f"strategy {strategy.name!r} pools the training data at one site: it trains only in the rounds that site takes part in")
 
     tracker = Tracker(run_cfg, config, federation, strategy.name, resume=resume, config_name=config_name)
     validation = [ValidationEvaluation()] if any(site.validation is not None for site in federation.sites) else []
-    callbacks = [*_volume_evaluation(federation, run_cfg), *validation, tracker]  # scores join the round before the tracker logs
+    privacy = [PrivacyRecord(dp.on_budget)] if dp.enabled else []
+    callbacks = [*_volume_evaluation(federation, run_cfg), *validation, *privacy, tracker]  # scores join the round before the tracker logs
     fabric = Fabric(accelerator=trainer.device, devices=1, loggers=tracker.loggers, callbacks=callbacks)
     sites = build_sites(fabric, federation, prototype, strategy, trainer.batch_size, trainer.seed)
+    if dp.enabled:
+        for site in sites:
+            planned = planned_steps(site, strategy.phases, trainer.rounds, trainer.local_epochs)
+            site.use_dp(SiteDP(dp, site.name, site.n_train, trainer.batch_size, planned, trainer.seed, site.index))
     initial = strategy.initial_values(initial_vectors(prototype, fabric.device))
     links = [
         Link(run_cfg.codec.spec("up"), run_cfg.codec.spec("down"), strategy.coded_keys, initial, fabric.device, peer=site.name)
@@ -131,6 +143,7 @@ def _run(
             "excluded": loop.excluded,
             "communication": communication_totals(links),
             "compute": compute_summary(loop.history, loop.site_names),
+            **({"privacy": {**privacy_summary(loop.history), "model_changes": dp_fixes}} if dp.enabled else {}),
             "timing": _timing(loop.history, time.perf_counter() - started, fabric),
             "config": config,
             "history": loop.history,
