@@ -194,6 +194,8 @@ class SuPerFedSite(SiteHalf):
 
 class SuPerFed(Strategy):
     name = "superfed"
+    client_dp_refusal = None  # the federated models are averaged (sample-weighted)
+    secure_aggregation_refusal = None
     summary = "federated and local models trained as the ends of a low-loss line (random mixtures, orthogonality, proximal term)"
     reference = "Hahn, Jeong and Lee, Connecting low-loss subspace for personalized federated learning, KDD 2022"
     coded_keys = {"all": "all"}
