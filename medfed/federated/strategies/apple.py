@@ -287,8 +287,8 @@ class APPLESite(SiteHalf):
 
 class APPLE(Strategy):
     name = "apple"
-    client_dp_refusal = "its server step needs each site's own vector: every site downloads the others' core models\"
-    secure_aggregation_refusal = "its server step needs each site's own vector: every site downloads the others' core models\"
+    client_dp_refusal = "its server step needs each site's own vector: every site downloads the others' core models"
+    secure_aggregation_refusal = "its server step needs each site's own vector: every site downloads the others' core models"
     summary = "each site mixes every site's core model with directed relationships it learns"
     reference = "Luo and Wu, Adapt to adaptation: learning personalization for cross-silo federated learning, IJCAI 2022"
     phases = ("select", "fit")

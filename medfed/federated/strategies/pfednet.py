@@ -270,8 +270,8 @@ class PFedNetSite(SiteHalf):
 class PFedNet(Strategy):
     name = "pfednet"
     phases = ("shared", "personal")
-    client_dp_refusal = "its server step needs each site's own vector: the network lasso fuses the personal parts pair by pair\"
-    secure_aggregation_refusal = "its server step needs each site's own vector: the network lasso fuses the personal parts pair by pair\"
+    client_dp_refusal = "its server step needs each site's own vector: the network lasso fuses the personal parts pair by pair"
+    secure_aggregation_refusal = "its server step needs each site's own vector: the network lasso fuses the personal parts pair by pair"
     dp_sgd_refusal = "only with graph_space=model: the data- and feature-space sketches a site sends at setup are computed on its raw data"
 
     @classmethod
