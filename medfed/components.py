@@ -240,6 +240,10 @@ def resolve(cfg: DictConfig) -> ResolvedRun:
     strategy_cls, strategy_options = strategy_from_config(config["strategy"])
     given_strategy_options = strategy_subgroups(config["strategy"])
     if run.privacy.dp.enabled:
+        import importlib.util
+
+        if importlib.util.find_spec("opacus") is None:
+            raise ConfigError("config key 'privacy.dp': DP-SGD needs Opacus, which is not installed (pip install -e \".[privacy]\")")
         refusal = strategy_cls.dp_sgd_refused(strategy_options)
         if refusal is not None:
             raise ConfigError(f"config key 'privacy.dp': DP-SGD does not fit strategy {strategy_cls.name!r}: {refusal} (docs/privacy.md)")
