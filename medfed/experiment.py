@@ -36,7 +36,7 @@ from medfed.evaluation.rounds import ValidationEvaluation, VolumeEvaluation
 from medfed.federated.compute import compute_summary
 from medfed.federated.link import Link
 from medfed.federated.loop import FederatedLoop
-from medfed.federated.privacy import PrivacyRecord, SiteDP, dp_compatible, planned_steps, privacy_summary
+from medfed.federated.privacy import PrivacyBudgetSpent, PrivacyRecord, SiteDP, dp_compatible, planned_steps, privacy_summary
 from medfed.federated.site import Site, Slot
 from medfed.federated.strategies.base import Strategy
 from medfed.data.federation import Federation
@@ -154,6 +154,9 @@ def _run(
         loop.fit(trainer.rounds, progress=lambda record: (bar.set_postfix(record["mean"]), bar.update()))
     except BaseException as error:  # Ctrl-C included: the W&B run ends marked as failed, resumable
         tracker.finish(step=loop.round, exit_code=1)
+        if isinstance(error, PrivacyBudgetSpent):  # the rounds so far are the run's results
+            write_json_atomic(output_dir / "results.json", results_so_far())
+            raise RunFailed(f"{error}; the {len(loop.history)} rounds' results are in {output_dir / 'results.json'}") from None
         if isinstance(error, SiteFailure) and loop.history and len(loop.excluded) == len(sites):
             write_json_atomic(output_dir / "results.json", results_so_far())  # what the rounds before the exclusions gave
             raise RunFailed(f"{error}; the {len(loop.history)} rounds' results are in {output_dir / 'results.json'}") from None

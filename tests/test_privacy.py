@@ -257,3 +257,37 @@ def test_the_table_follows_the_declarations():
     for name in ("pfednet", "fedamp", "ifca", "fpfc", "apple", "pgfed"):  # the server step needs each site's own vector
         assert rows[name][2].startswith("no (") and STRATEGIES[name].secure_aggregation_refusal
     assert rows["pfedme"][0].startswith("no (") and rows["pfednet"][0].startswith("only with graph_space=model")
+
+
+def test_stop_run_ends_the_run_after_the_round_a_budget_ran_out():
+    from medfed.federated.privacy import PrivacyBudgetSpent, PrivacyRecord
+
+    federation = two_group_federation(n_sites=2, n_train=40)
+    loop = build_loop("fedavg", federation, LinearClassifier(4, 2), batch_size=8)
+    loop.fabric._callbacks.append(PrivacyRecord("stop_run"))
+    config = DPConfig(target_epsilon=2.0, max_grad_norm=1.0, on_budget="stop_run")
+    for site in loop.sites:
+        site.use_dp(SiteDP(config, site.name, site.n_train, 8, planned_steps=site.batches_per_epoch, seed=0, index=site.index))
+    with pytest.raises(PrivacyBudgetSpent, match=r"^site site\d: privacy budget epsilon=2.0 .* the run stops \(privacy.dp.on_budget=stop_run\)$"):
+        loop.fit(5)
+    spent_round = len(loop.history)
+    assert spent_round < 5 and all(r["privacy"]["site0"]["epsilon"] <= 2.0 for r in loop.history)
+    assert any(r["spent"] for r in loop.history[-1]["privacy"].values())
+
+
+def test_the_budget_left_after_a_resume_counts_the_restored_history():
+    federation = two_group_federation(n_sites=2, n_train=40)
+    loop = build_loop("fedavg", federation, LinearClassifier(4, 2), batch_size=8)
+    config = DPConfig(target_epsilon=2.0, max_grad_norm=1.0)
+    site = loop.sites[0]
+    site.use_dp(SiteDP(config, site.name, site.n_train, 8, planned_steps=10, seed=0, index=0))
+    other = SiteDP(config, site.name, site.n_train, 8, planned_steps=40, seed=0, index=0)  # planned for a longer run: less noise per step
+    for _ in range(3):
+        site.privacy.accountant.step(noise_multiplier=site.privacy.noise_multiplier, sample_rate=site.privacy.sample_rate)
+    site.privacy.steps = 3
+    other.load_state_dict(site.privacy.state_dict())
+    accountant = RDPAccountant()
+    accountant.history = [*site.privacy.accountant.history, (other.noise_multiplier, other.sample_rate, other.step_budget - 3)]
+    assert accountant.get_epsilon(1e-5) <= 2.0
+    accountant.history[-1] = (other.noise_multiplier, other.sample_rate, other.step_budget - 2)
+    assert accountant.get_epsilon(1e-5) > 2.0

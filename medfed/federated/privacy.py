@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from medfed.errors import warn
+from medfed.errors import RunFailed, warn
 
 if TYPE_CHECKING:
     from medfed.config import DPConfig
@@ -93,12 +93,14 @@ def make_accountant(name: str) -> Any:
     return {"rdp": RDPAccountant, "prv": PRVAccountant}[name]()
 
 
-def steps_within(target_epsilon: float, delta: float, noise_multiplier: float, sample_rate: float, accountant: str) -> int:
-    """The most DP steps (sigma, q) whose epsilon at ``delta`` stays <= ``target_epsilon`` (bisection on the accountant)."""
+def steps_within(
+    target_epsilon: float, delta: float, noise_multiplier: float, sample_rate: float, accountant: str, history: list | None = None
+) -> int:
+    """The most further DP steps (sigma, q) after ``history`` whose epsilon at ``delta`` stays <= ``target_epsilon`` (bisection)."""
 
     def epsilon(steps: int) -> float:
         accountant_ = make_accountant(accountant)
-        accountant_.history = [(noise_multiplier, sample_rate, steps)]
+        accountant_.history = [*(history or []), (noise_multiplier, sample_rate, steps)]
         with warnings.catch_warnings():  # far-off step counts probe orders at the edge of Opacus's range
             warnings.simplefilter("ignore", UserWarning)
             return accountant_.get_epsilon(delta)
@@ -242,9 +244,18 @@ class SiteDP:
         return {"accountant": self.accountant.state_dict(), "steps": self.steps, "spent_note": self.spent_note}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the step budget is what the target leaves after the restored history."""
         self.accountant.load_state_dict(state["accountant"])
         self.steps = int(state["steps"])
         self.spent_note = state["spent_note"]
+        if self.step_budget is not None:
+            cfg = self.config
+            history = list(self.accountant.history)
+            self.step_budget = self.steps + steps_within(cfg.target_epsilon, cfg.delta, self.noise_multiplier, self.sample_rate, cfg.accountant, history)
+
+
+class PrivacyBudgetSpent(RunFailed):
+    """A site's privacy budget ran out and ``privacy.dp.on_budget`` is ``stop_run``."""
 
 
 class PrivacyRecord:
@@ -263,9 +274,7 @@ class PrivacyRecord:
         record["privacy"] = {site.name: site.privacy.record() for site in sites}
         spent = [site.privacy.spent_note for site in sites if site.privacy.spent_note]
         if spent and self.on_budget == "stop_run":
-            from medfed.errors import RunFailed
-
-            raise RunFailed(f"{spent[0]}; the run stops (privacy.dp.on_budget=stop_run)")
+            raise PrivacyBudgetSpent(f"{spent[0]}; the run stops (privacy.dp.on_budget=stop_run)")
 
 
 def privacy_summary(history: list[dict[str, Any]]) -> dict[str, Any]:
