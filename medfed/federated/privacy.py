@@ -94,27 +94,38 @@ def make_accountant(name: str) -> Any:
 
 
 def steps_within(
-    target_epsilon: float, delta: float, noise_multiplier: float, sample_rate: float, accountant: str, history: list | None = None
+    target_epsilon: float,
+    delta: float,
+    noise_multiplier: float,
+    sample_rate: float,
+    accountant: str,
+    history: list | None = None,
+    within: int = 0,
 ) -> int:
-    """The most further DP steps (sigma, q) after ``history`` whose epsilon at ``delta`` stays <= ``target_epsilon`` (bisection)."""
+    """The most further DP steps (sigma, q) after ``history`` whose epsilon at ``delta`` stays <= ``target_epsilon``.
 
-    def epsilon(steps: int) -> float:
+    ``within``: a count known to stay within it (e.g. the steps sigma was
+    chosen for), where the search starts; one accountant evaluation when
+    one more step would pass the target, a bisection otherwise.
+    """
+
+    def fits(steps: int) -> bool:
         accountant_ = make_accountant(accountant)
         accountant_.history = [*(history or []), (noise_multiplier, sample_rate, steps)]
         with warnings.catch_warnings():  # far-off step counts probe orders at the edge of Opacus's range
             warnings.simplefilter("ignore", UserWarning)
-            return accountant_.get_epsilon(delta)
+            return accountant_.get_epsilon(delta) <= target_epsilon
 
-    if epsilon(1) > target_epsilon:
-        return 0
-    low, high = 1, 2
-    while epsilon(high) <= target_epsilon:
-        low, high = high, high * 2
+    if within and not fits(within):
+        within = 0
+    low, high = within, within + 1
+    while fits(high):
+        low, high = high, 2 * high
         if high > 10**9:
             return high
     while high - low > 1:
         middle = (low + high) // 2
-        low, high = (middle, high) if epsilon(middle) <= target_epsilon else (low, middle)
+        low, high = (middle, high) if fits(middle) else (low, middle)
     return low
 
 
@@ -145,14 +156,15 @@ class SiteDP:
         cfg = self.config
         self.sample_rate = min(1.0, self.batch_size / self.n_train)
         if cfg.target_epsilon is not None:
-            self.noise_multiplier = get_noise_multiplier(
-                target_epsilon=cfg.target_epsilon,
-                target_delta=cfg.delta,
-                sample_rate=self.sample_rate,
-                steps=max(1, self.planned_steps),
-                accountant=cfg.accountant,
+            planned = max(1, self.planned_steps)
+            with warnings.catch_warnings():  # Opacus's search probes sigmas whose best RDP order is its largest
+                warnings.simplefilter("ignore", UserWarning)
+                self.noise_multiplier = get_noise_multiplier(
+                    target_epsilon=cfg.target_epsilon, target_delta=cfg.delta, sample_rate=self.sample_rate, steps=planned, accountant=cfg.accountant
+                )
+            self.step_budget: int | None = steps_within(
+                cfg.target_epsilon, cfg.delta, self.noise_multiplier, self.sample_rate, cfg.accountant, within=planned
             )
-            self.step_budget: int | None = steps_within(cfg.target_epsilon, cfg.delta, self.noise_multiplier, self.sample_rate, cfg.accountant)
         else:
             self.noise_multiplier = float(cfg.noise_multiplier)
             self.step_budget = None
