@@ -88,7 +88,7 @@ def test_clipping_bounds_every_per_sample_gradient_and_keeps_the_regulariser(bat
     reference = _per_sample_gradients(model, x, y)
     assert min(g.norm() for g in reference) > clip  # every sample is clipped
     dp = _dp(max_grad_norm=clip)
-    dp.attach(model)
+    dp.attach([model])
     model.zero_grad()
     proximal = sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor)) * mu / 2
     (nn.functional.cross_entropy(model(x), y) + proximal).backward()
@@ -109,7 +109,7 @@ def test_noise_has_the_stated_spread_and_is_seeded():
     model = TwoLayer()
     x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
     grads = []
-    _dp().attach(model)  # the hooks stay on the model
+    _dp().attach([model])  # the hooks stay on the model
     for seed in (0, 0, 1):
         dp = _dp(noise_multiplier=2.0, max_grad_norm=1e9)
         model.zero_grad()
@@ -291,3 +291,40 @@ def test_the_budget_left_after_a_resume_counts_the_restored_history():
     assert accountant.get_epsilon(1e-5) <= 2.0
     accountant.history[-1] = (other.noise_multiplier, other.sample_rate, other.step_budget - 2)
     assert accountant.get_epsilon(1e-5) > 2.0
+
+
+@pytest.mark.parametrize(
+    ("strategy", "options"),
+    [("fedavg", None), ("fedprox", {"mu": 0.0}), ("ditto", {"lam": 0.0}), ("fedper", None), ("fedrep", None), ("fedbabu", None),
+     ("l2gd", None), ("fedrod", None), ("superfed", {"mu": 0.0, "nu": 0.0, "start_round": 1})],
+)
+def test_opacus_per_sample_gradients_add_up_to_the_step_gradient(strategy, options, monkeypatch):
+    """Without a regulariser, the mean of the per-sample gradients is the step's gradient: the clipping sees the real data term.
+
+    Where it is not (FedRoD passes each batch twice; SuPerFed runs its layers with mixed parameter tensors),
+    Opacus's hooks misattribute the per-sample gradients, and DP-SGD refuses the strategy (docs/privacy.md).
+    """
+    from medfed.federated.strategies import STRATEGIES
+    from toy_federation import BodyHeadClassifier, with_a_body
+
+    torch.manual_seed(0)
+    model = with_a_body(strategy, BodyHeadClassifier)(4, 2)
+    loop = build_loop(strategy, two_group_federation(n_sites=2, n_train=24), model, options, batch_size=8)
+    for site in loop.sites:
+        site.use_dp(SiteDP(DPConfig(noise_multiplier=0.0, max_grad_norm=math.inf), site.name, site.n_train, 8, 1, 0, site.index))
+    gaps = []
+    original = SiteDP.privatise
+
+    def checked(self, parameters, generator):
+        for p in parameters:
+            if p.grad is not None and getattr(p, "grad_sample", None) is not None:
+                gaps.append(float((p.grad_sample.mean(0) - p.grad).abs().max() / (p.grad.abs().max() + 1e-12)))
+        original(self, parameters, generator)
+
+    monkeypatch.setattr(SiteDP, "privatise", checked)
+    loop.fit(1)
+    if STRATEGIES[strategy].dp_sgd_refusal is None:
+        assert gaps and max(gaps) < 1e-5 and not loop.history[-1]["failures"]
+    else:  # the hooks fail outright, or their per-sample gradients do not add up
+        assert loop.history[-1]["failures"] or max(gaps) > 1e-3
+

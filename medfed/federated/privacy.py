@@ -174,18 +174,38 @@ class SiteDP:
         self.spent_note: str | None = None
 
     # ------------------------------------------------------------------ the mechanism
-    def attach(self, module: nn.Module) -> Any:
-        """Opacus's per-sample-gradient hooks on ``module``'s layers (``p.grad_sample`` after each backward).
+    def attach(self, modules: list[nn.Module]) -> list[Any]:
+        """Opacus's per-sample-gradient hooks on the layers of ``modules`` that have trainable parameters now.
 
-        Only the hooks are used: the module is still called as before (by the
-        strategy's loss), and the hooks record per-sample gradients of the
-        layers it runs in training mode.
+        Only the hooks are used: the modules are still called as before (by
+        the strategy's loss), and each backward leaves ``p.grad_sample``
+        (B, *shape) on the trainable parameters. The hooks are added for one
+        training call (after the call's part is made trainable) and removed
+        by :meth:`detach`: Opacus's hooks assume the trainable layers do not
+        change while they are on, and a frozen layer between trainable ones
+        would break their bookkeeping.
         """
+        from lightning.fabric.wrappers import is_wrapped
         from opacus import GradSampleModule
 
+        modules = [module.module if is_wrapped(module) else module for module in modules]  # the user's module behind Fabric's wrapper
         # Opacus's full backward hook on a first layer fires with no input gradient, which torch warns of at every step
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect to module outputs")
-        return GradSampleModule(module, batch_first=True, loss_reduction="mean", strict=True)
+        return [GradSampleModule(module, batch_first=True, loss_reduction="mean", strict=True) for module in modules]
+
+    @staticmethod
+    def detach(hooked: list[Any]) -> None:
+        """Remove the hooks :meth:`attach` added, with any per-sample gradients and activations they left."""
+        for grad_sample_module in hooked:
+            grad_sample_module.remove_hooks()
+            for module in grad_sample_module._module.modules():
+                if hasattr(module, "activations"):
+                    del module.activations
+            for p in grad_sample_module._module.parameters():
+                p.grad_sample = None
+                for name in ("_current_grad_sample", "_forward_counter"):
+                    if hasattr(p, name):
+                        delattr(p, name)
 
     @property
     def spent(self) -> bool:

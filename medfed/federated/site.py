@@ -104,9 +104,7 @@ class Site:
         self._train_calls = 0  # training calls so far in that block (each seeds its own noise)
 
     def use_dp(self, privacy: SiteDP) -> None:
-        """Make every later local step a DP-SGD step (:mod:`medfed.federated.privacy`): per-sample hooks on every slot."""
-        for slot in self.slots.values():
-            privacy.attach(slot.module)
+        """Make every later local step a DP-SGD step (:mod:`medfed.federated.privacy`)."""
         self.privacy = privacy
 
     def _new_generator(self) -> torch.Generator:
@@ -262,6 +260,7 @@ class Site:
         stepped = [module, *(self.slot(name).module for name in also_steps)]
         parameters = [p for m in stepped for p in m.parameters() if p.requires_grad]
         noise = None if privacy is None else privacy.noise_generator(self.fabric.device, *self._rng_stream, self._train_calls)
+        hooked = [] if privacy is None else privacy.attach(stepped)
         total = 0.0
         steps = 0
         self.plan_key = compute
@@ -297,6 +296,8 @@ class Site:
                     steps += 1
         finally:
             self.plan_key = None
+            if privacy is not None:
+                privacy.detach(hooked)
         optimizer.zero_grad(set_to_none=True)
         module.set_trainable("all")
         return total / steps if steps else None
