@@ -328,3 +328,16 @@ def test_opacus_per_sample_gradients_add_up_to_the_step_gradient(strategy, optio
     else:  # the hooks fail outright, or their per-sample gradients do not add up
         assert loop.history[-1]["failures"] or max(gaps) > 1e-3
 
+
+
+def test_a_deployment_asked_for_dp_is_refused_before_any_site_is_contacted(tmp_path):
+    from medfed.deploy import server_app
+    from medfed.errors import ConfigError
+
+    run_config = {
+        "config": str(CLINICAL), "overrides": "strategy.name=fedavg federation.label_ratio=null privacy.dp.noise_multiplier=1",
+        "run-name": "dp", "output-dir": str(tmp_path), "reply-timeout-s": 60.0, "resume": False,
+    }
+    with pytest.raises(ConfigError, match=r"^config key 'privacy.dp': DP-SGD runs in the simulator only"):
+        server_app.run_settings(run_config)
+    assert server_app.run_settings({**run_config, "overrides": "strategy.name=fedavg federation.label_ratio=null"}).resolved
