@@ -35,6 +35,7 @@ from medfed.components import ResolvedRun
 from medfed.data.federation import Federation, SiteData
 from medfed.data.pooling import pool_training_data
 from medfed.federated.link import Link
+from medfed.federated import privacy
 from medfed.federated.site import Site, Slot
 from medfed.federated.strategies.base import Payload, Strategy
 from medfed.models.base import FederatedModule
@@ -59,6 +60,7 @@ class RunAssembly:
             (:meth:`~medfed.config.CodecConfig.spec`, e.g. ``{"name": "dense"}``).
         batch_size: the sites' training batch size (``trainer.batch_size``).
         seed: the run's seed (``trainer.seed``): the sites' data orders derive from it.
+        model_changes: the layers replaced so that DP-SGD can train the prototype (one line per kind; empty without DP).
     """
 
     prototype: FederatedModule
@@ -67,16 +69,26 @@ class RunAssembly:
     codec_down: dict[str, Any]
     batch_size: int
     seed: int
+    model_changes: tuple[str, ...] = ()
 
     @classmethod
     def from_config(
-        cls, resolved: ResolvedRun, input_shape: tuple[int, ...] | list[int], num_classes: int, n_sites: int
+        cls, resolved: ResolvedRun, input_shape: tuple[int, ...] | list[int], num_classes: int, n_sites: int, dp_compatible: bool = False
     ) -> RunAssembly:
-        """The parts of the run ``resolved`` configures, for a model of ``input_shape`` -> ``num_classes`` and ``n_sites`` sites."""
+        """The parts of the run ``resolved`` configures, for a model of ``input_shape`` -> ``num_classes`` and ``n_sites`` sites.
+
+        With ``dp_compatible`` the prototype's layers DP-SGD cannot train are replaced before any site copies it
+        (:func:`medfed.federated.privacy.dp_compatible`: BatchNorm -> GroupNorm).
+        """
         run = resolved.run
         prototype = seeded_prototype(resolved, input_shape, num_classes)
+        changes: list[str] = []
+        if dp_compatible:
+            prototype, changes = privacy.dp_compatible(prototype)
         strategy = resolved.strategy_cls(resolved.strategy_options, prototype.parameter_split, n_sites, run.trainer.seed)
-        return cls(prototype, strategy, run.codec.spec("up"), run.codec.spec("down"), run.trainer.batch_size, run.trainer.seed)
+        return cls(
+            prototype, strategy, run.codec.spec("up"), run.codec.spec("down"), run.trainer.batch_size, run.trainer.seed, tuple(changes)
+        )
 
     def site(self, fabric: Fabric, index: int, data: SiteData) -> Site:
         """Site ``index`` on ``data``: a copy of the prototype per model slot (with its optimiser, set up by ``fabric``), its strategy half."""

@@ -156,6 +156,33 @@ def strategy_table(markdown: bool = False) -> str:
     )
 
 
+#: the privacy mechanisms of :func:`privacy_table`: (column, the Strategy attribute declaring it)
+PRIVACY_MECHANISMS: tuple[tuple[str, str], ...] = (
+    ("DP-SGD at the sites", "dp_sgd_refusal"),
+    ("client-level DP", "client_dp_refusal"),
+    ("secure aggregation", "secure_aggregation_refusal"),
+)
+
+
+def privacy_table() -> str:
+    """docs/privacy.md's markdown table: per registered strategy, each privacy mechanism ``yes`` or ``no (why)``.
+
+    Generated from what each strategy class declares (``dp_sgd_refusal``,
+    ``client_dp_refusal``, ``secure_aggregation_refusal``); a pFedNet-like
+    conditional refusal reads "only with ...".
+    """
+    from medfed.federated.strategies import REGISTERED  # torch: only for the docs and their sync test
+
+    def cell(reason: str | None) -> str:
+        if reason is None:
+            return "yes"
+        return reason if reason.startswith("only with") else f"no ({reason})"
+
+    header = "| strategy | " + " | ".join(column for column, _ in PRIVACY_MECHANISMS) + " |"
+    rows = [f"| `{cls.name}` | " + " | ".join(cell(getattr(cls, attribute)) for _, attribute in PRIVACY_MECHANISMS) + " |" for cls in REGISTERED]
+    return "\n".join([header, "|---" * (len(PRIVACY_MECHANISMS) + 1) + "|", *rows])
+
+
 @dataclass(frozen=True)
 class ResolvedRun:
     """A validated run: the typed groups, the chosen components' names and their options.
@@ -238,6 +265,17 @@ def resolve(cfg: DictConfig) -> ResolvedRun:
     target = getattr(model_options, "target", None)
     if target is not None and target not in task.targets:
         raise ConfigError(f"config key 'model.target' = {target!r}: the {task.name} task labels samples for {', '.join(task.targets) or 'no target choice'}")
+    if run.privacy.dp.enabled:  # a DP run: Opacus present, and the strategy's own refusal (its class imports torch)
+        import importlib.util
+
+        if importlib.util.find_spec("opacus") is None:
+            raise ConfigError("config key 'privacy.dp': DP-SGD needs Opacus, which is not installed (pip install -e \".[privacy]\")")
+        from medfed.federated.strategies import STRATEGIES
+
+        strategy_cls = STRATEGIES[strategy_name]
+        refusal = strategy_cls.dp_sgd_refused(strategy_options)
+        if refusal is not None:
+            raise ConfigError(f"config key 'privacy.dp': DP-SGD does not fit strategy {strategy_cls.name!r}: {refusal} (docs/privacy.md)")
     check_device(run.trainer.device)
     full = {
         **config,

@@ -82,6 +82,8 @@ class LabelRatioConfig:
 
 HOLDOUTS = ("test", "validation")
 ON_SITE_FAILURE = ("drop", "stop")
+DP_ACCOUNTANTS = ("rdp", "prv")
+ON_BUDGET = ("stop_site", "stop_run")
 
 
 @dataclass
@@ -299,6 +301,57 @@ class CodecConfig:
 
 
 @dataclass
+class DPConfig:
+    """DP-SGD at every site (:mod:`medfed.federated.privacy`); off unless ``noise_multiplier`` or ``target_epsilon`` is given.
+
+    ``noise_multiplier`` sigma (noise std sigma * max_grad_norm per step), or
+    ``target_epsilon``: sigma then follows from the steps each site plans over
+    the run, and a site stops training (``on_budget: stop_site``) or the run
+    stops (``stop_run``) before epsilon would pass it. ``delta``: the delta
+    epsilon is reported at. ``max_grad_norm``: C, the per-sample clipping
+    norm (``.inf``: no clipping). ``accountant``: Opacus's ``rdp`` or ``prv``.
+    """
+
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    delta: float = 1e-5
+    max_grad_norm: float = 1.0
+    accountant: str = "rdp"
+    on_budget: str = "stop_site"
+
+    def __post_init__(self) -> None:
+        require(
+            self.noise_multiplier is None or self.target_epsilon is None,
+            "privacy.dp.target_epsilon",
+            self.target_epsilon,
+            "null when privacy.dp.noise_multiplier is given (give one of the two)",
+        )
+        require(
+            self.noise_multiplier is None or (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0),
+            "privacy.dp.noise_multiplier", self.noise_multiplier, "null or a finite number >= 0",
+        )
+        require(
+            self.target_epsilon is None or (math.isfinite(self.target_epsilon) and self.target_epsilon > 0),
+            "privacy.dp.target_epsilon", self.target_epsilon, "null or a finite epsilon > 0",
+        )
+        require(0 < self.delta < 1, "privacy.dp.delta", self.delta, "a probability in (0, 1), e.g. 1e-5")
+        require(self.max_grad_norm > 0, "privacy.dp.max_grad_norm", self.max_grad_norm, "a clipping norm > 0 (.inf: no clipping)")
+        require(self.accountant in DP_ACCOUNTANTS, "privacy.dp.accountant", self.accountant, f"one of {', '.join(DP_ACCOUNTANTS)}")
+        require(self.on_budget in ON_BUDGET, "privacy.dp.on_budget", self.on_budget, f"one of {', '.join(ON_BUDGET)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.noise_multiplier is not None or self.target_epsilon is not None
+
+
+@dataclass
+class PrivacyConfig:
+    """Privacy mechanisms of a run: ``dp``, DP-SGD at every site (see ``docs/privacy.md``)."""
+
+    dp: DPConfig = field(default_factory=DPConfig)
+
+
+@dataclass
 class RunConfig:
     """The whole run. ``data``, ``model`` and ``strategy`` are checked by their components."""
 
@@ -310,6 +363,7 @@ class RunConfig:
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     output_dir: str = "outputs/run"
 
 

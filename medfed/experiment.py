@@ -35,7 +35,9 @@ from medfed.components import ResolvedRun, resolve
 from medfed.config import RunConfig, check_wandb_key
 from medfed.errors import RunFailed, SiteFailure, warn
 from medfed.evaluation.rounds import ValidationEvaluation, VolumeEvaluation
+from medfed.federated.executor import planned_steps
 from medfed.federated.loop import FederatedLoop
+from medfed.federated.privacy import PrivacyBudgetSpent, PrivacyRecord, SiteDP, privacy_summary
 from medfed.data.federation import Federation
 from medfed.data.pooling import pooled_reference
 from medfed.models.classification import BinaryClassifier
@@ -79,16 +81,24 @@ def _run(
         federation = resolved.task.build_federation(
             resolved.data_options, run_cfg.federation, trainer.seed, progress=progress, **resolved.task_inputs
         )
-    assembly = RunAssembly.from_config(resolved, federation.input_shape, federation.num_classes, len(federation.sites))
+    dp = run_cfg.privacy.dp
+    assembly = RunAssembly.from_config(resolved, federation.input_shape, federation.num_classes, len(federation.sites), dp_compatible=dp.enabled)
     prototype, strategy = assembly.prototype, assembly.strategy
+    for fix in assembly.model_changes:
+        warn(f"privacy.dp: {fix}")
     if strategy.pools_data and run_cfg.federation.participation < 1:
         warn(f"strategy {strategy.name!r} pools the training data at one site: it trains only in the rounds that site takes part in")
 
     tracker = Tracker(run_cfg, config, federation, strategy.name, resume=resume, config_name=config_name, quiet=not progress)
     validation = [ValidationEvaluation()] if any(site.validation is not None for site in federation.sites) else []
-    callbacks = [*_volume_evaluation(federation, run_cfg, progress), *validation, tracker]  # scores join the round before the tracker logs
+    privacy = [PrivacyRecord(dp.on_budget)] if dp.enabled else []
+    callbacks = [*_volume_evaluation(federation, run_cfg, progress), *validation, *privacy, tracker]  # scores join the round before the tracker logs
     fabric = Fabric(accelerator=trainer.device, devices=1, loggers=tracker.loggers, callbacks=callbacks)
     sites = assembly.sites(fabric, federation)
+    if dp.enabled:
+        for site in sites:
+            planned = planned_steps(site, strategy.phases, trainer.rounds, trainer.local_epochs)
+            site.use_dp(SiteDP(dp, site.name, site.n_train, trainer.batch_size, planned, trainer.seed, site.index))
     initial = assembly.initial_values(fabric.device)
     links = [assembly.link(initial, fabric.device, site.name) for site in sites]
     write_checkpoint = round_checkpoints(output_dir, config, trainer.keep_checkpoints)
@@ -124,7 +134,7 @@ def _run(
 
     def results_so_far() -> dict[str, Any]:
         timing = timing_summary(loop.history, time.perf_counter() - started, fabric.device, seconds, tracker.seconds)
-        return run_results(
+        results = run_results(
             loop,
             engine="simulator",
             federation=federation.summary(),
@@ -132,12 +142,18 @@ def _run(
             config=config,
             pooled=pooled_reference(federation.sites) if strategy.pools_data else None,
         )
+        if dp.enabled:
+            results["privacy"] = {**privacy_summary(loop.history), "model_changes": list(assembly.model_changes)}
+        return results
 
     bar = tqdm(total=trainer.rounds, initial=loop.round, desc=f"{strategy.name} rounds", unit="round", disable=not progress)
     try:
         loop.fit(trainer.rounds, progress=lambda record: (bar.set_postfix(record["mean"]), bar.update()))
     except BaseException as error:  # Ctrl-C included: the W&B run ends marked as failed, resumable
         tracker.finish(step=loop.round, exit_code=1)
+        if isinstance(error, PrivacyBudgetSpent):  # the rounds so far are the run's results
+            write_json_atomic(output_dir / "results.json", results_so_far())
+            raise RunFailed(f"{error}; the {len(loop.history)} rounds' results are in {output_dir / 'results.json'}") from None
         if isinstance(error, SiteFailure) and loop.history and len(loop.excluded) == len(sites):
             write_json_atomic(output_dir / "results.json", results_so_far())  # what the rounds before the exclusions gave
             raise RunFailed(f"{error}; the {len(loop.history)} rounds' results are in {output_dir / 'results.json'}") from None

@@ -198,6 +198,12 @@ def format_table(results: dict[str, Any]) -> str:
     if split != "test":
         title += f"; metrics on the {split.upper()} split (test split set aside)"
     notes = [f"* {site}: excluded after round {info['round']}, its last failure: {info['reason']}" for site, info in excluded.items()]
+    dp = results.get("privacy", {}).get("dp_sgd")
+    if dp:  # DP-SGD at each site (medfed.federated.privacy): each site's epsilon under the table
+        first = next(iter(dp.values()))
+        epsilons = ", ".join(f"{site} {math.inf if info['epsilon'] is None else info['epsilon']:.3g}" for site, info in dp.items())  # null: inf
+        notes.append(f"DP-SGD ({first['accountant']}, delta={first['delta']:g}, C={first['max_grad_norm']:g}): epsilon {epsilons}")
+        notes += [f"DP-SGD model change: {change}" for change in results["privacy"].get("model_changes", [])]
     pooled = results.get("pooled")
     if pooled:  # not a federated result: say so above the table
         title += f"\n{pooled['reference']} ({pooled['n_train']} training samples, held at {pooled['pool_site']})"

@@ -360,18 +360,7 @@ def train_plans(
     """
     losses = {}
     for plan in plans:
-        epochs = plan.epochs_of(local_epochs)
-        if epochs is None:
-            steps = plan.steps
-        else:
-            # one axis for the round, whatever data order a plan draws from: plans that split the budget
-            # take together the mini-batches one plan with all of it would
-            before = epochs_before.get(ROUND_BUDGET, 0.0)
-            epochs_before[ROUND_BUDGET] = before + epochs
-            steps = site.steps(epochs, before)
-            if plan.passes_per_step > 1:  # the length counts passes; the loss is told how many samples (pFedMe)
-                plan = dataclasses.replace(plan, pass_budget=round(epochs * site.n_train))
-                steps = math.ceil(steps / plan.passes_per_step)
+        plan, steps = plan_length(site, plan, local_epochs, epochs_before)
         loss = site.train(
             steps,
             plan.slot,
@@ -385,6 +374,25 @@ def train_plans(
         if loss is not None:
             losses[None if len(plans) == 1 else plan.label] = loss
     return losses
+
+
+def plan_length(site: Site, plan: TrainingPlan, local_epochs: float, epochs_before: dict[str, float]) -> tuple[TrainingPlan, int]:
+    """The optimiser steps ``plan`` takes at ``site`` this round (and the plan, told its pass budget where it counts passes).
+
+    A plan given in epochs (or a share of ``local_epochs``) continues where the round's earlier plans stopped,
+    on one axis for the round whatever data order a plan draws from: plans that split the budget take together
+    the mini-batches one plan with all of it would. ``epochs_before`` (``{ROUND_BUDGET: epochs}``) gets its epochs.
+    """
+    epochs = plan.epochs_of(local_epochs)
+    if epochs is None:
+        return plan, plan.steps
+    before = epochs_before.get(ROUND_BUDGET, 0.0)
+    epochs_before[ROUND_BUDGET] = before + epochs
+    steps = site.steps(epochs, before)
+    if plan.passes_per_step > 1:  # the length counts passes; the loss is told how many samples (pFedMe)
+        plan = dataclasses.replace(plan, pass_budget=round(epochs * site.n_train))
+        steps = math.ceil(steps / plan.passes_per_step)
+    return plan, steps
 
 
 def _saved_slots(site: Site, plans: tuple[TrainingPlan, ...]) -> dict[str, Any]:
@@ -413,3 +421,19 @@ def _restore_slots(site: Site, saved: dict[str, Any]) -> None:
 def _step_loss(site: Site, ctx: RoundContext, plan: TrainingPlan) -> Callable[[Any], torch.Tensor]:
     """Maps a device batch to the loss of one step of ``plan`` (the site half's ``loss``)."""
     return lambda batch: site.strategy.loss(site.view, ctx, plan, batch)
+
+
+def planned_steps(site: Site, phases: tuple[str, ...], rounds: int, local_epochs: float) -> int:
+    """The local steps ``site`` plans over ``rounds`` rounds: its strategy half's round-1 plans of every phase and adapt step.
+
+    Counted as the run counts them (:func:`medfed.federated.executor.train_plans`);
+    a strategy whose plans change from round to round is planned by its first.
+    """
+    per_round = 0
+    epochs_before: dict[str, float] = {}  # the round's budget axis, kept across its phases as the executor keeps it
+    for phase in phases:
+        for plan in site.strategy.plan(RoundContext(1, phase)):
+            per_round += plan_length(site, plan, local_epochs, epochs_before)[1]
+    for plan in site.strategy.adapt(RoundContext(1, ADAPT)):
+        per_round += plan.steps if plan.steps is not None else site.steps(plan.epochs)
+    return rounds * per_round

@@ -382,6 +382,8 @@ def _flatten_for_logging(record: dict[str, Any]) -> dict[str, float]:
         flat[f"server/{name}"] = float(value)
     for name, value in record["timing"].items():
         flat[f"time/{name}"] = value
+    for site, privacy in record.get("privacy", {}).items():  # DP-SGD (medfed.federated.privacy)
+        flat[f"privacy/{site}/epsilon"] = float(privacy["epsilon"])
     failed = {failure["site"] for failure in record["failures"]}
     for site in record["metrics"]:
         flat[f"{site}/failed"] = float(site in failed)

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from medfed.data.federation import SiteData
 from medfed.federated.compute import AUX, EVALUATION, FORWARD, PassCounter, batch_samples
+from medfed.federated.privacy import SiteDP
 from medfed.federated.site_view import SiteView, split_of
 from medfed.federated.strategies.base import SiteHalf, state_on_device
 from medfed.models.base import FederatedModule
@@ -97,6 +98,14 @@ class Site:
         self.plan_key: str | None = None
         #: what the strategy half sees of the site
         self.view = View(self)
+        #: DP-SGD of every local step (:meth:`use_dp`), or None
+        self.privacy: SiteDP | None = None
+        self._rng_stream: tuple[int, ...] = ()  # the stream of the global_rng block in progress
+        self._train_calls = 0  # training calls so far in that block (each seeds its own noise)
+
+    def use_dp(self, privacy: SiteDP) -> None:
+        """Make every later local step a DP-SGD step (:mod:`medfed.federated.privacy`)."""
+        self.privacy = privacy
 
     def _new_generator(self) -> torch.Generator:
         """A data-order generator seeded from the run's seed and the site's index (every data order starts alike)."""
@@ -174,9 +183,12 @@ class Site:
             torch.manual_seed(seed)
             np.random.seed(seed)
             random.seed(seed)
+            outer = self._rng_stream, self._train_calls
+            self._rng_stream, self._train_calls = stream, 0
             try:
                 yield
             finally:
+                self._rng_stream, self._train_calls = outer
                 np.random.set_state(numpy_state)
                 random.setstate(python_state)
 
@@ -219,6 +231,12 @@ class Site:
         The gradients are freed at the end (``set_to_none``): between rounds
         a site holds its model and optimiser state, not a gradient as well.
 
+        With DP-SGD on (:meth:`use_dp`) each step's gradients of the trained
+        slot and of ``also_steps`` are clipped per sample and noised before
+        the optimisers step (:meth:`SiteDP.privatise`; the noise seeded from
+        the global-RNG stream of the work and the call's rank in it), and a
+        site whose privacy budget is spent trains no more (returns ``None``).
+
         Returns:
             Mean training loss over the steps, or ``None`` if nothing was
             trained (a part without parameters, e.g. the shared part of an
@@ -230,12 +248,21 @@ class Site:
             return None
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
+        privacy = self.privacy
+        self._train_calls += 1
+        if privacy is not None and privacy.spent:
+            privacy.note_spent()
+            return None
         loader = self._loader(data_order)
         remaining = steps
         module.set_trainable(part)
         module.train()
+        stepped = [module, *(self.slot(name).module for name in also_steps)]
+        parameters = [p for m in stepped for p in m.parameters() if p.requires_grad]
+        noise = None if privacy is None else privacy.noise_generator(self.fabric.device, *self._rng_stream, self._train_calls)
+        hooked = [] if privacy is None else privacy.attach(stepped)
         total = 0.0
-        steps = remaining
+        steps = 0
         self.plan_key = compute
         try:
             while remaining > 0:
@@ -245,6 +272,10 @@ class Site:
                 whole = remaining >= self.batches_per_epoch
                 for batch in loader if whole else itertools.islice(loader, remaining):
                     batch = self.fabric.to_device(batch)
+                    if privacy is not None and privacy.spent:
+                        privacy.note_spent()
+                        remaining = 0
+                        break
                     optimizer.zero_grad(set_to_none=True)
                     for other in others:
                         other.zero_grad(set_to_none=True)
@@ -252,6 +283,8 @@ class Site:
                     if not torch.isfinite(loss):
                         raise FloatingPointError(f"{self.name}: training loss became {loss.item()} (learning rate too high?)")
                     self.fabric.backward(loss)
+                    if privacy is not None:
+                        privacy.privatise(parameters, noise)
                     if compute is not None and data_pass:
                         self.passes.add(compute, batch_samples(batch))
                     optimizer.step()
@@ -260,11 +293,14 @@ class Site:
                         other.zero_grad(set_to_none=True)
                     total += loss.item()
                     remaining -= 1
+                    steps += 1
         finally:
             self.plan_key = None
+            if privacy is not None:
+                privacy.detach(hooked)
         optimizer.zero_grad(set_to_none=True)
         module.set_trainable("all")
-        return total / steps
+        return total / steps if steps else None
 
     @torch.no_grad()
     def evaluate(self, loader: DataLoader | None = None) -> dict[str, float]:
@@ -286,6 +322,7 @@ class Site:
             "generator": self.generator.get_state(),
             "data_orders": {name: generator.get_state() for name, (generator, _) in self.data_orders.items()},
             "strategy": self.strategy.state_dict(),
+            **({"privacy": self.privacy.state_dict()} if self.privacy is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -300,6 +337,8 @@ class Site:
             self._loader(name)
             self.data_orders[name][0].set_state(generator_state)
         self.strategy.load_state_dict(state_on_device(state["strategy"], self.fabric.device))
+        if self.privacy is not None:
+            self.privacy.load_state_dict(state["privacy"])
 
 
 class View(SiteView):
@@ -348,6 +387,8 @@ class View(SiteView):
         stop_if: Callable[[], bool] | None = None,
     ) -> bool:
         site = self._site
+        if site.privacy is not None:  # refused before the run for the strategies that step here (docs/privacy.md)
+            raise RuntimeError(f"{site.name}: a strategy half's own steps (SiteView.step) are not DP-SGD steps")
         optimizer = site.slot(slot).optimizer if optimizer is None else optimizer
         optimizer.zero_grad(set_to_none=True)
         site.fabric.backward(loss)

@@ -138,6 +138,7 @@ class APFLSite(FedAvgSite):
 
 class APFL(FedAvg):
     name = "apfl"
+    dp_sgd_refusal = "its local model takes a second step on each sampled batch (SiteView.step); accounting for several noised steps per batch is not built"
     summary = "each site evaluates alpha v + (1 - alpha) w, its own model mixed with the FedAvg one, alpha learned"
     reference = "Deng, Kamani, Mahdavi, Adaptive personalized federated learning, arXiv 2003.13461 (2020)"
     slots = (GLOBAL, LOCAL, MIXED)

@@ -273,6 +273,9 @@ class APPLESite(SiteHalf):
 
 class APPLE(Strategy):
     name = "apple"
+    dp_sgd_refusal = "its loss runs the core model with mixed parameter tensors (functional_call) and steps its directed relationships inside backward, outside the clipping"
+    client_dp_refusal = "its server step needs each site's own vector: every site downloads the others' core models"
+    secure_aggregation_refusal = "its server step needs each site's own vector: every site downloads the others' core models"
     summary = "each site mixes every site's core model with directed relationships it learns"
     reference = "Luo and Wu, Adapt to adaptation: learning personalization for cross-silo federated learning, IJCAI 2022"
     phases = ("select", "fit")

@@ -383,6 +383,14 @@ class Strategy:
     #: the pooled (centralised) reference only: the run gives site ``medfed.data.pooling.POOL_SITE`` the
     #: union of every site's training data, deliberately breaking the rule that data stay at their site
     pools_data: ClassVar[bool] = False
+    #: privacy compatibility (``docs/privacy.md``, :func:`medfed.components.privacy_table`): None where the
+    #: mechanism fits the strategy, else why not. DP-SGD at the sites (:mod:`medfed.federated.privacy`)
+    #: fits where every data-dependent thing a site sends comes out of its DP-SGD steps, one step per
+    #: sampled batch; client-level DP (clipped updates, noise at aggregation) and secure aggregation fit
+    #: where the server step needs only the (weighted) sum of the sites' vectors.
+    dp_sgd_refusal: ClassVar[str | None] = None
+    client_dp_refusal: ClassVar[str | None] = "not declared"
+    secure_aggregation_refusal: ClassVar[str | None] = "not declared"
     Server: ClassVar[type[ServerHalf]] = ServerHalf
     Site: ClassVar[type[SiteHalf]] = SiteHalf
 
@@ -405,6 +413,11 @@ class Strategy:
         adds to the module (e.g. FedRoD's personal head) is in the optimiser,
         the checkpoints and the saved model alike.
         """
+
+    @classmethod
+    def dp_sgd_refused(cls, options: Any) -> str | None:
+        """Why DP-SGD cannot run with ``options`` (None: it can); default: :attr:`dp_sgd_refusal`."""
+        return cls.dp_sgd_refusal
 
     def site_half(self, index: int) -> SiteHalf:
         """The half that runs at site ``index``."""

@@ -154,6 +154,8 @@ class FedAMPSite(SiteHalf):
 
 class FedAMP(Strategy):
     name = "fedamp"
+    client_dp_refusal = "its server step needs each site's own vector: attention weights between pairs of sites"
+    secure_aggregation_refusal = "its server step needs each site's own vector: attention weights between pairs of sites"
     summary = "attentive message passing: each site trains near a cloud model of similar sites' models"
     reference = "Huang et al., Personalized cross-silo federated learning on non-IID data, AAAI 2021"
     Server = FedAMPServer

@@ -123,6 +123,7 @@ class FedRoDSite(FedAvgSite):
 
 class FedRoD(FedAvg):
     name = "fedrod"
+    dp_sgd_refusal = "its loss passes each batch through the model twice (generic and personalised logits), which Opacus's per-sample hooks do not add up (tests/test_privacy.py)"
     summary = "body + generic head trained with the balanced softmax and averaged; a personal head adds its logits at each site"
     reference = "Chen and Chao, On bridging generic and personalized federated learning for image classification, ICLR 2022"
     Site = FedRoDSite

@@ -241,6 +241,9 @@ def training_loss(site: SiteView) -> torch.Tensor:
 
 class IFCA(Strategy):
     name = "ifca"
+    dp_sgd_refusal = "its cluster choice, sent to the server, is the lowest loss over the site's training data, computed outside DP-SGD"
+    client_dp_refusal = "its server step needs each site's own vector: grouped by its cluster choice"
+    secure_aggregation_refusal = "its server step needs each site's own vector: grouped by its cluster choice"
     summary = "k cluster models: each site trains, and is evaluated with, the one with the lowest loss on its data"
     reference = (
         "Ghosh, Chung, Yin and Ramchandran, An efficient framework for clustered federated learning, "

@@ -202,6 +202,9 @@ def _gradient_norm(parameters: list[torch.nn.Parameter]) -> float:
 
 class PFedMe(Strategy):
     name = "pfedme"
+    dp_sgd_refusal = "its K inner steps reuse each sampled batch (SiteView.step); accounting for several noised steps per batch is not built"
+    client_dp_refusal = None  # the server averages the sites' local models (sample-weighted), then moves towards the mean
+    secure_aggregation_refusal = None
     summary = "personalised models as proximal points of each site's loss (Moreau envelopes) around a global model"
     reference = "Dinh, Tran and Nguyen, Personalized federated learning with Moreau envelopes, NeurIPS 2020"
     coded_keys = {"all": "all"}

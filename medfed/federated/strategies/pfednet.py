@@ -296,6 +296,14 @@ class PFedNetSite(SiteHalf):
 class PFedNet(Strategy):
     name = "pfednet"
     phases = ("shared", "personal")
+    client_dp_refusal = "its server step needs each site's own vector: the network lasso fuses the personal parts pair by pair"
+    secure_aggregation_refusal = "its server step needs each site's own vector: the network lasso fuses the personal parts pair by pair"
+    dp_sgd_refusal = "only with graph_space=model: the data- and feature-space sketches a site sends at setup are computed on its raw data"
+
+    @classmethod
+    def dp_sgd_refused(cls, options: Any) -> str | None:
+        """Model space sends no sketch: every data-dependent payload then comes out of DP-SGD steps."""
+        return None if options.graph_space == "model" else f"with graph_space={options.graph_space!r} {cls.dp_sgd_refusal.split(': ', 1)[1]} (use graph_space=model)"
 
     Options = PFedNetOptions
     summary = "graph-coupled personalisation: shared part averaged, personal parts fused over a site similarity network"

@@ -235,6 +235,9 @@ class PGFed(Strategy):
     """PGFed: momentum beta = 0 (see the module docstring)."""
 
     name = "pgfed"
+    dp_sgd_refusal = "its auxiliary gradient, sent to the server, is a full pass over the site's training data outside DP-SGD"
+    client_dp_refusal = "its server step needs each site's own vector: each site's gradient estimate, weighted per pair"
+    secure_aggregation_refusal = "its server step needs each site's own vector: each site's gradient estimate, weighted per pair"
     summary = "each site adds a first-order estimate of the other sites' risks, weighted by learned a_ij"
     reference = "Luo, Chen, Wu, Zhang, PGFed: personalize each client's global objective for federated learning, ICCV 2023"
     coded_keys = {"all": "all", "gradient": "zeros", "aux_gradient": "zeros", "mean_gradient": "zeros"}

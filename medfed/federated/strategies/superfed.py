@@ -183,6 +183,9 @@ class SuPerFedSite(SiteHalf):
 
 class SuPerFed(Strategy):
     name = "superfed"
+    dp_sgd_refusal = "its loss runs the model with mixed parameter tensors (functional_call), which Opacus's per-sample hooks attribute to the wrong parameters"
+    client_dp_refusal = None  # the federated models are averaged (sample-weighted)
+    secure_aggregation_refusal = None
     summary = "federated and local models trained as the ends of a low-loss line (random mixtures, orthogonality, proximal term)"
     reference = "Hahn, Jeong and Lee, Connecting low-loss subspace for personalized federated learning, KDD 2022"
     coded_keys = {"all": "all"}
