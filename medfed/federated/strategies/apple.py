@@ -74,7 +74,7 @@ import torch
 
 from medfed.config import require
 from medfed.federated.strategies.base import (
-    DELIVER, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+    DELIVER, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.live_parameters import live_parameters, training_loss_with
 
@@ -165,7 +165,8 @@ class APPLEServer(ServerHalf):
 
     def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.cores = initial["all"].reshape(1, -1).repeat(self.n_sites, 1)  # (N, d) w_j^(c)
-        sizes = torch.cat([replies[i]["num_samples"] for i in range(self.n_sites)]).to(torch.float64)
+        # p_0 by training-set size; a site excluded at setup (no reply) has none
+        sizes = torch.cat([replies[i][NUM_SAMPLES] if i in replies else torch.zeros_like(self.cores[0, :1]) for i in range(self.n_sites)]).to(torch.float64)
         self.prior = sizes / sizes.sum()  # p_0
         self.completed_rounds = 0
         self.requests: dict[int, list[int]] = {}
@@ -182,6 +183,11 @@ class APPLEServer(ServerHalf):
         for index, reply in replies.items():
             self.cores[index] = reply[f"core/{index}"]
         self.completed_rounds += 1
+
+    def reply_keys(self, ctx: RoundContext, site_index: int) -> tuple[frozenset[str], ...]:
+        """The sample count at setup, the download request in "select", the site's own core model in "fit"."""
+        keys = {SETUP: NUM_SAMPLES, "select": "request", "fit": f"{CORE}/{site_index}"}
+        return (frozenset({keys[ctx.phase]}),)
 
     def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
         return {"prior": self.prior} if self.completed_rounds == 0 else {}
