@@ -392,3 +392,38 @@ def test_setup_replies_without_their_keys_exclude_the_sites_and_none_left_ends_t
     graph.sites[3].strategy.setup = lambda view, ctx: {}
     with pytest.raises(SiteFailure, match="pfednet's similarity graph in data space needs every site's sketch; sites \\[3\\]"):
         graph.fit(1)
+
+
+def test_a_site_whose_delivery_reply_cannot_be_read_fails_the_round_with_its_metrics_missing(caplog):
+    # Deployed, a delivery reply may be malformed, an error or late (test_deploy_apps): the executor
+    # gives that site an evaluation with an error. The site fails the round, its metrics are NaN,
+    # the round's mean is over the other sites, and the run goes on.
+    import math
+
+    from medfed.federated.executor import SiteEvaluation
+
+    loop = _loop("fedavg", n_sites=4)
+    deliver = loop.executor.deliver
+
+    def deliver_with_a_bad_reply(round_index, payloads, evaluate, timing):
+        evaluations = deliver(round_index, payloads, evaluate, timing)
+        if round_index == FAULT_ROUND:
+            evaluations["site1"] = SiteEvaluation({}, error="no reply within reply-timeout-s = 60 s")
+        return evaluations
+
+    loop.executor.deliver = deliver_with_a_bad_reply
+    with caplog.at_level(logging.WARNING, logger="medfed"):
+        loop.fit(3)
+    record = loop.history[FAULT_ROUND - 1]
+    assert record["failures"] == [{"round": 2, "site": "site1", "phase": "deliver", "reason": "no reply within reply-timeout-s = 60 s"}]
+    assert list(record["metrics"]["site1"]) == ["accuracy"] and math.isnan(record["metrics"]["site1"]["accuracy"])
+    others = [record["metrics"][name]["accuracy"] for name in ("site0", "site2", "site3")]
+    assert record["mean"]["accuracy"] == pytest.approx(sum(others) / 3)
+    assert not loop.history[2]["failures"] and loop.failure_streaks[1] == 0
+    assert "round 2: site site1 failed its deliver phase, its metrics of the round are missing" in caplog.text
+
+    stopping = _loop("fedavg", n_sites=4, on_site_failure="stop")
+    stopping_deliver = stopping.executor.deliver
+    stopping.executor.deliver = lambda *args: {**stopping_deliver(*args), "site1": SiteEvaluation({}, error="late")}
+    with pytest.raises(SiteFailure, match="site site1 failed in round 1 \\(deliver phase\\): late"):
+        stopping.fit(1)
