@@ -576,3 +576,16 @@ def test_without_fedavg_the_reference_is_the_first_method_and_a_setting_missing_
     assert "| ditto | **0.6000** | +0.1000 (1 pair) 1/0/0 | — | — | 1.00 |" in md  # ranked over a alone
     assert "| local | 0.5000 | reference | **0.7000** | reference | 2.00 |" in md
     assert "Average rank over a (the settings where every method has a value)." in md
+
+
+def test_a_grid_file_larger_than_any_grid_is_refused_by_its_size_before_it_is_read(tmp_path, monkeypatch):
+    # (It was read whole, then refused by its length as "a config"; a grid is read like a config file now.)
+    from medfed.config import MAX_YAML_BYTES
+    from medfed.errors import ConfigError
+
+    grid = tmp_path / "huge.yaml"
+    grid.write_text("configs: [clinical_delta1]\n" + "#" * MAX_YAML_BYTES + "\n")
+    monkeypatch.setattr(Path, "read_text", lambda *args, **kwargs: pytest.fail("the whole file was read"))
+    with pytest.raises(ConfigError) as error:
+        read_grid(grid)
+    assert str(error.value) == f"{grid}: {MAX_YAML_BYTES + 28} bytes, larger than any grid file medfed reads ({MAX_YAML_BYTES} bytes)"
