@@ -102,13 +102,14 @@ def test_refused_replies_check_the_keys_and_counts_first_and_measure_the_rest_fo
     replies[1]["num_samples"] = torch.tensor([1e9])  # inflated: refused, and not counted in the median
     replies[3]["all"] = torch.full((4,), 1e30)  # small claimed norms are never asked for: measured here
     del replies[4]["num_samples"]  # FedAvg's aggregate would meet a KeyError
-    keys = dict.fromkeys(replies, (frozenset({"all", "num_samples"}),))
-    reasons = refused_replies(replies, dict.fromkeys(replies, message), keys, [5] * 6, {"all": "all"}, 10.0)
+    server, ctx = STRATEGIES["fedavg"].Server(None, None, 6, 0), RoundContext(1, "fit")
+    server.buffers_part = None  # replies of "all" and "num_samples"
+    reasons = refused_replies(replies, dict.fromkeys(replies, message), server, ctx, [5] * 6, {"all": "all"}, 10.0)
     assert sorted(reasons) == [1, 3, 4]
     assert reasons[1].startswith("reply 'num_samples' = 1e+09 is not a whole number from 0 to the 5 training samples")
     assert reasons[3].startswith("update norm 2e+30 of 'all' is over 10 x the median")
     assert reasons[4] == "reply lacks 'num_samples' (expected the keys 'all', 'num_samples')"
-    assert sorted(refused_replies(replies, dict.fromkeys(replies, message), keys, [5] * 6, {"all": "all"}, None)) == [1, 4]
+    assert sorted(refused_replies(replies, dict.fromkeys(replies, message), server, ctx, [5] * 6, {"all": "all"}, None)) == [1, 4]
 
 
 def test_reply_keys_must_be_exactly_one_declared_set_and_the_reason_names_the_closest():
@@ -427,3 +428,26 @@ def test_a_site_whose_delivery_reply_cannot_be_read_fails_the_round_with_its_met
     stopping.executor.deliver = lambda *args: {**stopping_deliver(*args), "site1": SiteEvaluation({}, error="late")}
     with pytest.raises(SiteFailure, match="site site1 failed in round 1 \\(deliver phase\\): late"):
         stopping.fit(1)
+
+
+def test_an_ifca_cluster_index_that_is_not_one_or_names_another_clusters_keys_is_refused():
+    # (Index 1 with cluster 0's keys was a KeyError in aggregate; index 7 at setup an IndexError at the delivery;
+    # index -1 silently the last cluster.)
+    loop = _loop("ifca", n_sites=4)
+    loop.setup()
+    server, fit = loop.server, RoundContext(1, "fit")
+    reply = {"cluster_id": torch.tensor([1.0]), "cluster/0": torch.zeros(3), "cluster_buffers/0": torch.zeros(0), "num_samples": torch.tensor([4.0])}
+    assert reply_key_fault(reply, server.reply_keys(fit, 0)) is None
+    assert server.reply_fault(fit, 0, reply) == "reply 'cluster_id' = 1 names another cluster than the model it sent"
+    assert server.reply_fault(fit, 0, {**reply, "cluster_id": torch.tensor([0.0])}) is None
+    for bad in ([7.0], [-1.0], [0.5], [0.0, 1.0]):
+        assert server.reply_fault(RoundContext(0, "setup"), 0, {"cluster_id": torch.tensor(bad)}) == (
+            "reply 'cluster_id' is not one cluster index from 0 to 1"
+        ), bad
+
+    lying = _loop("ifca", n_sites=4)
+    site = lying.sites[2]
+    reply_of = site.strategy.reply
+    site.strategy.reply = lambda view, ctx: {**reply_of(view, ctx), "cluster_id": torch.tensor([5.0])}
+    lying.fit(1)
+    assert [(f["site"], f["reason"]) for f in lying.history[0]["failures"]] == [("site2", "reply 'cluster_id' is not one cluster index from 0 to 1")]

@@ -15,7 +15,9 @@ of a round when
 3. its payload keys are not those the strategy's server half declares for
    the phase (:meth:`~medfed.federated.strategies.base.ServerHalf.reply_keys`,
    :func:`reply_key_fault`): a key missing or extra, which the server's
-   ``aggregate`` would otherwise meet as a ``KeyError``;
+   ``aggregate`` would otherwise meet as a ``KeyError``; or a value the
+   server half reads as an index is not one
+   (:meth:`~medfed.federated.strategies.base.ServerHalf.reply_fault`, IFCA's cluster);
 4. it reports more training samples (:data:`NUM_SAMPLES`) than it declared
    when it joined (:func:`sample_count_fault`): a strategy weights by the
    count only within that bound;
@@ -69,10 +71,11 @@ import numpy as np
 import torch
 
 from medfed.federated.link import ZEROS, coded_prefix
-from medfed.federated.strategies.base import NUM_SAMPLES, Payload
+from medfed.federated.strategies.base import NUM_SAMPLES, Payload, RoundContext
 
 if TYPE_CHECKING:
     from medfed.federated.site import Site
+    from medfed.federated.strategies.base import ServerHalf
 
 
 def non_finite_keys(payload: Payload) -> list[str]:
@@ -96,9 +99,17 @@ def reply_key_fault(payload: Payload, allowed: tuple[frozenset[str], ...]) -> st
     return f"reply {' and '.join(problems)} (expected {expected})"
 
 
-def reply_fault(payload: Payload, allowed: tuple[frozenset[str], ...], declared: int) -> str | None:
-    """Why one decoded reply is refused on its own (checks 3 and 4 of the module docstring), or None."""
-    return reply_key_fault(payload, allowed) or sample_count_fault(payload, declared)
+def reply_fault(payload: Payload, server: ServerHalf, ctx: RoundContext, index: int, declared: int) -> str | None:
+    """Why site ``index``'s decoded reply in ``ctx`` is refused on its own (checks 3 and 4 of the module docstring), or None.
+
+    Args:
+        payload: the reply.
+        server: the strategy's server half (its ``reply_keys`` and ``reply_fault``).
+        ctx: the round and phase (setup included).
+        index: the site.
+        declared: the site's declared training-set size.
+    """
+    return reply_key_fault(payload, server.reply_keys(ctx, index)) or server.reply_fault(ctx, index, payload) or sample_count_fault(payload, declared)
 
 
 def sample_count_fault(payload: Payload, declared: int) -> str | None:
@@ -147,7 +158,8 @@ def update_norms(reply: Payload, message: Payload, coded_keys: dict[str, str]) -
 def refused_replies(
     replies: dict[int, Payload],
     messages: dict[int, Payload],
-    reply_keys: dict[int, tuple[frozenset[str], ...]],
+    server: ServerHalf,
+    ctx: RoundContext,
     declared_samples: list[int],
     coded_keys: dict[str, str],
     norm_limit: float | None,
@@ -157,14 +169,15 @@ def refused_replies(
     Args:
         replies: ``{site index: reply}`` as the server decoded them.
         messages: ``{site index: the server's message of the phase}``.
-        reply_keys: ``{site index: the key sets its reply may have}`` (the server half's ``reply_keys``).
+        server: the strategy's server half, which declares the replies (:func:`reply_fault`).
+        ctx: the round and phase.
         declared_samples: each site's declared training-set size, by index.
         coded_keys: the strategy's ``coded_keys``.
         norm_limit: c of the update-outlier check (None: no check).
     """
     reasons = {}
     for index, reply in replies.items():
-        reason = reply_fault(reply, reply_keys[index], declared_samples[index])
+        reason = reply_fault(reply, server, ctx, index, declared_samples[index])
         if reason is not None:
             reasons[index] = reason
     if norm_limit is not None:

@@ -147,7 +147,7 @@ class FederatedLoop:
         ctx = RoundContext(0, SETUP)
         replies, refused = self.executor.setup()
         for index, reply in replies.items():
-            reason = reply_fault(reply, self.server.reply_keys(ctx, index), self.executor.declared_samples[index])
+            reason = reply_fault(reply, self.server, ctx, index, self.executor.declared_samples[index])
             if reason is not None:
                 refused[index] = reason
         for index, reason in sorted(refused.items()):
@@ -241,9 +241,8 @@ class FederatedLoop:
             replies, malformed = self.executor.replies([index for index in taking_part if index not in failures])
             for index, reason in malformed.items():
                 fail(index, phase, reason)
-            reply_keys = {index: self.server.reply_keys(ctx, index) for index in replies}
             refused = refused_replies(
-                replies, messages, reply_keys, self.executor.declared_samples, self.strategy.coded_keys, self.update_norm_limit
+                replies, messages, self.server, ctx, self.executor.declared_samples, self.strategy.coded_keys, self.update_norm_limit
             )
             for index, reason in refused.items():
                 fail(index, phase, reason)

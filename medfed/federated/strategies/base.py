@@ -198,6 +198,15 @@ class ServerHalf:
         """
         return (frozenset(),)
 
+    def reply_fault(self, ctx: RoundContext, site_index: int, reply: Payload) -> str | None:
+        """Why a reply with the declared keys is still refused, or None: a value the server reads as an
+        index or a choice that is not one (IFCA's cluster index, and the cluster whose keys it sent).
+
+        Called on each reply that passed :meth:`reply_keys`, before :meth:`setup` or :meth:`aggregate`
+        reads it; the values are finite (the link refuses others). Default: nothing to refuse.
+        """
+        return None
+
     def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
         """What a site receives at the end of round ``ctx.round`` (0: before round 1), to be evaluated with."""
         return {}

@@ -73,6 +73,7 @@ round: (k + 1) model vectors per participant.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -145,6 +146,16 @@ class IFCAServer(ServerHalf):
         return tuple(
             frozenset({CLUSTER_ID, f"{CLUSTER}/{j}", f"{CLUSTER_BUFFERS}/{j}", NUM_SAMPLES}) for j in range(self.options.clusters)
         )
+
+    def reply_fault(self, ctx: RoundContext, site_index: int, reply: Payload) -> str | None:
+        """The cluster index must be one whole number j in 0..k-1, and (after setup) the cluster whose keys the reply holds."""
+        value = reply[CLUSTER_ID]
+        j = float(value.reshape(-1)[0]) if value.numel() == 1 else math.nan
+        if not (j.is_integer() and 0 <= j < self.options.clusters):
+            return f"reply {CLUSTER_ID!r} is not one cluster index from 0 to {self.options.clusters - 1}"
+        if ctx.phase != SETUP and f"{CLUSTER}/{int(j)}" not in reply:
+            return f"reply {CLUSTER_ID!r} = {int(j)} names another cluster than the model it sent"
+        return None
 
     def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         chosen = {index: int(reply[CLUSTER_ID]) for index, reply in replies.items()}
