@@ -451,3 +451,17 @@ def test_an_ifca_cluster_index_that_is_not_one_or_names_another_clusters_keys_is
     site.strategy.reply = lambda view, ctx: {**reply_of(view, ctx), "cluster_id": torch.tensor([5.0])}
     lying.fit(1)
     assert [(f["site"], f["reason"]) for f in lying.history[0]["failures"]] == [("site2", "reply 'cluster_id' is not one cluster index from 0 to 1")]
+
+
+def test_a_site_excluded_at_setup_stays_excluded_for_its_first_reason_whatever_it_fails_later(caplog):
+    from medfed.federated.executor import SiteEvaluation
+
+    loop = _loop("fedavg", n_sites=4, max_consecutive_failures=2)
+    loop.sites[2].strategy.setup = lambda view, ctx: {"gossip": torch.zeros(1)}
+    deliver = loop.executor.deliver
+    loop.executor.deliver = lambda *args: {**deliver(*args), "site2": SiteEvaluation({}, error="late")} if args[2] else deliver(*args)
+    with caplog.at_level(logging.WARNING, logger="medfed"):
+        loop.fit(3)
+    assert loop.excluded == {"site2": {"round": 0, "reason": "reply has the unexpected 'gossip' (expected no keys)"}}
+    assert all(record["excluded"] == [] and [f["site"] for f in record["failures"]] == ["site2"] for record in loop.history)
+    assert "after failing" not in caplog.text

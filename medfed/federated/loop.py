@@ -319,9 +319,9 @@ class FederatedLoop:
                 continue
             self.failure_streaks[index] += 1
             streak = self.failure_streaks[index]
-            if self.max_consecutive_failures is not None and streak >= self.max_consecutive_failures:
+            name = self.site_names[index]
+            if self.max_consecutive_failures is not None and streak >= self.max_consecutive_failures and name not in self.excluded:
                 failure = failures[index]
-                name = self.site_names[index]
                 self.excluded[name] = {"round": failure["round"], "reason": failure["reason"]}
                 newly_excluded.append(name)
                 warn(
