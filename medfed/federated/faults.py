@@ -94,7 +94,9 @@ def reply_key_fault(payload: Payload, allowed: tuple[frozenset[str], ...]) -> st
         return None
     closest = min(allowed, key=lambda candidate: len(candidate ^ keys))
     missing, extra = sorted(closest - keys), sorted(keys - closest)
-    problems = [f"{what} {', '.join(repr(key) for key in found)}" for what, found in (("lacks", missing), ("has the unexpected", extra)) if found]
+    problems = [
+        f"{what} {', '.join(repr(key) for key in found)}" for what, found in (("lacks", missing), ("has the unexpected", extra)) if found
+    ]
     expected = f"the keys {', '.join(repr(key) for key in sorted(closest))}" if closest else "no keys"
     return f"reply {' and '.join(problems)} (expected {expected})"
 
@@ -109,7 +111,11 @@ def reply_fault(payload: Payload, server: ServerHalf, ctx: RoundContext, index: 
         index: the site.
         declared: the site's declared training-set size.
     """
-    return reply_key_fault(payload, server.reply_keys(ctx, index)) or server.reply_fault(ctx, index, payload) or sample_count_fault(payload, declared)
+    return (
+        reply_key_fault(payload, server.reply_keys(ctx, index))  # first: the other checks read declared keys
+        or server.reply_fault(ctx, index, payload)
+        or sample_count_fault(payload, declared)
+    )
 
 
 def sample_count_fault(payload: Payload, declared: int) -> str | None:

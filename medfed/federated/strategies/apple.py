@@ -165,8 +165,8 @@ class APPLEServer(ServerHalf):
 
     def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.cores = initial["all"].reshape(1, -1).repeat(self.n_sites, 1)  # (N, d) w_j^(c)
-        # p_0 by training-set size; a site excluded at setup (no reply) has none
-        sizes = torch.cat([replies[i][NUM_SAMPLES] if i in replies else torch.zeros_like(self.cores[0, :1]) for i in range(self.n_sites)]).to(torch.float64)
+        none = torch.zeros_like(self.cores[0, :1])  # the size of a site excluded at setup (no reply): no weight in p_0
+        sizes = torch.cat([replies[i][NUM_SAMPLES] if i in replies else none for i in range(self.n_sites)]).to(torch.float64)
         self.prior = sizes / sizes.sum()  # p_0
         self.completed_rounds = 0
         self.requests: dict[int, list[int]] = {}
