@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from medfed.config import RunConfig, parse_options, to_plain_dict
+from medfed.config import RunConfig, did_you_mean, parse_options, to_plain_dict
 from medfed.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -234,11 +234,13 @@ def check_strategy_names(group: dict[str, Any]) -> None:
     """
     name = group.get("name")
     if name not in STRATEGY_NAMES:
-        raise ConfigError(f"config key 'strategy.name' = {name!r}: expected one of {', '.join(sorted(STRATEGY_NAMES))}")
+        close = did_you_mean(name, sorted(STRATEGY_NAMES)) if isinstance(name, str) else ""
+        raise ConfigError(f"config key 'strategy.name' = {name!r}: expected one of {', '.join(sorted(STRATEGY_NAMES))}{close}")
     unknown = [key for key in group if key != "name" and key not in STRATEGY_NAMES]
     if unknown:
         raise ConfigError(
-            f"unknown config key 'strategy.{unknown[0]}' (expected 'name' or a strategy's options: {', '.join(sorted(STRATEGY_NAMES))})"
+            f"unknown config key 'strategy.{unknown[0]}'{did_you_mean(unknown[0], ['name', *sorted(STRATEGY_NAMES)], 'strategy.')} "
+            f"(expected 'name' or a strategy's options: {', '.join(sorted(STRATEGY_NAMES))})"
         )
 
 

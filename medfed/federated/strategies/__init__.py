@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from medfed.config import parse_options
+from medfed.config import did_you_mean, parse_options
 from medfed.errors import ConfigError
 from medfed.federated.strategies.apfl import APFL
 from medfed.federated.strategies.apple import APPLE
@@ -60,7 +60,8 @@ def strategy_from_config(group: dict[str, Any]) -> tuple[type[Strategy], Any]:
     """The chosen strategy class and its validated options, from the ``strategy`` config group."""
     name = group.get("name")
     if name not in STRATEGIES:
-        raise ConfigError(f"config key 'strategy.name' = {name!r}: expected one of {', '.join(sorted(STRATEGIES))}")
+        close = did_you_mean(name, sorted(STRATEGIES)) if isinstance(name, str) else ""
+        raise ConfigError(f"config key 'strategy.name' = {name!r}: expected one of {', '.join(sorted(STRATEGIES))}{close}")
     options = strategy_subgroups(group)
     chosen = STRATEGIES[name]
     return chosen, options.get(name, chosen.Options())
@@ -74,7 +75,8 @@ def strategy_subgroups(group: dict[str, Any]) -> dict[str, Any]:
             continue
         if key not in STRATEGIES:
             raise ConfigError(
-                f"unknown config key 'strategy.{key}' (expected 'name' or a strategy's options: {', '.join(sorted(STRATEGIES))})"
+                f"unknown config key 'strategy.{key}'{did_you_mean(key, ['name', *sorted(STRATEGIES)], 'strategy.')} "
+                f"(expected 'name' or a strategy's options: {', '.join(sorted(STRATEGIES))})"
             )
         options[key] = parse_options(STRATEGIES[key].Options, values or {}, f"strategy.{key}")
     return options
