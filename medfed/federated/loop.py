@@ -135,10 +135,12 @@ class FederatedLoop:
     def setup(self) -> None:
         """Round 0: setup payloads up, server setup, first delivery down.
 
-        A site whose setup reply is refused (its setup raised; its reply is
-        malformed or late, has other keys than the server half's
-        ``reply_keys`` or more samples than it declared) is excluded from the
-        run, with one warning line; the server's setup gets the other replies.
+        A site whose setup reply is refused (malformed; other keys than the
+        server half's ``reply_keys`` or a value it refuses; more samples than
+        the site declared; deployed, also an error or no reply in time) is
+        excluded from the run, with one warning line; the server's setup gets
+        the other replies. (A setup that raises in this process is the data's
+        or the config's fault, not a site's: it ends the run.)
 
         Raises:
             SiteFailure: a refused setup reply under ``on_site_failure: stop``.
