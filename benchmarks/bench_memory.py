@@ -46,10 +46,9 @@ def child(strategy: str, n_sites: int, patches: int, rounds: int, checkpoint: bo
     from lightning.fabric import Fabric
     from torch.utils.data import TensorDataset
 
+    from medfed.assembly import RunAssembly
     from medfed.checkpoint import save_checkpoint
     from medfed.data.federation import Federation, SiteData
-    from medfed.experiment import build_sites, initial_vectors
-    from medfed.federated.link import Link
     from medfed.federated.loop import FederatedLoop
     from medfed.federated.strategies import strategy_from_config
     from medfed.models.segmentation import UNetSegmenter
@@ -68,10 +67,11 @@ def child(strategy: str, n_sites: int, patches: int, rounds: int, checkpoint: bo
     prototype = UNetSegmenter(4, 2, UNetSegmenter.Options(lr=0.003))
     strategy_cls, options = strategy_from_config({"name": strategy, "pfednet": {"min_sketch_samples": 2}})
     strategy_obj = strategy_cls(options, prototype.parameter_split, n_sites, 0)
+    assembly = RunAssembly(prototype, strategy_obj, {"name": "dense"}, {"name": "dense"}, batch_size=16, seed=0)
     fabric = Fabric(accelerator="cpu", devices=1, loggers=[], callbacks=[])
-    site_list = build_sites(fabric, federation, prototype, strategy_obj, batch_size=16, seed=0)
-    initial = initial_vectors(prototype, fabric.device)
-    links = [Link({"name": "dense"}, {"name": "dense"}, strategy_obj.coded_keys, initial, fabric.device) for _ in site_list]
+    site_list = assembly.sites(fabric, federation)
+    initial = assembly.initial_values(fabric.device)
+    links = [assembly.link(initial, fabric.device, site.name) for site in site_list]
     with tempfile.TemporaryDirectory() as directory:
         save = (lambda state: save_checkpoint(Path(directory), state, keep=2)) if checkpoint else None
         loop = FederatedLoop(fabric, site_list, strategy_obj, links, initial, 1, 1.0, 0, save_checkpoint=save)

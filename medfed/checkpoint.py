@@ -105,6 +105,9 @@ SITE_KEYS = ("slots", "generator", "data_orders", "strategy")
 """The keys of each entry of ``sites`` (:meth:`~medfed.federated.site.Site.state_dict`)."""
 SLOT_KEYS = ("module", "optimizer")
 """The keys of each of a site's ``slots``."""
+DEPLOYED_SITE_KEYS = ("seq", "round")
+"""The keys of each entry of ``sites`` in a deployment server's checkpoint (the sites keep their own state:
+:meth:`~medfed.deploy.server_app.FlowerSites.state_dict`)."""
 
 
 def _check_keys(path: Path, state: dict[str, Any], required: tuple[str, ...]) -> None:
@@ -118,6 +121,10 @@ def _check_keys(path: Path, state: dict[str, Any], required: tuple[str, ...]) ->
         if not isinstance(state[key], kind):
             raise DataError(f"checkpoint {path}: {key!r} is a {type(state[key]).__name__}, expected a {kind.__name__}")
     for index, site in enumerate(state["sites"]):
+        if isinstance(site, dict) and "seq" in site:  # a deployment server's entry: where the site's own state is
+            if not all(isinstance(site.get(key), int) and site[key] >= 0 for key in DEPLOYED_SITE_KEYS):
+                raise DataError(f"checkpoint {path}: deployed site {index}'s entry is {site!r}, expected whole numbers >= 0 at {', '.join(DEPLOYED_SITE_KEYS)}")
+            continue
         lacking = [key for key in SITE_KEYS if not isinstance(site, dict) or key not in site]
         if lacking:
             raise DataError(f"checkpoint {path}: site {index}'s state lacks the key {lacking[0]!r} (expected {', '.join(SITE_KEYS)})")

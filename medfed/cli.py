@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--jobs", type=int, help="runs at once (default: the cores available); each gets cores // jobs threads")
     compare.add_argument("--quiet", action="store_true", help="no progress bar")
     compare.add_argument("--reference", metavar="NAME", help="the method the tables pair every other against (default: fedavg, else the grid's first)")
+    compare.add_argument("--allow-unequal-compute", action="store_true", help="tabulate runs whose training epochs per round differ (named in the tables) instead of refusing them")
     compare.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for every run, after the grid's (anywhere on the line)")
     predict = commands.add_parser("predict", help="segment a new scan with one site's personalised model from a run")
     predict.add_argument("--run", required=True, type=Path, help="the run's output_dir (config.json and checkpoints/)")
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     stray = [arg for arg in extra if arg.startswith("-") or "=" not in arg or args.command not in ("fit", "compare")]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    show_warnings()
+    show_warnings(quiet=getattr(args, "quiet", False))
     return one_line_errors(lambda: _run_command(args, extra))
 
 
@@ -140,7 +141,8 @@ def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
         output = args.output or f"outputs/compare/{'+'.join(Path(config).stem for config in args.config)}"
         grid, source = make_grid(args.config, args.strategies or "all", args.seeds or [0], [], args.metrics or [], output), "command line"
     try:
-        failed = compare(grid, overrides, jobs=args.jobs, source=source, progress=not args.quiet, reference=args.reference)
+        failed = compare(grid, overrides, jobs=args.jobs, source=source, progress=not args.quiet, reference=args.reference,
+                         allow_unequal_compute=args.allow_unequal_compute)
     except KeyboardInterrupt:
         print("medfed: interrupted; run the same command again: finished runs are kept, interrupted ones resume", file=sys.stderr)
         return INTERRUPTED

@@ -67,11 +67,17 @@ class LabelRatioConfig:
     """Label imbalance: site s has n_negative / n_positive = delta_s around ``delta``.
 
     delta_s = delta * spread ** ((s - (S-1)/2) / ((S-1)/2)); spread = 1 gives
-    every site the same ratio.
+    every site the same ratio. A site losing more than ``max_drop`` of its
+    samples to the ratio is named in a warning (a config that drops more by
+    design says so with a larger ``max_drop``).
     """
 
     delta: float = 1.0
     spread: float = 1.5
+    max_drop: float = 0.5
+
+    def __post_init__(self) -> None:
+        require(0.0 <= self.max_drop <= 1.0, "federation.label_ratio.max_drop", self.max_drop, "a share in [0, 1]")
 
 
 HOLDOUTS = ("test", "validation")
@@ -197,7 +203,9 @@ class TrainerConfig:
     """The federated loop: rounds, local work per round, seed and device."""
 
     rounds: int = 20
-    local_epochs: int = 1
+    local_epochs: float = 1
+    """The budget of training passes per site and round, in epochs of the site's training split (> 0; 0.5 = half a
+    pass), which every strategy's training plans share (:mod:`medfed.federated.strategies.base`)."""
     batch_size: int = 16
     seed: int = 0
     device: str = "cpu"
@@ -208,7 +216,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         require(self.rounds >= 1, "trainer.rounds", self.rounds, "an integer >= 1")
-        require(self.local_epochs >= 1, "trainer.local_epochs", self.local_epochs, "an integer >= 1")
+        require(0 < self.local_epochs < float("inf"), "trainer.local_epochs", self.local_epochs, "a number of epochs > 0 (e.g. 0.5)")
         require(self.batch_size >= 1, "trainer.batch_size", self.batch_size, "an integer >= 1")
         require(0 <= self.seed < 2**63, "trainer.seed", self.seed, "an integer in [0, 2^63) (torch and numpy seeds are 64-bit)")
         require(self.device in DEVICES, "trainer.device", self.device, f"one of {', '.join(DEVICES)}")

@@ -18,14 +18,14 @@ BAD_INPUT = 2
 """The exit status of a command refused for bad input (a config key or a data file)."""
 
 
-def show_warnings() -> None:
-    """Send the ``medfed`` logger's records to stderr as ``medfed: warning: ...`` (``info``, ...) lines."""
+def show_warnings(quiet: bool = False) -> None:
+    """Send the ``medfed`` logger's records to stderr as ``medfed: warning: ...`` (``info``, ...) lines; ``quiet``: warnings only."""
     logger = logging.getLogger("medfed")
     if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(_OneLineFormatter())
         logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
+    logger.setLevel(logging.WARNING if quiet else logging.INFO)
 
 
 def one_line_errors(command: Callable[[], int]) -> int:

@@ -11,7 +11,9 @@ each of its runs through :func:`fit` as well.
 
 from __future__ import annotations
 
+import errno
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from medfed.errors import INTERRUPTED, RunFailed, SiteFailure
 def fit(
     config: str, overrides: list[str], *, resume: bool = False, overwrite: bool = False, quiet: bool = False, print_config: bool = False
 ) -> int:
-    """Run (or with ``print_config`` print) the config; the exit status: 0 done, 2 a site failed, 130 Ctrl-C.
+    """Run (or with ``print_config`` print) the config; the exit status: 0 done, 2 a site failed or the disk is full, 130 Ctrl-C.
 
     Args:
         config: a YAML path or a bundled config's name.
@@ -53,7 +55,24 @@ def fit(
     except KeyboardInterrupt:
         print(f"medfed: interrupted; {how_to_resume(config, overrides, Path(cfg.output_dir))}", file=sys.stderr)
         return INTERRUPTED
+    except OSError as error:
+        if error.errno not in FULL_DISK:
+            raise
+        print(f"medfed: error: {full_disk(error, Path(cfg.output_dir))}; {how_to_resume(config, overrides, Path(cfg.output_dir))}", file=sys.stderr)
+        return 2
     return 0
+
+
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+"""The errors of a write that found no space: a run stops with one line, whichever file it was writing (results,
+CSV and W&B logs, figures, the data cache; checkpoints say so themselves, :func:`medfed.checkpoint.save_checkpoint`)."""
+
+
+def full_disk(error: OSError, output_dir: Path) -> str:
+    """One line for a write that found the disk (or the quota) full: the file, the reason and the space left."""
+    folder = next((path for path in (output_dir, *output_dir.parents) if path.exists()), Path("."))
+    free_mib = shutil.disk_usage(folder).free / 2**20
+    return f"{error.filename or 'a file of the run'} could not be written ({error.strerror}); {free_mib:.0f} MiB free under {folder}"
 
 
 def how_to_resume(config: str, overrides: list[str], output_dir: Path) -> str:

@@ -1,15 +1,128 @@
-"""The run's results: ``results.json`` and the per-site table printed at the end."""
+"""The run's results: ``results.json`` and the per-site table printed at the end.
+
+Both engines, the simulator (:mod:`medfed.experiment`) and a Flower
+deployment's ServerApp (:mod:`medfed.deploy.server_app`), write one schema,
+:func:`run_results`, so that ``python -m medfed compare``
+(:mod:`medfed.compare.tables`) and :func:`format_table` read either:
+
+* ``medfed_version``, ``engine`` (``"simulator"`` or ``"flower-deployment"``),
+  ``strategy``, ``seed``, ``num_threads`` (torch's intra-op threads of the
+  process that wrote it: the server's in a deployment);
+* ``federation``: the data, ``task``, ``description``, ``generated``,
+  ``holdout``, ``input_shape``, ``num_classes`` and per site ``sites``
+  (``name``, ``n_train``, ``n_<holdout>``, more facts where the engine has
+  them: the simulator all of :meth:`~medfed.data.federation.Federation.summary`,
+  a deployment what each site declared when it identified itself);
+* ``pooled`` (the centralised reference only), ``sites`` and ``mean`` (the
+  last round's metrics, :func:`summarise`), ``failures``, ``excluded``,
+  ``communication`` (:func:`communication_totals`), ``compute``
+  (:func:`~medfed.federated.compute.compute_summary`), ``timing``
+  (:func:`timing_summary`), ``config`` (the resolved config), ``history``
+  (the loop's round records), and ``outcome`` when nothing was learned
+  (:func:`learned_nothing`).
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import platform
+import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
+import medfed
 from medfed.atomic import atomic_write
+from medfed.federated.compute import compute_summary
+
+if TYPE_CHECKING:
+    from medfed.federated.loop import FederatedLoop
+
+
+def run_results(
+    loop: FederatedLoop,
+    *,
+    engine: str,
+    federation: dict[str, Any],
+    timing: dict[str, Any],
+    config: dict[str, Any],
+    pooled: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """results.json of a run (module docstring), from its loop's state after the rounds it has run.
+
+    Args:
+        loop: the run's loop (its history, links, exclusions, strategy, seed).
+        engine: ``"simulator"`` or ``"flower-deployment"``.
+        federation: the ``federation`` section; its ``holdout`` and each
+            site's ``n_<holdout>`` size the table's rows.
+        timing: :func:`timing_summary` (and whatever an engine adds to it).
+        config: the resolved config.
+        pooled: the pooled reference's account (:func:`~medfed.data.pooling.pooled_reference`), None for a federated run.
+    """
+    holdout = federation["holdout"]
+    sizes = {site["name"]: site[f"n_{holdout}"] for site in federation["sites"]}
+    results = {
+        "medfed_version": medfed.__version__,
+        "engine": engine,
+        "strategy": loop.strategy.name,
+        "seed": loop.seed,
+        "num_threads": torch.get_num_threads(),
+        "federation": federation,
+        **({"pooled": pooled} if pooled is not None else {}),
+        **summarise(loop.history, sizes, holdout),
+        "failures": [failure for record in loop.history for failure in record["failures"]],
+        "excluded": loop.excluded,
+        "communication": communication_totals(loop.links),
+        "compute": compute_summary(loop.history, loop.site_names),
+        "timing": timing,
+        "config": config,
+        "history": loop.history,
+    }
+    failed = learned_nothing(loop.history)
+    if failed is not None:
+        results["outcome"] = f"failed: {failed}"
+    return results
+
+
+def timing_summary(
+    history: list[dict[str, Any]], wall_s: float, device: torch.device, steps: dict[str, float] | None = None, tracker_s: float = 0.0
+) -> dict[str, Any]:
+    """results.json's ``timing``: the run's wall time and its split, the server step's and codecs' shares of the rounds, the machine.
+
+    Args:
+        history: the loop's round records (their ``timing``: ``round_s``, ``train_s``, ``eval_s``, ``server_s``,
+            ``codec_s``, and ``volume_eval_s``, ``round_start_s`` where measured; seconds).
+        wall_s: seconds since the run (this part of a resumed run) started.
+        device: where the loop's tensors live.
+        steps: the steps outside the rounds that the engine timed: ``data_s`` (building the federation),
+            ``checkpoint_s``, ``figures_s``.
+        tracker_s: the loggers' own time (starting and finishing them, W&B images).
+    """
+    steps = steps or {}
+    round_s = sum(r["timing"]["round_s"] for r in history)
+    server_s = sum(r["timing"]["server_s"] for r in history)
+    codec_s = sum(r["timing"]["codec_s"] for r in history)
+    return {
+        "data_s": steps.get("data_s", 0.0),
+        "train_s": sum(r["timing"].get("train_s", 0.0) for r in history),
+        "patch_eval_s": sum(r["timing"].get("eval_s", 0.0) for r in history),
+        "volume_eval_s": sum(r["timing"].get("volume_eval_s", 0.0) for r in history),
+        "round_start_s": sum(r["timing"].get("round_start_s", 0.0) for r in history),
+        "checkpoint_s": steps.get("checkpoint_s", 0.0),
+        "logging_s": tracker_s,
+        "figures_s": steps.get("figures_s", 0.0),
+        "wall_s": wall_s,
+        "rounds_s": round_s,
+        "mean_round_s": round_s / max(len(history), 1),
+        "server_step_s": server_s,
+        "server_step_share": server_s / round_s if round_s else 0.0,
+        "codec_s": codec_s,
+        "codec_share": codec_s / round_s if round_s else 0.0,
+        "machine": f"{platform.machine()} {platform.processor() or ''} threads={torch.get_num_threads()} device={device}".strip(),
+    }
 
 
 def summarise(history: list[dict[str, Any]], site_sizes: dict[str, int], split: str = "test") -> dict[str, Any]:
@@ -88,7 +201,25 @@ def format_table(results: dict[str, Any]) -> str:
     pooled = results.get("pooled")
     if pooled:  # not a federated result: say so above the table
         title += f"\n{pooled['reference']} ({pooled['n_train']} training samples, held at {pooled['pool_site']})"
+    notes += _volume_note(names, size, results["federation"])
     return "\n".join([title, rule, line(header), rule, *map(line, body[:-1]), rule, line(body[-1]), *notes])
+
+
+def _volume_note(names: list[str], size: str, federation: dict[str, Any]) -> list[str]:
+    """Where whole-volume metrics sit beside patch metrics: a line saying what each counts (patches vs patients), HD95 in mm."""
+    volume = [name for name in names if re.fullmatch(r"(dice|iou|hd95)_(wt|tc|et)", name)]
+    if not volume:
+        return []
+    split = size.removeprefix("n_")
+    patients = sorted({len(site.get(f"{split}_cases", [])) for site in federation.get("sites", [])})
+    per_site = ""
+    if patients and patients[-1]:
+        per_site = f" ({patients[0]} per site)" if len(patients) == 1 else f" ({patients[0]}-{patients[-1]} per site)"
+    patch = [name for name in names if name not in volume]
+    return [
+        f"{', '.join(patch)}: over all {split} patches of a site ({size} = patches); "
+        f"{', '.join(volume)}: whole volumes, mean over the site's {split} patients{per_site}; hd95 in mm"
+    ]
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:

@@ -21,6 +21,7 @@ site's ROC curve and confusion matrix on its final test scores.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,9 @@ class Tracker:
         strategy: the strategy's name (W&B tag and default run name).
         resume: continue the run in ``output_dir``: the same W&B run, the same metrics.csv.
         config_name: the config file's name, for the default W&B group.
+        quiet: W&B prints nothing (``--quiet``); otherwise it prints its run's folder and summary.
+
+    ``seconds`` adds up the time spent logging images, starting and finishing the run.
     """
 
     def __init__(
@@ -72,7 +76,9 @@ class Tracker:
         *,
         resume: bool = False,
         config_name: str | None = None,
+        quiet: bool = False,
     ) -> None:
+        self.seconds = 0.0
         self.config = config
         self.output_dir = Path(run_cfg.output_dir)
         self.rounds = run_cfg.trainer.rounds
@@ -84,6 +90,7 @@ class Tracker:
         self.loggers: list = [self.csv]
         self.wandb = None
         if run_cfg.logger.wandb != "disabled":
+            import wandb
             from lightning.pytorch.loggers import WandbLogger
 
             run_id_file = self.output_dir / RUN_ID_FILE
@@ -97,7 +104,12 @@ class Tracker:
                 save_dir=str(self.output_dir),
                 offline=run_cfg.logger.wandb == "offline",
                 id=run_id_file.read_text().strip() if resume and run_id_file.is_file() else None,
+                **({"settings": wandb.Settings(silent=True, quiet=True)} if quiet else {}),  # else W&B's own (WANDB_SILENT ...)
             )
+            # Lightning passes W&B's deprecated `anonymous` setting (as None) to wandb.init, which then warns on every
+            # run about a setting medfed never sets; left out, W&B's default is the same.
+            if getattr(self.wandb, "_wandb_init", {}).get("anonymous", False) is None:
+                del self.wandb._wandb_init["anonymous"]
             self.loggers.append(self.wandb)
 
     def start(self, history: list[dict[str, Any]]) -> None:
@@ -106,6 +118,7 @@ class Tracker:
         Args:
             history: the rounds already trained (empty for a new run).
         """
+        tic = time.perf_counter()
         metrics_csv = Path(self.csv.log_dir) / "metrics.csv"
         metrics_csv.unlink(missing_ok=True)  # (Lightning would too, warning of lost logs): the checkpoint's rounds come back
         for record in history:  # the rows exactly as the loop logged them
@@ -113,6 +126,7 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.log_hyperparams(self.config)  # a resumed run's segment gets it too
             (self.output_dir / RUN_ID_FILE).write_text(self.wandb.experiment.id + "\n")
+        self.seconds += time.perf_counter() - tic
 
     def on_round_end(self, loop: FederatedLoop, record: dict[str, Any]) -> None:
         """Fabric callback: segmentation overlays to W&B after every ``image_every``-th round and after the last."""
@@ -120,8 +134,10 @@ class Tracker:
         if self.wandb is None or not self.segmentation:
             return
         if round_index == self.rounds or (self.image_every and round_index % self.image_every == 0):
+            tic = time.perf_counter()
             overlays = {f"examples/{site.name}": segmentation_overlays(site, self.channel_names, self.class_labels) for site in loop.sites}
             self.wandb.log_metrics(overlays, step=round_index)
+            self.seconds += time.perf_counter() - tic
 
     def finish(self, figures: Sequence[Path] = (), step: int | None = None, exit_code: int = 0) -> None:
         """End the run's logging: the PNG ``figures`` to W&B (as ``figures/<name>``), the W&B run closed.
@@ -131,14 +147,15 @@ class Tracker:
             step: the last round.
             exit_code: 0 for a finished run; non-zero marks the W&B run as failed (interrupted).
         """
+        tic = time.perf_counter()
         self.csv.finalize("success" if exit_code == 0 else "failed")
-        if self.wandb is None:
-            return
-        import wandb
+        if self.wandb is not None:
+            import wandb
 
-        if figures:
-            self.wandb.log_metrics({f"figures/{path.stem}": wandb.Image(str(path), caption=path.name) for path in figures}, step=step)
-        self.wandb.experiment.finish(exit_code=exit_code)
+            if figures:
+                self.wandb.log_metrics({f"figures/{path.stem}": wandb.Image(str(path), caption=path.name) for path in figures}, step=step)
+            self.wandb.experiment.finish(exit_code=exit_code)
+        self.seconds += time.perf_counter() - tic
 
 
 def class_labels(config: dict[str, Any], num_classes: int) -> dict[int, str]:

@@ -52,10 +52,16 @@ def test_one_local_step_by_hand(alpha_lr, alpha):
     assert all(p.grad is None for p in local_slot.module.parameters())  # v's gradient freed after its step
 
 
-def test_the_global_model_is_fedavgs_bit_for_bit():
+#: (APFL options, the budget of the FedAvg or Local run its w or v follows): the equal preset's steps take half the
+#: budget (two passes each), the published preset's a step per mini-batch of the whole budget
+PRESETS = [({}, 0.5), ({"preset": "published"}, 1)]
+
+
+@pytest.mark.parametrize(("options", "budget"), PRESETS)
+def test_the_global_model_is_fedavgs_bit_for_bit(options, budget):
     federation = two_group_federation(n_sites=4)
-    apfl = build_loop("apfl", federation, seeded(BatchNormClassifier, 4, 2), participation=0.75)
-    fedavg = build_loop("fedavg", federation, seeded(BatchNormClassifier, 4, 2), participation=0.75)
+    apfl = build_loop("apfl", federation, seeded(BatchNormClassifier, 4, 2), options, participation=0.75)
+    fedavg = build_loop("fedavg", federation, seeded(BatchNormClassifier, 4, 2), participation=0.75, local_epochs=budget)
     apfl.fit(3)
     fedavg.fit(3)
     assert json.dumps([r["train_loss"] for r in apfl.history]) == json.dumps([r["train_loss"] for r in fedavg.history])
@@ -64,10 +70,12 @@ def test_the_global_model_is_fedavgs_bit_for_bit():
             assert torch.equal(a.slot("global").module.get_vector(part), b.module.get_vector(part))
 
 
-def test_alpha_fixed_at_one_is_local_training_of_v():
+@pytest.mark.parametrize(("options", "budget"), PRESETS)
+def test_alpha_fixed_at_one_is_local_training_of_v(options, budget):
     federation = two_group_federation(n_sites=4)
-    apfl = build_loop("apfl", federation, seeded(BatchNormClassifier, 4, 2), {"alpha": 1.0, "adaptive": False}, participation=0.75)
-    local = build_loop("local", federation, seeded(BatchNormClassifier, 4, 2), participation=0.75)
+    options = {"alpha": 1.0, "adaptive": False, **options}
+    apfl = build_loop("apfl", federation, seeded(BatchNormClassifier, 4, 2), options, participation=0.75)
+    local = build_loop("local", federation, seeded(BatchNormClassifier, 4, 2), participation=0.75, local_epochs=budget)
     apfl.fit(3)
     local.fit(3)
     for a, b in zip(apfl.sites, local.sites):
@@ -77,18 +85,20 @@ def test_alpha_fixed_at_one_is_local_training_of_v():
     assert json.dumps([r["metrics"] for r in apfl.history]) == json.dumps([r["metrics"] for r in local.history])
 
 
-def test_alpha_fixed_at_zero_evaluates_the_global_model():
+@pytest.mark.parametrize(("options", "budget"), PRESETS)
+def test_alpha_fixed_at_zero_evaluates_the_global_model(options, budget):
     federation = two_group_federation(n_sites=4)
-    apfl = build_loop("apfl", federation, seeded(LinearClassifier, 4, 2), {"alpha": 0.0, "adaptive": False}, participation=0.75)
-    fedavg = build_loop("fedavg", federation, seeded(LinearClassifier, 4, 2), participation=0.75)
+    options = {"alpha": 0.0, "adaptive": False, **options}
+    apfl = build_loop("apfl", federation, seeded(LinearClassifier, 4, 2), options, participation=0.75)
+    fedavg = build_loop("fedavg", federation, seeded(LinearClassifier, 4, 2), participation=0.75, local_epochs=budget)
     apfl.fit(3)
     fedavg.fit(3)
     assert json.dumps([r["metrics"] for r in apfl.history]) == json.dumps([r["metrics"] for r in fedavg.history])
 
 
 def test_each_site_is_evaluated_with_its_mixture_and_learns_to_lean_on_its_own_model():
-    # The two groups' label rules are opposite: the global model suits neither, so alpha rises.
-    loop = build_loop("apfl", two_group_federation(n_sites=6), seeded(BatchNormClassifier, 4, 2), {"alpha_lr": 0.05})
+    # The two groups' label rules are opposite: the global model suits neither, so alpha rises. Both runs at the same budget.
+    loop = build_loop("apfl", two_group_federation(n_sites=6), seeded(BatchNormClassifier, 4, 2), {"alpha_lr": 0.05}, local_epochs=2)
     loop.fit(6)
     for site in loop.sites:
         alpha = site.strategy.alpha
@@ -98,6 +108,6 @@ def test_each_site_is_evaluated_with_its_mixture_and_learns_to_lean_on_its_own_m
         torch.testing.assert_close(site.module.get_vector("all"), expected)
         assert torch.equal(site.module.get_vector("buffers"), local.get_vector("buffers"))
         assert 0.5 < float(alpha) <= 1.0, (site.name, float(alpha))
-    fedavg = build_loop("fedavg", two_group_federation(n_sites=6), seeded(BatchNormClassifier, 4, 2))
+    fedavg = build_loop("fedavg", two_group_federation(n_sites=6), seeded(BatchNormClassifier, 4, 2), local_epochs=2)
     fedavg.fit(6)
     assert loop.history[-1]["mean"]["accuracy"] > fedavg.history[-1]["mean"]["accuracy"] + 0.2

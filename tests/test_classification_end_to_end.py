@@ -46,7 +46,10 @@ output_dir: {output}
 """
 
 # what experiment.run writes for every task (the BraTS end-to-end test checks the same run)
-RESULT_KEYS = {"medfed_version", "strategy", "seed", "num_threads", "federation", "sites", "mean", "failures", "excluded", "communication", "timing", "config", "history"}
+RESULT_KEYS = {
+    "medfed_version", "engine", "strategy", "seed", "num_threads", "federation", "sites", "mean", "failures", "excluded", "communication",
+    "compute", "timing", "config", "history",
+}
 METRICS = ["accuracy", "balanced_accuracy", "auroc"]
 
 @pytest.fixture(scope="module")

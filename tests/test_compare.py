@@ -59,7 +59,7 @@ output: {output}
 STRATEGIES, SEEDS, SITES, METRICS = ["local", "fedavg"], [0, 1], ["site0", "site1", "site2"], ["auroc", "balanced_accuracy"]
 COLUMNS = [
     "config", "strategy", "seed", "site", "last_auroc", "last_balanced_accuracy", "selected_round", "validation_auroc",
-    "selected_auroc", "selected_balanced_accuracy", "wall_s",
+    "selected_auroc", "selected_balanced_accuracy", "training_epochs_per_round", "wall_s",
 ]
 
 
@@ -110,6 +110,8 @@ def test_every_run_of_the_grid_gets_its_folder_and_one_csv_row_per_site(compared
             for row in mine:
                 assert float(row["last_auroc"]) == results["history"][-1]["metrics"][row["site"]]["auroc"]
                 assert float(row["wall_s"]) == results["timing"]["wall_s"]
+                assert float(row["training_epochs_per_round"]) == 1.0  # trainer.local_epochs' default, kept by both methods
+            assert results["compute"]["mean_training_epochs_per_round"] == 1.0
     assert (out / "comparison.png").stat().st_size > 10_000
 
 
@@ -238,8 +240,9 @@ def test_md_cells_count_the_seeds_and_generated_data_are_named_in_every_heading(
     assert headings[0] == "# Method comparison (GENERATED data)"
     assert all("(GENERATED data)" in h for h in headings if h.startswith("## iou"))
     # one seed of one: the mean alone, the best of its setting (bold), the reference, rank 1, a 3-round run is early
-    assert "| fedavg | **0.5000** | reference | 1.00 |" in md and "| fedavg | **0.6000** | reference | 1.00 |" in md
-    assert "| *runs' validation curves* | early-training snapshot | | |" in md and "- lack1/fedavg/seed0: boom" in md
+    assert "| fedavg | **0.5000** | reference | ? | 1.00 |" in md and "| fedavg | **0.6000** | reference | ? | 1.00 |" in md
+    assert "| *runs' validation curves* | early-training snapshot | | | |" in md and "- lack1/fedavg/seed0: boom" in md
+    assert "lack0/fedavg/seed0 has no compute record" in md  # results without compute (a run from before it was counted)
 
 
 def test_validation_evaluation_scores_each_sites_model_on_its_validation_split():
@@ -433,6 +436,17 @@ def fake_history(setting: str, strategy: str, seed: int) -> list[dict]:
     return history
 
 
+def fake_compute(strategy: str, training: float = 1.0) -> dict:
+    """A results.json ``compute`` record: ``training`` epochs per site and round, and ditto with half an epoch of auxiliary passes."""
+    auxiliary = 0.5 if strategy == "ditto" else 0.0
+    return {
+        "training_epochs": {f"site{i}": training * 3 for i in range(3)},
+        "training_rounds": {f"site{i}": 3 for i in range(3)},
+        "mean_training_epochs_per_round": training,
+        "mean_auxiliary_epochs_per_round": auxiliary,
+    }
+
+
 @pytest.fixture
 def fake_comparison(tmp_path):
     """A grid over tiny_a and tiny_b whose every run folder holds a finished results.json of fake_history."""
@@ -453,6 +467,7 @@ def fake_comparison(tmp_path):
             "history": fake_history(run.setting, run.strategy, run.seed),
             "federation": {"description": "fake results", "generated": False},
             "timing": {"wall_s": 1.0 + run.seed},
+            "compute": fake_compute(run.strategy),
             "strategy": run.strategy,
             "seed": run.seed,
         }
@@ -505,16 +520,18 @@ def test_the_tables_give_intervals_paired_differences_ranks_the_best_group_and_p
     sections = {section.split("\n", 1)[0]: section for section in md.split("\n## ")[1:]}
     for column, heading in (("last_auroc", "auroc, last round"), ("selected_auroc", "auroc, validation-selected round")):
         table = sections[heading]
-        assert "| method | tiny_a | Δ vs local | tiny_b | Δ vs local | average rank |" in table
+        assert "| method | tiny_a | Δ vs local | epochs | tiny_b | Δ vs local | epochs | average rank |" in table
         cells = expected_rows(column, "local")
         rows = {line.split(" | ")[0][2:]: line for line in table.splitlines() if line.startswith("| ")}
         for method in ("local", "fedavg", "ditto"):
-            assert rows[method].startswith(f"| {method} | {cells[('tiny_a', method)]} | {cells[('tiny_b', method)]} | "), (rows[method], cells)
+            epochs = "1.00 +0.50 aux" if method == "ditto" else "1.00"
+            expected = f"| {method} | {cells[('tiny_a', method)]} | {epochs} | {cells[('tiny_b', method)]} | {epochs} | "
+            assert rows[method].startswith(expected), (rows[method], cells)
         # ranks: the selected round shifts every method of a setting alike (fedavg's seed 2 aside), so both tables rank alike
         ranks = np.mean([stats.rankdata([-np.mean(LAST_AUROC[s][m]) for m in ("local", "fedavg", "ditto")]) for s in LAST_AUROC], axis=0)
         assert list(ranks) == [2.0, 2.5, 1.5]  # by hand: tiny_a local 1, ditto 2, fedavg 3; tiny_b ditto 1, fedavg 2, local 3
         assert [rows[m].rsplit(" | ", 1)[1] for m in ("local", "fedavg", "ditto")] == ["2.00 |", "2.50 |", "1.50 |"]
-        assert "| *runs' validation curves* | 8/9 plateaued, 1 improving | | early-training snapshot | | |" in table
+        assert "| *runs' validation curves* | 8/9 plateaued, 1 improving | | | early-training snapshot | | | |" in table
     assert "**" not in rows["fedavg"].split(" | ")[1] and "**" in rows["ditto"].split(" | ")[1]  # tiny_a: ditto with the best, fedavg not
     status = sections["Runs' validation curves (auroc, last 5 rounds against the earlier best)"]
     assert "| fedavg | 2/3 plateaued, 1 improving | early-training snapshot |" in status
@@ -572,10 +589,35 @@ def test_without_fedavg_the_reference_is_the_first_method_and_a_setting_missing_
         for s, m, v in [("a", "local", 0.5), ("a", "ditto", 0.6), ("b", "local", 0.7)]
     ]
     md = markdown(Grid(["a", "b"], ["local", "ditto"], [0], metrics=["iou"]), "test", ["a", "b"], rows, finished, {}, ["iou"])
-    assert "| method | a | Δ vs local | b | Δ vs local | average rank |" in md
-    assert "| ditto | **0.6000** | +0.1000 (1 pair) 1/0/0 | — | — | 1.00 |" in md  # ranked over a alone
-    assert "| local | 0.5000 | reference | **0.7000** | reference | 2.00 |" in md
+    assert "| method | a | Δ vs local | epochs | b | Δ vs local | epochs | average rank |" in md
+    assert "| ditto | **0.6000** | +0.1000 (1 pair) 1/0/0 | ? | — | — | — | 1.00 |" in md  # ranked over a alone
+    assert "| local | 0.5000 | reference | ? | **0.7000** | reference | ? | 2.00 |" in md
     assert "Average rank over a (the settings where every method has a value)." in md
+
+
+def test_runs_of_unequal_compute_are_refused_by_name_unless_allowed(fake_comparison, capsys):
+    grid, out = fake_comparison
+    results = out / "tiny_b" / "ditto" / "seed1" / "results.json"
+    record = json.loads(results.read_text())
+    record["compute"] = fake_compute("ditto", training=2.0)  # e.g. strategy.ditto.preset=published: 2 epochs a round
+    results.write_text(json.dumps(record))
+    assert main(["compare", "--grid", str(grid), "--quiet"]) == 2
+    error = capsys.readouterr().err.splitlines()[-1]  # after compare's line about the runs
+    assert error.startswith("medfed: error: compare: runs of unequal compute in one table")
+    assert "tiny_b/ditto/seed1 trained 2.00 epochs per site and round, fedavg's 1.00" in error and "--allow-unequal-compute" in error
+    assert "tiny_a/" not in error and "seed0" not in error  # only the run off the budget is named
+    assert not (out / "comparison.md").exists()
+
+    record["compute"] = fake_compute("ditto", training=1.04)  # within 5% of the budget (the cut at whole mini-batches)
+    results.write_text(json.dumps(record))
+    assert main(["compare", "--grid", str(grid), "--quiet"]) == 0
+    record["compute"] = fake_compute("ditto", training=2.0)
+    results.write_text(json.dumps(record))
+    assert main(["compare", "--grid", str(grid), "--quiet", "--allow-unequal-compute"]) == 0
+    md = (out / "comparison.md").read_text()
+    assert "**Unequal compute** (tabulated with --allow-unequal-compute; tolerance 5%): tiny_b/ditto/seed1 trained 2.00" in md
+    ditto = next(line for line in md.splitlines() if line.startswith("| ditto |"))
+    assert ditto.split(" | ")[6] == "1.33 +0.50 aux"  # tiny_b's epochs: the mean over its three runs, (2 + 1 + 1) / 3
 
 
 def test_a_grid_file_larger_than_any_grid_is_refused_by_its_size_before_it_is_read(tmp_path, monkeypatch):

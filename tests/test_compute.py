@@ -73,24 +73,44 @@ def test_pfednets_two_half_epoch_phases_count_the_batches_they_pass():
             }
 
 
+def _half(n):
+    """Steps of half an epoch's budget at the start of a round: [B / 2], [x] = floor(x + 1/2)."""
+    return math.floor(_batches(n) * 0.5 + 0.5)
+
+
 def test_dittos_global_and_personal_plans_are_counted_apart():
     loop = _loop("ditto", {"personal_steps": 3})
     loop.fit(2)
     for name, n in _sizes(loop).items():
+        global_ = _fresh_pass(n, _half(n)) / n  # the global plan: half the budget, the first steps of a fresh pass
         for record in loop.history:
             assert record["compute"][name] == {
-                "train/fit/global": 1.0, "train/fit/personal": 3 * BATCH / n, "evaluation": N_TEST / n,
+                "train/fit/global": global_, "train/fit/personal": 3 * BATCH / n, "evaluation": N_TEST / n,
             }
-            assert training_epochs(record["compute"][name]) == 1.0 + 3 * BATCH / n
+            assert training_epochs(record["compute"][name]) == global_ + 3 * BATCH / n
 
 
-@pytest.mark.parametrize("inner_steps", [1, 5])
-def test_pfedmes_inner_steps_count_k_passes_per_mini_batch(inner_steps):
+@pytest.mark.parametrize("inner_steps", [1, 2, 5])
+def test_pfedmes_inner_steps_count_against_the_budget(inner_steps):
+    """ceil(B / K) local rounds on the first mini-batches of a pass; each takes min(K, [left / m]) >= 1 inner passes of
+    its m samples, left = the samples of the epoch not yet passed, [x] = floor(x + 1/2)."""
     loop = _loop("pfedme", {"lam": 1.0, "inner_steps": inner_steps})
     loop.fit(2)
     for name, n in _sizes(loop).items():
+        left = n
+        for step in range(math.ceil(_batches(n) / inner_steps)):
+            m = _fresh_pass(n, step + 1) - _fresh_pass(n, step)
+            left -= m * max(1, min(inner_steps, math.floor(left / m + 0.5)))
+        assert abs(left) <= BATCH / 2  # the epoch, to within half a mini-batch
         for record in loop.history:
-            assert record["compute"][name] == {"train/fit/local": float(inner_steps), "evaluation": N_TEST / n}
+            assert record["compute"][name] == {"train/fit/local": (n - left) / n, "evaluation": N_TEST / n}
+
+
+def test_pfedmes_published_preset_passes_k_times_every_mini_batch_of_the_epochs():
+    loop = _loop("pfedme", {"lam": 1.0, "inner_steps": 5, "preset": "published"})
+    loop.fit(1)
+    for name, n in _sizes(loop).items():
+        assert loop.history[0]["compute"][name] == {"train/fit/local": 5.0, "evaluation": N_TEST / n}
 
 
 def test_auxiliary_and_forward_passes_are_counted_apart_from_the_plans():
@@ -101,10 +121,13 @@ def test_auxiliary_and_forward_passes_are_counted_apart_from_the_plans():
         n = _sizes(pgfed)[name]
         # PGFed: every round also estimates f and grad f over the whole training split
         assert pgfed.history[0]["compute"][name] == {"train/fit/model": 1.0, "aux/gradient_estimate": 1.0, "evaluation": N_TEST / n}
-        # APFL: each step also steps the local model on the mixture, a second pass of the batch
-        assert apfl.history[0]["compute"][name] == {"train/fit/global": 2.0, "evaluation": N_TEST / n}
+        # APFL: each step also steps the local model on the mixture, a second pass of the batch (half the budget's steps)
+        assert apfl.history[0]["compute"][name] == {"train/fit/global": 2 * _fresh_pass(n, _half(n)) / n, "evaluation": N_TEST / n}
         # IFCA: the cluster estimate is k forward passes over the training split (evaluation batches)
         assert ifca.history[0]["compute"][name] == {"train/fit/model": 1.0, "forward/cluster_choice": 3.0, "evaluation": N_TEST / n}
+    # the budget counts the training plans; PGFed's estimate is reported beside it
+    summary = compute_summary(pgfed.history, pgfed.site_names)
+    assert summary["mean_training_epochs_per_round"] == 1.0 and summary["mean_auxiliary_epochs_per_round"] == 1.0
 
 
 def test_the_results_summary_adds_up_the_rounds_and_the_loggers_see_each_count():
@@ -116,12 +139,16 @@ def test_the_results_summary_adds_up_the_rounds_and_the_loggers_see_each_count()
     for name, n in sizes.items():
         assert [entry["round"] for entry in summary["per_round"][name]] == [1, 2, 3]  # evaluated every round
         totals = summary["totals"][name]
-        assert totals["train/fit/global"] == pytest.approx(rounds_in[name])
+        global_ = _fresh_pass(n, _half(n)) / n
+        assert totals["train/fit/global"] == pytest.approx(rounds_in[name] * global_)
         assert totals["train/fit/personal"] == pytest.approx(rounds_in[name] * 3 * BATCH / n)
         assert totals["evaluation"] == pytest.approx(3 * N_TEST / n)
-        assert summary["training_epochs"][name] == pytest.approx(rounds_in[name] * (1 + 3 * BATCH / n))
-    assert summary["per_plan"]["train/fit/global"] == pytest.approx(sum(rounds_in.values()) / 3)
-    assert summary["mean_training_epochs_per_round"] == pytest.approx(sum(summary["training_epochs"].values()) / 3 / 3)
+        assert summary["training_epochs"][name] == pytest.approx(rounds_in[name] * (global_ + 3 * BATCH / n))
+        assert summary["training_rounds"][name] == rounds_in[name]
+        assert summary["auxiliary_epochs"][name] == 0.0
+    assert summary["per_plan"]["train/fit/global"] == pytest.approx(sum(rounds_in[m] * _fresh_pass(n, _half(n)) / n for m, n in sizes.items()) / 3)
+    # per (site, round) a site trained in: the skipped rounds do not dilute it
+    assert summary["mean_training_epochs_per_round"] == pytest.approx(sum(summary["training_epochs"].values()) / sum(rounds_in.values()))
     flat = _flatten_for_logging(loop.history[-1])
     for name, counts in loop.history[-1]["compute"].items():
         assert flat[f"{name}/compute/training_epochs"] == training_epochs(counts)

@@ -114,7 +114,8 @@ def _checkpointed(tmp_path: Path, rounds: int) -> dict:
     run_config = {**RUN_CONFIG, "output-dir": str(tmp_path / "out"), "overrides": f"{RUN_CONFIG['overrides']} trainer.rounds={rounds}"}
     config = server_app.run_settings(run_config).resolved.config
     loop_state = {"links": [], "history": [], "server": {}, "failure_streaks": [], "excluded": {}, "num_threads": 1}
-    save_checkpoint(tmp_path / "out" / FOLDER, {"round": 1, "config": config, "sites": [], **loop_state}, keep=2)
+    sites = [{"seq": 2, "round": 1} for _ in range(config["federation"]["n_sites"])]  # FlowerSites.state_dict()'s shape
+    save_checkpoint(tmp_path / "out" / FOLDER, {"round": 1, "config": config, "sites": sites, **loop_state}, keep=2)
     return run_config
 
 
@@ -178,10 +179,12 @@ def test_a_malformed_delivery_reply_is_one_message_error_naming_the_site(change,
         ({"input_shape": [30, -1]}, "input_shape must be up to 8 positive whole numbers"),
         ({"num_samples": 0}, "num_classes and num_samples must be at least 1"),
         ({"num_samples": 1.5}, "field 'num_samples' is not a whole number"),
+        ({"num_evaluated": -1}, "num_evaluated must be at least 0"),
+        ({"generated": 1}, "field 'generated' is not true or false"),
     ],
 )
 def test_a_malformed_node_description_is_refused(change, message):
-    description = {"site_index": 1, "input_shape": [30], "num_classes": 2, "num_samples": 120}
+    description = {"site_index": 1, "input_shape": [30], "num_classes": 2, "num_samples": 120, "num_evaluated": 30, "generated": False}
     assert server_app._description(dict(description), 3) == description
     with pytest.raises(MessageError, match=re.escape(message)):
         server_app._description({**description, **change}, 3)
@@ -211,7 +214,18 @@ def test_a_resume_may_raise_trainer_rounds(tmp_path):
     run_config = _checkpointed(tmp_path, rounds=1)
     raised = {**run_config, "resume": True, "overrides": run_config["overrides"].replace("trainer.rounds=1", "trainer.rounds=2")}
     state = server_app.resumed_state(server_app.run_settings(raised))
-    assert state["round"] == 1
+    assert state["round"] == 1 and state["sites"][0] == {"seq": 2, "round": 1}
+
+
+def test_a_deployment_checkpoint_whose_site_entry_is_damaged_is_one_line(tmp_path):
+    run_config = _checkpointed(tmp_path, rounds=1)
+    (checkpoint,) = (tmp_path / "out" / FOLDER).glob("*.ckpt")
+    state = read_checkpoint(checkpoint)
+    state["sites"][1] = {"seq": -1, "round": 1}
+    checkpoint.unlink()
+    save_checkpoint(tmp_path / "out" / FOLDER, state, keep=2)
+    with pytest.raises(DataError, match="deployed site 1's entry is .* expected whole numbers >= 0 at seq, round"):
+        server_app.resumed_state(server_app.run_settings({**run_config, "resume": True}))
 
 
 def _worker(tmp_path: Path) -> tuple[SiteWorker, dict]:
@@ -389,7 +403,7 @@ def test_a_deployed_site_that_does_not_answer_a_phase_in_time_fails_that_phase_a
 
 def test_a_deployed_site_whose_delivery_reply_is_malformed_an_error_or_late_has_no_evaluation_and_the_others_do(in_a_run):
     # (A RuntimeError ended the run; the loop then fails the site in that round, its metrics NaN: test_faults.)
-    good = {"metrics": {"accuracy": 0.75}, "compute": {"evaluation": 1.0}, "adapt_losses": {}, "adapt_error": None}
+    good = {"metrics": {"accuracy": 0.75}, "compute": {"evaluation": 1.0}, "adapt_losses": {}, "adapt_error": None, "validation": {}}
     answers = {0: (good, {}), 1: ({**good, "metrics": {"accuracy": "high"}}, {}), 2: "error: OSError: disk full", 3: None}
     sites, _ = _flower_sites(4, lambda index, request, wire: answers[index])
     evaluations = sites.deliver(1, {index: {} for index in range(4)}, evaluate=True, timing={})

@@ -19,10 +19,14 @@ from toy_federation import (
 )
 
 
-def test_the_global_model_is_fedavgs_bit_for_bit_whatever_lambda():
+@pytest.mark.parametrize(
+    ("options", "fedavg_epochs"),
+    [({}, 0.5), ({"preset": "published"}, 1)],  # the global plan's budget: half of it, or all of it (the paper's)
+)
+def test_the_global_model_is_fedavgs_bit_for_bit_whatever_lambda(options, fedavg_epochs):
     federation = two_group_federation(n_sites=4)
-    ditto = build_loop("ditto", federation, seeded(BatchNormClassifier, 4, 2), {"lam": 0.5}, participation=0.75)
-    fedavg = build_loop("fedavg", federation, seeded(BatchNormClassifier, 4, 2), participation=0.75)
+    ditto = build_loop("ditto", federation, seeded(BatchNormClassifier, 4, 2), {"lam": 0.5, **options}, participation=0.75)
+    fedavg = build_loop("fedavg", federation, seeded(BatchNormClassifier, 4, 2), participation=0.75, local_epochs=fedavg_epochs)
     for round_index in range(1, 4):
         ditto.fit(round_index)
         fedavg.fit(round_index)
@@ -38,16 +42,19 @@ def test_the_global_model_is_fedavgs_bit_for_bit_whatever_lambda():
 
 
 @pytest.mark.parametrize(
-    ("local_epochs", "personal_epochs"),
-    [(1, None), (1, 2.0), (0.5, None)],  # (0.5: each model's half epoch is cut in its own data order, as Local's is)
+    ("local_epochs", "options", "local_epochs_of_local"),
+    [
+        (2, {}, 1),  # the equal preset: the personal plan's half of the budget, one whole epoch
+        (1, {"personal_epochs": 2.0}, 2),
+        (1, {"preset": "published"}, 1),  # the paper's: the personal model trains the whole budget
+        (3, {"preset": "published"}, 3),
+    ],
 )
-def test_at_lambda_zero_the_personal_model_is_locals_bit_for_bit(local_epochs, personal_epochs):
+def test_at_lambda_zero_the_personal_model_is_locals_bit_for_bit(local_epochs, options, local_epochs_of_local):
     federation = two_group_federation(n_sites=4)
-    options = {"lam": 0.0, "personal_epochs": personal_epochs}
+    options = {"lam": 0.0, **options}
     ditto = build_loop("ditto", federation, seeded(BatchNormClassifier, 4, 2), options, participation=0.75, local_epochs=local_epochs)
-    local = build_loop(
-        "local", federation, seeded(BatchNormClassifier, 4, 2), participation=0.75, local_epochs=personal_epochs or local_epochs
-    )
+    local = build_loop("local", federation, seeded(BatchNormClassifier, 4, 2), participation=0.75, local_epochs=local_epochs_of_local)
     for round_index in range(1, 4):
         ditto.fit(round_index)
         local.fit(round_index)

@@ -7,7 +7,7 @@ import torch
 
 from medfed.errors import RunFailed, SiteFailure
 from medfed.federated.faults import (
-    non_finite_keys, refused_replies, reply_key_fault, sample_count_fault, update_norms, update_outliers,
+    RoundStartStates, non_finite_keys, refused_replies, reply_key_fault, sample_count_fault, update_norms, update_outliers,
 )
 from medfed.federated.strategies import STRATEGIES
 from medfed.federated.strategies.base import RoundContext
@@ -465,3 +465,61 @@ def test_a_site_excluded_at_setup_stays_excluded_for_its_first_reason_whatever_i
     assert loop.excluded == {"site2": {"round": 0, "reason": "reply has the unexpected 'gossip' (expected no keys)"}}
     assert all(record["excluded"] == [] and [f["site"] for f in record["failures"]] == ["site2"] for record in loop.history)
     assert "after failing" not in caplog.text
+
+
+@pytest.mark.parametrize("memory_budget", [None, 0], ids=["in memory", "on disk"])
+def test_round_start_states_put_a_trained_site_back_from_memory_or_disk(tmp_path, memory_budget):
+    loop = _loop("fedavg")
+    loop.fit(1)
+    site = loop.sites[0]
+    expected = {key: value.clone() for key, value in site.module.state_dict().items()}
+    expected_optimizer = [value.clone() for value in _optimizer_tensors(site)]
+    expected_generator = site.generator.get_state().clone()
+    states = RoundStartStates(tmp_path / "scratch", memory_budget=memory_budget)
+    states.save(site)
+    for _ in range(2):  # train on: the kept state must not follow the site (no shared tensors)
+        ctx = RoundContext(2, "fit")
+        plan = site.strategy.plan(ctx)[0]
+        site.train(site.steps(1, 0.0), plan.slot, plan.part, lambda batch: site.strategy.loss(site.view, ctx, plan, batch))
+        assert not all(torch.equal(value, expected[key]) for key, value in site.module.state_dict().items())
+        states.restore(site)
+        for key, value in site.module.state_dict().items():
+            assert torch.equal(value, expected[key]), key
+        restored = _optimizer_tensors(site)
+        assert len(restored) == len(expected_optimizer) and all(torch.equal(a, b) for a, b in zip(restored, expected_optimizer))
+        assert torch.equal(site.generator.get_state(), expected_generator)
+    on_disk = sorted(path.name for path in tmp_path.rglob("*.pt"))
+    assert on_disk == ([] if memory_budget is None else ["site0.pt"])  # the default budget writes nothing
+    states.close()
+    assert not list(tmp_path.rglob("*.pt"))
+
+
+def test_round_start_states_beyond_the_memory_budget_go_to_disk(tmp_path):
+    loop = _loop("fedavg")
+    loop.fit(1)
+    one_site = _state_bytes(loop.sites[0].state_dict())
+    states = RoundStartStates(tmp_path, memory_budget=2 * one_site)
+    for site in loop.sites[:3]:
+        states.save(site)
+    assert sorted(states.in_memory) == [0, 1] and states.memory_bytes == 2 * one_site
+    assert [path.name for path in tmp_path.rglob("*.pt")] == ["site2.pt"]
+    states.save(loop.sites[0])  # the next round's copy replaces the earlier one, within the same budget
+    assert sorted(states.in_memory) == [0, 1] and states.memory_bytes == 2 * one_site
+    states.close()
+    assert not list(tmp_path.rglob("*.pt")) and states.memory_bytes == 0
+
+
+def _optimizer_tensors(site):
+    """The tensors of the optimiser state of the site's evaluated slot (Adam's moments and step counts), in order."""
+    optimizer = site.slot(site.evaluated_slot).optimizer
+    return [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+
+
+def _state_bytes(state):
+    if torch.is_tensor(state):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_state_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_bytes(value) for value in state)
+    return 0

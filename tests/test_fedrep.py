@@ -81,9 +81,11 @@ def test_heads_never_travel_and_the_body_is_the_sample_weighted_mean():
         assert torch.equal(site.module.get_vector("personal"), heads[site.index])  # the delivery leaves the head alone
 
 
-def test_with_every_parameter_personal_fedrep_is_local_training_for_the_head_epochs():
+@pytest.mark.parametrize("options", [{}, {"preset": "published", "head_share": 1.0}])
+def test_with_every_parameter_personal_fedrep_is_local_training_of_the_budget(options):
+    """The equal preset gives the empty body's share to the head; the published one trains the head its own share."""
     federation = two_group_federation(n_sites=3)
-    fedrep = build_loop("fedrep", federation, seeded(LogisticRegression, 4, 2), {"head_share": 1.0})
+    fedrep = build_loop("fedrep", federation, seeded(LogisticRegression, 4, 2), options)
     local = build_loop("local", federation, seeded(LogisticRegression, 4, 2))
     fedrep.fit(3)
     local.fit(3)
@@ -93,7 +95,13 @@ def test_with_every_parameter_personal_fedrep_is_local_training_for_the_head_epo
 
 
 def test_options_are_validated_with_the_key_named():
-    assert strategy_from_config({"name": "fedrep"})[1].head_share == 2.0
+    equal = strategy_from_config({"name": "fedrep"})[1]
+    published = strategy_from_config({"name": "fedrep", "fedrep": {"preset": "published"}})[1]
+    assert (equal.head_share, equal.body_share) == (2 / 3, 1 / 3)  # the authors' 2:1, within the budget
+    assert (published.head_share, published.body_share) == (2.0, 1.0)  # the authors' 10:5 epochs, as 2 E + E
+    assert strategy_from_config({"name": "fedrep", "fedrep": {"preset": "published", "head_share": 1.0}})[1].head_share == 1.0
+    with pytest.raises(ConfigError, match=r"^config key 'strategy\.fedrep\.preset' = 'paper': expected one of equal, published"):
+        strategy_from_config({"name": "fedrep", "fedrep": {"preset": "paper"}})
     for key, value in (("head_share", 0.0), ("body_share", -1.0), ("head_steps", 0), ("body_steps", 0)):
         with pytest.raises(ConfigError, match=rf"^config key 'strategy\.fedrep\.{key}' = "):
             strategy_from_config({"name": "fedrep", "fedrep": {key: value}})

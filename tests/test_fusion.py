@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from medfed.federated.strategies.solvers.fusion import between_site_spread, component_means, fusion_threshold, spread_removed
+from medfed.federated.strategies.solvers.fusion import (
+    between_site_spread, component_means, distinct_parts, fusion_threshold, spread_removed,
+)
 from medfed.federated.strategies.solvers.graph import SimilarityGraph, connected_components
 
 NORMS = [1.0, 2.0, math.inf]
@@ -81,3 +83,17 @@ def test_spread_is_the_deviation_from_component_means():
     assert spread_removed(Z, fused, [[0, 1], [2]]) == 1.0
     assert spread_removed(Z, Z, [[0, 1], [2]]) == 0.0
     assert spread_removed(fused, fused, [[0, 1], [2]]) == 0.0  # nothing to remove
+
+
+def test_distinct_parts_count_columns_closer_than_the_tolerance_as_one():
+    a, b = np.array([3.0, 4.0]), np.array([0.0, -5.0])  # norms 5 and 5: the tolerance is 1e-3 * 5 = 5e-3
+    columns = [a, a + [1e-3, 0.0], b, b + [0.0, 1e-2], a + [2e-3, 0.0]]  # 0 ~ 1 ~ 4 (1e-3 apart: a chain), 2 and 3 apart
+    Z = torch.tensor(np.stack(columns, axis=1), dtype=torch.float64)
+    parts = distinct_parts(Z)
+    distances = [np.linalg.norm(columns[i] - columns[j]) for i in range(5) for j in range(i + 1, 5)]
+    assert parts["distinct"] == 3.0
+    assert parts["distance_min"] == pytest.approx(min(distances)) and parts["distance_max"] == pytest.approx(max(distances))
+    assert parts["distance_median"] == pytest.approx(sorted(distances)[4])  # torch's median of 10: the lower middle
+    assert distinct_parts(Z, relative_tolerance=1e-4)["distinct"] == 5.0
+    assert distinct_parts(Z, relative_tolerance=10.0)["distinct"] == 1.0
+    assert distinct_parts(Z[:, :1]) == {"distinct": 1.0, "distance_min": 0.0, "distance_median": 0.0, "distance_max": 0.0}

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from medfed.config import LabelRatioConfig
+from medfed.errors import ConfigError
 from medfed.tasks.label_imbalance import sites_at_label_ratio
 
 # Two sites; every ratio is 1 (spread 1), so a site keeps min(P, N) positives and as many negatives per split.
@@ -38,7 +39,8 @@ def test_drops_per_site_and_split_are_in_info_logged_once_and_a_site_losing_most
                  "site0 train 4 of 10, test 2 of 4; site1 train 8 of 9, test 4 of 4"),
         ("WARNING", "federation.label_ratio (delta 1, spread 1) drops more than half of the records of "
                     "site0 (8 of 14 dropped, its own ratio 3.67): set federation.label_ratio.delta nearer the "
-                    "sites' own ratios, or federation.label_ratio=null to keep all records"),
+                    "sites' own ratios, federation.label_ratio=null to keep all records, or "
+                    "federation.label_ratio.max_drop above the share dropped if it is what you mean"),
     ]
 
 
@@ -57,3 +59,23 @@ def test_no_warning_when_every_site_keeps_at_least_half(caplog):
     # dropped); site 1 keeps train 2 + 4 of 9, test 1 + 2 of 4 (4 of 13 dropped)
     assert [(site.info["n_train_dropped"], site.info["n_test_dropped"]) for site in sites] == [(4, 1), (3, 1)]
     assert [record.levelname for record in caplog.records] == ["INFO"]
+
+
+def test_a_max_drop_above_the_share_a_site_loses_silences_the_warning_and_a_lower_one_names_more_sites(caplog):
+    caplog.set_level(logging.INFO, logger="medfed")
+    build(LabelRatioConfig(delta=1.0, spread=1.0, max_drop=0.6))  # site 0 loses 8 of 14 (57%)
+    assert [record.levelname for record in caplog.records] == ["INFO"]
+    caplog.clear()
+    build(LabelRatioConfig(delta=1.0, spread=1.0, max_drop=0.1))  # site 1 loses 1 of 13 (8%): still not named
+    assert caplog.records[-1].getMessage().startswith(
+        "federation.label_ratio (delta 1, spread 1) drops more than 10% of the records of site0 (8 of 14 dropped"
+    )
+    assert "site1" not in caplog.records[-1].getMessage()
+    caplog.clear()
+    build(LabelRatioConfig(delta=1.0, spread=1.0, max_drop=0.05))
+    assert "site1 (1 of 13 dropped" in caplog.records[-1].getMessage()
+
+
+def test_max_drop_is_a_share():
+    with pytest.raises(ConfigError, match=r"federation\.label_ratio\.max_drop"):
+        LabelRatioConfig(max_drop=1.5)

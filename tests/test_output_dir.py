@@ -159,8 +159,8 @@ def test_the_lock_of_a_killed_run_is_taken_over(tiny_run_config, tmp_path, finis
     held_by_another_process.kill()
     held_by_another_process.wait()
     assert (tmp_path / "run.lock").exists()  # a kill -9 leaves the file, not the lock
-    with caplog.at_level(logging.INFO, logger="medfed"):
-        assert _fit(tiny_run_config, "--resume", "trainer.rounds=3") == 0
+    with caplog.at_level(logging.INFO, logger="medfed"):  # without --quiet, which keeps info lines back
+        assert main(["fit", "--config", str(tiny_run_config), "--resume", "trainer.rounds=3"]) == 0
     assert any(f"no longer running (pid {dead} on host" in message for message in caplog.messages)
     assert not (tmp_path / "run.lock").exists()
     assert json.loads((tmp_path / "run" / "results.json").read_text())["history"][-1]["round"] == 3
@@ -194,3 +194,20 @@ def test_two_overwrites_at_once_end_as_one_run_and_one_refusal_without_a_traceba
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["config"] == json.loads((tmp_path / "run" / "config.json").read_text())
     assert len(results["history"]) == 1 and not (tmp_path / "run.previous").exists()
+
+
+def test_a_full_disk_while_a_run_writes_is_one_line_naming_the_file_and_how_to_resume(tiny_run_config, tmp_path, capsys, monkeypatch):
+    import errno
+
+    import medfed.experiment
+
+    def no_space(figure, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(medfed.experiment, "save_figure", no_space)  # the disk fills while the figures are written
+    assert _fit(tiny_run_config, "trainer.rounds=1") == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "Traceback" not in error, error
+    assert error.startswith(f"medfed: error: {tmp_path / 'run'}/") and "could not be written (No space left on device); " in error
+    assert "MiB free under" in error and "--resume" in error
+    assert (tmp_path / "run" / "checkpoints" / "round-1.ckpt").exists()  # what was written before stays

@@ -77,11 +77,18 @@ def test_the_local_update_steps_w_along_lam_times_w_minus_theta():
     torch.testing.assert_close(site.slot("local").module.get_vector("all"), expected)
 
 
-def test_a_round_by_hand_full_batch_and_the_server_mixes_with_beta():
+@pytest.mark.parametrize(
+    ("preset", "local_epochs", "inner_steps"),
+    [
+        ("published", 2, [3, 3]),  # a local round per mini-batch of 2 epochs, K = 3 inner steps each
+        ("equal", 4, [3, 1]),  # 4 passes in all: K = 3, then the one left
+    ],
+)
+def test_a_round_by_hand_full_batch_and_the_server_mixes_with_beta(preset, local_epochs, inner_steps):
     # batch_size >= every site's n_train: each local round is one full-batch step, so the whole
-    # round can be written down: theta from w^t, K inner steps, then w <- w - eta lam (w - theta), twice.
+    # round can be written down: theta from w^t, the inner steps, then w <- w - eta lam (w - theta), per local round.
     lam, step, k, beta = 2.0, 0.15, 3, 0.5
-    loop = _loop(batch_size=64, local_epochs=2, lam=lam, inner_lr=step, inner_steps=k, beta=beta)
+    loop = _loop(batch_size=64, local_epochs=local_epochs, lam=lam, inner_lr=step, inner_steps=k, beta=beta, preset=preset)
     replies = {}
     aggregate = loop.server.aggregate
     loop.server.aggregate = lambda phase, r: (replies.update(r), aggregate(phase, r))
@@ -91,8 +98,8 @@ def test_a_round_by_hand_full_batch_and_the_server_mixes_with_beta():
     for site in loop.sites:
         x, y = site.data.train.tensors
         w, theta = start.clone(), start.clone()
-        for _ in range(2):
-            for _ in range(k):
+        for steps in inner_steps:
+            for _ in range(steps):
                 theta = theta - step * _inner_gradient(theta, w, lam, x, y)
             w = w - ETA * lam * (w - theta)
         torch.testing.assert_close(replies[site.index]["all"].double(), w, rtol=1e-5, atol=1e-6)

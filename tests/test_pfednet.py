@@ -136,6 +136,24 @@ def test_relative_lambda_is_free_of_the_models_scale_and_of_eta(scale):
     assert other.metrics()["spread_removed"] == pytest.approx(reference.metrics()["spread_removed"], abs=1e-5)
 
 
+def test_a_small_lam_fuses_each_tight_group_and_the_log_counts_the_parts_left():
+    """The audit's reading: lam = 0.1 of the fusion threshold makes the parts identical within each group of
+    similar sites while spread_removed stays small; distinct_personal says so."""
+    generator = torch.Generator().manual_seed(0)
+    centres = torch.randn(2, D2, generator=generator) * 5.0
+    replies = {i: {"personal": centres[i // 2] + 0.01 * torch.randn(D2, generator=generator)} for i in range(N)}
+    strategy = _strategy(0.1, knn_k=2)  # a connected graph: the groups are linked, the threshold set by their distance
+    strategy.aggregate(RoundContext(1, "personal"), dict(replies))
+    metrics = strategy.metrics()
+    assert metrics["distinct_personal"] == 2.0
+    assert metrics["spread_removed"] < 0.2
+    between = torch.linalg.vector_norm(strategy.personal[:, 0] - strategy.personal[:, 2])
+    assert metrics["personal_distance_min"] < 1e-4 and metrics["personal_distance_max"] == pytest.approx(float(between), rel=1e-3)
+    independent = _strategy(0.0, knn_k=2)
+    independent.aggregate(RoundContext(1, "personal"), dict(replies))
+    assert independent.metrics()["distinct_personal"] == 4.0
+
+
 def test_graph_is_logged_edge_by_edge():
     metrics = _strategy(0.5).metrics()
     assert metrics["graph_edges"] == 2.0

@@ -64,3 +64,17 @@ def test_an_excluded_site_is_marked_and_the_table_says_when_and_why():
     lines = format_table(results).splitlines()
     assert lines[5].split() == ["site1*", "0.6000", "0.4000", "30"] and lines[4].split()[0] == "site0"
     assert lines[-1] == "* site1: excluded after round 4, its last failure: RuntimeError: no GPU"
+
+
+def test_a_table_with_whole_volume_metrics_says_they_average_patients_and_the_size_counts_patches():
+    history = [{"metrics": {"site0": {"iou": 0.8, "label_iou": 0.6, "dice_wt": 0.7, "hd95_wt": 12.5},
+                            "site1": {"iou": 0.6, "label_iou": 0.4, "dice_wt": 0.5, "hd95_wt": 20.0}}}]
+    sites = [{"name": "site0", "test_cases": ["a", "b"]}, {"name": "site1", "test_cases": ["c", "d", "e"]}]
+    results = {**summarise(history, {"site0": 32, "site1": 48}), "strategy": "fedavg",
+               "federation": {"task": "brats", "description": "GENERATED BraTS-like data", "sites": sites}}
+    lines = format_table(results).splitlines()
+    assert lines[-2].split() == ["mean", "0.7000", "0.5000", "0.6000", "16.2500", "80"]
+    assert lines[-1] == (
+        "iou, label_iou: over all test patches of a site (n_test = patches); "
+        "dice_wt, hd95_wt: whole volumes, mean over the site's test patients (2-3 per site); hd95 in mm"
+    )

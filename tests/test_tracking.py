@@ -2,7 +2,11 @@
 
 import csv
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -150,3 +154,37 @@ def test_a_clinical_run_draws_each_sites_roc_curve_and_confusion_matrix_as_sklea
     assert final["figures/roc_curves"]["_type"] == final["figures/confusion_matrices"]["_type"] == "image-file"
     assert "site0/train_loss" in _csv_rows(run_dir)[0]  # one training phase: no phase in the key
     assert not any(key.startswith("examples/") for row in segment.history for key in row)  # no overlays without images
+
+
+def _fit_output(config, *arguments):
+    """stdout and stderr of ``python -m medfed fit`` in a fresh process, W&B offline and left to its own output settings."""
+    environment = {key: value for key, value in os.environ.items() if not key.startswith("WANDB_")}
+    environment.update({"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "WANDB_MODE": "offline"})
+    command = [sys.executable, "-m", "medfed", "fit", "--config", str(config), "trainer.rounds=1", "logger.wandb=offline", *arguments]
+    done = subprocess.run(command, env=environment, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout, done.stderr
+
+
+def test_quiet_prints_nothing_and_a_normal_run_says_its_threads_first_and_its_results_folder_last(tiny_run_config, tmp_path):
+    stdout, stderr = _fit_output(tiny_run_config, "--quiet", f"output_dir={tmp_path / 'quiet'}")
+    assert stdout == stderr == ""  # W&B's ~30 lines included
+    assert (tmp_path / "quiet" / "results.json").is_file() and list((tmp_path / "quiet" / "wandb").glob("offline-run-*"))
+    stdout, stderr = _fit_output(tiny_run_config, f"output_dir={tmp_path / 'loud'}")
+    assert stderr.splitlines()[0] == f"medfed: 1 torch thread(s) (trainer.num_threads); results go to {tmp_path / 'loud'}"
+    assert "anonymous" not in stderr  # W&B's warning about a setting medfed never sets
+    assert stderr.splitlines()[-1].startswith(f"medfed: results in {tmp_path / 'loud'}: results.json, learning_curves.png")
+    assert "site2" in stdout and "mean" in stdout
+
+
+def test_quiet_silences_medfeds_info_lines_but_not_its_warnings(tmp_path):
+    config = Path(__file__).resolve().parents[1] / "configs" / "clinical_delta1.yaml"
+    data = f"data.csv={tmp_path / 'breast_cancer.csv'}"
+    stdout, stderr = _fit_output(config, data, f"output_dir={tmp_path / 'loud'}", "logger.wandb=disabled")
+    assert "medfed: info: federation.label_ratio (delta 1, spread 1.5) kept" in stderr
+    stdout, stderr = _fit_output(config, data, f"output_dir={tmp_path / 'quiet'}", "logger.wandb=disabled", "--quiet")
+    assert stdout == stderr == ""
+    stdout, stderr = _fit_output(
+        config, data, f"output_dir={tmp_path / 'drops'}", "logger.wandb=disabled", "--quiet", "federation.label_ratio.max_drop=0.01"
+    )
+    assert stdout == "" and stderr.startswith("medfed: warning: federation.label_ratio (delta 1, spread 1.5) drops more than 1% of")

@@ -1,17 +1,19 @@
-"""Whole-volume evaluation against hand computations and a brute-force Hausdorff reference."""
+"""Whole-volume evaluation against hand computations, a brute-force Hausdorff reference and MONAI's whole-grid HD95."""
 
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from scipy.ndimage import binary_erosion
+from monai.metrics import compute_hausdorff_distance
+from scipy.ndimage import binary_dilation, binary_erosion
 from scipy.spatial.distance import cdist
 
-from medfed.data.brats import TumourLabel
+from medfed.data.brats import TumourLabel, find_cases, load_case, whole_tumour
 from medfed.data.federation import EvaluationVolume
 from medfed.evaluation.rounds import VolumeEvaluation
-from medfed.evaluation.volume import mean_over_patients, region_scores, segment_volume
+from medfed.evaluation.volume import bounding_box, mean_over_patients, region_scores, segment_volume
 
 
 def _box(shape, lo, hi):
@@ -105,3 +107,63 @@ def test_the_round_evaluation_scores_a_perfect_and_a_shifted_model_on_a_whole_vo
     assert scores["dice_wt"] == pytest.approx(7 / 10)  # a 10-voxel extent moved 3 voxels: 7 / 10 of it overlaps
     assert scores["hd95_wt"] == pytest.approx(_brute_force_hd95(np.roll(label > 0, 3, axis=0), label > 0, (1.0, 1.0, 2.0)), rel=1e-5)
     assert [evaluation.due(r) for r in range(1, 6)] == [False, True, False, True, True]
+
+
+def _real_cases(root, count=3):
+    """The whole-tumour mask and the voxel size (mm) of the first ``count`` generated cases, read through the BraTS reader."""
+    cases = []
+    for case in find_cases(root)[:count]:
+        volume = load_case(case)
+        cases.append((whole_tumour(volume.label), tuple(float(s) for s in np.linalg.norm(volume.affine[:3, :3], axis=0))))
+    return cases
+
+
+def _monai_whole_grid_hd95(prediction, truth, spacing):
+    as_batch = lambda mask: torch.from_numpy(np.ascontiguousarray(mask))[None, None]  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        distance = compute_hausdorff_distance(as_batch(prediction), as_batch(truth), include_background=True, percentile=95, spacing=list(spacing))
+        return float(distance)
+
+
+def test_hd95_on_the_masks_bounding_box_equals_monais_whole_grid_value_on_real_cases(tiny_brats_root):
+    rng = np.random.default_rng(0)
+    for truth, spacing in _real_cases(tiny_brats_root):
+        assert truth.any()
+        shifted = np.roll(truth, 2, axis=0)
+        scattered = binary_dilation(truth, iterations=1)  # a grown tumour with false positives across the grid
+        scattered[tuple(rng.integers(0, n, size=40) for n in truth.shape)] = True
+        at_the_border = truth.copy()
+        at_the_border[0, :, truth.shape[2] // 2] = True  # a false positive along the grid's edge
+        for prediction in (shifted, scattered, at_the_border, truth):
+            expected = _monai_whole_grid_hd95(prediction, truth, spacing)
+            assert region_scores(prediction, truth, spacing)["hd95"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+            assert region_scores(truth, prediction, spacing)["hd95"] == pytest.approx(expected, rel=1e-5, abs=1e-6)  # symmetric
+        assert min(region_scores(p, truth, spacing)["hd95"] for p in (shifted, scattered, at_the_border)) > 0
+        assert region_scores(truth, truth, spacing)["hd95"] == 0.0
+        empty = np.zeros_like(truth)  # nothing predicted: the whole grid's diagonal, not the box's
+        diagonal = float(np.linalg.norm(np.asarray(truth.shape) * np.asarray(spacing)))
+        assert region_scores(empty, truth, spacing)["hd95"] == pytest.approx(diagonal)
+        assert region_scores(truth, empty, spacing)["hd95"] == pytest.approx(diagonal)
+
+
+def test_bounding_box_is_the_smallest_box_holding_the_mask():
+    mask = np.zeros((6, 7, 8), dtype=bool)
+    mask[1, 2, 3] = mask[4, 2, 6] = mask[2, 5, 3] = True
+    assert bounding_box(mask) == (slice(1, 5), slice(2, 6), slice(3, 7))
+    assert mask[bounding_box(mask)].sum() == mask.sum() == 3
+
+
+def test_a_due_round_gets_the_site_scores_their_mean_and_the_evaluation_time_in_its_record():
+    label = np.zeros((40, 36, 6), dtype=np.uint8)
+    label[10:20, 8:18, 1:5] = TumourLabel.OEDEMA
+    evaluation = VolumeEvaluation(_Volumes(label, shift=3), patch_size=16, every=0, last_round=2, batch_size=4)
+    loop = SimpleNamespace(sites=[_site(_ChannelZeroModule())])
+    record = {"round": 1, "metrics": {"site0": {"iou": 0.5}}, "mean": {"iou": 0.5}, "timing": {"round_s": 1.0}}
+    evaluation.on_round_end(loop, record)  # every=0: only the last round is due
+    assert record["timing"] == {"round_s": 1.0} and record["metrics"]["site0"] == {"iou": 0.5}
+    record["round"] = 2
+    evaluation.on_round_end(loop, record)
+    assert record["metrics"]["site0"]["dice_wt"] == pytest.approx(7 / 10) == record["mean"]["dice_wt"]
+    assert set(record["mean"]) == {"iou", "dice_wt", "iou_wt", "hd95_wt"}
+    assert 0 < record["timing"]["volume_eval_s"] < 60

@@ -36,9 +36,8 @@ from torch.utils.data import TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.regression import MeanSquaredError
 
+from medfed.assembly import RunAssembly
 from medfed.data.federation import Federation, SiteData
-from medfed.experiment import build_sites, initial_vectors
-from medfed.federated.link import Link
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.strategies import strategy_from_config
 from medfed.federated.strategies.base import Payload
@@ -251,7 +250,7 @@ def build_loop(
     seed: int = 0,
     **faults: Any,
 ) -> FederatedLoop:
-    """A loop as ``medfed.experiment.run`` builds it (dense links, CPU), without files or loggers.
+    """A loop as ``medfed.experiment.run`` builds it (:class:`~medfed.assembly.RunAssembly`; dense links, CPU), without files or loggers.
 
     Args:
         strategy: registered strategy name, or a ``Strategy`` subclass.
@@ -268,10 +267,11 @@ def build_loop(
     else:  # a Strategy class defined by a test
         strategy_cls, strategy_options = strategy, strategy.Options(**(options or {}))
     strategy_obj = strategy_cls(strategy_options, model.parameter_split, len(federation.sites), seed)
+    assembly = RunAssembly(model, strategy_obj, {"name": "dense"}, {"name": "dense"}, batch_size, seed)
     fabric = Fabric(accelerator="cpu", devices=1, loggers=[], callbacks=[])
-    sites = build_sites(fabric, federation, model, strategy_obj, batch_size, seed)
-    initial = strategy_obj.initial_values(initial_vectors(model, fabric.device))
-    links = [Link({"name": "dense"}, {"name": "dense"}, strategy_obj.coded_keys, initial, fabric.device, peer=site.name) for site in sites]
+    sites = assembly.sites(fabric, federation)
+    initial = assembly.initial_values(fabric.device)
+    links = [assembly.link(initial, fabric.device, site.name) for site in sites]
     return FederatedLoop(fabric, sites, strategy_obj, links, initial, local_epochs, participation, seed, **faults)
 
 

@@ -25,12 +25,16 @@ given on the command line (:mod:`medfed.compare.grid`). :func:`compare`
    checkpoint but no results (interrupted, or asked for more rounds) is
    continued with ``--resume``; a failing run is reported with the end of
    its log (``<output>/logs/...``) and the others go on;
-3. writes (:mod:`medfed.compare.tables`) ``comparison.csv`` (one row per run and site), ``comparison.md``
+3. refuses runs of unequal compute in one table (each run's training epochs per site and round against its
+   setting's reference method's, :func:`~medfed.compare.tables.unequal_compute`), naming them, unless
+   ``allow_unequal_compute`` (``--allow-unequal-compute``);
+4. writes (:mod:`medfed.compare.tables`) ``comparison.csv`` (one row per run and site), ``comparison.md``
    (methods x settings per metric, for the last round and for the
    validation-selected round: ``mean ± std [95% interval]`` over seeds of the
    mean over sites, the paired difference against a reference method with
-   wins/ties/losses, the average rank, the methods indistinguishable from
-   the best in bold, whether the runs had plateaued; wall times) and
+   wins/ties/losses, the compute each method got, the average rank, the
+   methods indistinguishable from the best in bold, whether the runs had
+   plateaued; wall times) and
    ``comparison.png`` (bars and every site's value) from every run that finished.
 
 The validation-selected round of a site (:func:`~medfed.compare.tables.selected_round`) is the round
@@ -49,7 +53,9 @@ from medfed.atomic import atomic_write
 from medfed.compare.grid import Grid, check_overrides
 from medfed.compare.plan import default_jobs, plan_runs
 from medfed.compare.runner import execute
-from medfed.compare.tables import collect, comparison_rows, markdown, reported_metrics, resolve_reference, write_csv
+from medfed.compare.tables import (
+    BUDGET_TOLERANCE, collect, comparison_rows, markdown, reported_metrics, resolve_reference, unequal_compute, write_csv,
+)
 from medfed.errors import ConfigError
 
 
@@ -61,6 +67,7 @@ def compare(
     source: str = "command line",
     progress: bool = True,
     reference: str | None = None,
+    allow_unequal_compute: bool = False,
 ) -> dict[str, str]:
     """Plan and check the whole grid, run what is not done, write comparison.csv, comparison.md and comparison.png.
 
@@ -71,12 +78,16 @@ def compare(
         source: where the grid came from, for the md.
         progress: show a progress bar over the runs.
         reference: the method the tables pair every other against (default: fedavg if in the grid, else its first strategy).
+        allow_unequal_compute: tabulate runs of unequal compute (:func:`~medfed.compare.tables.unequal_compute`),
+            named in the md, instead of refusing them.
 
     Returns:
         ``{run name: the end of its log}`` of the failed runs (empty: all finished).
 
     Raises:
-        ConfigError: a bad grid (before any run starts), or a metric no run reports.
+        ConfigError: a bad grid (before any run starts), a metric no run reports, or runs of unequal compute
+            (after the runs, before any table is written; the runs are kept, so the same command with
+            ``--allow-unequal-compute`` only tabulates).
     """
     from medfed.viz.plots import plot_comparison, save_figure
 
@@ -94,6 +105,13 @@ def compare(
     )
     failed = execute(runs, jobs, progress)
     finished = collect(runs)
+    unequal = unequal_compute(finished, reference)
+    if unequal and not allow_unequal_compute:
+        raise ConfigError(
+            f"compare: runs of unequal compute in one table (training epochs per site and round, tolerance {BUDGET_TOLERANCE:.0%}): "
+            + "; ".join(unequal)
+            + ". Give every method the same trainer.local_epochs (and its equal preset), or pass --allow-unequal-compute"
+        )
     metrics = grid.metrics or reported_metrics(finished)
     rows = comparison_rows(finished, metrics) if metrics else []
     settings = list(dict.fromkeys(run.setting for run in runs))

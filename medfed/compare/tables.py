@@ -9,6 +9,13 @@ whose validation score of the *primary* metric (the first of ``metrics``;
 higher is better) is highest, the earliest of equal ones; the site's *test*
 metrics at that round are reported. The test split never takes part in the
 choice.
+
+Every table compares methods at equal compute: each run's training epochs
+per site and round (``results.json`` ``compute``,
+:mod:`medfed.federated.compute`) are shown beside its metric, and
+:func:`unequal_compute` names the runs whose budget differs by more than
+:data:`BUDGET_TOLERANCE` from their setting's reference method (which
+``compare`` refuses unless ``--allow-unequal-compute``).
 """
 
 from __future__ import annotations
@@ -38,7 +45,9 @@ from medfed.compare_stats import (
 from medfed.errors import ConfigError, DataError
 
 RESULTS_KEYS = ("config", "federation", "history", "timing")
-"""What the tables read from each run's results.json."""
+"""What the tables read from each run's results.json (and ``compute``, where a run has it)."""
+BUDGET_TOLERANCE = 0.05
+"""Runs of one setting whose training epochs per site and round differ by more than this fraction are of unequal compute."""
 
 
 @dataclass(frozen=True)
@@ -98,9 +107,12 @@ def comparison_rows(finished: list[Finished], metrics: list[str]) -> list[dict[s
     """One row per run and site: last-round test metrics, the validation-selected round and its test metrics, wall time.
 
     Columns: ``config, strategy, seed, site, last_<m>..., selected_round,
-    validation_<primary>, selected_<m>..., wall_s`` (``wall_s``: the run's
-    ``timing.wall_s``, the same on each of its sites' rows; a resumed run's
-    counts its last part only). A metric missing at a round is None.
+    validation_<primary>, selected_<m>..., training_epochs_per_round, wall_s``
+    (``training_epochs_per_round``: the site's training epochs per round it
+    trained in, None where it trained in none or the run has no compute
+    record; ``wall_s``: the run's ``timing.wall_s``, the same on each of its
+    sites' rows; a resumed run's counts its last part only). A metric
+    missing at a round is None.
 
     Raises:
         ConfigError: naming ``metrics`` when a run reports none of a metric.
@@ -114,8 +126,10 @@ def comparison_rows(finished: list[Finished], metrics: list[str]) -> list[dict[s
         missing = [metric for metric in metrics if metric not in reported]
         if missing:
             raise ConfigError(f"grid key 'metrics': {missing[0]!r} is not reported by run {item.run.name} (it reports {', '.join(reported)})")
+        compute = item.results.get("compute") or {}
         for site, scores in last.items():
             chosen = selected_round(history, site, primary)
+            trained_in = compute.get("training_rounds", {}).get(site)
             rows.append(
                 {
                     "config": item.run.setting,
@@ -126,10 +140,64 @@ def comparison_rows(finished: list[Finished], metrics: list[str]) -> list[dict[s
                     "selected_round": chosen["round"],
                     f"validation_{primary}": chosen["validation"][site][primary],
                     **{f"selected_{metric}": chosen["metrics"][site].get(metric) for metric in metrics},
+                    "training_epochs_per_round": compute["training_epochs"][site] / trained_in if trained_in else None,
                     "wall_s": item.results["timing"]["wall_s"],
                 }
             )
     return rows
+
+
+def run_compute(results: dict[str, Any]) -> tuple[float, float] | None:
+    """A run's (training, auxiliary) epochs per site and round it trained in (``results.json`` ``compute``); None without a record."""
+    compute = results.get("compute") or {}
+    if "mean_training_epochs_per_round" not in compute:
+        return None
+    return float(compute["mean_training_epochs_per_round"]), float(compute.get("mean_auxiliary_epochs_per_round", 0.0))
+
+
+def unequal_compute(finished: list[Finished], reference: str) -> list[str]:
+    """The runs whose training budget is not their setting's, one phrase each (empty: every table compares equal compute).
+
+    A setting's budget is the mean training epochs per site and round of its
+    ``reference`` method's runs, or its ``trainer.local_epochs`` where that
+    method has no finished run; a run more than :data:`BUDGET_TOLERANCE`
+    (relative) from it is named with both figures, and so is a run without
+    a compute record (one from before medfed counted compute).
+    """
+    problems = []
+    for setting in dict.fromkeys(item.run.setting for item in finished):
+        items = [item for item in finished if item.run.setting == setting]
+        measured = [run_compute(item.results) for item in items if item.run.strategy == reference]
+        measured = [spent[0] for spent in measured if spent is not None]
+        if measured:
+            budget, what = float(np.mean(measured)), f"{reference}'s"
+        else:
+            budget, what = float(items[0].results["config"].get("trainer", {}).get("local_epochs", 1)), "trainer.local_epochs"
+        for item in items:
+            spent = run_compute(item.results)
+            if spent is None:
+                problems.append(f"{item.run.name} has no compute record (a run from before medfed counted compute: delete its folder to run it again)")
+            elif abs(spent[0] - budget) > BUDGET_TOLERANCE * budget:
+                problems.append(f"{item.run.name} trained {spent[0]:.2f} epochs per site and round, {what} {budget:.2f}")
+    return problems
+
+
+def compute_cells(finished: list[Finished]) -> dict[tuple[str, str], str]:
+    """``{(setting, method): "t"}`` or ``"t +a aux"``: training (and auxiliary) epochs per site and round, mean over the
+    cell's runs (``?`` for runs without a compute record)."""
+    spent: dict[tuple[str, str], list[tuple[float, float] | None]] = {}
+    for item in finished:
+        spent.setdefault((item.run.setting, item.run.strategy), []).append(run_compute(item.results))
+    cells = {}
+    for key, values in spent.items():
+        known = [value for value in values if value is not None]
+        if not known:
+            cells[key] = "?"
+            continue
+        training, auxiliary = np.mean([value[0] for value in known]), np.mean([value[1] for value in known])
+        cell = f"{training:.2f}" + (f" +{auxiliary:.2f} aux" if auxiliary > 0 else "")
+        cells[key] = cell if len(known) == len(values) else f"{cell} ({len(known)}/{len(values)} runs)"
+    return cells
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
@@ -238,22 +306,25 @@ def markdown(
     n_seeds = len(grid.seeds)
     primary = metrics[0] if metrics else "(primary metric)"
     statuses = plateaus(finished, metrics[0]) if metrics else {}
+    compute = compute_cells(finished)
+    unequal = unequal_compute(finished, reference)
     by_setting = {s: [status for m in grid.strategies for status in statuses.get((s, m), [])] for s in settings}
 
     def statistics_table(column: str) -> list[str]:
         table = table_statistics(rows, column, settings, grid.strategies, reference)
-        header = "".join(f" {setting} | Δ vs {reference} |" for setting in settings)
-        lines = [f"| method |{header} average rank |", "|---|" + "---|---|" * len(settings) + "---|"]
+        header = "".join(f" {setting} | Δ vs {reference} | epochs |" for setting in settings)
+        lines = [f"| method |{header} average rank |", "|---|" + "---|---|---|" * len(settings) + "---|"]
         cells = table.cells
         for strategy in grid.strategies:
             pairs = "".join(
                 f" {format_summary(cells[(s, strategy)].summary, n_seeds, cells[(s, strategy)].with_best)} |"
                 f" {format_paired(cells[(s, strategy)].versus_reference, strategy == reference)} |"
+                f" {compute.get((s, strategy), '—')} |"
                 for s in settings
             )
             rank = table.ranks[strategy]
             lines.append(f"| {strategy} |{pairs} {'—' if math.isnan(rank) else f'{rank:.2f}'} |")
-        lines.append("| *runs' validation curves* |" + "".join(f" {format_plateaus(by_setting[s])} | |" for s in settings) + " |")
+        lines.append("| *runs' validation curves* |" + "".join(f" {format_plateaus(by_setting[s])} | | |" for s in settings) + " |")
         if table.ranked != settings:
             lines += ["", f"Average rank over {', '.join(table.ranked) or 'no setting'} (the settings where every method has a value)."]
         return lines
@@ -291,7 +362,17 @@ def markdown(
         f"{primary} (mean over sites) is at most {PLATEAU_TOLERANCE} above its best before them, else it is *improving*; "
         f"with fewer than {PLATEAU_ROUNDS + 1} rounds it is *early*. An early-training snapshot measures how fast the "
         "methods learn, not where they end.",
+        "- Epochs: the compute each method got, training epochs per site and round (passes of its training plans over "
+        "the site's training split, mean over the cell's runs; `trainer.local_epochs` is the budget every method "
+        "shares) and, after +, the auxiliary forward-and-backward epochs outside its plans (PGFed's gradient "
+        "estimate, FedBABU's fine-tuning before each evaluation), not charged to the budget.",
     ]
+    if unequal:
+        lines += [
+            "",
+            f"**Unequal compute** (tabulated with --allow-unequal-compute; tolerance {BUDGET_TOLERANCE:.0%}): "
+            + "; ".join(unequal) + ".",
+        ]
     for metric in metrics:
         for when, column in (("last round", f"last_{metric}"), ("validation-selected round", f"selected_{metric}")):
             lines += ["", f"## {metric}, {when}{tag}", "", *statistics_table(column)]

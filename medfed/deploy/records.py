@@ -107,8 +107,8 @@ def _read(record: Any) -> tuple[dict[str, Any], list[dict[str, Wire]]]:
 def expect(fields: Any, kinds: dict[str, Any], what: str) -> dict[str, Any]:
     """``fields`` if it is a dict with exactly the keys of ``kinds`` and each value of its kind.
 
-    A kind is a type (``str``, ``list``, ``dict``), ``float`` (any finite
-    number, not a bool) or ``int`` (a whole number, not a bool).
+    A kind is a type (``str``, ``list``, ``dict``, ``bool``), ``float`` (any
+    finite number, not a bool) or ``int`` (a whole number, not a bool).
 
     Raises:
         MessageError: naming ``what`` (e.g. "reply") and the first field that is missing, extra or of another kind.
@@ -123,7 +123,7 @@ def expect(fields: Any, kinds: dict[str, Any], what: str) -> dict[str, Any]:
     return fields
 
 
-_KIND_NAMES = {int: "a whole number", float: "a finite number", str: "a string", list: "a list", dict: "an object"}
+_KIND_NAMES = {int: "a whole number", float: "a finite number", str: "a string", list: "a list", dict: "an object", bool: "true or false"}
 
 
 def _is(value: Any, kind: type) -> bool:

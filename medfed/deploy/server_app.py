@@ -78,20 +78,19 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 from lightning.fabric import Fabric
 
+from medfed.assembly import RunAssembly
 from medfed.checkpoint import FOLDER, checkpoints, resume_state, round_checkpoints
 from medfed.components import ResolvedRun, resolve
 from medfed.config import load_config, to_yaml
 from medfed.deploy.client_app import run_folder
 from medfed.deploy.records import expect, from_record, to_record
 from medfed.errors import ConfigError, DataError, MessageError, SiteFailure, warn
-from medfed.federated.compute import compute_summary
 from medfed.federated.executor import PhaseWork, SiteEvaluation, SiteResult
 from medfed.federated.link import Link, Wire
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.strategies.base import Payload
-from medfed.models.split import PARTS
 from medfed.output_dir import hold_output_dir
-from medfed.results import communication_totals, write_json_atomic
+from medfed.results import run_results, timing_summary, write_json_atomic
 from medfed.tasks.label_imbalance import refuse_label_ratio
 
 app = ServerApp()
@@ -101,8 +100,9 @@ RUN_CONFIG = {"config": str, "overrides": str, "run-name": str, "output-dir": st
 """The run config's keys and types (``[tool.flwr.app.config]``)."""
 Request = tuple[dict[str, Any], dict[str, Wire]]
 """One request to a site's worker, or its reply: fields and wire (:mod:`medfed.deploy.worker`)."""
-DESCRIPTION = {"site_index": int, "input_shape": list, "num_classes": int, "num_samples": int}
-"""The fields of a node's answer to the query: which site it is, its model's input and classes, its training-set size."""
+DESCRIPTION = {"site_index": int, "input_shape": list, "num_classes": int, "num_samples": int, "num_evaluated": int, "generated": bool}
+"""The fields of a node's answer to the query: which site it is, its model's input and classes, its training-set size,
+the size of the split it evaluates on and whether its data are generated (the last two for results.json alone)."""
 WORK_REPLY = {"losses": dict, "non_finite": list, "compute": dict, "train_s": float}
 """The fields of a site's reply to a phase's work (or ``{"error": str}`` alone)."""
 
@@ -126,6 +126,8 @@ class FlowerSites:
         self.node_of_site: dict[int, int] = {}
         self.descriptions: dict[int, tuple[tuple[int, ...], int]] = {}
         self.declared_samples = [0] * n_sites
+        self.declared_evaluated = [0] * n_sites
+        self.declared_generated = [False] * n_sites
         self._known_nodes: set[int] = set()
         self.seq = [0] * n_sites
         self._pending: dict[int, list[Request]] = {}  # requests that ride with the site's next message
@@ -133,6 +135,7 @@ class FlowerSites:
         self._restore: set[int] = set()
         self._before_reply: dict[int, dict[str, Any]] = {}  # server link states before this phase's decoded replies
         self.delivered = 0  # the last round whose delivery every site has received
+        self.validation: dict[str, dict[str, float]] = {}  # the last evaluation's validation metrics of the sites that have the split
 
     # ------------------------------------------------------------------ before the loop
     def handshake(self) -> dict[str, Any]:
@@ -158,6 +161,31 @@ class FlowerSites:
             raise RuntimeError(f"the sites describe different models (input shape, classes): {self.descriptions}")
         shape, classes = self.descriptions[0]
         return {"input_shape": shape, "num_classes": classes}
+
+    def federation_summary(self, task: str, holdout: str) -> dict[str, Any]:
+        """results.json's ``federation`` section (:mod:`medfed.results`), from what each site declared when it identified itself.
+
+        Args:
+            task: the ``data.task`` of the run.
+            holdout: the split the sites evaluate on (``federation.holdout``).
+        """
+        generated = [name for name, flag in zip(self.names, self.declared_generated) if flag]
+        shape, classes = self.descriptions[0]
+        description = f"{task} data of {len(self.names)} sites on Flower SuperNodes, each reading its own"
+        if generated:
+            description = f"GENERATED {description} (generated at {', '.join(generated)}, as the sites declared)"
+        return {
+            "task": task,
+            "description": description,
+            "generated": bool(generated),
+            "holdout": holdout,
+            "input_shape": list(shape),
+            "num_classes": classes,
+            "sites": [
+                {"name": name, "n_train": n_train, f"n_{holdout}": n_evaluated}
+                for name, n_train, n_evaluated in zip(self.names, self.declared_samples, self.declared_evaluated)
+            ],
+        }
 
     # ------------------------------------------------------------------ SiteExecutor
     def setup(self) -> tuple[dict[int, Payload], dict[int, str]]:
@@ -245,16 +273,26 @@ class FlowerSites:
         self.delivered = round_index
         if timing is not None:
             timing["eval_s"] = time.perf_counter() - tic
-        evaluations = {}
+        evaluations, self.validation = {}, {}
         for index, reply in sorted(replies.items()):
             name = self.names[index]
             try:
                 if isinstance(reply, str):
                     raise MessageError(reply)
-                evaluations[name] = _evaluation(reply[0], name)
+                fields, validation = _validation(reply[0], name)
+                evaluations[name] = _evaluation(fields, name)
             except MessageError as error:  # the site fails the round; its metrics are missing
                 evaluations[name] = SiteEvaluation({}, error=str(error))
+                continue
+            if validation:
+                self.validation[name] = validation
         return evaluations
+
+    def on_round_end(self, loop: Any, record: dict[str, Any]) -> None:
+        """A Fabric callback: the round's validation metrics into its record (``record["validation"][site][metric]``),
+        as the simulator's :class:`~medfed.evaluation.rounds.ValidationEvaluation` puts them."""
+        if self.validation:
+            record["validation"] = self.validation
 
     def state_dict(self) -> list[dict[str, Any]]:
         """Each site's message count and the round its state is at (the sites keep their own state)."""
@@ -318,6 +356,8 @@ class FlowerSites:
             self.node_of_site[index] = node
             self.descriptions[index] = (tuple(fields["input_shape"]), fields["num_classes"])
             self.declared_samples[index] = fields["num_samples"]
+            self.declared_evaluated[index] = fields["num_evaluated"]
+            self.declared_generated[index] = fields["generated"]
 
     def _exchange(self, requests: dict[int, Request], round_index: int) -> dict[int, Request | str]:
         """Send each site its request (after any waiting to ride with it), wait for every reply; resend to a site's new node.
@@ -415,6 +455,8 @@ def _description(fields: Any, n_sites: int) -> dict[str, Any]:
         raise MessageError(f"description: input_shape must be up to 8 positive whole numbers, got {str(shape)[:80]}")
     if fields["num_classes"] < 1 or fields["num_samples"] < 1:
         raise MessageError("description: num_classes and num_samples must be at least 1")
+    if fields["num_evaluated"] < 0:
+        raise MessageError("description: num_evaluated must be at least 0")
     return fields
 
 
@@ -482,6 +524,26 @@ def _evaluation(fields: Any, name: str) -> SiteEvaluation:
     except MessageError as error:
         raise error.about(name) from None
     return SiteEvaluation(metrics, compute, losses, fields["adapt_error"][:1000] or None)
+
+
+def _validation(fields: Any, name: str) -> tuple[Any, dict[str, float]]:
+    """A delivery reply's validation metrics, checked (``{}``: the site has no validation split), and its other fields.
+
+    Raises:
+        MessageError: naming the site: no ``validation`` object, or a metric that is not a finite number.
+    """
+    if not isinstance(fields, dict):
+        return fields, {}  # _evaluation refuses it
+    fields = dict(fields)
+    try:
+        validation = fields.pop("validation", None)
+        if not isinstance(validation, dict):
+            raise MessageError("delivery reply: expected a 'validation' object of metrics")
+        metrics = {str(metric): float(expect({"value": value}, {"value": float}, f"validation metric {metric!r}")["value"])
+                   for metric, value in validation.items()}
+    except MessageError as error:
+        raise error.about(name) from None
+    return fields, metrics
 
 
 def run_settings(run_config: dict[str, Any]) -> RunSettings:
@@ -578,17 +640,12 @@ def serve(grid: Grid, settings: RunSettings, resumed: dict[str, Any] | None) -> 
 
     sites = FlowerSites(grid, run.federation.n_sites, to_yaml(config), settings.reply_timeout_s)
     described = sites.handshake()
-    with torch.random.fork_rng():
-        torch.manual_seed(trainer.seed)
-        prototype = resolved.model_cls(described["input_shape"][0], described["num_classes"], resolved.model_options)
-    strategy = resolved.strategy_cls(resolved.strategy_options, prototype.parameter_split, run.federation.n_sites, trainer.seed)
-    fabric = Fabric(accelerator=trainer.device, devices=1)
-    initial = strategy.initial_values({part: prototype.get_vector(part).to(fabric.device) for part in PARTS})
-    sites.links = [
-        Link(run.codec.spec("up"), run.codec.spec("down"), strategy.coded_keys, initial, fabric.device, peer=name) for name in sites.names
-    ]
+    assembly = RunAssembly.from_config(resolved, described["input_shape"], described["num_classes"], run.federation.n_sites)
+    fabric = Fabric(accelerator=trainer.device, devices=1, callbacks=[sites])  # sites.on_round_end: the validation metrics
+    initial = assembly.initial_values(fabric.device)
+    sites.links = [assembly.link(initial, fabric.device, peer=name) for name in sites.names]
     loop = FederatedLoop(
-        fabric, [], strategy, sites.links, initial, local_epochs=trainer.local_epochs,
+        fabric, [], assembly.strategy, sites.links, initial, local_epochs=trainer.local_epochs,
         participation=run.federation.participation, seed=trainer.seed,
         save_checkpoint=round_checkpoints(output_dir, config, trainer.keep_checkpoints),
         on_site_failure=run.federation.on_site_failure, update_norm_limit=run.federation.update_norm_limit,
@@ -607,16 +664,15 @@ def serve(grid: Grid, settings: RunSettings, resumed: dict[str, Any] | None) -> 
     except SiteFailure as error:
         print(f"medfed: error: {error}", flush=True)
         raise
-    results = {
-        "strategy": strategy.name,
-        "seed": trainer.seed,
-        "engine": "flower-deployment",
-        "final": loop.history[-1]["metrics"],
-        "communication": communication_totals(sites.links),
-        "compute": compute_summary(loop.history, loop.site_names),
-        "wall_s": time.perf_counter() - started,
-        "config": config,
-        "history": loop.history,
-    }
+    results = run_results(
+        loop,
+        engine="flower-deployment",
+        federation=sites.federation_summary(resolved.task.name, run.federation.holdout),
+        timing={
+            **timing_summary(loop.history, time.perf_counter() - started, fabric.device),
+            "num_threads_reason": "the ServerApp's torch default (each site's runner keeps its own)",
+        },
+        config=config,
+    )
     write_json_atomic(output_dir / "results.json", results)
     print(f"medfed: wrote {output_dir / 'results.json'}", flush=True)

@@ -32,9 +32,10 @@ What the site sends back: codec streams of its strategy half's replies
 (coded by its own end of the :class:`~medfed.federated.link.Link`), its
 training losses, the names of non-finite reply keys (a reply it refuses to
 send), the samples it passed (compute, in epochs of its training data), its
-test metrics, and its model's input shape, class count and training-set size
-(the bound of the sample counts it may report). Never a path, a record or a
-sample. The server checks all of it (:mod:`medfed.deploy.server_app`); the
+test metrics (and validation metrics, where it has a validation split), and, once, its model's input shape, class count and
+training-set size (the bound of the sample counts it may report), the size
+of the split it evaluates on and whether its data are generated (what
+results.json says of the federation). Never a path, a record or a sample. The server checks all of it (:mod:`medfed.deploy.server_app`); the
 site reports no update norm: the server measures them on what it decoded.
 
 Requests and replies are plain dicts (``kind`` and scalars) plus wires
@@ -50,7 +51,9 @@ from typing import Any
 
 import torch
 from lightning.fabric import Fabric
+from torch.utils.data import DataLoader
 
+from medfed.assembly import RunAssembly
 from medfed.atomic import atomic_write
 from medfed.checkpoint import checkpoints, config_differences, read_checkpoint, save_checkpoint
 from medfed.components import resolve
@@ -58,9 +61,7 @@ from medfed.config import load_config
 from medfed.errors import DataError
 from medfed.federated.executor import PhaseWork, site_evaluation, site_phase, site_receive_delivery, site_setup
 from medfed.federated.faults import non_finite_keys
-from medfed.federated.link import Link, Wire
-from medfed.federated.site import Site, Slot
-from medfed.models.split import PARTS
+from medfed.federated.link import Wire
 
 STATE_FILE = "site-state.pt"
 SNAPSHOTS = "rounds"
@@ -94,25 +95,18 @@ class SiteWorker:
             resolved.data_options, run.federation, run.trainer.seed, site_index, Path(data_root), progress=False,
             **resolved.task_inputs,
         )
-        with torch.random.fork_rng():
-            torch.manual_seed(run.trainer.seed)
-            prototype = resolved.model_cls(federation.input_shape[0], federation.num_classes, resolved.model_options)
-        strategy = resolved.strategy_cls(resolved.strategy_options, prototype.parameter_split, run.federation.n_sites, run.trainer.seed)
+        assembly = RunAssembly.from_config(resolved, federation.input_shape, federation.num_classes, run.federation.n_sites)
         fabric = Fabric(accelerator=run.trainer.device, devices=1)
-        slots = {}
-        for name in strategy.slots:
-            module = copy.deepcopy(prototype)
-            strategy.prepare_slot(name, module)
-            slots[name] = Slot(*fabric.setup(module, module.configure_optimizers()))
-        data = federation.sites[0]
-        self.site = Site(site_index, data, slots, strategy.evaluated_slot, strategy.site_half(site_index), fabric, run.trainer.batch_size, run.trainer.seed)
-        initial = strategy.initial_values({part: prototype.get_vector(part).to(fabric.device) for part in PARTS})
-        self.link = Link(run.codec.spec("up"), run.codec.spec("down"), strategy.coded_keys, initial, fabric.device, peer=f"site{site_index}")
+        self.site = assembly.site(fabric, site_index, federation.sites[0])
+        validation = self.site.data.validation  # evaluated as the simulator's ValidationEvaluation does (medfed.evaluation.rounds)
+        self.validation_loader = None if validation is None else DataLoader(validation, batch_size=self.site.test_loader.batch_size, shuffle=False)
+        self.link = assembly.link(assembly.initial_values(fabric.device), fabric.device, peer=f"site{site_index}")
         self.config = resolved.config
         self.snapshots = Path(state_dir) / SNAPSHOTS
         self.keep = run.trainer.keep_checkpoints + 1
         self.description = {
             "input_shape": list(federation.input_shape), "num_classes": federation.num_classes, "num_samples": self.site.n_train,
+            "num_evaluated": self.site.n_test, "generated": federation.generated,
         }
         self.state_path = Path(state_dir) / STATE_FILE
         self.state: dict[str, Any] = {"seq": -1}
@@ -189,7 +183,7 @@ class SiteWorker:
 
     def _deliver(self, request: dict[str, Any], wire: dict[str, Wire]) -> dict[str, Any]:
         """Put the site back to the round's start first if it failed this round, receive the delivery, adapt and evaluate
-        if asked, snapshot the end of the round."""
+        if asked (on its validation split too, where it has one), snapshot the end of the round."""
         round_index = request["round"]
         if request["restore"]:
             self.site.load_state_dict(read_checkpoint(self._snapshot(round_index - 1))["sites"][0])
@@ -203,6 +197,7 @@ class SiteWorker:
                 "compute": evaluation.compute,
                 "adapt_losses": {("" if label is None else label): loss for label, loss in evaluation.adapt_losses.items()},
                 "adapt_error": evaluation.adapt_error,
+                "validation": {} if self.validation_loader is None else self.site.evaluate(self.validation_loader),
             }
         snapshot = {"round": round_index, "config": self.config, "sites": [self.site.state_dict()], "links": [self.link.state_dict()]}
         save_checkpoint(self.snapshots, snapshot, self.keep)

@@ -14,18 +14,20 @@ region the model predicts per patient (:func:`~medfed.evaluation.volume.region_s
 and adds the site means (``dice_wt``, ``iou_wt``, ``hd95_wt``, and ``_tc``,
 ``_et`` for ``model.target: regions``) and their mean over sites to the
 round's record before the loop logs it, so they reach the loggers, the
-history, the final table and results.json beside the patch metrics. The loop itself knows nothing of it.
+history, the final table and results.json beside the patch metrics, and its
+time as ``record["timing"]["volume_eval_s"]``. The loop itself knows nothing of it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
-
 from torch.utils.data import DataLoader
+from tqdm import tqdm  # text bars: tqdm.auto warns in a notebook without ipywidgets
 
 from medfed.data.brats import enhancing_tumour, tumour_core, whole_tumour
 from medfed.data.federation import VolumeSource
@@ -65,14 +67,18 @@ class VolumeEvaluation:
         every: run on rounds divisible by ``every`` (0: only on the last round).
         last_round: the run's last round (``trainer.rounds``), always evaluated.
         batch_size: windows per forward pass.
+        progress: show a progress bar (one step per site) on stderr while it runs.
     """
 
-    def __init__(self, volumes: VolumeSource, patch_size: int, every: int, last_round: int, batch_size: int) -> None:
+    def __init__(
+        self, volumes: VolumeSource, patch_size: int, every: int, last_round: int, batch_size: int, progress: bool = False
+    ) -> None:
         self.volumes = volumes
         self.patch_size = patch_size
         self.every = every
         self.last_round = last_round
         self.batch_size = batch_size
+        self.progress = progress
 
     def due(self, round_index: int) -> bool:
         return round_index == self.last_round or (self.every > 0 and round_index % self.every == 0)
@@ -80,11 +86,16 @@ class VolumeEvaluation:
     def on_round_end(self, loop: Any, record: dict[str, Any]) -> None:
         if not self.due(record["round"]):
             return
-        per_site = {site.name: self.evaluate_site(site) for site in loop.sites}
+        tic = time.perf_counter()
+        description = f"round {record['round']}: whole-volume evaluation"
+        bar = tqdm(loop.sites, desc=description, unit="site", leave=False, disable=not self.progress)
+        per_site = {site.name: self.evaluate_site(site) for site in bar}
+        bar.close()
         for name, scores in per_site.items():
             record["metrics"][name].update(scores)
         means = {metric: float(np.mean([scores[metric] for scores in per_site.values()])) for metric in next(iter(per_site.values()))}
         record["mean"].update(means)  # the loop logs the record after its callbacks
+        record["timing"]["volume_eval_s"] = time.perf_counter() - tic
 
     @torch.no_grad()
     def evaluate_site(self, site: Any) -> dict[str, float]:

@@ -18,6 +18,12 @@ A round record's ``compute`` is ``{site: {key: epochs}}``, epochs = samples /
 the site's training-set size; a phase that failed is not counted, nor is a
 strategy half's ``setup`` (before round 1). :func:`compute_summary` adds
 them up for ``results.json``.
+
+**The budget.** ``trainer.local_epochs`` bounds the ``train/*`` passes, the
+:func:`training_epochs` (see :mod:`medfed.federated.strategies.base` for why
+``aux/*``, ``adapt/*`` and ``forward/*`` passes are not charged to it); the
+others are reported beside it (:func:`auxiliary_epochs`), so that a table can
+show the whole cost.
 """
 
 from __future__ import annotations
@@ -29,8 +35,8 @@ from typing import Any
 import torch
 
 TRAIN, AUX, ADAPT, FORWARD, EVALUATION = "train", "aux", "adapt", "forward", "evaluation"
-#: the keys whose passes go forward and backward (what the compute budget counts)
-TRAINING_KINDS = (TRAIN, AUX, ADAPT)
+#: forward-and-backward passes outside the training plans: reported, not charged to the budget
+AUXILIARY_KINDS = (AUX, ADAPT)
 
 
 def batch_samples(batch: Any) -> int:
@@ -66,8 +72,13 @@ def merge(into: dict[str, float], more: dict[str, float]) -> None:
 
 
 def training_epochs(counts: dict[str, float]) -> float:
-    """The forward-and-backward epochs of ``counts`` (``train/*``, ``aux/*``, ``adapt/*``): what a compute budget counts."""
-    return sum(epochs for key, epochs in counts.items() if key.split("/", 1)[0] in TRAINING_KINDS)
+    """The training plans' epochs of ``counts`` (``train/*``): what ``trainer.local_epochs`` budgets."""
+    return sum(epochs for key, epochs in counts.items() if key.split("/", 1)[0] == TRAIN)
+
+
+def auxiliary_epochs(counts: dict[str, float]) -> float:
+    """The other forward-and-backward epochs of ``counts`` (``aux/*``, ``adapt/*``): reported beside the budget."""
+    return sum(epochs for key, epochs in counts.items() if key.split("/", 1)[0] in AUXILIARY_KINDS)
 
 
 def compute_summary(history: Iterable[dict[str, Any]], site_names: list[str]) -> dict[str, Any]:
@@ -77,24 +88,38 @@ def compute_summary(history: Iterable[dict[str, Any]], site_names: list[str]) ->
         ``unit``; ``per_round``: ``{site: [{"round": r, key: epochs, ...}]}``
         (rounds it passed samples in); ``totals``: ``{site: {key: epochs}}``
         over the run; ``per_plan``: ``{key: mean over sites of the totals}``;
-        ``training_epochs``: ``{site: total train + aux + adapt epochs}``;
-        ``mean_training_epochs_per_round``: their mean over sites, divided by
-        the number of rounds (the figure runs of equal compute share).
+        ``training_epochs`` and ``auxiliary_epochs``: ``{site: total over the
+        run}`` (:func:`training_epochs`, :func:`auxiliary_epochs`);
+        ``training_rounds``: ``{site: rounds it trained in}``;
+        ``mean_training_epochs_per_round``: the training epochs of a site in a
+        round it trained in, mean over those (site, round) pairs: the figure
+        runs of equal budget share, ``trainer.local_epochs`` when the budget
+        is kept, whatever the participation (a site that skips a round, or
+        gave its data to a pool, trains in none of it);
+        ``mean_auxiliary_epochs_per_round``: the auxiliary epochs over the
+        same pairs.
     """
     rounds = list(history)
     per_round: dict[str, list[dict[str, Any]]] = {name: [] for name in site_names}
     totals: dict[str, dict[str, float]] = {name: {} for name in site_names}
+    trained_in = dict.fromkeys(site_names, 0)
     for record in rounds:
         for name, counts in record.get("compute", {}).items():
             per_round[name].append({"round": record["round"], **counts})
             merge(totals[name], counts)
+            trained_in[name] += training_epochs(counts) > 0
     keys = sorted({key for counts in totals.values() for key in counts})
     training = {name: training_epochs(counts) for name, counts in totals.items()}
+    auxiliary = {name: auxiliary_epochs(counts) for name, counts in totals.items()}
+    pairs = max(sum(trained_in.values()), 1)
     return {
         "unit": "epochs of each site's training split (samples passed / training samples)",
         "per_round": per_round,
         "totals": totals,
         "per_plan": {key: sum(counts.get(key, 0.0) for counts in totals.values()) / max(len(site_names), 1) for key in keys},
         "training_epochs": training,
-        "mean_training_epochs_per_round": sum(training.values()) / max(len(site_names), 1) / max(len(rounds), 1),
+        "auxiliary_epochs": auxiliary,
+        "training_rounds": trained_in,
+        "mean_training_epochs_per_round": sum(training.values()) / pairs,
+        "mean_auxiliary_epochs_per_round": sum(auxiliary.values()) / pairs,
     }

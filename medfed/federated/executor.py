@@ -15,6 +15,8 @@ bytes, and what each side decodes, are the same either way.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +33,9 @@ from medfed.federated.site import Site
 from medfed.federated.site_view import ADAPT, DELIVER, SETUP, RoundContext
 from medfed.federated.strategies.base import Payload, TrainingPlan
 
+
+#: the key of a site's round budget taken so far in ``epochs_before`` (:func:`train_plans`)
+ROUND_BUDGET = "round"
 
 #: the stream of :meth:`~medfed.federated.site.Site.global_rng` round r's adapt step runs in: (r, ADAPT_STREAM),
 #: apart from the phases' (r, phase index)
@@ -185,7 +190,7 @@ class InProcessSites:
         self._round_start: RoundStartStates | None = None
         self._waiting: dict[int, Payload] = {}
         self._before_reply: dict[int, dict[str, Any]] = {}  # link states before this phase's replies were sent
-        self._epochs_before: dict[int, dict[str | None, float]] = {}
+        self._epochs_before: dict[int, dict[str, float]] = {}
 
     def setup(self) -> tuple[dict[int, Payload], dict[int, str]]:
         received, refused = {}, {}
@@ -289,7 +294,7 @@ def site_phase(
     site: Site,
     work: PhaseWork,
     message: Payload,
-    epochs_before: dict[str | None, float],
+    epochs_before: dict[str, float],
     timing: dict[str, float],
 ) -> tuple[dict[str | None, float], Payload, dict[str, float]]:
     """A site's part of a phase, its global generators seeded from (round, phase): receive, train its plans, reply.
@@ -301,9 +306,9 @@ def site_phase(
         site: the site (holding its half of the strategy).
         work: the phase.
         message: the server's message as the site decoded it.
-        epochs_before: per data order (a plan's ``data_order``), the epochs
-            the site's earlier plans of the round trained in it (empty at the
-            round's first phase); this phase's plans add theirs.
+        epochs_before: ``{ROUND_BUDGET: the epochs the site's earlier plans
+            of the round took}``, whatever data order they drew from (empty at
+            the round's first phase); this phase's plans add theirs.
         timing: ``timing["train_s"]`` gets the training time added.
 
     Returns:
@@ -355,13 +360,13 @@ def site_adapt(site: Site, round_index: int) -> tuple[dict[str | None, float], s
 
 
 def train_plans(
-    site: Site, ctx: RoundContext, plans: tuple[TrainingPlan, ...], local_epochs: float, epochs_before: dict[str | None, float], key: str
+    site: Site, ctx: RoundContext, plans: tuple[TrainingPlan, ...], local_epochs: float, epochs_before: dict[str, float], key: str
 ) -> dict[str | None, float]:
     """Train ``plans`` in order on the half's loss; the mean loss of each that trained (None: the only plan).
 
     Args:
         local_epochs: the trainer's, which a plan's ``share`` is of.
-        epochs_before: per data order, the epochs earlier plans of the round trained in it; the plans add theirs.
+        epochs_before: ``{ROUND_BUDGET: the epochs earlier plans of the round took}``; the plans add theirs.
         key: their passes are counted as ``<key>/<plan label>``.
     """
     losses = {}
@@ -370,9 +375,14 @@ def train_plans(
         if epochs is None:
             steps = plan.steps
         else:
-            before = epochs_before.get(plan.data_order, 0.0)
-            epochs_before[plan.data_order] = before + epochs
+            # one axis for the round, whatever data order a plan draws from: plans that split the budget
+            # take together the mini-batches one plan with all of it would
+            before = epochs_before.get(ROUND_BUDGET, 0.0)
+            epochs_before[ROUND_BUDGET] = before + epochs
             steps = site.steps(epochs, before)
+            if plan.passes_per_step > 1:  # the length counts passes; the loss is told how many samples (pFedMe)
+                plan = dataclasses.replace(plan, pass_budget=round(epochs * site.n_train))
+                steps = math.ceil(steps / plan.passes_per_step)
         loss = site.train(
             steps,
             plan.slot,

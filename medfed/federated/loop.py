@@ -82,9 +82,10 @@ class FederatedLoop:
         update_norm_limit: c of the update-outlier check (``None``: no check).
         max_consecutive_failures: rounds in a row a site may fail before it is
             excluded from the rest of the run (``None``: never).
-        scratch_dir: where the participants' start-of-round states are
-            written while a round runs (``None``: the system's temporary
-            directory); only with ``on_site_failure="drop"``.
+        scratch_dir: where participants' start-of-round states are written
+            when they do not fit the memory budget of
+            :class:`~medfed.federated.faults.RoundStartStates` (``None``: the
+            system's temporary directory); only with ``on_site_failure="drop"``.
         executor: where the sites' half of the work runs
             (:class:`~medfed.federated.executor.SiteExecutor`); ``None``:
             :class:`~medfed.federated.executor.InProcessSites` over ``sites``

@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils.data import TensorDataset
-from tqdm.auto import tqdm
+from tqdm import tqdm  # text bars: tqdm.auto warns in a notebook without ipywidgets
 
 from medfed.config import FederationConfig, require
 from medfed.data.brats import MODALITIES, REGIONS, BratsCase, BratsVolume, find_cases, load_case, tumour_regions

@@ -179,7 +179,7 @@ def _report_drops(
     label_ratio: LabelRatioConfig,
     noun: str,
 ) -> None:
-    """Log the samples each site kept per split; warn naming every site that lost more than half of its samples.
+    """Log the samples each site kept per split; warn naming every site that lost more than ``label_ratio.max_drop`` of its samples.
 
     Args:
         sites: the sites' kept samples, ``info`` holding ``n_<split>_dropped``.
@@ -199,7 +199,7 @@ def _report_drops(
     logger.info(f"{setting} kept {n_kept} of {n_kept + n_dropped} {noun}: {per_site}")
     losers = []
     for index in range(len(sites)):
-        if sum(dropped[index]) > sum(kept[index]):  # more than half of the site's samples
+        if sum(dropped[index]) > label_ratio.max_drop * (sum(dropped[index]) + sum(kept[index])):
             n_positive = int(labels[site_of_sample == index].sum())
             n_negative = int((site_of_sample == index).sum()) - n_positive
             own_ratio = n_negative / n_positive if n_positive else float("inf")
@@ -208,7 +208,9 @@ def _report_drops(
                 f"its own ratio {own_ratio:.3g})"
             )
     if losers:
+        share = "half" if label_ratio.max_drop == 0.5 else f"{label_ratio.max_drop:.0%}"
         warn(
-            f"{setting} drops more than half of the {noun} of {', '.join(losers)}: set federation.label_ratio.delta "
-            f"nearer the sites' own ratios, or federation.label_ratio=null to keep all {noun}"
+            f"{setting} drops more than {share} of the {noun} of {', '.join(losers)}: set federation.label_ratio.delta "
+            f"nearer the sites' own ratios, federation.label_ratio=null to keep all {noun}, or "
+            f"federation.label_ratio.max_drop above the share dropped if it is what you mean"
         )

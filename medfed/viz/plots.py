@@ -2,7 +2,12 @@
 confusion matrices), and the bars of a comparison of methods (:mod:`medfed.compare`).
 
 Each carries the data's provenance in its title, so a figure made from
-generated data says so wherever it is shown.
+generated data says so wherever it is shown (:func:`add_source` adds it to
+a figure drawn without it). Axes say what they show in words and units
+(:func:`metric_label`: "HD95, whole tumour (mm; whole volumes)", not
+``hd95_wt``); rounds are whole numbers; titles are wrapped to the figure's
+width, and the layout is matplotlib's constrained one, so no title, label or
+legend is cut or covers data.
 
 Every function builds a :class:`matplotlib.figure.Figure` directly rather
 than through pyplot: no backend is chosen or switched, so files are written
@@ -13,6 +18,7 @@ notebook cell returns it (pyplot is left to whoever imports medfed).
 from __future__ import annotations
 
 import math
+import re
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -20,7 +26,53 @@ from typing import Any
 import numpy as np
 import torch
 from matplotlib.figure import Figure
+from matplotlib.text import Text
+from matplotlib.ticker import MaxNLocator
 from torchmetrics.functional.classification import binary_auroc, binary_confusion_matrix, binary_roc
+
+REGION_NAMES = {"wt": "whole tumour", "tc": "tumour core", "et": "enhancing tumour"}
+METRIC_LABELS = {
+    "iou": "IoU, mean of tumour and background\n(test patches)",
+    "label_iou": "tumour IoU (test patches)",
+    "accuracy": "accuracy (p > 0.5)",
+    "balanced_accuracy": "balanced accuracy (p > 0.5)",
+    "auroc": "AUROC",
+}
+"""Axis labels of the metrics with fixed names; :func:`metric_label` builds the per-region ones."""
+
+
+def metric_label(name: str) -> str:
+    """A metric key in words and units: ``hd95_wt`` -> "HD95, whole tumour (mm; whole volumes)"; unknown keys with spaces."""
+    if name in METRIC_LABELS:
+        return METRIC_LABELS[name]
+    match = re.fullmatch(r"(dice|iou|hd95|label_iou)_(wt|tc|et)", name)
+    if match is None:
+        return name.replace("_", " ")
+    metric, region = match.groups()
+    if metric == "label_iou":
+        return f"{REGION_NAMES[region]} IoU (test patches)"
+    unit = "mm; " if metric == "hd95" else ""
+    return f"{ {'dice': 'Dice', 'iou': 'IoU', 'hd95': 'HD95'}[metric]}, {REGION_NAMES[region]}\n({unit}whole volumes)"
+
+
+def wrap_to_width(text: str, figure: Figure, fontsize: float) -> str:
+    """``text`` broken into lines of similar length that fit the figure's width at ``fontsize`` (points; about 0.6 em a character)."""
+    fits = max(20, int(figure.get_figwidth() * 72 / (0.6 * fontsize)))
+    lines = []
+    for paragraph in text.split("\n"):
+        count = math.ceil(len(paragraph) / fits)  # as few lines as fit, then as even as they go
+        lines += textwrap.wrap(paragraph, min(fits, math.ceil(len(paragraph) / max(count, 1)) + 8)) or [""]
+    return "\n".join(lines)
+
+
+def add_source(figure: Figure, source: str, fontsize: float = 8) -> Figure:
+    """Add ``data: <source>`` under the figure's title unless some text of the figure already holds ``source``."""
+    words = " ".join(source.split())
+    if any(words in " ".join(text.get_text().split()) for text in figure.findobj(Text)):  # across line breaks too
+        return figure
+    title = figure.get_suptitle()
+    figure.suptitle(wrap_to_width(f"{title}\ndata: {source}" if title else f"data: {source}", figure, fontsize), fontsize=fontsize)
+    return figure
 
 
 def plot_learning_curves(history: list[dict[str, Any]], title: str) -> Figure:
@@ -32,8 +84,8 @@ def plot_learning_curves(history: list[dict[str, Any]], title: str) -> Figure:
         title: figure title (strategy, task, data provenance).
     """
     names = list(dict.fromkeys(name for record in history for name in record["mean"]))  # some only on some rounds
-    figure = Figure(figsize=(4.5 * len(names), 3.6))
-    axes = figure.subplots(1, len(names), squeeze=False)
+    figure = Figure(figsize=(3.6 * len(names) + 1.2, 3.8), layout="constrained")
+    axes = figure.subplots(1, len(names), squeeze=False, sharex=True)  # one round axis: a metric of the last round only sits there
     for axis, name in zip(axes[0], names):
         records = [record for record in history if name in record["mean"]]
         rounds = [record["round"] for record in records]
@@ -42,11 +94,12 @@ def plot_learning_curves(history: list[dict[str, Any]], title: str) -> Figure:
             axis.plot(rounds, [r["metrics"][site][name] for r in records], lw=1, alpha=0.7, marker=marker, ms=3, label=site)
         axis.plot(rounds, [r["mean"][name] for r in records], "k-", lw=2.2, marker=marker, label="mean")
         axis.set_xlabel("round")
-        axis.set_ylabel(name)
+        axis.set_ylabel(metric_label(name), fontsize=9)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=8, loc="lower right")
-    figure.suptitle(textwrap.fill(title, 110), fontsize=9)
-    figure.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    figure.legend(handles, labels, fontsize=8, loc="outside right upper")  # beside the panels: it covers no point
+    figure.suptitle(wrap_to_width(title, figure, 9), fontsize=9)
     return figure
 
 
@@ -72,7 +125,7 @@ def plot_segmentation_examples(
     x, y = sites[0].data.test.tensors
     if y.ndim not in (3, 4):  # (n, P, P) classes or (n, R, P, P) region masks
         return None
-    figure = Figure(figsize=(2.1 * per_site, 2.2 * len(sites)))
+    figure = Figure(figsize=(2.1 * per_site, 2.2 * len(sites) + 0.6), layout="constrained")
     axes = figure.subplots(len(sites), per_site, squeeze=False)
     for row, site in zip(axes, sites):
         x, y = (t[:per_site] for t in site.data.test.tensors)
@@ -88,8 +141,7 @@ def plot_segmentation_examples(
             axis.set_xticks([])
             axis.set_yticks([])
         row[0].set_ylabel(f"{site.name}\n({channel_names[shown] if channel_names else f'channel {shown}'})", fontsize=8)
-    figure.suptitle(textwrap.fill(title, 18 * per_site) + "\nred: truth, cyan: prediction", fontsize=8)
-    figure.tight_layout()
+    figure.suptitle(wrap_to_width(title, figure, 8) + "\nred: truth, cyan: prediction", fontsize=8)
     return figure
 
 
@@ -107,7 +159,7 @@ def plot_similarity_graphs(panels: list[tuple[str, Any]], title: str) -> Figure:
         panels: ``(label, SimilarityGraph)`` pairs, e.g. one per rebuild of the graph.
         title: figure title.
     """
-    figure = Figure(figsize=(4.2 * len(panels), 4.6))
+    figure = Figure(figsize=(4.2 * len(panels), 4.6), layout="constrained")
     axes = figure.subplots(1, len(panels), squeeze=False)
     for axis, (label, graph) in zip(axes[0], panels):
         n = graph.n_sites
@@ -126,8 +178,7 @@ def plot_similarity_graphs(panels: list[tuple[str, Any]], title: str) -> Figure:
         axis.set_aspect("equal")
         axis.axis("off")
         axis.set_title(f"{label}: {len(graph.edges)} edges", fontsize=9)
-    figure.suptitle(textwrap.fill(f"{title}; edge labels = weights", 110), fontsize=9)
-    figure.tight_layout()
+    figure.suptitle(wrap_to_width(f"{title}; edge labels = weights", figure, 9), fontsize=9)
     return figure
 
 
@@ -140,7 +191,7 @@ def plot_roc_curves(scores: dict[str, tuple[torch.Tensor, torch.Tensor]], title:
         threshold: the operating point, predicted positive iff p > threshold
             (what the accuracy metrics count).
     """
-    figure = Figure(figsize=(5.6, 5.0))
+    figure = Figure(figsize=(5.6, 5.4), layout="constrained")
     axis = figure.subplots()
     for site, (probability, label) in scores.items():
         fpr, tpr, _ = binary_roc(probability, label)
@@ -156,8 +207,7 @@ def plot_roc_curves(scores: dict[str, tuple[torch.Tensor, torch.Tensor]], title:
     axis.set_aspect("equal")
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8, loc="lower right")
-    figure.suptitle(textwrap.fill(f"{title}; dots: p > {threshold}", 80), fontsize=8)
-    figure.tight_layout()
+    figure.suptitle(wrap_to_width(f"{title}; dots: p > {threshold}", figure, 8), fontsize=8)
     return figure
 
 
@@ -172,7 +222,7 @@ def plot_confusion_matrices(
         class_names: names of label 0 and label 1.
         threshold: predicted positive iff p > threshold.
     """
-    figure = Figure(figsize=(2.9 * len(scores), 3.3))
+    figure = Figure(figsize=(2.9 * len(scores), 3.6), layout="constrained")
     axes = figure.subplots(1, len(scores), squeeze=False)
     for axis, (site, (probability, label)) in zip(axes[0], scores.items()):
         counts = binary_confusion_matrix(probability, label, threshold)
@@ -186,8 +236,7 @@ def plot_confusion_matrices(
         axis.set_xlabel(f"predicted (p > {threshold})", fontsize=8)
         axis.set_ylabel("true", fontsize=8)
         axis.set_title(site, fontsize=9)
-    figure.suptitle(textwrap.fill(title, 30 * len(scores)), fontsize=8)
-    figure.tight_layout()
+    figure.suptitle(wrap_to_width(title, figure, 8), fontsize=8)
     return figure
 
 
@@ -197,8 +246,6 @@ def save_figure(figure: Figure, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp.png")
     figure.savefig(tmp, dpi=110)
     tmp.replace(path)
-
-
 
 def plot_comparison(
     rows: list[dict[str, Any]], metrics: list[str], settings: list[str], strategies: list[str], title: str, jitter_seed: int = 0
@@ -241,10 +288,10 @@ def plot_comparison(
                     axis.scatter(position + spread, points, s=9, color=colours[index], edgecolors="black", linewidths=0.4, zorder=3)
             axis.set_xticks(np.arange(len(settings)), settings, rotation=20, ha="right")
             axis.set_title(f"{metric}, {when}", fontsize=9)
-            axis.set_ylabel(metric)
+            axis.set_ylabel(metric_label(metric), fontsize=9)
             axis.grid(axis="y", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="outside lower center", ncols=min(len(strategies), 8), fontsize=8)
     caption = "bars: mean over seeds of the mean over sites; error bars: std over seeds; dots: each seed's sites"
-    figure.suptitle("\n".join(textwrap.wrap(f"{title}; {caption}", 110)), fontsize=9)
+    figure.suptitle(wrap_to_width(f"{title}; {caption}", figure, 9), fontsize=9)
     return figure

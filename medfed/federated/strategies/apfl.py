@@ -28,7 +28,16 @@ all three). ``adaptive: false`` keeps alpha_i at ``alpha`` (the paper's
 fixed-alpha variant). With alpha fixed at 1, v_i follows a Local run's
 model bit for bit (its gradient is grad f_i(v_i), on the batches a Local
 site draws); at 0 the evaluated mixture's parameters are the global model's;
-w is FedAvg's global model, bit for bit, whatever alpha (``tests/test_apfl.py``).
+w is the global model of a FedAvg run with the global plan's budget, bit for
+bit, whatever alpha (``tests/test_apfl.py``).
+
+**Budget** (:mod:`medfed.federated.strategies.base`). Every step passes its
+batch twice, forward and backward (w's loss and v_bar's), both counted as
+the global plan's. By default (``preset: equal``) the plan takes E/2
+epochs of steps (``step_share`` 1/2), E = ``trainer.local_epochs``, so a
+round costs a FedAvg round's passes; ``preset: published`` is the paper's
+protocol as medfed shipped it before: a step per mini-batch of E epochs,
+2 E epochs of passes.
 
 **Model slots.** ``global`` (w_i, trained by the round's training plan,
 sent, set by the delivery), ``local`` (v_i) and ``mixed`` (v_bar_i,
@@ -73,6 +82,7 @@ from medfed.config import require
 from medfed.federated.strategies.base import DELIVER, Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
 from medfed.federated.strategies.live_parameters import live_parameters, training_loss_with
+from medfed.federated.strategies.presets import by_preset, check_preset
 
 GLOBAL, LOCAL, MIXED = "global", "local", "mixed"
 
@@ -105,7 +115,8 @@ class APFLSite(FedAvgSite):
         site.set(MIXED, "buffers", site.get(LOCAL, "buffers"))
 
     def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
-        return (TrainingPlan(slot=GLOBAL),)
+        """w's steps (each also steps v and alpha): ``step_share`` of the budget."""
+        return (TrainingPlan(slot=GLOBAL, share=self.options.step_share),)
 
     def loss(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan, batch) -> torch.Tensor:
         """Steps v_i and alpha_i on ``batch`` at the values before this step, then returns f_i(w; batch) for w's step."""
@@ -143,6 +154,10 @@ class APFL(FedAvg):
 
     @dataclass
     class Options:
+        preset: str = "equal"
+        """"equal": the steps' two passes each share trainer.local_epochs; "published": a step per mini-batch of it."""
+        step_share: float | None = None
+        """Epochs of steps per round, in units of trainer.local_epochs (two passes each); null: the preset's (1/2 or 1)."""
         alpha: float = 0.5
         """Initial mixing weight alpha_i of the local model (the authors' code's default)."""
         adaptive: bool = True
@@ -151,5 +166,9 @@ class APFL(FedAvg):
         """eta_alpha: step of alpha's updates; null = the learning rate of the local model's optimiser."""
 
         def __post_init__(self) -> None:
+            check_preset(self.preset)
+            if self.step_share is None:
+                self.step_share = by_preset(self.preset, 0.5, 1.0)
+            require(self.step_share > 0, "step_share", self.step_share, "a positive multiple of trainer.local_epochs")
             require(0.0 <= self.alpha <= 1.0, "alpha", self.alpha, "a weight in [0, 1]")
             require(self.alpha_lr is None or self.alpha_lr >= 0, "alpha_lr", self.alpha_lr, "null or >= 0")

@@ -52,6 +52,34 @@ that phase on: whatever it learns about a site, it learns from the replies.)
 model; pFedNet: M x + N z_i); strategies whose model never leaves the site
 deliver nothing (``delivered = None``).
 
+*The compute budget.* ``trainer.local_epochs`` = E is the budget of
+training passes per site and round, in epochs of the site's training split
+(E = 0.5: half a pass), the same for every strategy: the forward and
+backward passes of its training plans, counted as ``train/*`` in the round
+record's ``compute`` (:mod:`medfed.federated.compute`), sum to E epochs,
+cut at whole mini-batches (the round's plans are cut along one axis, so
+together they are within a mini-batch of E epochs; APFL's steps of two
+passes within two). A strategy states in its docstring how its plans split
+E (``TrainingPlan.share``): FedRep's head and body 2/3 + 1/3, Ditto's
+global and personal models 1/2 + 1/2, pFedNet's shared and personal phases
+1/2 + 1/2 (all of it to the personal phase where the shared part is empty),
+APFL's steps (two passes each: w's and v_bar's) 1/2, pFedMe's passes all
+of it (``TrainingPlan.passes_per_step`` = K: about E B / K local rounds of K
+inner passes, the last ones the samples left).
+Passes outside the training plans are reported, not charged: ``aux/*``
+(PGFed's gradient estimate over the training split), ``adapt/*``
+(FedBABU's fine-tuning before each evaluation) and ``forward/*`` (IFCA's
+cluster losses, no backward pass). Equal budget is about the training a
+method gets, and those passes are not training a site could spend on its
+model instead: they are a fixed cost of the method's protocol (PGFed's
+estimate is one epoch whatever E, so charging it would leave PGFed no budget
+below one epoch and none of its own at E = 1), or of how often a run is
+evaluated (FedBABU fine-tunes at every evaluation, and each fine-tuning
+starts again from the delivered model); the compare tables show them beside
+the budget. A strategy whose published protocol trains more than E (FedRep,
+Ditto, APFL, pFedMe, pFedNet) keeps it as ``strategy.<name>.preset:
+published`` (:mod:`medfed.federated.strategies.presets`).
+
 *Model slots.* A site holds one model per name in ``slots`` (parameters,
 buffers and optimiser state together, e.g. Ditto's ``global`` and
 ``personal``), all initialised from the run's seeded prototype (and adapted
@@ -90,9 +118,9 @@ class TrainingPlan:
     over the training split if given, else ``share`` of the trainer's
     ``local_epochs`` (the default: all of them). Epochs are cut at whole
     steps by :meth:`~medfed.federated.site.Site.steps`, after the epochs the
-    site's earlier plans of the round took in the same data order, so plans
-    that split a round's epochs (shares summing to 1) take together the steps
-    one plan with all of them would.
+    site's earlier plans of the round took (whatever data order they drew
+    from), so plans that split a round's epochs (shares summing to 1) take
+    together the steps one plan with all of them would.
 
     Attributes:
         slot: the model slot trained (one of the strategy's ``slots``).
@@ -117,6 +145,15 @@ class TrainingPlan:
             passes are those the half makes through
             :meth:`~medfed.federated.site_view.SiteView.step` (pFedMe: its K
             inner steps per mini-batch; the outer step's loss has no forward pass).
+        passes_per_step: where a step passes its batch up to this many times
+            (pFedMe's K inner steps): the plan's length counts those passes,
+            and its steps are its mini-batches / ``passes_per_step``, rounded
+            up; the loop hands the loss the plan with ``pass_budget`` set, so
+            that the half can spend exactly that many samples (1: each step
+            passes its batch once).
+        pass_budget: the plan's length in samples (its epochs x the training
+            samples), set by the loop where ``passes_per_step`` > 1 (None
+            otherwise; not for a half to set).
     """
 
     slot: str = MODEL
@@ -128,8 +165,12 @@ class TrainingPlan:
     data_order: str | None = None
     also_steps: tuple[str, ...] = ()
     data_pass: bool = True
+    passes_per_step: int = 1
+    pass_budget: int | None = None
 
     def __post_init__(self) -> None:
+        if self.passes_per_step < 1:
+            raise ValueError(f"a training plan passes its batch at least once a step, got {self}")
         if self.share <= 0 or (self.epochs is not None and self.epochs <= 0) or (self.steps is not None and self.steps < 1):
             raise ValueError(f"a training plan needs share > 0, epochs > 0 and steps >= 1 where given, got {self}")
         if self.epochs is not None and self.steps is not None:

@@ -16,8 +16,9 @@ The head starts each round from where the site's last round left it.
 Body and head are the model's split (:mod:`medfed.models.split`): shared =
 body, personal = head (U-Net: encoder / decoder; DenseNet: features /
 classifier). The clinical logistic regression is all personal: the body is
-empty, the body plan trains nothing, nothing but a sample count travels, and
-FedRep is local training there (with the head plan's epochs).
+empty, the body plan trains nothing, nothing but a sample count travels,
+and FedRep is local training there, the head plan taking the body's share
+of the budget as well (under the published preset, only its own).
 
 The two stretches are two training plans of the round's one phase, named
 ``head`` and ``body`` (losses ``train_loss/fit/head`` and ``.../body``):
@@ -27,13 +28,19 @@ optimiser steps when given. The frozen part gets no gradient, so the
 model's one optimiser (Adam, per-parameter state) steps only the trained
 part, as the authors' two optimisers do.
 
+**Budget** (:mod:`medfed.federated.strategies.base`). By default (``preset:
+equal``) the two plans share the round's budget E = ``trainer.local_epochs``
+2 : 1, the authors' ratio: the head 2/3 E, the body 1/3 E (the body plan
+continues the head plan's data order, so together they take the steps of E
+epochs). ``preset: published`` is the authors' protocol as medfed shipped
+it before: the head 2 E and the body E, about three times a FedAvg round's
+passes (the head's backward passes stop at the head, its forward passes do
+not).
+
 Defaults and readings where the paper is silent:
 
-- tau_h : tau = 2 : 1 (``head_share`` 2, ``body_share`` 1): the authors'
-  scripts (CIFAR, FEMNIST) train the head 10 epochs and the body 5; here the
-  body gets the epochs a FedAvg round gives the whole model and the head
-  twice that, so a round costs about three epochs of forward passes (the
-  head's backward passes stop at the head).
+- tau_h : tau = 2 : 1: the authors' scripts (CIFAR, FEMNIST) train the head
+  10 epochs and the body 5.
 - phi^{t+1} is the n_i-weighted mean: Algorithm 1 prints the plain mean over
   the participants, the authors' code weights by the sites' sample counts
   (medfed's FedAvg convention).
@@ -50,16 +57,24 @@ from dataclasses import dataclass
 from medfed.config import require
 from medfed.federated.strategies.base import RoundContext, TrainingPlan
 from medfed.federated.strategies.fedper import FedPer, FedPerSite
+from medfed.federated.strategies.presets import EQUAL, by_preset, check_preset
 
 
 class FedRepSite(FedPerSite):
     """Trains its head with the body frozen, then the body with the head frozen; sends the body."""
 
     def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
+        """The head's plan, then the body's. Under the equal preset a part without parameters (which trains
+        nothing) leaves its share to the other."""
         options = self.options
+        head_share, body_share = options.head_share, options.body_share
+        if options.preset == EQUAL and self.split.size("shared") == 0:  # e.g. the clinical logistic regression: all head
+            head_share += body_share
+        elif options.preset == EQUAL and self.split.size("personal") == 0:
+            body_share += head_share
         return (
-            TrainingPlan(part="personal", share=options.head_share, steps=options.head_steps, name="head"),
-            TrainingPlan(part="shared", share=options.body_share, steps=options.body_steps, name="body"),
+            TrainingPlan(part="personal", share=head_share, steps=options.head_steps, name="head"),
+            TrainingPlan(part="shared", share=body_share, steps=options.body_steps, name="body"),
         )
 
 
@@ -73,16 +88,23 @@ class FedRep(FedPer):
 
     @dataclass
     class Options:
-        head_share: float = 2.0
-        """tau_h: epochs of the head plan, in units of trainer.local_epochs (2:1 head:body as the authors' 10:5)."""
-        body_share: float = 1.0
-        """tau: epochs of the body plan, in units of trainer.local_epochs."""
+        preset: str = "equal"
+        """"equal": head and body share trainer.local_epochs 2:1; "published": the head 2 and the body 1 x local_epochs."""
+        head_share: float | None = None
+        """tau_h: epochs of the head plan, in units of trainer.local_epochs; null: the preset's (2/3 or 2)."""
+        body_share: float | None = None
+        """tau: epochs of the body plan, in units of trainer.local_epochs; null: the preset's (1/3 or 1)."""
         head_steps: int | None = None
         """tau_h as a number of optimiser steps instead (overrides head_share)."""
         body_steps: int | None = None
         """tau as a number of optimiser steps instead (overrides body_share)."""
 
         def __post_init__(self) -> None:
+            check_preset(self.preset)
+            if self.head_share is None:
+                self.head_share = by_preset(self.preset, 2.0 / 3.0, 2.0)
+            if self.body_share is None:
+                self.body_share = by_preset(self.preset, 1.0 / 3.0, 1.0)
             require(self.head_share > 0, "head_share", self.head_share, "a positive multiple of trainer.local_epochs")
             require(self.body_share > 0, "body_share", self.body_share, "a positive multiple of trainer.local_epochs")
             require(self.head_steps is None or self.head_steps >= 1, "head_steps", self.head_steps, "null or an integer >= 1")

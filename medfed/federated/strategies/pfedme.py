@@ -56,13 +56,24 @@ w^t; medfed evaluates theta_i, as the paper defines. PFLlib's ``--beta``
 defaults to 0, with which w^{t+1} = w^t: its pFedMe learns a global model
 only when beta is given on the command line.
 
-**Cost.** Each mini-batch takes K forward and backward passes (the outer
-step needs no forward pass): K times a FedAvg step. The plan declares it
-(``data_pass=False``: its own step passes no sample) and each inner step
-goes through :meth:`~medfed.federated.site_view.SiteView.step`, so the run's
-compute counts K passes per mini-batch. With
-``inner_tolerance`` every inner step also reads the gradient norm on the
-host (one device synchronisation per inner step).
+**Cost and budget.** Each mini-batch takes K forward and backward passes
+(the outer step needs no forward pass): K times a FedAvg step. The plan
+declares it (``data_pass=False``: its own step passes no sample) and each
+inner step goes through :meth:`~medfed.federated.site_view.SiteView.step`,
+so the run's compute counts K passes per mini-batch. By default (``preset:
+equal``) those passes are the round's budget E = ``trainer.local_epochs``
+(:mod:`medfed.federated.strategies.base`): the plan's length counts passes
+(``TrainingPlan.passes_per_step`` = K), so its E B passes (B mini-batches
+an epoch, cut at a whole one) make ceil(E B / K) local rounds of Algorithm 1,
+and each local round on a mini-batch of m samples takes min(K, [left / m])
+inner steps, at least 1 ([x] = floor(x + 1/2); left: the samples of the
+round's E n still to pass), so the inner passes spend E epochs of samples
+to within half a mini-batch: K a local round, fewer at the end.
+``preset: published`` is the paper's
+protocol as medfed shipped it before: a local round per mini-batch of E
+epochs, K E epochs of passes. With ``inner_tolerance`` the inner steps may
+stop early and pass fewer (every inner step then also reads the gradient
+norm on the host: one device synchronisation per inner step).
 
 Defaults: lam = 15, K = 5, beta = 1, the paper's MNIST settings (the
 authors' README: ``--lamda 15 --K 5 --beta 1``).
@@ -70,16 +81,19 @@ authors' README: ``--lamda 15 --K 5 --beta 1``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from medfed.config import require
 from medfed.federated.aggregate import weighted_average
+from medfed.federated.compute import batch_samples
 from medfed.federated.strategies.base import (
     DELIVER, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.live_parameters import live_parameters, squared_distance
+from medfed.federated.strategies.presets import by_preset, check_preset
 
 LOCAL, PERSONAL = "local", "personal"
 
@@ -118,17 +132,21 @@ class PFedMeSite(SiteHalf):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._inner_sgd: torch.optim.SGD | None = None  # plain steps at inner_lr (stateless), made at first use
+        self.samples_passed = 0  # samples the round's inner steps passed so far (equal preset), from the round's message on
 
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
         """w_{i,0} = theta = w^t (with its buffers); the delivery carries nothing."""
         if ctx.phase == DELIVER:
             return
+        self.samples_passed = 0
         for slot in (LOCAL, PERSONAL):
             site.set(slot, "all", payload["all"])
             site.set(slot, "buffers", payload["buffers"])
 
     def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
-        return (TrainingPlan(slot=LOCAL, data_pass=False),)
+        """The local rounds: E epochs of passes, K a mini-batch (equal preset), or a mini-batch of E epochs each (published)."""
+        passes_per_step = by_preset(self.options.preset, self.options.inner_steps, 1)
+        return (TrainingPlan(slot=LOCAL, data_pass=False, passes_per_step=passes_per_step),)
 
     def loss(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan, batch) -> torch.Tensor:
         """Solve the inner problem on ``batch``; return a loss whose gradient in w is lam (w - theta_i).
@@ -136,17 +154,23 @@ class PFedMeSite(SiteHalf):
         Its value is f_i(theta; B) at the last inner iterate whose gradient
         was taken plus lam/2 ||w - theta_i||^2: an estimate of F_i(w; B).
         """
-        data_loss = self.solve_inner_problem(site, batch, site.get(LOCAL, "all"))
+        inner_steps = self.options.inner_steps
+        if plan.pass_budget is not None:  # the equal preset: spend the round's samples, K a mini-batch, fewer at the end
+            samples = batch_samples(batch)
+            inner_steps = max(1, min(inner_steps, math.floor((plan.pass_budget - self.samples_passed) / samples + 0.5)))
+            self.samples_passed += inner_steps * samples
+        data_loss = self.solve_inner_problem(site, batch, site.get(LOCAL, "all"), inner_steps)
         theta = site.get(PERSONAL, "all")
         return data_loss + self.options.lam / 2.0 * squared_distance(site.module(LOCAL), "all", theta)
 
-    def solve_inner_problem(self, site: SiteView, batch, centre: torch.Tensor) -> torch.Tensor:
+    def solve_inner_problem(self, site: SiteView, batch, centre: torch.Tensor, inner_steps: int | None = None) -> torch.Tensor:
         """theta <- approx. argmin f_i(theta; batch) + lam/2 ||theta - centre||^2, in the ``personal`` slot.
 
         Args:
             site: the site (its ``personal`` slot holds theta, the warm start).
             batch: the device batch B.
             centre: w_{i,r}, ``(d,)``, detached.
+            inner_steps: at most this many gradient steps (None: K; fewer: the passes left of the round's budget).
 
         Returns:
             f_i(theta; B), detached, at the last iterate whose gradient was
@@ -159,7 +183,7 @@ class PFedMeSite(SiteHalf):
         tolerance = self.options.inner_tolerance
         converged = None if tolerance is None else (lambda: _gradient_norm(parameters) <= tolerance)
         module.train()
-        for _ in range(self.options.inner_steps):
+        for _ in range(self.options.inner_steps if inner_steps is None else inner_steps):
             data_loss = module.training_step(batch, 0)
             objective = data_loss + self.options.lam / 2.0 * squared_distance(module, "all", centre)
             if not site.step(PERSONAL, objective, batch, optimizer=optimizer, stop_if=converged):
@@ -198,6 +222,9 @@ class PFedMe(Strategy):
 
     @dataclass
     class Options:
+        preset: str = "equal"
+        """"equal": the K inner passes of every mini-batch share trainer.local_epochs (E/K epochs of
+        mini-batches); "published": every mini-batch of E epochs takes them (K E epochs of passes)."""
         lam: float = 15.0
         """lambda: weight of ||theta - w||^2 in the inner problem (the paper's MNIST value)."""
         inner_steps: int = 5
@@ -211,6 +238,7 @@ class PFedMe(Strategy):
         """Server step: w <- (1 - beta) w + beta average (1: the average; the paper also uses 2)."""
 
         def __post_init__(self) -> None:
+            check_preset(self.preset)
             require(self.lam > 0, "lam", self.lam, "lambda > 0")
             require(self.inner_steps >= 1, "inner_steps", self.inner_steps, "K >= 1")
             require(

@@ -19,10 +19,16 @@ alternates two phases:
 
    and delivers z_{t+1,n}, so site n is evaluated with M x_{t+1} + N z_{t+1,n}.
 
-**Fair compute.** By default each phase trains half of ``trainer.local_epochs``
-(a training plan with ``share`` = 0.5), so a round takes the local steps a one-phase
-baseline's round takes; ``full_epoch_per_phase`` gives each phase all of
-them (the paper's setting).
+**Budget** (:mod:`medfed.federated.strategies.base`). By default (``preset:
+equal``) each phase trains half of the round's budget E =
+``trainer.local_epochs`` (a training plan with ``share`` = 0.5; the personal
+phase continues the shared phase's data order, so together they take the
+steps of E epochs), and a part without parameters gives its half to the
+other: with the clinical logistic regression (all personal) the shared
+phase trains nothing and the personal phase trains E epochs. ``preset:
+published`` (or ``full_epoch_per_phase: true``) gives each phase all of E,
+the paper's setting (2 E epochs of passes a round), as medfed shipped it
+before.
 
 **The server step and the paper.** The paper's Algorithm 4 solves the same
 proximal problem around Z_t after one linearised step, with h(Z) =
@@ -41,10 +47,27 @@ calibrates eta_s; only lam_t * eta_s matters in the problem above.
   model's scale, d or p.
 - ``absolute``: lam in the paper's units, with eta_s = ``server_lr``.
 
-Every round logs ``spread_removed``: the fraction of the between-site spread
-of the personal parts that the server step removed (0 = no effect, 1 = all
-fused), with ``lam_effective`` (lam_t in the paper's units) and
-``fusion_lam`` (lam_bar).
+**What lam means.** With the default ``fusion`` scale, lam = 1 fuses every
+connected component of the similarity network into one personal part (its
+mean), and lam = 0 leaves each site its own. In between, the parts fuse
+group by group: a tight group of similar sites fuses at a small fraction of
+lam_bar, because lam_bar is the threshold of the whole component, set by its
+most different sites. So a small lam (0.1 on BraTS-like sites) may already
+make the personal parts identical within each group of similar sites and
+keep only the groups apart: pFedNet then behaves as clustered
+personalisation, not as a gentle pull towards the neighbours.
+
+Every round logs, after the server step (server metrics):
+``distinct_personal``, the number of different personal parts left (parts
+closer than 1e-3 of their mean norm count as one:
+:func:`~medfed.federated.strategies.solvers.fusion.distinct_parts`), and
+``personal_distance_min`` / ``_median`` / ``_max``, their pairwise Euclidean
+distances; ``spread_removed``, the fraction of the between-site spread of
+the personal parts that the server step removed (0 = no effect, 1 = all
+fused; dominated by the largest differences, so it stays small when only
+the groups' insides fuse: read it with ``distinct_personal``); with
+``lam_effective`` (lam_t in the paper's units) and ``fusion_lam``
+(lam_bar).
 
 **Similarity network** (``graph_space``; the draft's section IV-A):
 
@@ -75,7 +98,7 @@ import torch
 from medfed.config import require
 from medfed.errors import SiteFailure
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.strategies.solvers.fusion import fusion_threshold, spread_removed
+from medfed.federated.strategies.solvers.fusion import distinct_parts, fusion_threshold, spread_removed
 from medfed.federated.strategies.solvers.graph import (
     EDGE_WEIGHTINGS,
     KNN_RULES,
@@ -88,6 +111,7 @@ from medfed.federated.strategies.solvers.sketch import check_sketch_size, data_s
 from medfed.federated.strategies.base import (
     MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
+from medfed.federated.strategies.presets import by_preset, check_preset
 
 P_NORMS = {"1": 1.0, "2": 2.0, "inf": float("inf")}
 GRAPH_SPACES = ("data", "feature", "model")
@@ -187,7 +211,10 @@ class PFedNetServer(ServerHalf):
         )
         self.admm_state = result.state
         components = connected_components(self.graph.edges, self.n_sites)
+        parts = distinct_parts(result.Z)
         self.last_solve = {
+            "distinct_personal": parts["distinct"],
+            **{f"personal_{key}": parts[key] for key in ("distance_min", "distance_median", "distance_max")},
             "spread_removed": spread_removed(centre, result.Z, components),
             "lam_effective": float(lam),
             "fusion_lam": threshold,
@@ -270,8 +297,14 @@ class PFedNetSite(SiteHalf):
                 site.set(MODEL, part, payload[part])
 
     def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
-        """The phase's part ("shared" or "personal") for half the round's epochs (all with full_epoch_per_phase)."""
-        return (TrainingPlan(part=ctx.phase, share=1.0 if self.options.full_epoch_per_phase else 0.5),)
+        """The phase's part ("shared" or "personal") for half the round's budget, all of it with
+        ``full_epoch_per_phase`` or when the other part has no parameters; nothing for a part without any."""
+        other = "personal" if ctx.phase == "shared" else "shared"
+        if self.options.full_epoch_per_phase:
+            return (TrainingPlan(part=ctx.phase),)
+        if self.split.size(ctx.phase) == 0:
+            return ()
+        return (TrainingPlan(part=ctx.phase, share=1.0 if self.split.size(other) == 0 else 0.5),)
 
     def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
         reply = {ctx.phase: site.get(MODEL, ctx.phase)}
@@ -287,8 +320,10 @@ class PFedNet(Strategy):
     @dataclass
     class Options:
         lam: float = 0.1
-        """Strength of the graph penalty: a fraction of the fusion threshold (lam_scale=fusion),
-        or lambda in the paper's units (lam_scale=absolute). 0 = independent personal parts.
+        """Strength of the graph penalty: a fraction of the fusion threshold (lam_scale=fusion: 1 fuses
+        each connected component into one personal part, and tight groups fuse well below 1; see the
+        module docstring and the distinct_personal metric), or lambda in the paper's units
+        (lam_scale=absolute). 0 = independent personal parts.
         0.1 was best on the validation split of brats_lack0 and luna16_delta4 among 0, 0.1,
         0.3, 1 (p = 2, 30 rounds, seed 0; benchmarks/pfednet_lambda_path.py)."""
         lam_scale: str = "fusion"
@@ -321,12 +356,18 @@ class PFedNet(Strategy):
         admm_max_iter: int = 500
         admm_abs_tol: float = 1e-6
         admm_rel_tol: float = 1e-5
-        full_epoch_per_phase: bool = False
+        preset: str = "equal"
+        """"equal": the two phases share trainer.local_epochs; "published": each phase trains all of it."""
+        full_epoch_per_phase: bool | None = None
         """True: each phase trains all of trainer.local_epochs (the paper's setting: twice a
-        one-phase baseline's local steps per round); False: each phase takes half of them, so a
-        round takes the local steps a FedAvg round takes."""
+        one-phase baseline's local steps per round); False: each phase takes half of them (all of
+        them when the other part is empty), so a round takes the local steps a FedAvg round takes;
+        null: the preset's (False or True)."""
 
         def __post_init__(self) -> None:
+            check_preset(self.preset)
+            if self.full_epoch_per_phase is None:
+                self.full_epoch_per_phase = by_preset(self.preset, False, True)
             require(self.lam >= 0, "lam", self.lam, "lambda >= 0")
             require(self.lam_scale in LAM_SCALES, "lam_scale", self.lam_scale, "one of fusion, absolute")
             require(self.server_lr > 0, "server_lr", self.server_lr, "eta_s > 0")

@@ -3,7 +3,7 @@
 NOT a federated method: the reference row FLamby reports ("Pooled"; du
 Terrail et al., NeurIPS 2022 Datasets and Benchmarks), the model a
 hospital consortium would get by putting its training data in one place.
-The strategy declares ``pools_data``, and the run (:func:`medfed.experiment.build_sites`)
+The strategy declares ``pools_data``, and the run (:meth:`medfed.assembly.RunAssembly.sites`)
 gives site ``POOL_SITE`` (:mod:`medfed.data.pooling`) the union of all the
 sites' training splits; that is the only place the rule "data never leave a
 site" is broken, and results.json and the printed table say so.

@@ -36,6 +36,12 @@ any model, ``d``, ``p`` and ``eta`` (``lam_t eta`` does not depend on eta).
 ||z_n - zbar_c||^2)`` (deviations from component means); a server step
 removes the fraction ``1 - S(Z*) / S(Z~)`` of it: 0 = no effect, 1 = all
 fused.
+
+**Distinct parts.** The spread is dominated by the largest differences, so
+a step that fuses each tight group of sites while the groups stay apart
+removes little of it; :func:`distinct_parts` counts the personal parts that
+remain different (columns closer than a relative tolerance count as one)
+and summarises their pairwise distances.
 """
 
 from __future__ import annotations
@@ -91,3 +97,41 @@ def spread_removed(Z_tilde: torch.Tensor, Z: torch.Tensor, components: list[list
     """``1 - S(Z) / S(Z~)``, the fraction of the between-site spread a server step removed (0 if none to remove)."""
     before = between_site_spread(Z_tilde, components)
     return 0.0 if before == 0.0 else 1.0 - between_site_spread(Z, components) / before
+
+
+#: columns of Z closer than this fraction of their mean norm count as one personal part
+DISTINCT_TOLERANCE = 1e-3
+
+
+def distinct_parts(Z: torch.Tensor, relative_tolerance: float = DISTINCT_TOLERANCE) -> dict[str, float]:
+    """How many different personal parts the columns of ``Z`` (d x N) are, and how far apart.
+
+    Two columns are *the same part* when ``||z_i - z_j||_2 <= relative_tolerance
+    * mean_n ||z_n||_2`` (the network lasso fuses columns exactly, up to its
+    solver's tolerance, about 1e-5 relative); parts are the groups this
+    relation joins (transitively), so ``distinct`` is between 1 (all fused)
+    and N.
+
+    Returns:
+        ``distinct`` (float); ``distance_min``, ``distance_median``,
+        ``distance_max``: the Euclidean distances over the N (N - 1) / 2
+        pairs of columns, in parameter units (0 for a single column).
+    """
+    n = Z.shape[1]
+    columns = Z.T.to(torch.float64)
+    # exact differences (the matrix-product form of cdist loses the small distances of fused columns)
+    distances = torch.cdist(columns, columns, compute_mode="donot_use_mm_for_euclid_dist")
+    pairs = torch.triu_indices(n, n, offset=1, device=Z.device)
+    between = distances[pairs[0], pairs[1]]
+    scale = float(torch.linalg.vector_norm(columns, dim=1).mean())
+    same = (between <= relative_tolerance * scale).tolist()
+    edges = [(int(i), int(j)) for i, j, joined in zip(pairs[0].tolist(), pairs[1].tolist(), same) if joined]
+    summary = {"distinct": float(len(connected_components(edges, n)))}
+    if between.numel() == 0:
+        return {**summary, "distance_min": 0.0, "distance_median": 0.0, "distance_max": 0.0}
+    return {
+        **summary,
+        "distance_min": float(between.min()),
+        "distance_median": float(between.median()),
+        "distance_max": float(between.max()),
+    }

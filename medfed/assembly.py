@@ -1,0 +1,105 @@
+"""A run's parts, built one way for every engine: the seeded prototype, the strategy, the sites' slots and the links.
+
+Every engine builds the same parts from a resolved config: the simulator
+(:mod:`medfed.experiment`, all sites in one process), a deployed site
+(:mod:`medfed.deploy.worker`, one site from its own data), the ServerApp
+(:mod:`medfed.deploy.server_app`, no site, one link per site) and the tests'
+toy federations. :class:`RunAssembly` holds what they share and builds the
+rest, so that a site or a link built by one engine is bit for bit the one
+another builds:
+
+* the *prototype*: the model every site copies, initialised under
+  ``torch.manual_seed(trainer.seed)`` (the global generator is restored
+  afterwards);
+* the *strategy* (both halves), told the prototype's shared/personal split;
+* a *site*: one copy of the prototype per model slot of the strategy
+  (``strategy.prepare_slot``), each set up with its optimiser by Fabric, and
+  the strategy's site half;
+* the *initial values* both ends of every link hold before any message
+  (``strategy.initial_values`` of the prototype's ``{"shared", "personal",
+  "all"}`` vectors);
+* a *link*: the codec pair of ``codec.up`` / ``codec.down`` over the
+  strategy's coded keys, starting from the initial values.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+
+from medfed.components import ResolvedRun
+from medfed.data.federation import Federation, SiteData
+from medfed.data.pooling import pool_training_data
+from medfed.federated.link import Link
+from medfed.federated.site import Site, Slot
+from medfed.federated.strategies.base import Payload, Strategy
+from medfed.models.base import FederatedModule
+from medfed.models.split import PARTS
+
+
+def seeded_prototype(resolved: ResolvedRun, input_shape: tuple[int, ...] | list[int], num_classes: int) -> FederatedModule:
+    """The configured model for inputs of ``input_shape`` (channels or features first), initialised from ``trainer.seed``."""
+    with torch.random.fork_rng():
+        torch.manual_seed(resolved.run.trainer.seed)
+        return resolved.model_cls(input_shape[0], num_classes, resolved.model_options)
+
+
+@dataclass
+class RunAssembly:
+    """What every site and link of one run is built from.
+
+    Attributes:
+        prototype: the initial model every site copies.
+        strategy: the run's strategy (its site halves and server half).
+        codec_up, codec_down: the codec specs of each direction
+            (:meth:`~medfed.config.CodecConfig.spec`, e.g. ``{"name": "dense"}``).
+        batch_size: the sites' training batch size (``trainer.batch_size``).
+        seed: the run's seed (``trainer.seed``): the sites' data orders derive from it.
+    """
+
+    prototype: FederatedModule
+    strategy: Strategy
+    codec_up: dict[str, Any]
+    codec_down: dict[str, Any]
+    batch_size: int
+    seed: int
+
+    @classmethod
+    def from_config(
+        cls, resolved: ResolvedRun, input_shape: tuple[int, ...] | list[int], num_classes: int, n_sites: int
+    ) -> RunAssembly:
+        """The parts of the run ``resolved`` configures, for a model of ``input_shape`` -> ``num_classes`` and ``n_sites`` sites."""
+        run = resolved.run
+        prototype = seeded_prototype(resolved, input_shape, num_classes)
+        strategy = resolved.strategy_cls(resolved.strategy_options, prototype.parameter_split, n_sites, run.trainer.seed)
+        return cls(prototype, strategy, run.codec.spec("up"), run.codec.spec("down"), run.trainer.batch_size, run.trainer.seed)
+
+    def site(self, fabric: Fabric, index: int, data: SiteData) -> Site:
+        """Site ``index`` on ``data``: a copy of the prototype per model slot (with its optimiser, set up by ``fabric``), its strategy half."""
+        slots = {}
+        for name in self.strategy.slots:
+            module = copy.deepcopy(self.prototype)
+            self.strategy.prepare_slot(name, module)
+            slots[name] = Slot(*fabric.setup(module, module.configure_optimizers()))
+        return Site(index, data, slots, self.strategy.evaluated_slot, self.strategy.site_half(index), fabric, self.batch_size, self.seed)
+
+    def sites(self, fabric: Fabric, federation: Federation) -> list[Site]:
+        """One site per member of ``federation``, in index order.
+
+        For a strategy that ``pools_data`` (the pooled reference) the pool
+        site's training split is the union of every site's (:mod:`medfed.data.pooling`).
+        """
+        members = pool_training_data(federation.sites) if self.strategy.pools_data else federation.sites
+        return [self.site(fabric, index, data) for index, data in enumerate(members)]
+
+    def initial_values(self, device: torch.device) -> Payload:
+        """The vectors both ends of every link hold before any message, on ``device`` (also the server half's setup input)."""
+        return self.strategy.initial_values({part: self.prototype.get_vector(part).to(device) for part in PARTS})
+
+    def link(self, initial: Payload, device: torch.device, peer: str) -> Link:
+        """One end of the link with ``peer`` (a site's name), starting from ``initial`` (:meth:`initial_values`)."""
+        return Link(self.codec_up, self.codec_down, self.strategy.coded_keys, initial, device, peer=peer)
