@@ -54,14 +54,16 @@ def lock_file(output_dir: Path) -> Path:
 
 
 @contextmanager
-def hold_output_dir(output_dir: Path) -> Iterator[None]:
+def hold_output_dir(output_dir: Path, key: str | None = None) -> Iterator[None]:
     """Hold ``output_dir`` for this process while the block runs (the lock file is deleted at the end).
+
+    ``key`` names the folder in messages (default: the config's ``output_dir``; a deployment's is a run config key).
 
     Raises:
         ConfigError: another living process holds it (the message names its
             pid, host and start time), or the folder above cannot be created.
     """
-    key = f"config key 'output_dir' = {str(output_dir)!r}"
+    key = key or f"config key 'output_dir' = {str(output_dir)!r}"
     path = lock_file(output_dir)
     _check_writable(path.parent, key)
     try:

@@ -3,7 +3,8 @@
 ``python tests/hostile_runner.py --runtime-api-address HOST:PORT --insecure``
 is medfed's own runner (:mod:`medfed.deploy.runner`) answering with medfed's
 own ClientApp, except that the reply to a phase's work in the rounds of
-:data:`ATTACKS` is altered after the real site made it, the way a broken
+:data:`ATTACKS`, or to the delivery in the rounds of :data:`DELIVERY_ATTACKS`,
+is altered after the real site made it, the way a broken
 or malicious hospital could: every byte the server then reads takes the
 server's real code path. ``tests/test_deploy.py`` starts it in place of one
 site's runner.
@@ -68,8 +69,26 @@ def inflated_samples(content: RecordDict) -> RecordDict:
     return _altered(content, "num_samples", data=dense_stream(np.array([1e9])))
 
 
-ATTACKS = {1: garbage, 2: nan_stream, 3: wrong_shape, 4: inflated_samples}
+def missing_samples(content: RecordDict) -> RecordDict:
+    """The sample count left out (the model intact): FedAvg's aggregate would meet a KeyError."""
+    fields = json.loads(content["fields"]["json"])
+    last = len(fields["_shapes"]) - 1
+    del fields["_shapes"][last]["num_samples"]
+    arrays = {name: array for name, array in content["wire"].items() if name != f"{last}:num_samples"}
+    return RecordDict({"fields": ConfigRecord({"json": json.dumps(fields)}), "wire": ArrayRecord(arrays)})
+
+
+def unreadable_metrics(content: RecordDict) -> RecordDict:
+    """A delivery reply whose metrics are words, not numbers."""
+    fields = json.loads(content["fields"]["json"])
+    fields["replies"][-1]["metrics"] = dict.fromkeys(fields["replies"][-1]["metrics"], "high")
+    return RecordDict({"fields": ConfigRecord({"json": json.dumps(fields)}), "wire": content["wire"]})
+
+
+ATTACKS = {1: garbage, 2: nan_stream, 3: wrong_shape, 4: inflated_samples, 5: missing_samples}
 """The attack in each round's work reply (FedAvg's "all" and "num_samples"); other rounds are answered honestly."""
+DELIVERY_ATTACKS = {6: unreadable_metrics}
+"""The attack in each round's delivery reply (its evaluation); other rounds are answered honestly."""
 
 
 def hostile_app(message: Message, context) -> Message:
@@ -78,7 +97,7 @@ def hostile_app(message: Message, context) -> Message:
     if message.metadata.message_type != "train" or reply.has_error():
         return reply
     request = from_record(message.content, "the server")[0]["requests"][-1]
-    attack = ATTACKS.get(request["round"]) if request["kind"] == "work" else None
+    attack = {"work": ATTACKS, "deliver": DELIVERY_ATTACKS}.get(request["kind"], {}).get(request.get("round"))
     return reply if attack is None else Message(attack(reply.content), reply_to=message)
 
 

@@ -618,3 +618,16 @@ def test_runs_of_unequal_compute_are_refused_by_name_unless_allowed(fake_compari
     assert "**Unequal compute** (tabulated with --allow-unequal-compute; tolerance 5%): tiny_b/ditto/seed1 trained 2.00" in md
     ditto = next(line for line in md.splitlines() if line.startswith("| ditto |"))
     assert ditto.split(" | ")[6] == "1.33 +0.50 aux"  # tiny_b's epochs: the mean over its three runs, (2 + 1 + 1) / 3
+
+
+def test_a_grid_file_larger_than_any_grid_is_refused_by_its_size_before_it_is_read(tmp_path, monkeypatch):
+    # (It was read whole, then refused by its length as "a config"; a grid is read like a config file now.)
+    from medfed.config import MAX_YAML_BYTES
+    from medfed.errors import ConfigError
+
+    grid = tmp_path / "huge.yaml"
+    grid.write_text("configs: [clinical_delta1]\n" + "#" * MAX_YAML_BYTES + "\n")
+    monkeypatch.setattr(Path, "read_text", lambda *args, **kwargs: pytest.fail("the whole file was read"))
+    with pytest.raises(ConfigError) as error:
+        read_grid(grid)
+    assert str(error.value) == f"{grid}: {MAX_YAML_BYTES + 28} bytes, larger than any grid file medfed reads ({MAX_YAML_BYTES} bytes)"

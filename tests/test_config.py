@@ -1,4 +1,5 @@
 import time
+from pathlib import Path
 
 import pytest
 
@@ -239,6 +240,22 @@ def test_unknown_key_in_the_file_is_blamed_on_the_file_with_a_suggestion(tmp_pat
 def test_unknown_option_of_a_component_suggests_the_known_one():
     with pytest.raises(ConfigError, match=r"unknown config key 'strategy\.lamm' .*did you mean 'strategy\.lam'\?"):
         parse_options(PFedNet.Options, {"lamm": 0.1}, "strategy")
+
+
+@pytest.mark.parametrize(
+    "override, suggestion",
+    [
+        ("strategy.name=pfednt", "; did you mean 'pfednet' or 'pgfed' or 'fedbn'?"),
+        ("strategy.pfednt.lam=1", "unknown config key 'strategy.pfednt'; did you mean 'strategy.pfednet' or "),
+        ("strategy.nme=pfednet", "unknown config key 'strategy.nme'; did you mean 'strategy.name'? "),
+        ("strategy.pfednet.lamm=1", "unknown config key 'strategy.pfednet.lamm' for PFedNetOptions; did you mean 'strategy.pfednet.lam'? "),
+    ],
+)
+def test_a_mistyped_strategy_name_subgroup_or_option_suggests_the_registered_one(override, suggestion):
+    # (The name and the subgroup were refused with the whole list and no suggestion; options had one.)
+    with pytest.raises(ConfigError) as error:
+        resolve(load_config(Path(__file__).resolve().parents[1] / "configs" / "clinical_delta1.yaml", [override]))
+    assert suggestion in str(error.value)
 
 
 @pytest.mark.parametrize(

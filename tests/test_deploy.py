@@ -247,15 +247,18 @@ def test_a_deployment_run_for_one_round_and_resumed_for_two_gives_the_simulators
         _assert_same_numbers(_resume(rehearsal, name, overrides), simulated())
 
 
-def test_a_site_sending_garbage_nan_a_wrong_shape_and_an_inflated_sample_count_is_dropped_from_exactly_those_rounds(rehearsal):
+def test_a_site_sending_garbage_nan_a_wrong_shape_an_inflated_or_missing_sample_count_or_unreadable_metrics_is_dropped_from_exactly_those_rounds(
+    rehearsal,
+):
     # Site 2's runner is replaced by tests/hostile_runner.py: medfed's own ClientApp, whose work replies in
-    # rounds 1-4 are altered after the site made them (random bytes, an intact NaN stream, the shape
-    # (2, -1), 1e9 samples). The real ServerApp must refuse each, leave site 2 out of that round only (put
-    # back at its end, so its honest round 5 counts), and finish the run. Last in the module: site 2 gets
-    # its own runner back afterwards.
+    # rounds 1-5 are altered after the site made them (random bytes, an intact NaN stream, the shape
+    # (2, -1), 1e9 samples, no sample count), and whose delivery reply in round 6 (after an honest work
+    # reply) holds words for metrics. The real ServerApp must refuse each, leave site 2 out of that round
+    # only (put back at its end, so its honest round 6 work counts), count its round 6 as failed with its
+    # metrics missing, and finish the run. Last in the module: site 2 gets its own runner back afterwards.
     local, name = rehearsal.local, "hostile"
-    overrides = [o.replace("trainer.rounds=2", "trainer.rounds=5") for o in _overrides(rehearsal, "fedavg")]
-    overrides.append("federation.max_consecutive_failures=null")  # four failures in a row: still a site
+    overrides = [o.replace("trainer.rounds=2", "trainer.rounds=6") for o in _overrides(rehearsal, "fedavg")]
+    overrides.append("federation.max_consecutive_failures=null")  # six failures in a row: still a site
     local.stop_runner(2)
     try:
         hostile = local.start_runner(2, [sys.executable, str(REPO / "tests" / "hostile_runner.py")])
@@ -264,19 +267,26 @@ def test_a_site_sending_garbage_nan_a_wrong_shape_and_an_inflated_sample_count_i
         local.stop_runner(2)
         local.start_runner(2)
     history = _results(rehearsal, name, log)["history"]
-    assert [len(record["failures"]) for record in history] == [1, 1, 1, 1, 0], log[-3000:]
+    assert [len(record["failures"]) for record in history] == [1] * 6, log[-3000:]
     reasons = {
         1: "malformed reply: message from site2, payload 'all': dense stream: ",  # not a medfed stream, or its CRC
         2: "malformed reply: message from site2, payload 'all': dense stream: holds NaN or infinite values",
         3: "malformed reply: message from site2, payload 'all': expected a shape of non-negative integers, got (2, -1)",
         4: "reply 'num_samples' = 1e+09 is not a whole number from 0 to the ",
+        5: "reply lacks 'num_samples' (expected the keys 'all', 'buffers', 'num_samples')",
+        6: "message from site2: metric ",
     }
     for record, (round_index, reason) in zip(history, reasons.items()):
         (failure,) = record["failures"]
-        assert failure["round"] == round_index and failure["site"] == "site2" and failure["phase"] == "fit"
+        phase = "deliver" if round_index == 6 else "fit"
+        assert failure["round"] == round_index and failure["site"] == "site2" and failure["phase"] == phase
         assert failure["reason"].startswith(reason), failure["reason"]
         assert record["participants"] == ["site0", "site1", "site2"] and record["excluded"] == []
-        assert record["bytes"]["site2"]["up"] == 0  # a refused reply is undone on the server's link
+        if phase == "fit":
+            assert record["bytes"]["site2"]["up"] == 0  # a refused reply is undone on the server's link
     assert history[-1]["bytes"]["site2"]["up"] > 0 and history[-1]["bytes"]["site2"]["up"] == history[-1]["bytes"]["site0"]["up"]
-    assert all(math.isfinite(value) for record in history for metrics in record["metrics"].values() for value in metrics.values())
+    assert all(value is None for value in history[-1]["metrics"]["site2"].values())  # NaN in the record: null in JSON
+    evaluated = [value for record in history for site, metrics in record["metrics"].items() for value in metrics.values()
+                 if (record["round"], site) != (6, "site2")]
+    assert all(math.isfinite(value) for value in evaluated)
     assert "train message" in hostile.log.read_text()  # the hostile runner answered site 2's messages

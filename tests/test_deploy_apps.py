@@ -63,6 +63,20 @@ def test_the_server_app_prints_one_error_line_and_contacts_no_site(capsys):
     assert len(lines) == 1 and lines[0].startswith("medfed: error: config key 'federation.label_ratio'")
 
 
+def test_the_server_app_holds_its_output_dir_a_second_run_on_it_is_one_line_before_any_site_is_contacted(tmp_path, capsys):
+    # (The ServerApp wrote its checkpoints and results.json with no lock: two runs, or fit and a deployment, mixed.)
+    import os
+
+    from medfed.output_dir import hold_output_dir
+
+    with hold_output_dir(tmp_path / "out"):
+        _main({**RUN_CONFIG, "output-dir": str(tmp_path / "out")})
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"medfed: error: run config key 'output-dir' = {str(tmp_path / 'out')!r} is being written by another run (pid {os.getpid()} on host"
+    ), lines
+
+
 @pytest.mark.parametrize(
     "arguments,message",
     [
@@ -278,3 +292,125 @@ def test_a_site_goes_back_only_to_an_intact_snapshot_of_its_own_config_and_forge
     assert rewind(5, 1) == {}  # a rewind is answered again whatever its number (a resumed server numbers from its checkpoint)
     with pytest.raises(ValueError, match="older than the last one it answered"):
         worker.handle(4, [({"kind": "deliver"}, {})])
+
+
+@pytest.fixture
+def in_a_run(monkeypatch):
+    """Flower's Message needs the run it is made in (a ServerApp's, set by Flower)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for field in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, field, 1)
+
+
+class _FakeGrid:
+    """A Grid whose nodes 100, 101, ... answer each message with ``answer(site, request fields, wire)``:
+    ``(fields, wire)``, ``"error: <reason>"`` (the ClientApp's Flower error), or None (no reply, ever)."""
+
+    def __init__(self, n_sites: int, answer) -> None:
+        self.n_sites, self.answer = n_sites, answer
+        self.replies: dict[str, object] = {}
+
+    def get_node_ids(self) -> list[int]:
+        return [100 + index for index in range(self.n_sites)]
+
+    def push_messages(self, messages) -> list[str]:
+        ids = []
+        for message in messages:
+            index = message.metadata.dst_node_id - 100
+            message_id = f"m{len(self.replies)}-{index}"
+            fields, wires = from_record(message.content)
+            requests = fields["requests"]
+            answer = self.answer(index, requests[-1], wires[-1])
+            if isinstance(answer, str):
+                self.replies[message_id] = _reply(message_id, error=answer.removeprefix("error: "))
+            elif answer is not None:  # the answers to the requests that rode along come first, empty
+                replies = [{}] * (len(requests) - 1) + [answer[0]]
+                record = to_record({"site_index": index, "replies": replies}, [{}] * (len(requests) - 1) + [answer[1]])
+                self.replies[message_id] = _reply(message_id, content=record)
+            ids.append(message_id)
+        return ids
+
+    def pull_messages(self, message_ids):
+        return [self.replies.pop(message_id) for message_id in message_ids if message_id in self.replies]
+
+
+def _reply(message_id: str, content=None, error: str | None = None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        metadata=SimpleNamespace(reply_to_message_id=message_id), content=content,
+        has_error=lambda: error is not None, error=SimpleNamespace(reason=error),
+    )
+
+
+def _flower_sites(n_sites: int, answer, timeout_s: float = 0.3):
+    """FlowerSites over a fake grid, every site identified, FedAvg's dense links on a 3-value model."""
+    from medfed.federated.link import Link
+
+    sites = server_app.FlowerSites(_FakeGrid(n_sites, answer), n_sites, "config: x", timeout_s)
+    sites.node_of_site = {index: 100 + index for index in range(n_sites)}
+    sites._known_nodes = set(sites.node_of_site.values())
+    sites.declared_samples = [10] * n_sites
+    initial = {"all": torch.zeros(3), "buffers": torch.zeros(1)}
+    sites.links = [Link({"name": "dense"}, {"name": "dense"}, {"all": "all"}, initial, torch.device("cpu"), peer=name) for name in sites.names]
+    site_links = [Link({"name": "dense"}, {"name": "dense"}, {"all": "all"}, initial, torch.device("cpu"), peer="server") for _ in sites.names]
+    return sites, site_links
+
+
+def test_a_deployed_site_whose_setup_reply_is_an_error_malformed_or_late_is_refused_and_the_others_set_up(in_a_run):
+    # (A RuntimeError ended the run before round 1.)
+    def answer(index, request, wire):
+        if index == 1:
+            return "error: ValueError: sketch of 3 samples"
+        if index == 2:
+            return None  # never answers
+        if index == 3:
+            return {"unexpected": 1}, {}
+        return {}, site_links[index].encode("up", {"num_samples": torch.tensor([7.0])})
+
+    sites, site_links = _flower_sites(4, answer)
+    replies, refused = sites.setup()
+    assert list(replies) == [0] and torch.equal(replies[0]["num_samples"], torch.tensor([7.0]))
+    assert refused == {
+        1: "site1: ValueError: sketch of 3 samples",
+        2: "no reply within reply-timeout-s = 0.3 s",
+        3: "malformed reply: message from site3: setup reply: expected the fields [], got ['unexpected']",
+    }
+
+
+def test_a_deployed_site_that_does_not_answer_a_phase_in_time_fails_that_phase_and_the_others_go_on(in_a_run):
+    # (A RuntimeError ended the run.)
+    from medfed.federated.executor import PhaseWork
+
+    good = {"losses": {"": 0.5}, "non_finite": [], "compute": {"train/fit": 1.0}, "train_s": 0.1}
+
+    def answer(index, request, wire):
+        if index == 1:
+            return None
+        return good, site_links[index].encode("up", {"all": torch.ones(3), "buffers": torch.ones(1), "num_samples": torch.tensor([10.0])})
+
+    sites, site_links = _flower_sites(3, answer)
+    for index in range(3):  # the server's messages decode at the sites
+        site_links[index].decode = lambda direction, wire: {}
+    timing = {"train_s": 0.0}
+    results = sites.work(PhaseWork(1, 0, "fit", 1), {index: {} for index in range(3)}, timing)
+    assert results[1].error == "no reply within reply-timeout-s = 0.3 s"
+    assert results[0].error is None and results[2].error is None and results[0].losses == {None: 0.5}
+    received, refused = sites.replies([0, 2])
+    assert sorted(received) == [0, 2] and refused == {} and torch.equal(received[2]["all"], torch.ones(3))
+
+
+def test_a_deployed_site_whose_delivery_reply_is_malformed_an_error_or_late_has_no_evaluation_and_the_others_do(in_a_run):
+    # (A RuntimeError ended the run; the loop then fails the site in that round, its metrics NaN: test_faults.)
+    good = {"metrics": {"accuracy": 0.75}, "compute": {"evaluation": 1.0}, "adapt_losses": {}, "adapt_error": None, "validation": {}}
+    answers = {0: (good, {}), 1: ({**good, "metrics": {"accuracy": "high"}}, {}), 2: "error: OSError: disk full", 3: None}
+    sites, _ = _flower_sites(4, lambda index, request, wire: answers[index])
+    evaluations = sites.deliver(1, {index: {} for index in range(4)}, evaluate=True, timing={})
+    assert evaluations["site0"].metrics == {"accuracy": 0.75} and evaluations["site0"].error is None
+    assert evaluations["site1"].metrics == {} and evaluations["site1"].error == (
+        "message from site1: metric 'accuracy': field 'value' is not a finite number (got str)"
+    )
+    assert evaluations["site2"].error == "site2: OSError: disk full"
+    assert evaluations["site3"].error == "no reply within reply-timeout-s = 0.3 s"
+    assert sites.delivered == 1

@@ -5,8 +5,10 @@ import logging
 import pytest
 import torch
 
-from medfed.errors import SiteFailure
-from medfed.federated.faults import RoundStartStates, non_finite_keys, refused_replies, sample_count_fault, update_norms, update_outliers
+from medfed.errors import RunFailed, SiteFailure
+from medfed.federated.faults import (
+    RoundStartStates, non_finite_keys, refused_replies, reply_key_fault, sample_count_fault, update_norms, update_outliers,
+)
 from medfed.federated.strategies import STRATEGIES
 from medfed.federated.strategies.base import RoundContext
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
@@ -94,16 +96,38 @@ def test_a_sample_count_above_the_declared_size_or_not_a_whole_number_is_refused
     assert sample_count_fault({"num_samples": torch.tensor([float(2**24 + 3)])}, 2**24 + 3) is None
 
 
-def test_refused_replies_check_the_counts_first_and_measure_the_rest_for_outliers():
+def test_refused_replies_check_the_keys_and_counts_first_and_measure_the_rest_for_outliers():
     message = {"all": torch.zeros(4)}
-    replies = {i: {"all": torch.full((4,), 1.0 + 0.1 * i), "num_samples": torch.tensor([5.0])} for i in range(5)}
+    replies = {i: {"all": torch.full((4,), 1.0 + 0.1 * i), "num_samples": torch.tensor([5.0])} for i in range(6)}
     replies[1]["num_samples"] = torch.tensor([1e9])  # inflated: refused, and not counted in the median
     replies[3]["all"] = torch.full((4,), 1e30)  # small claimed norms are never asked for: measured here
-    reasons = refused_replies(replies, dict.fromkeys(replies, message), [5] * 5, {"all": "all"}, 10.0)
-    assert sorted(reasons) == [1, 3]
+    del replies[4]["num_samples"]  # FedAvg's aggregate would meet a KeyError
+    server, ctx = STRATEGIES["fedavg"].Server(None, None, 6, 0), RoundContext(1, "fit")
+    server.buffers_part = None  # replies of "all" and "num_samples"
+    reasons = refused_replies(replies, dict.fromkeys(replies, message), server, ctx, [5] * 6, {"all": "all"}, 10.0)
+    assert sorted(reasons) == [1, 3, 4]
     assert reasons[1].startswith("reply 'num_samples' = 1e+09 is not a whole number from 0 to the 5 training samples")
     assert reasons[3].startswith("update norm 2e+30 of 'all' is over 10 x the median")
-    assert sorted(refused_replies(replies, dict.fromkeys(replies, message), [5] * 5, {"all": "all"}, None)) == [1]
+    assert reasons[4] == "reply lacks 'num_samples' (expected the keys 'all', 'num_samples')"
+    assert sorted(refused_replies(replies, dict.fromkeys(replies, message), server, ctx, [5] * 6, {"all": "all"}, None)) == [1, 4]
+
+
+def test_reply_keys_must_be_exactly_one_declared_set_and_the_reason_names_the_closest():
+    one = (frozenset({"all", "num_samples"}),)
+    assert reply_key_fault({"all": torch.ones(2), "num_samples": torch.ones(1)}, one) is None
+    assert reply_key_fault({"all": torch.ones(2)}, one) == "reply lacks 'num_samples' (expected the keys 'all', 'num_samples')"
+    assert reply_key_fault({"all": torch.ones(2), "num_samples": torch.ones(1), "x": torch.ones(1)}, one) == (
+        "reply has the unexpected 'x' (expected the keys 'all', 'num_samples')"
+    )
+    assert reply_key_fault({"num_samples": torch.ones(1), "x": torch.ones(1)}, one) == (
+        "reply lacks 'all' and has the unexpected 'x' (expected the keys 'all', 'num_samples')"
+    )
+    assert reply_key_fault({"x": torch.ones(1)}, (frozenset(),)) == "reply has the unexpected 'x' (expected no keys)"
+    clusters = tuple(frozenset({"cluster_id", f"cluster/{j}"}) for j in range(3))  # the site chooses one
+    assert reply_key_fault({"cluster_id": torch.ones(1), "cluster/2": torch.ones(2)}, clusters) is None
+    assert reply_key_fault({"cluster_id": torch.ones(1), "cluster/7": torch.ones(2)}, clusters) == (
+        "reply lacks 'cluster/0' and has the unexpected 'cluster/7' (expected the keys 'cluster/0', 'cluster_id')"
+    )
 
 
 def test_update_outliers_compare_each_key_with_its_median():
@@ -265,6 +289,182 @@ def test_a_site_claiming_more_samples_than_it_declared_or_replying_a_wrong_sized
     assert all(not record["failures"] for i, record in enumerate(faulty.history) if i != FAULT_ROUND - 1)
     assert [r["metrics"] for r in faulty.history] == [r["metrics"] for r in reference.history]
     assert torch.equal(faulty.server.global_model, reference.server.global_model)
+
+
+def _declarations_checked(loop):
+    """Record, for every reply the server checks, its keys and what the server half declared: ``[(ctx, index, keys, declared)]``."""
+    last_reply, checked = {}, []
+    for index, link in enumerate(loop.links):
+        def send(direction, payload, index=index, link_send=link.send):
+            received = link_send(direction, payload)
+            if direction == "up":
+                last_reply[index] = frozenset(received)
+            return received
+
+        link.send = send
+    declare = loop.server.reply_keys
+
+    def reply_keys(ctx, index):
+        declared = declare(ctx, index)
+        checked.append((ctx, index, last_reply.pop(index), declared))
+        return declared
+
+    loop.server.reply_keys = reply_keys
+    return checked
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_strategys_real_replies_have_exactly_the_keys_its_server_half_declares(name):
+    # Two rounds: a round's replies may depend on the one before (PGFed's a_i from round 2 on).
+    loop = _loop(name, n_sites=4)
+    checked = _declarations_checked(loop)
+    loop.fit(2)
+    assert all(not record["failures"] for record in loop.history) and not loop.excluded
+    phases = {(ctx.round, ctx.phase) for ctx, *_ in checked}
+    assert phases == {(0, "setup")} | {(r, phase) for r in (1, 2) for phase in loop.strategy.phases}
+    assert len(checked) == 4 * len(phases)  # every site's reply of every phase, setup included
+    for ctx, index, keys, declared in checked:
+        assert keys in declared, (ctx, index, keys, declared)
+    if name != "local":
+        assert any(keys for *_, keys, _ in checked)  # something was checked
+
+
+@pytest.mark.parametrize("name", sorted(set(STRATEGIES) - {"local"}))
+def test_a_reply_without_a_declared_key_drops_the_site_from_the_round(name, caplog):
+    # In round 1 one site (the first that replies anything) leaves out one key of its first non-empty reply:
+    # the server refuses it before its aggregate reads it (a KeyError before) and the run goes on.
+    probe = _loop(name, n_sites=4)
+    checked = _declarations_checked(probe)
+    probe.fit(1)
+    ctx, index, keys, _ = next(entry for entry in checked if entry[0].round == 1 and entry[2])
+    removed = sorted(keys)[-1]
+    loop = _loop(name, n_sites=4)
+    site = loop.sites[index]
+
+    def reply_without(view, reply_ctx, reply=site.strategy.reply):
+        payload = reply(view, reply_ctx)
+        if reply_ctx == ctx:
+            payload.pop(removed)
+        return payload
+
+    site.strategy.reply = reply_without
+    with caplog.at_level(logging.WARNING, logger="medfed"):
+        loop.fit(2)
+    assert [(f["site"], f["phase"]) for f in loop.history[0]["failures"]] == [(f"site{index}", ctx.phase)]
+    assert loop.history[0]["failures"][0]["reason"].startswith(f"reply lacks {removed!r} (expected the keys ")
+    assert not loop.history[1]["failures"] and not loop.excluded
+    assert f"site{index} left out of the {ctx.phase} phase" in caplog.text
+
+
+def test_a_site_whose_setup_reply_is_refused_is_excluded_from_the_start_and_the_run_goes_on(caplog):
+    # APPLE's sites send their sample count at setup (its prior p_0): an inflated one excludes that site,
+    # which never takes part, is evaluated every round, and has no weight in p_0.
+    loop = _loop("apple", n_sites=4)
+    site = loop.sites[2]
+    setup = site.strategy.setup
+    site.strategy.setup = lambda view, ctx: {**setup(view, ctx), "num_samples": torch.tensor([1e9])}
+    with caplog.at_level(logging.WARNING, logger="medfed"):
+        loop.fit(2)
+    declared = loop.executor.declared_samples[2]
+    reason = f"reply 'num_samples' = 1e+09 is not a whole number from 0 to the {declared} training samples the site declared"
+    assert loop.excluded == {"site2": {"round": 0, "reason": reason}}
+    assert [r.getMessage() for r in caplog.records] == [f"site site2 excluded from the run at setup: {reason}"]
+    assert all(record["participants"] == ["site0", "site1", "site3"] and not record["failures"] for record in loop.history)
+    assert set(loop.history[-1]["metrics"]) == {"site0", "site1", "site2", "site3"}
+    assert loop.server.prior[2] == 0 and torch.isclose(loop.server.prior.sum(), torch.tensor(1.0, dtype=loop.server.prior.dtype))
+
+
+def test_setup_replies_without_their_keys_exclude_the_sites_and_none_left_ends_the_run():
+    loop = _loop("ifca", n_sites=4)
+    for site in loop.sites[1:3]:
+        site.strategy.setup = lambda view, ctx: {}  # no cluster index
+    loop.fit(1)
+    assert sorted(loop.excluded) == ["site1", "site2"]
+    assert loop.excluded["site1"]["reason"] == "reply lacks 'cluster_id' (expected the keys 'cluster_id')"
+    assert loop.history[0]["participants"] == ["site0", "site3"]
+
+    everyone = _loop("ifca", n_sites=2)
+    for site in everyone.sites:
+        site.strategy.setup = lambda view, ctx: {"cluster_id": torch.zeros(1), "extra": torch.zeros(1)}
+    with pytest.raises(RunFailed, match="every site's setup reply was refused \\(site0 after round 0: reply has the unexpected 'extra'"):
+        everyone.fit(1)
+
+    graph = _loop("pfednet", n_sites=4)
+    graph.sites[3].strategy.setup = lambda view, ctx: {}
+    with pytest.raises(SiteFailure, match="pfednet's similarity graph in data space needs every site's sketch; sites \\[3\\]"):
+        graph.fit(1)
+
+
+def test_a_site_whose_delivery_reply_cannot_be_read_fails_the_round_with_its_metrics_missing(caplog):
+    # Deployed, a delivery reply may be malformed, an error or late (test_deploy_apps): the executor
+    # gives that site an evaluation with an error. The site fails the round, its metrics are NaN,
+    # the round's mean is over the other sites, and the run goes on.
+    import math
+
+    from medfed.federated.executor import SiteEvaluation
+
+    loop = _loop("fedavg", n_sites=4)
+    deliver = loop.executor.deliver
+
+    def deliver_with_a_bad_reply(round_index, payloads, evaluate, timing):
+        evaluations = deliver(round_index, payloads, evaluate, timing)
+        if round_index == FAULT_ROUND:
+            evaluations["site1"] = SiteEvaluation({}, error="no reply within reply-timeout-s = 60 s")
+        return evaluations
+
+    loop.executor.deliver = deliver_with_a_bad_reply
+    with caplog.at_level(logging.WARNING, logger="medfed"):
+        loop.fit(3)
+    record = loop.history[FAULT_ROUND - 1]
+    assert record["failures"] == [{"round": 2, "site": "site1", "phase": "deliver", "reason": "no reply within reply-timeout-s = 60 s"}]
+    assert list(record["metrics"]["site1"]) == ["accuracy"] and math.isnan(record["metrics"]["site1"]["accuracy"])
+    others = [record["metrics"][name]["accuracy"] for name in ("site0", "site2", "site3")]
+    assert record["mean"]["accuracy"] == pytest.approx(sum(others) / 3)
+    assert not loop.history[2]["failures"] and loop.failure_streaks[1] == 0
+    assert "round 2: site site1 failed its deliver phase, its metrics of the round are missing" in caplog.text
+
+    stopping = _loop("fedavg", n_sites=4, on_site_failure="stop")
+    stopping_deliver = stopping.executor.deliver
+    stopping.executor.deliver = lambda *args: {**stopping_deliver(*args), "site1": SiteEvaluation({}, error="late")}
+    with pytest.raises(SiteFailure, match="site site1 failed in round 1 \\(deliver phase\\): late"):
+        stopping.fit(1)
+
+
+def test_an_ifca_cluster_index_that_is_not_one_or_names_another_clusters_keys_is_refused():
+    # (Index 1 with cluster 0's keys was a KeyError in aggregate; index 7 at setup an IndexError at the delivery;
+    # index -1 silently the last cluster.)
+    loop = _loop("ifca", n_sites=4)
+    loop.setup()
+    server, fit = loop.server, RoundContext(1, "fit")
+    reply = {"cluster_id": torch.tensor([1.0]), "cluster/0": torch.zeros(3), "cluster_buffers/0": torch.zeros(0), "num_samples": torch.tensor([4.0])}
+    assert reply_key_fault(reply, server.reply_keys(fit, 0)) is None
+    assert server.reply_fault(fit, 0, reply) == "reply 'cluster_id' = 1 names another cluster than the model it sent"
+    assert server.reply_fault(fit, 0, {**reply, "cluster_id": torch.tensor([0.0])}) is None
+    for bad in ([7.0], [-1.0], [0.5], [0.0, 1.0]):
+        assert server.reply_fault(RoundContext(0, "setup"), 0, {"cluster_id": torch.tensor(bad)}) == (
+            "reply 'cluster_id' is not one cluster index from 0 to 1"
+        ), bad
+
+    lying = _loop("ifca", n_sites=4)
+    site = lying.sites[2]
+    reply_of = site.strategy.reply
+    site.strategy.reply = lambda view, ctx: {**reply_of(view, ctx), "cluster_id": torch.tensor([5.0])}
+    lying.fit(1)
+    assert [(f["site"], f["reason"]) for f in lying.history[0]["failures"]] == [("site2", "reply 'cluster_id' is not one cluster index from 0 to 1")]
+
+
+def test_a_site_excluded_at_setup_stays_excluded_for_its_first_reason_whatever_it_fails_later(caplog):
+    from medfed.federated.executor import SiteEvaluation
+
+    loop = _loop("fedavg", n_sites=4, max_consecutive_failures=2)
+    loop.sites[2].strategy.setup = lambda view, ctx: {"gossip": torch.zeros(1)}
+    deliver = loop.executor.deliver
+    loop.executor.deliver = lambda *args: {**deliver(*args), "site2": SiteEvaluation({}, error="late")} if args[2] else deliver(*args)
+    with caplog.at_level(logging.WARNING, logger="medfed"):
+        loop.fit(3)
+    assert loop.excluded == {"site2": {"round": 0, "reason": "reply has the unexpected 'gossip' (expected no keys)"}}
+    assert all(record["excluded"] == [] and [f["site"] for f in record["failures"]] == ["site2"] for record in loop.history)
+    assert "after failing" not in caplog.text
 
 
 @pytest.mark.parametrize("memory_budget", [None, 0], ids=["in memory", "on disk"])

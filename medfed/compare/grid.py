@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from medfed.components import STRATEGY_NAMES
-from medfed.config import BUNDLED_CONFIGS, find_config, read_yaml_mapping
+from medfed.config import BUNDLED_CONFIGS, find_config, read_yaml_mapping, read_yaml_text
 from medfed.errors import ConfigError
 
 GRID_KEYS = ("configs", "strategies", "seeds", "overrides", "metrics", "output")
@@ -55,10 +55,11 @@ def read_grid(name: str | Path) -> Grid:
 
     Raises:
         ConfigError: naming the file and the key: an unknown key, a missing
-            ``configs``, a value of the wrong kind, an unknown strategy.
+            ``configs``, a value of the wrong kind, an unknown strategy; or a
+            file too large for a grid (:func:`~medfed.config.read_yaml_text`), unreadable, or not valid YAML.
     """
     path = find_config(name, BUNDLED_GRIDS, "grid")
-    values = read_yaml_mapping(path.read_text(encoding="utf-8", errors="replace"), str(path))
+    values = read_yaml_mapping(read_yaml_text(path, "grid file"), str(path))  # its size checked before it is read
     unknown = sorted(set(values) - set(GRID_KEYS))
     if unknown:
         raise ConfigError(f"{path}: unknown grid key '{unknown[0]}' (known keys: {', '.join(GRID_KEYS)})")

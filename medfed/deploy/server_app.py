@@ -49,7 +49,12 @@ goes on. Update norms and sample counts are the server's own checks on what
 it decoded; a site declares its training-set size once, when it identifies
 itself, and may report no more. A node whose description is malformed is
 ignored (never a site). A site that does not answer within
-``reply-timeout-s``, or answers setup or a delivery with an error, ends the
+``reply-timeout-s`` fails the same way (its late reply is never read); one
+whose setup reply is an error, malformed or late is excluded from the run
+from the start (one warning line; the run goes on with the others, and
+ends with one line when none is left); one whose delivery reply is fails
+that round, its metrics of the round missing (NaN, ``null`` in
+results.json). A site that cannot go back to a resumed run's round ends the
 run with one line naming it.
 
 Round trips are what a deployment waits for (a SuperNode looks for messages
@@ -62,6 +67,7 @@ from __future__ import annotations
 
 import shlex
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,6 +89,7 @@ from medfed.federated.executor import PhaseWork, SiteEvaluation, SiteResult
 from medfed.federated.link import Link, Wire
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.strategies.base import Payload
+from medfed.output_dir import hold_output_dir
 from medfed.results import run_results, timing_summary, write_json_atomic
 from medfed.tasks.label_imbalance import refuse_label_ratio
 
@@ -181,17 +188,20 @@ class FlowerSites:
         }
 
     # ------------------------------------------------------------------ SiteExecutor
-    def setup(self) -> dict[int, Payload]:
-        """Every site's setup reply, decoded.
-
-        Raises:
-            RuntimeError: a site's setup reply is an error or malformed (no round can go without it).
-        """
-        replies = self._all_replied(self._exchange({index: ({"kind": "setup"}, {}) for index in range(len(self.names))}, round_index=0))
-        try:
-            return {index: self.links[index].decode("up", wire) for index, (_, wire) in replies.items()}
-        except MessageError as error:
-            raise RuntimeError(f"setup: {error}") from None
+    def setup(self) -> tuple[dict[int, Payload], dict[int, str]]:
+        """Every site's setup reply, decoded, and why each other site has none (an error, malformed, late): the loop excludes those."""
+        replies = self._exchange({index: ({"kind": "setup"}, {}) for index in range(len(self.names))}, round_index=0)
+        received, refused = {}, {}
+        for index, reply in sorted(replies.items()):
+            if isinstance(reply, str):
+                refused[index] = reply
+                continue
+            try:
+                expect(reply[0], {}, "setup reply")
+                received[index] = self.links[index].decode("up", reply[1])
+            except MessageError as error:
+                refused[index] = f"malformed reply: {error.about(self.names[index])}"
+        return received, refused
 
     def open_round_starts(self, directory: Path | None) -> None:
         """Nothing here: each site's start of a round is its own snapshot of the previous round's end (:mod:`medfed.deploy.worker`)."""
@@ -259,18 +269,21 @@ class FlowerSites:
             for index, request in requests.items():
                 self._pending.setdefault(index, []).append(request)
             return {}
-        replies = self._all_replied(self._exchange(requests, round_index))
+        replies = self._exchange(requests, round_index)
         self.delivered = round_index
         if timing is not None:
             timing["eval_s"] = time.perf_counter() - tic
         evaluations, self.validation = {}, {}
-        for index in sorted(replies):
+        for index, reply in sorted(replies.items()):
             name = self.names[index]
             try:
-                fields, validation = _validation(replies[index][0], name)
+                if isinstance(reply, str):
+                    raise MessageError(reply)
+                fields, validation = _validation(reply[0], name)
                 evaluations[name] = _evaluation(fields, name)
-            except MessageError as error:
-                raise RuntimeError(f"{name}: round {round_index}: {error}") from None
+            except MessageError as error:  # the site fails the round; its metrics are missing
+                evaluations[name] = SiteEvaluation({}, error=str(error))
+                continue
             if validation:
                 self.validation[name] = validation
         return evaluations
@@ -352,10 +365,8 @@ class FlowerSites:
         Returns:
             Each site's reply to its request (the replies to the requests
             that rode along are dropped), or why there is none: the Flower
-            error its ClientApp answered with, or why its reply is malformed.
-
-        Raises:
-            RuntimeError: a site did not answer within ``timeout_s``.
+            error its ClientApp answered with, why its reply is malformed, or
+            that none came within ``timeout_s`` (its late reply is never read).
         """
         content, carried_count = {}, {}
         for index, request in requests.items():
@@ -395,8 +406,9 @@ class FlowerSites:
             if moved:
                 push(moved)
             if time.monotonic() > deadline:
-                missing = [self.names[index] for index in requests if index not in replies]
-                raise RuntimeError(f"no reply from {', '.join(missing)} within {self.timeout_s} s (round {round_index})")
+                for index in requests:
+                    replies.setdefault(index, f"no reply within reply-timeout-s = {self.timeout_s:g} s")
+                break
             time.sleep(POLL_S)
         return replies
 
@@ -597,18 +609,30 @@ def resumed_state(settings: RunSettings) -> dict[str, Any] | None:
 def main(grid: Grid, context: Context) -> None:
     """Build the server half from the run config (resumed from its checkpoint with ``resume``), run the rounds, write results.json.
 
+    The ``output-dir`` is held for the run (:func:`~medfed.output_dir.hold_output_dir`): a second run
+    on it, a ServerApp or ``medfed fit``, is refused in one line naming the holder.
+
     Raises:
-        ConfigError: bad input, or a resume refused (one line ``medfed: error: ...`` in the run's log first).
+        ConfigError: bad input, the output-dir held by another run, or a resume refused (one line
+            ``medfed: error: ...`` in the run's log first).
         DataError: a resume whose newest checkpoint is damaged (one line first).
-        SiteFailure: a site cannot go back to the checkpoint's round (one line first).
-        RuntimeError: a site failed to answer or to build itself (:class:`FlowerSites`).
+        SiteFailure: a site cannot go back to the checkpoint's round, every site is excluded, or a site fails
+            under ``federation.on_site_failure: stop`` (one line first).
+        RuntimeError: a site failed to join or to build itself (:class:`FlowerSites`).
     """
-    try:
-        settings = run_settings(dict(context.run_config))
-        resumed = resumed_state(settings)
-    except (ConfigError, DataError) as error:
-        print(f"medfed: error: {error}", flush=True)
-        raise
+    with ExitStack() as held:
+        try:
+            settings = run_settings(dict(context.run_config))
+            held.enter_context(hold_output_dir(settings.output_dir, key=f"run config key 'output-dir' = {str(settings.output_dir)!r}"))
+            resumed = resumed_state(settings)
+        except (ConfigError, DataError) as error:
+            print(f"medfed: error: {error}", flush=True)
+            raise
+        serve(grid, settings, resumed)
+
+
+def serve(grid: Grid, settings: RunSettings, resumed: dict[str, Any] | None) -> None:
+    """The run itself, the output-dir held: find the sites, run the rounds (from ``resumed``'s round), write results.json."""
     resolved, output_dir = settings.resolved, settings.output_dir
     config, run = resolved.config, resolved.run
     trainer = run.trainer
@@ -637,7 +661,11 @@ def main(grid: Grid, context: Context) -> None:
             raise
         print(f"medfed: resumed after round {loop.round} from {output_dir / FOLDER}", flush=True)
         del resumed
-    loop.fit(trainer.rounds, progress=lambda record: print(f"medfed round {record['round']}: {record['mean']}", flush=True))
+    try:
+        loop.fit(trainer.rounds, progress=lambda record: print(f"medfed round {record['round']}: {record['mean']}", flush=True))
+    except SiteFailure as error:
+        print(f"medfed: error: {error}", flush=True)
+        raise
     results = run_results(
         loop,
         engine="flower-deployment",

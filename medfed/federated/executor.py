@@ -87,12 +87,15 @@ class SiteEvaluation:
         compute: the samples its adapt step and evaluation passed, ``{key: epochs}``.
         adapt_losses: mean loss of each adapt plan that trained (keyed as a phase's losses).
         adapt_error: ``"<ExceptionType>: <message>"`` when the adapt step raised (the site was evaluated unadapted).
+        error: why the server could not read the site's delivery reply (deployed: an error, malformed, or
+            none within the reply timeout); then ``metrics`` is empty and nothing else counts.
     """
 
     metrics: dict[str, float]
     compute: dict[str, float] = field(default_factory=dict)
     adapt_losses: dict[str | None, float] = field(default_factory=dict)
     adapt_error: str | None = None
+    error: str | None = None
 
 
 class SiteExecutor(Protocol):
@@ -104,8 +107,9 @@ class SiteExecutor(Protocol):
     declared_samples: list[int]
     """Each site's training-set size as it declared it when it joined: the bound of the sample counts it reports."""
 
-    def setup(self) -> dict[int, Payload]:
-        """Every site's setup reply, as the server decodes it."""
+    def setup(self) -> tuple[dict[int, Payload], dict[int, str]]:
+        """Every site's setup reply as the server decodes it, and for each site without one why (its reply is
+        malformed; deployed, also an error its setup answered with, or none in time)."""
         ...
 
     def open_round_starts(self, directory: Path | None) -> None:
@@ -188,8 +192,15 @@ class InProcessSites:
         self._before_reply: dict[int, dict[str, Any]] = {}  # link states before this phase's replies were sent
         self._epochs_before: dict[int, dict[str, float]] = {}
 
-    def setup(self) -> dict[int, Payload]:
-        return {site.index: self.links[site.index].send("up", site_setup(site)) for site in self.sites}
+    def setup(self) -> tuple[dict[int, Payload], dict[int, str]]:
+        received, refused = {}, {}
+        for site in self.sites:  # a setup that raises is the data's or the config's fault here: it ends the run
+            reply = site_setup(site)
+            try:
+                received[site.index] = self.links[site.index].send("up", reply)
+            except MessageError as error:
+                refused[site.index] = f"malformed reply: {error}"
+        return received, refused
 
     def open_round_starts(self, directory: Path | None) -> None:
         self._round_start = RoundStartStates(directory)

@@ -10,11 +10,18 @@ of a round when
 2. its reply is *malformed*: the server's end of the link refuses it
    (:class:`~medfed.errors.MessageError`: bytes that are not an intact codec
    stream, a shape or size other than expected, a non-finite value), or,
-   deployed, its fields are not what a reply holds;
-3. it reports more training samples (:data:`NUM_SAMPLES`) than it declared
+   deployed, its fields are not what a reply holds, or it does not come
+   within the deployment's reply timeout;
+3. its payload keys are not those the strategy's server half declares for
+   the phase (:meth:`~medfed.federated.strategies.base.ServerHalf.reply_keys`,
+   :func:`reply_key_fault`): a key missing or extra, which the server's
+   ``aggregate`` would otherwise meet as a ``KeyError``; or a value the
+   server half reads as an index is not one
+   (:meth:`~medfed.federated.strategies.base.ServerHalf.reply_fault`, IFCA's cluster);
+4. it reports more training samples (:data:`NUM_SAMPLES`) than it declared
    when it joined (:func:`sample_count_fault`): a strategy weights by the
    count only within that bound;
-4. its reply is an *update outlier*: for some model-vector key its update
+5. its reply is an *update outlier*: for some model-vector key its update
    norm exceeds ``update_norm_limit`` times the median of that key's update
    norms over the phase's replies (the failing one included; a median of 0
    flags nothing). With two replies the median is their mean, which no norm
@@ -67,19 +74,51 @@ import numpy as np
 import torch
 
 from medfed.federated.link import ZEROS, coded_prefix
-from medfed.federated.strategies.base import Payload
+from medfed.federated.strategies.base import NUM_SAMPLES, Payload, RoundContext
 
 if TYPE_CHECKING:
     from medfed.federated.site import Site
-
-
-NUM_SAMPLES = "num_samples"
-"""The payload key under which a site reports its training-set size (one value; :func:`~medfed.federated.strategies.base.num_samples`)."""
+    from medfed.federated.strategies.base import ServerHalf
 
 
 def non_finite_keys(payload: Payload) -> list[str]:
     """The keys of ``payload`` whose tensor holds a NaN or an infinity."""
     return [key for key, value in payload.items() if not bool(torch.isfinite(value).all())]
+
+
+def reply_key_fault(payload: Payload, allowed: tuple[frozenset[str], ...]) -> str | None:
+    """Why the keys of ``payload`` are refused, or None: they must be exactly one of the ``allowed`` sets.
+
+    The reason names the keys missing from, and those extra to, the allowed
+    set closest to the reply's keys (the fewest differences; the first such set).
+    """
+    keys = frozenset(payload)
+    if keys in allowed:
+        return None
+    closest = min(allowed, key=lambda candidate: len(candidate ^ keys))
+    missing, extra = sorted(closest - keys), sorted(keys - closest)
+    problems = [
+        f"{what} {', '.join(repr(key) for key in found)}" for what, found in (("lacks", missing), ("has the unexpected", extra)) if found
+    ]
+    expected = f"the keys {', '.join(repr(key) for key in sorted(closest))}" if closest else "no keys"
+    return f"reply {' and '.join(problems)} (expected {expected})"
+
+
+def reply_fault(payload: Payload, server: ServerHalf, ctx: RoundContext, index: int, declared: int) -> str | None:
+    """Why site ``index``'s decoded reply in ``ctx`` is refused on its own (checks 3 and 4 of the module docstring), or None.
+
+    Args:
+        payload: the reply.
+        server: the strategy's server half (its ``reply_keys`` and ``reply_fault``).
+        ctx: the round and phase (setup included).
+        index: the site.
+        declared: the site's declared training-set size.
+    """
+    return (
+        reply_key_fault(payload, server.reply_keys(ctx, index))  # first: the other checks read declared keys
+        or server.reply_fault(ctx, index, payload)
+        or sample_count_fault(payload, declared)
+    )
 
 
 def sample_count_fault(payload: Payload, declared: int) -> str | None:
@@ -128,22 +167,26 @@ def update_norms(reply: Payload, message: Payload, coded_keys: dict[str, str]) -
 def refused_replies(
     replies: dict[int, Payload],
     messages: dict[int, Payload],
+    server: ServerHalf,
+    ctx: RoundContext,
     declared_samples: list[int],
     coded_keys: dict[str, str],
     norm_limit: float | None,
 ) -> dict[int, str]:
-    """The decoded replies of a phase the server refuses (checks 3 and 4 of the module docstring), with the reasons.
+    """The decoded replies of a phase the server refuses (checks 3 to 5 of the module docstring), with the reasons.
 
     Args:
         replies: ``{site index: reply}`` as the server decoded them.
         messages: ``{site index: the server's message of the phase}``.
+        server: the strategy's server half, which declares the replies (:func:`reply_fault`).
+        ctx: the round and phase.
         declared_samples: each site's declared training-set size, by index.
         coded_keys: the strategy's ``coded_keys``.
         norm_limit: c of the update-outlier check (None: no check).
     """
     reasons = {}
     for index, reply in replies.items():
-        reason = sample_count_fault(reply, declared_samples[index])
+        reason = reply_fault(reply, server, ctx, index, declared_samples[index])
         if reason is not None:
             reasons[index] = reason
     if norm_limit is not None:

@@ -15,14 +15,21 @@ get ``on_round_end`` (and may add metrics to the round's record, e.g.
 whole-volume scores), the record goes to Fabric's loggers, and a checkpoint
 is written atomically.
 
-A participant that fails (its work raises, its reply is malformed, not
-finite, over its declared sample count or an update outlier, as the server
-decoded it: :mod:`medfed.federated.faults`) is left out of the round
-from that phase on and put back to its start-of-round state, or ends the run
+A participant that fails (its work raises, its reply is malformed, late,
+not finite, without a key the strategy declares or with one it does not,
+over its declared sample count or an update outlier, as the server decoded
+it: :mod:`medfed.federated.faults`) is left out of the round from that phase
+on and put back to its start-of-round state, or ends the run
 (``on_site_failure``); a site failing ``max_consecutive_failures`` rounds in
 a row takes no further part (it is still delivered to and evaluated, so every
-round's table has every site). A site whose adapt step raises fails the round
-too (phase ``adapt``), and is evaluated unadapted. Failures go to the log, to the round's record
+round's table has every site). A site whose setup reply is refused the same
+way is excluded from the start (one warning line); the run goes on with the
+others. A site whose adapt step raises fails the round
+too (phase ``adapt``), and is evaluated unadapted. A site whose delivery reply
+cannot be read (deployed: an error, malformed, or late) fails the round too
+(phase ``deliver``): its metrics of the round are NaN (``null`` in
+results.json) and the round's ``mean`` is over the sites that were evaluated.
+Failures go to the log, to the round's record
 (``failures``, ``excluded``) and, as ``<site>/failed`` flags, to the loggers.
 
 Every round's record also carries ``compute``: per site, the samples it
@@ -43,10 +50,10 @@ import numpy as np
 import torch
 from lightning.fabric import Fabric
 
-from medfed.errors import SiteFailure, warn
+from medfed.errors import RunFailed, SiteFailure, warn
 from medfed.federated.compute import merge, training_epochs
 from medfed.federated.executor import InProcessSites, PhaseWork, SiteEvaluation, SiteExecutor
-from medfed.federated.faults import refused_replies, sample_count_fault
+from medfed.federated.faults import refused_replies, reply_fault
 from medfed.federated.link import Link
 from medfed.federated.site import Site
 from medfed.federated.site_view import ADAPT, DELIVER, SETUP, RoundContext
@@ -129,15 +136,33 @@ class FederatedLoop:
     def setup(self) -> None:
         """Round 0: setup payloads up, server setup, first delivery down.
 
+        A site whose setup reply is refused (malformed; other keys than the
+        server half's ``reply_keys`` or a value it refuses; more samples than
+        the site declared; deployed, also an error or no reply in time) is
+        excluded from the run, with one warning line; the server's setup gets
+        the other replies. (A setup that raises in this process is the data's
+        or the config's fault, not a site's: it ends the run.)
+
         Raises:
-            SiteFailure: a site's setup reply reports more samples than it declared (no round can go without it).
+            SiteFailure: a refused setup reply under ``on_site_failure: stop``.
+            RunFailed: every site's setup reply was refused.
         """
-        replies = self.executor.setup()
+        ctx = RoundContext(0, SETUP)
+        replies, refused = self.executor.setup()
         for index, reply in replies.items():
-            reason = sample_count_fault(reply, self.executor.declared_samples[index])
+            reason = reply_fault(reply, self.server, ctx, index, self.executor.declared_samples[index])
             if reason is not None:
-                raise SiteFailure(f"site {self.site_names[index]} at setup: {reason}")
-        self.server.setup(RoundContext(0, SETUP), self.initial, replies)
+                refused[index] = reason
+        for index, reason in sorted(refused.items()):
+            name = self.site_names[index]
+            if self.on_site_failure == "stop":
+                raise SiteFailure(f"site {name} at setup: {reason}")
+            replies.pop(index, None)
+            self.excluded[name] = {"round": 0, "reason": reason}
+            warn(f"site {name} excluded from the run at setup: {reason}")
+        if not replies:
+            raise RunFailed(f"every site's setup reply was refused ({_excluded_summary(self.excluded)}); nothing is left to train")
+        self.server.setup(ctx, self.initial, replies)
         self._deliver(evaluate=False)
 
     def fit(self, rounds: int, progress: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
@@ -219,7 +244,9 @@ class FederatedLoop:
             replies, malformed = self.executor.replies([index for index in taking_part if index not in failures])
             for index, reason in malformed.items():
                 fail(index, phase, reason)
-            refused = refused_replies(replies, messages, self.executor.declared_samples, self.strategy.coded_keys, self.update_norm_limit)
+            refused = refused_replies(
+                replies, messages, self.server, ctx, self.executor.declared_samples, self.strategy.coded_keys, self.update_norm_limit
+            )
             for index, reason in refused.items():
                 fail(index, phase, reason)
                 del replies[index]
@@ -231,25 +258,29 @@ class FederatedLoop:
         evaluations = self._deliver(evaluate=True, timing=timing)
         for index, name in enumerate(names):
             evaluation = evaluations[name]
+            if evaluation.error is not None:
+                self._delivery_failed(index, round_index, evaluation.error, failures)
+                continue
             merge(compute.setdefault(name, {}), evaluation.compute)
             for label, loss in evaluation.adapt_losses.items():
                 adapt_loss.setdefault(name, {})[ADAPT if label is None else f"{ADAPT}/{label}"] = loss
             if evaluation.adapt_error is not None:
                 self._adapt_failed(index, round_index, evaluation.adapt_error, failures)
         newly_excluded = self._count_failures(sorted(set(participants) | set(failures)), failures)
-        metrics = {name: evaluations[name].metrics for name in names}
+        evaluated = {name: evaluations[name].metrics for name in names if evaluations[name].error is None}
+        metric_names = list(next(iter(evaluated.values()), {}))
+        metrics = {name: evaluated.get(name, dict.fromkeys(metric_names, math.nan)) for name in names}
         timing["round_s"] = time.perf_counter() - start
         traffic = {
             names[index]: {k: v - counters_before[index][k] for k, v in _link_counters(link).items()}
             for index, link in enumerate(self.links)
         }
         timing["codec_s"] = sum(t.pop("codec_s") for t in traffic.values())
-        metric_names = next(iter(metrics.values())).keys()
         return {
             "round": round_index,
             "participants": [names[index] for index in participants],
             "metrics": metrics,
-            "mean": {name: float(np.mean([m[name] for m in metrics.values()])) for name in metric_names},
+            "mean": {name: float(np.mean([m[name] for m in evaluated.values()])) for name in metric_names},
             "train_loss": train_loss,
             "adapt_loss": adapt_loss,
             "compute": {name: compute[name] for name in names if compute.get(name)},
@@ -272,6 +303,15 @@ class FederatedLoop:
         warn(f"round {round_index}: site {name} failed its {ADAPT} step and is evaluated unadapted: {reason}")
         failures.setdefault(index, {"round": round_index, "site": name, "phase": ADAPT, "reason": reason})
 
+    def _delivery_failed(self, index: int, round_index: int, reason: str, failures: dict[int, dict[str, Any]]) -> None:
+        """Site ``index``'s delivery reply could not be read: it fails the round (unless it already had), its
+        metrics of the round are NaN; or the run stops. Its state is what its delivery left."""
+        name = self.site_names[index]
+        if self.on_site_failure == "stop":
+            raise SiteFailure(f"site {name} failed in round {round_index} ({DELIVER} phase): {reason}")
+        warn(f"round {round_index}: site {name} failed its {DELIVER} phase, its metrics of the round are missing: {reason}")
+        failures.setdefault(index, {"round": round_index, "site": name, "phase": DELIVER, "reason": reason})
+
     def _count_failures(self, participants: list[int], failures: dict[int, dict[str, Any]]) -> list[str]:
         """Update the run of failing rounds of each participant (and each site whose adapt step failed);
         exclude those reaching the limit (returns their names)."""
@@ -282,9 +322,9 @@ class FederatedLoop:
                 continue
             self.failure_streaks[index] += 1
             streak = self.failure_streaks[index]
-            if self.max_consecutive_failures is not None and streak >= self.max_consecutive_failures:
+            name = self.site_names[index]
+            if self.max_consecutive_failures is not None and streak >= self.max_consecutive_failures and name not in self.excluded:
                 failure = failures[index]
-                name = self.site_names[index]
                 self.excluded[name] = {"round": failure["round"], "reason": failure["reason"]}
                 newly_excluded.append(name)
                 warn(

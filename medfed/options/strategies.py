@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from medfed.config import parse_options, require
+from medfed.config import did_you_mean, parse_options, require
 from medfed.options.presets import by_preset, check_preset
 from medfed.errors import ConfigError
 
@@ -461,11 +461,13 @@ def parse_strategy_group(group: dict[str, Any]) -> tuple[str, Any, dict[str, Any
     """
     name = group.get("name")
     if name not in STRATEGY_OPTIONS:
-        raise ConfigError(f"config key 'strategy.name' = {name!r}: expected one of {', '.join(sorted(STRATEGY_OPTIONS))}")
+        close = did_you_mean(name, sorted(STRATEGY_OPTIONS)) if isinstance(name, str) else ""
+        raise ConfigError(f"config key 'strategy.name' = {name!r}: expected one of {', '.join(sorted(STRATEGY_OPTIONS))}{close}")
     unknown = [key for key in group if key != "name" and key not in STRATEGY_OPTIONS]
     if unknown:
         raise ConfigError(
-            f"unknown config key 'strategy.{unknown[0]}' (expected 'name' or a strategy's options: {', '.join(sorted(STRATEGY_OPTIONS))})"
+            f"unknown config key 'strategy.{unknown[0]}'{did_you_mean(unknown[0], ['name', *sorted(STRATEGY_OPTIONS)], 'strategy.')} "
+            f"(expected 'name' or a strategy's options: {', '.join(sorted(STRATEGY_OPTIONS))})"
         )
     given = {
         key: parse_options(STRATEGY_OPTIONS[key], values or {}, f"strategy.{key}") for key, values in group.items() if key != "name"

@@ -72,7 +72,7 @@ import math
 import torch
 
 from medfed.federated.strategies.base import (
-    DELIVER, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+    DELIVER, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.live_parameters import live_parameters, training_loss_with
 from medfed.options.strategies import APPLEOptions
@@ -164,7 +164,8 @@ class APPLEServer(ServerHalf):
 
     def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
         self.cores = initial["all"].reshape(1, -1).repeat(self.n_sites, 1)  # (N, d) w_j^(c)
-        sizes = torch.cat([replies[i]["num_samples"] for i in range(self.n_sites)]).to(torch.float64)
+        none = torch.zeros_like(self.cores[0, :1])  # the size of a site excluded at setup (no reply): no weight in p_0
+        sizes = torch.cat([replies[i][NUM_SAMPLES] if i in replies else none for i in range(self.n_sites)]).to(torch.float64)
         self.prior = sizes / sizes.sum()  # p_0
         self.completed_rounds = 0
         self.requests: dict[int, list[int]] = {}
@@ -181,6 +182,11 @@ class APPLEServer(ServerHalf):
         for index, reply in replies.items():
             self.cores[index] = reply[f"core/{index}"]
         self.completed_rounds += 1
+
+    def reply_keys(self, ctx: RoundContext, site_index: int) -> tuple[frozenset[str], ...]:
+        """The sample count at setup, the download request in "select", the site's own core model in "fit"."""
+        keys = {SETUP: NUM_SAMPLES, "select": "request", "fit": f"{CORE}/{site_index}"}
+        return (frozenset({keys[ctx.phase]}),)
 
     def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
         return {"prior": self.prior} if self.completed_rounds == 0 else {}

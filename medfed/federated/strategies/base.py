@@ -102,7 +102,7 @@ from medfed.options.strategies import NoOptions
 if TYPE_CHECKING:
     from medfed.models.base import FederatedModule
 
-__all__ = ["ADAPT", "DELIVER", "MODEL", "SETUP", "Payload", "RoundContext", "ServerHalf", "SiteHalf", "SiteView", "Strategy", "TrainingPlan"]
+__all__ = ["ADAPT", "DELIVER", "MODEL", "NUM_SAMPLES", "SETUP", "Payload", "RoundContext", "ServerHalf", "SiteHalf", "SiteView", "Strategy", "TrainingPlan"]
 
 #: What crosses the site boundary: named flat tensors.
 Payload = dict[str, torch.Tensor]
@@ -259,7 +259,13 @@ class ServerHalf(DeclaredState):
         self.seed = seed
 
     def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
-        """Called once before round 1 (``ctx`` = round 0, ``"setup"``) with the initial model vectors and every site's setup payload."""
+        """Called once before round 1 (``ctx`` = round 0, ``"setup"``) with the initial model vectors and the sites' setup payloads.
+
+        ``replies`` holds every site whose setup reply the server accepted
+        (:meth:`reply_keys`, :mod:`medfed.federated.faults`); a site missing
+        from it is excluded from the run: it never takes part, and is
+        delivered to and evaluated like a site that skips every round.
+        """
 
     def message(self, ctx: RoundContext, site_index: int) -> Payload:
         """What the server sends to a participating site before it trains in ``ctx.phase``."""
@@ -271,6 +277,27 @@ class ServerHalf(DeclaredState):
         The dict is the server's to consume: it may pop the replies as it
         reads them, releasing their memory before a large server step.
         """
+
+    def reply_keys(self, ctx: RoundContext, site_index: int) -> tuple[frozenset[str], ...]:
+        """The payload keys site ``site_index``'s reply in ``ctx`` holds (setup included): exactly one of these sets.
+
+        The server refuses any other reply (a key missing or extra) before
+        :meth:`setup` or :meth:`aggregate` reads it, so they may index the
+        declared keys. Called after the phase's :meth:`message` and before
+        its :meth:`aggregate`: it may read the server state the message was
+        made from. Several sets where the site chooses (IFCA: the keys of the
+        cluster it trained). Default: an empty reply, as the default site half sends.
+        """
+        return (frozenset(),)
+
+    def reply_fault(self, ctx: RoundContext, site_index: int, reply: Payload) -> str | None:
+        """Why a reply with the declared keys is still refused, or None: a value the server reads as an
+        index or a choice that is not one (IFCA's cluster index, and the cluster whose keys it sent).
+
+        Called on each reply that passed :meth:`reply_keys`, before :meth:`setup` or :meth:`aggregate`
+        reads it; the values are finite (the link refuses others). Default: nothing to refuse.
+        """
+        return None
 
     def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
         """What a site receives at the end of round ``ctx.round`` (0: before round 1), to be evaluated with."""
@@ -457,6 +484,10 @@ def state_on_device(state: Any, device: torch.device) -> Any:
     return state
 
 
+#: The payload key under which a site reports its training-set size (one value: :func:`num_samples`).
+NUM_SAMPLES = "num_samples"
+
+
 def num_samples(site: SiteView) -> torch.Tensor:
-    """The site's training-set size as a payload entry (for sample-weighted averaging)."""
+    """The site's training-set size as a payload entry, under :data:`NUM_SAMPLES` (for sample-weighted averaging)."""
     return torch.tensor([float(site.n_train)], device="cpu")  # one number; the link carries it to the server's device

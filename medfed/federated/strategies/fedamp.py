@@ -40,7 +40,7 @@ import torch
 
 from medfed.errors import ConfigError
 from medfed.federated.strategies.base import (
-    DELIVER, MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan,
+    DELIVER, MODEL, SETUP, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan,
 )
 from medfed.federated.strategies.live_parameters import proximal_term
 from medfed.options.strategies import FedAMPOptions
@@ -124,6 +124,10 @@ class FedAMPServer(ServerHalf):
     def message(self, ctx: RoundContext, site_index: int) -> Payload:
         weights = self.attention[site_index].to(self.models.dtype)
         return {"all": weights @ self.models}  # the cloud model u_i
+
+    def reply_keys(self, ctx: RoundContext, site_index: int) -> tuple[frozenset[str], ...]:
+        """The site's trained model; nothing at setup."""
+        return super().reply_keys(ctx, site_index) if ctx.phase == SETUP else (frozenset({"all"}),)
 
     def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         for index, reply in replies.items():

@@ -31,7 +31,7 @@ from typing import ClassVar
 
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.strategies.base import (
-    DELIVER, MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, num_samples,
+    DELIVER, MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, num_samples,
 )
 
 
@@ -53,6 +53,12 @@ class FedAvgServer(ServerHalf):
         self.global_model = weighted_average([reply[self.parameters_part] for reply in replies.values()], weights)
         if self.buffers_part is not None:
             self.global_buffers = weighted_average([reply[self.buffers_part] for reply in replies.values()], weights)
+
+    def reply_keys(self, ctx: RoundContext, site_index: int) -> tuple[frozenset[str], ...]:
+        """The parameters, the buffers (where averaged) and the sample count; nothing at setup."""
+        if ctx.phase == SETUP:
+            return super().reply_keys(ctx, site_index)
+        return (frozenset({self.parameters_part, NUM_SAMPLES} | ({self.buffers_part} if self.buffers_part else set())),)
 
     def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
         payload = {self.parameters_part: self.global_model}

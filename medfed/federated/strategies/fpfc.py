@@ -84,7 +84,7 @@ from medfed.federated.aggregate import weighted_average
 from medfed.federated.strategies.solvers.concave_penalty import fusion_prox
 from medfed.federated.strategies.solvers.graph import connected_components, incidence_matrix
 from medfed.federated.strategies.base import (
-    DELIVER, MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+    DELIVER, MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.live_parameters import proximal_term
 from medfed.options.strategies import FPFCOptions
@@ -111,6 +111,10 @@ class FPFCServer(ServerHalf):
         row = incidence_matrix(self.pairs, self.n_sites, dtype=self.models.dtype, device=self.models.device)[site_index]  # (P,) +-1
         centre = self.models.sum(dim=0) + row @ self.fusion - (row @ self.duals) / self.options.rho
         return {"shared": self.shared, "personal": centre / self.n_sites}
+
+    def reply_keys(self, ctx: RoundContext, site_index: int) -> tuple[frozenset[str], ...]:
+        """Both parts and the sample count; nothing at setup."""
+        return super().reply_keys(ctx, site_index) if ctx.phase == SETUP else (frozenset({"shared", "personal", NUM_SAMPLES}),)
 
     def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         self.shared = weighted_average([r["shared"] for r in replies.values()], [float(r["num_samples"]) for r in replies.values()])

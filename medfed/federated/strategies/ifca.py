@@ -73,6 +73,7 @@ round: (k + 1) model vectors per participant.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import numpy as np
@@ -80,7 +81,7 @@ import torch
 
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.strategies.base import (
-    DELIVER, MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, num_samples,
+    DELIVER, MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, num_samples,
 )
 from medfed.options.strategies import IFCAOptions
 from medfed.models.split import ParameterSplit
@@ -128,7 +129,8 @@ class IFCAServer(ServerHalf):
         k = self.options.clusters
         self.models = torch.stack([initial[f"{CLUSTER}/{j}"] for j in range(k)])  # (k, d)
         self.buffers = initial["buffers"].reshape(1, -1).repeat(k, 1)  # (k, b)
-        self.assignment = [int(replies[i][CLUSTER_ID]) for i in range(self.n_sites)]  # j_i of every site
+        # j_i of every site (cluster 0 for a site excluded at setup)
+        self.assignment = [int(replies[i][CLUSTER_ID]) if i in replies else 0 for i in range(self.n_sites)]
         self.reassigned = 0
 
     def message(self, ctx: RoundContext, site_index: int) -> Payload:
@@ -137,6 +139,24 @@ class IFCAServer(ServerHalf):
             payload[f"{CLUSTER}/{j}"] = self.models[j]
             payload[f"{CLUSTER_BUFFERS}/{j}"] = self.buffers[j]
         return payload
+
+    def reply_keys(self, ctx: RoundContext, site_index: int) -> tuple[frozenset[str], ...]:
+        """At setup the chosen cluster's index; then the index, that cluster's model and buffers and the sample count."""
+        if ctx.phase == SETUP:
+            return (frozenset({CLUSTER_ID}),)
+        return tuple(
+            frozenset({CLUSTER_ID, f"{CLUSTER}/{j}", f"{CLUSTER_BUFFERS}/{j}", NUM_SAMPLES}) for j in range(self.options.clusters)
+        )
+
+    def reply_fault(self, ctx: RoundContext, site_index: int, reply: Payload) -> str | None:
+        """The cluster index must be one whole number j in 0..k-1, and (after setup) the cluster whose keys the reply holds."""
+        value = reply[CLUSTER_ID]
+        j = float(value.reshape(-1)[0]) if value.numel() == 1 else math.nan
+        if not (j.is_integer() and 0 <= j < self.options.clusters):
+            return f"reply {CLUSTER_ID!r} is not one cluster index from 0 to {self.options.clusters - 1}"
+        if ctx.phase != SETUP and f"{CLUSTER}/{int(j)}" not in reply:
+            return f"reply {CLUSTER_ID!r} = {int(j)} names another cluster than the model it sent"
+        return None
 
     def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         chosen = {index: int(reply[CLUSTER_ID]) for index, reply in replies.items()}

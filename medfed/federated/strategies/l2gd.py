@@ -79,6 +79,10 @@ class L2GDServer(FedAvgServer):
         if ctx.phase == FIT:
             super().aggregate(ctx, replies)
 
+    def reply_keys(self, ctx: RoundContext, site_index: int) -> tuple[frozenset[str], ...]:
+        """FedAvg's reply in the fit phase, an empty one in the mix phase."""
+        return super().reply_keys(ctx, site_index) if ctx.phase != MIX else (frozenset(),)
+
     def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
         return {}
 

@@ -88,7 +88,7 @@ import torch
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.compute import batch_samples
 from medfed.federated.strategies.base import (
-    DELIVER, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+    DELIVER, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.live_parameters import live_parameters, squared_distance
 from medfed.options.presets import by_preset
@@ -108,6 +108,10 @@ class PFedMeServer(ServerHalf):
 
     def message(self, ctx: RoundContext, site_index: int) -> Payload:
         return {"all": self.global_model, "buffers": self.global_buffers}
+
+    def reply_keys(self, ctx: RoundContext, site_index: int) -> tuple[frozenset[str], ...]:
+        """The local model's parameters, the personal model's buffers and the sample count; nothing at setup."""
+        return super().reply_keys(ctx, site_index) if ctx.phase == SETUP else (frozenset({"all", "buffers", NUM_SAMPLES}),)
 
     def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         weights = [float(reply["num_samples"]) for reply in replies.values()]

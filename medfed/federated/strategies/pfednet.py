@@ -94,6 +94,7 @@ from typing import Any
 
 import torch
 
+from medfed.errors import SiteFailure
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.strategies.solvers.fusion import distinct_parts, fusion_threshold, spread_removed
 from medfed.federated.strategies.solvers.graph import (
@@ -104,7 +105,7 @@ from medfed.federated.strategies.solvers.graph import (
 from medfed.federated.strategies.solvers.network_lasso import AdmmState, solve_network_lasso
 from medfed.federated.strategies.solvers.sketch import check_sketch_size, data_sketch, feature_sketch
 from medfed.federated.strategies.base import (
-    MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+    MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
 from medfed.options.strategies import PFedNetOptions, P_NORMS
 
@@ -118,6 +119,12 @@ class PFedNetServer(ServerHalf):
         self.graph: SimilarityGraph | None = None
         self.graph_history: list[tuple[int, SimilarityGraph]] = []  # (round it was built at, graph); 0 = before training
         if self.options.graph_space != "model":
+            missing = [index for index in range(self.n_sites) if index not in replies]
+            if missing:  # a site excluded at setup has no point in the graph
+                raise SiteFailure(
+                    f"pfednet's similarity graph in {self.options.graph_space} space needs every site's sketch; sites {missing} "
+                    "sent none the server accepted (strategy.pfednet.graph_space=model builds it without sketches)"
+                )
             sketches = torch.stack([replies[i]["sketch"] for i in range(self.n_sites)])
             self._build_graph(sketches, personal_step=0)
         self.personal_steps = 0
@@ -148,6 +155,12 @@ class PFedNetServer(ServerHalf):
 
     def message(self, ctx: RoundContext, site_index: int) -> Payload:
         return {"shared": self.shared} if ctx.phase == "personal" else {}
+
+    def reply_keys(self, ctx: RoundContext, site_index: int) -> tuple[frozenset[str], ...]:
+        """At setup the sketch (nothing in model space); then the phase's part, with the sample count in "shared"."""
+        if ctx.phase == SETUP:
+            return (frozenset() if self.options.graph_space == "model" else frozenset({"sketch"}),)
+        return (frozenset({ctx.phase, NUM_SAMPLES} if ctx.phase == "shared" else {ctx.phase}),)
 
     def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         if ctx.phase == "shared":

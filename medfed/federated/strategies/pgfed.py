@@ -59,7 +59,7 @@ import torch
 
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.strategies.base import (
-    DELIVER, MODEL, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+    DELIVER, MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.live_parameters import live_parameters, live_vector
 from medfed.options.strategies import PGFedMoOptions, PGFedOptions
@@ -133,6 +133,13 @@ class PGFedServer(ServerHalf):
             previous_participants=in_previous,
         )
         return message
+
+    def reply_keys(self, ctx: RoundContext, site_index: int) -> tuple[frozenset[str], ...]:
+        """The model, its gradient, the offset and the sample count, with the site's a_i once the message carried it."""
+        if ctx.phase == SETUP:
+            return super().reply_keys(ctx, site_index)
+        keys = {"all", "gradient", "alpha_offset", NUM_SAMPLES}
+        return (frozenset(keys if self.previous is None else keys | {"alpha"}),)
 
     def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         if self.alpha is None:

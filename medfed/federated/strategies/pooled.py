@@ -37,6 +37,10 @@ class PooledServer(FedAvgServer):
         if trained:
             super().aggregate(ctx, trained)
 
+    def reply_keys(self, ctx: RoundContext, site_index: int) -> tuple[frozenset[str], ...]:
+        """FedAvg's reply from the pool site, an empty one from every other site."""
+        return super().reply_keys(ctx, site_index) if site_index == POOL_SITE else (frozenset(),)
+
 
 class PooledSite(FedAvgSite):
     """The pool site trains on the union and replies its model; every other site only loads the delivery."""
