@@ -140,7 +140,7 @@ def summarise(history: list[dict[str, Any]], site_sizes: dict[str, int], split: 
     names = list(next(iter(final.values())).keys())
     size = f"n_{split}"
     rows = [{"site": site, **{n: metrics[n] for n in names}, size: site_sizes[site]} for site, metrics in final.items()]
-    mean = {n: float(np.mean([row[n] for row in rows])) for n in names}
+    mean = {n: _mean_of_reported([row[n] for row in rows]) for n in names}
     return {"sites": rows, "mean": mean}
 
 
@@ -226,6 +226,12 @@ def _volume_note(names: list[str], size: str, federation: dict[str, Any]) -> lis
         f"{', '.join(patch)}: over all {split} patches of a site ({size} = patches); "
         f"{', '.join(volume)}: whole volumes, mean over the site's {split} patients{per_site}; hd95 in mm"
     ]
+
+
+def _mean_of_reported(values: list[float]) -> float:
+    """The mean over the sites that reported a value (a site whose delivery failed has NaN); NaN when none did."""
+    reported = [value for value in values if value == value]
+    return float(np.mean(reported)) if reported else float("nan")
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:

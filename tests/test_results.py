@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 
@@ -78,3 +79,11 @@ def test_a_table_with_whole_volume_metrics_says_they_average_patients_and_the_si
         "iou, label_iou: over all test patches of a site (n_test = patches); "
         "dice_wt, hd95_wt: whole volumes, mean over the site's test patients (2-3 per site); hd95 in mm"
     )
+
+
+def test_the_final_mean_is_over_the_sites_that_reported_a_metric():
+    # a site whose last delivery failed has NaN metrics (docs/running.md): the mean is the others', as the round record's
+    history = [{"metrics": {"site0": {"iou": 0.5}, "site1": {"iou": float("nan")}, "site2": {"iou": 0.7}}}]
+    summary = summarise(history, {"site0": 3, "site1": 4, "site2": 5})
+    assert summary["mean"]["iou"] == pytest.approx(0.6)
+    assert math.isnan(summarise([{"metrics": {"site0": {"iou": float("nan")}}}], {"site0": 3})["mean"]["iou"])
