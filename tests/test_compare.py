@@ -670,15 +670,24 @@ def test_a_local_epochs_override_or_a_bad_budget_beside_budgets_is_refused_in_on
     assert not (tmp_path / "out").exists()
 
 
-def test_the_frontier_csv_and_figure_hold_each_methods_last_round_mean_and_t_interval_against_its_measured_budget(tmp_path, capsys):
+def test_the_frontier_csv_and_figure_hold_each_methods_last_round_mean_and_t_interval_against_its_measured_budget(
+    tmp_path, capsys, monkeypatch
+):
     from scipy import stats
 
     from medfed.compare.frontier import plan_budgets
+    from medfed.viz import plots
     from medfed.viz.plots import plot_frontier
 
     grid = write_fake_grid(tmp_path)
     for budget, _, _, runs in plan_budgets(read_grid(grid), [], list(BUDGETS)):
         write_fake_results(runs, training=BUDGETS[budget], gain=GAINS[budget])
+    generated = runs[0].output_dir / "results.json"  # one run of the last budget on GENERATED data: the frontier's title says so
+    record = json.loads(generated.read_text())
+    record["federation"]["generated"] = True
+    generated.write_text(json.dumps(record))
+    titles = []
+    monkeypatch.setattr(plots, "plot_frontier", lambda *args, title: titles.append(title) or plot_frontier(*args, title=title))
     assert main(["compare", "--grid", str(grid), "--quiet", "--budgets", "0.5", "2"]) == 0
     assert "18 runs, 18 already finished, 0 to resume" in capsys.readouterr().err
     out = tmp_path / "out"
@@ -696,7 +705,7 @@ def test_the_frontier_csv_and_figure_hold_each_methods_last_round_mean_and_t_int
         assert [float(row[key]) for key in ("mean", "std", "low", "high")] == pytest.approx(
             [per_seed.mean(), np.std(per_seed, ddof=1), low, high]
         )
-    assert (out / "frontier.png").stat().st_size > 10_000
+    assert (out / "frontier.png").stat().st_size > 10_000 and titles == [f"{grid}: the compute frontier, last round (GENERATED data)"]
 
     rows = [{**row, **{key: float(row[key]) for key in ("epochs_per_round", "mean", "low", "high")}} for row in frontier]
     methods, settings = ["local", "fedavg", "ditto"], ["tiny_a", "tiny_b"]

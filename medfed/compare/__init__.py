@@ -180,6 +180,6 @@ def _write_frontier(grid: Grid, source: str, per_budget: list[tuple[float, list[
         print("medfed: compare: no finished run: no frontier.csv or frontier.png written", file=sys.stderr)
         return
     write_csv(rows, grid.output / "frontier.csv")
-    title = f"{source}{generated_tag(finished)}: the compute frontier, last round"
+    title = f"{source}: the compute frontier, last round{generated_tag(finished)}"
     save_figure(plot_frontier(rows, metrics, settings, grid.strategies, title=title), grid.output / "frontier.png")
     print(f"medfed: compare: wrote {grid.output / 'frontier.csv'} and frontier.png", file=sys.stderr)

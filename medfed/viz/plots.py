@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 from matplotlib.text import Text
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
 from torchmetrics.functional.classification import binary_auroc, binary_confusion_matrix, binary_roc
 
 REGION_NAMES = {"wt": "whole tumour", "tc": "tumour core", "et": "enhancing tumour"}
@@ -304,7 +304,7 @@ def plot_frontier(rows: list[dict[str, Any]], metrics: list[str], settings: list
         rows: :func:`medfed.compare.frontier.frontier_rows` (``config, strategy, metric, epochs_per_round, mean, low, high``).
         metrics, settings: the panels' rows and columns.
         strategies: one line each, one colour each: x the measured training
-            epochs per site and round, y the mean over seeds of the mean over
+            epochs per site and round (log scale, base 2), y the mean over seeds of the mean over
             sites (last round); the band is the 95% t interval over seeds
             (none where a budget has fewer than 2 seeds). A point without a
             measured budget is left out.
@@ -327,8 +327,11 @@ def plot_frontier(rows: list[dict[str, Any]], metrics: list[str], settings: list
                 banded = np.isfinite(low) & np.isfinite(high)
                 if banded.any():
                     axis.fill_between(x, low, high, where=banded, color=f"C{index % 10}", alpha=0.15, linewidth=0)
+            axis.set_xscale("log", base=2)  # budgets come in doublings (0.5 1 2 4): evenly spaced
+            axis.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+            axis.xaxis.set_minor_formatter(NullFormatter())
             axis.set_title(f"{setting}: {metric}, last round", fontsize=9)
-            axis.set_xlabel("training epochs per site and round (measured)", fontsize=9)
+            axis.set_xlabel("training epochs per site and round\n(measured; log scale)", fontsize=9)
             axis.set_ylabel(metric_label(metric), fontsize=9)
             axis.grid(alpha=0.3)
     legend = {label: handle for axis in figure.axes for handle, label in zip(*axis.get_legend_handles_labels())}
