@@ -717,3 +717,19 @@ def test_the_frontier_csv_and_figure_hold_each_methods_last_round_mean_and_t_int
         for line, method in zip(lines, methods):
             expected = sorted((r["epochs_per_round"], r["mean"]) for r in rows if (r["config"], r["strategy"]) == (setting, method))
             assert np.column_stack(line.get_data()) == pytest.approx(np.array(expected))
+
+
+def test_a_fractional_budget_cut_differently_on_each_seeds_split_is_equal_compute_within_each_seed(fake_comparison, capsys):
+    grid, out = fake_comparison
+    for seed, training in ((0, 0.63), (1, 0.55), (2, 0.59)):  # half an epoch of small sites, cut at whole mini-batches per seed's split
+        for results in out.glob(f"tiny_*/*/seed{seed}/results.json"):
+            record = json.loads(results.read_text())
+            record["compute"] = fake_compute(record["strategy"], training)
+            results.write_text(json.dumps(record))
+    assert main(["compare", "--grid", str(grid), "--quiet"]) == 0  # 0.63 and 0.55 are 7% from their mean, but equal on each seed
+    results = out / "tiny_a" / "local" / "seed1" / "results.json"
+    record = json.loads(results.read_text())
+    record["compute"] = fake_compute("local", 0.63)  # seed 1's fedavg trained 0.55
+    results.write_text(json.dumps(record))
+    assert main(["compare", "--grid", str(grid), "--quiet"]) == 2
+    assert "tiny_a/local/seed1 trained 0.63 epochs per site and round, fedavg's 0.55 on the same seed" in capsys.readouterr().err

@@ -80,9 +80,9 @@ def plan_budgets(
     """
     check_budgets(budgets, [*grid.overrides, *overrides])
     planned = []
-    for budget in budgets:
+    for index, budget in enumerate(budgets):
         one, setting = budget_grid(grid, budget)
-        planned.append((budget, one, [*overrides, setting], plan_runs(one, [*overrides, setting], jobs)))
+        planned.append((budget, one, [*overrides, setting], plan_runs(one, [*overrides, setting], jobs, announce=index == 0)))
     return planned
 
 
