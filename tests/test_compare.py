@@ -675,7 +675,7 @@ def test_the_frontier_csv_and_figure_hold_each_methods_last_round_mean_and_t_int
 ):
     from scipy import stats
 
-    from medfed.compare.frontier import plan_budgets
+    from medfed.compare.frontier import FRONTIER_COLUMNS, plan_budgets
     from medfed.viz import plots
     from medfed.viz.plots import plot_frontier
 
@@ -695,7 +695,7 @@ def test_the_frontier_csv_and_figure_hold_each_methods_last_round_mean_and_t_int
         assert len(read_rows(out / budget)) == 2 * 3 * 3 * 3 and "trainer.local_epochs=" in (out / budget / "comparison.md").read_text()
     with (out / "frontier.csv").open(newline="") as handle:
         frontier = list(csv.DictReader(handle))
-    assert len(frontier) == 2 * 3 * 2  # settings x methods x budgets, one metric
+    assert len(frontier) == 2 * 3 * 2 and tuple(frontier[0]) == FRONTIER_COLUMNS  # settings x methods x budgets, one metric
     for row in frontier:
         budget = float(row["budget"])
         per_seed = (np.array(LAST_AUROC[row["config"]][row["strategy"]]) + GAINS[budget]).mean(axis=1)  # each seed's mean over sites
