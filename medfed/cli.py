@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--quiet", action="store_true", help="no progress bar")
     compare.add_argument("--reference", metavar="NAME", help="the method the tables pair every other against (default: fedavg, else the grid's first)")
     compare.add_argument("--allow-unequal-compute", action="store_true", help="tabulate runs whose training epochs per round differ (named in the tables) instead of refusing them")
+    compare.add_argument(
+        "--budgets", nargs="+", type=float, metavar="B",
+        help="the compute frontier: the grid once per budget B (trainer.local_epochs=B, in <output>/budget-B), then frontier.png",
+    )
     compare.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for every run, after the grid's (anywhere on the line)")
     predict = commands.add_parser("predict", help="segment a new scan with one site's personalised model from a run")
     predict.add_argument("--run", required=True, type=Path, help="the run's output_dir (config.json and checkpoints/)")
@@ -142,7 +146,7 @@ def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
         grid, source = make_grid(args.config, args.strategies or "all", args.seeds or [0], [], args.metrics or [], output), "command line"
     try:
         failed = compare(grid, overrides, jobs=args.jobs, source=source, progress=not args.quiet, reference=args.reference,
-                         allow_unequal_compute=args.allow_unequal_compute)
+                         allow_unequal_compute=args.allow_unequal_compute, budgets=args.budgets)
     except KeyboardInterrupt:
         print("medfed: interrupted; run the same command again: finished runs are kept, interrupted ones resume", file=sys.stderr)
         return INTERRUPTED

@@ -417,15 +417,15 @@ LAST_AUROC = {
 FAKE_ROUNDS = {"tiny_a": 7, "tiny_b": 3}
 
 
-def fake_history(setting: str, strategy: str, seed: int) -> list[dict]:
+def fake_history(setting: str, strategy: str, seed: int, gain: float = 0.0) -> list[dict]:
     """Validation AUROC rising to a plateau at round 2 (fedavg seed 2 in tiny_a: rising to the end); test AUROC = the
-    last round's minus 0.01 per round before it."""
+    last round's (plus ``gain``) minus 0.01 per round before it."""
     rounds = FAKE_ROUNDS[setting]
     improving = (setting, strategy, seed) == ("tiny_a", "fedavg", 2)
     history = []
     for r in range(1, rounds + 1):
         validation = 0.5 + 0.05 * r if improving else 0.5 + 0.1 * min(r, 2)
-        last = LAST_AUROC[setting][strategy][seed]
+        last = [value + gain for value in LAST_AUROC[setting][strategy][seed]]
         history.append(
             {
                 "round": r,
@@ -447,31 +447,40 @@ def fake_compute(strategy: str, training: float = 1.0) -> dict:
     }
 
 
-@pytest.fixture
-def fake_comparison(tmp_path):
-    """A grid over tiny_a and tiny_b whose every run folder holds a finished results.json of fake_history."""
-    from medfed.compare import plan_runs
-    from medfed.components import resolve
-    from medfed.config import load_config
-
+def write_fake_grid(tmp_path: Path) -> Path:
+    """A grid over tiny_a and tiny_b (local, fedavg, ditto; seeds 0-2; auroc) whose runs write to ``tmp_path/out``."""
     grid = write_grid(tmp_path, tmp_path / "out", strategies="[local, fedavg, ditto]", seeds="[0, 1, 2]", metrics="[auroc]")
     configs = []
     for setting, rounds in FAKE_ROUNDS.items():
         configs.append(tmp_path / f"{setting}.yaml")
         configs[-1].write_text(TINY_CLINICAL.format(data=tmp_path).replace("rounds: 2", f"rounds: {rounds}"))
     grid.write_text(re.sub(r"configs: \[.*\]", f"configs: [{', '.join(map(str, configs))}]", grid.read_text()))
-    for run in plan_runs(read_grid(grid)):
+    return grid
+
+
+def write_fake_results(runs: list[Run], training: float = 1.0, gain: float = 0.0) -> None:
+    """A finished results.json of fake_history (test AUROC + ``gain``) in every run's folder, ``training`` epochs per site and round."""
+    from medfed.components import resolve
+
+    for run in runs:
         run.output_dir.mkdir(parents=True)
         results = {
             "config": resolve(load_config(run.config_path, list(run.overrides))).config,
-            "history": fake_history(run.setting, run.strategy, run.seed),
+            "history": fake_history(run.setting, run.strategy, run.seed, gain),
             "federation": {"description": "fake results", "generated": False},
             "timing": {"wall_s": 1.0 + run.seed},
-            "compute": fake_compute(run.strategy),
+            "compute": fake_compute(run.strategy, training),
             "strategy": run.strategy,
             "seed": run.seed,
         }
         (run.output_dir / "results.json").write_text(json.dumps(results))
+
+
+@pytest.fixture
+def fake_comparison(tmp_path):
+    """A grid over tiny_a and tiny_b whose every run folder holds a finished results.json of fake_history."""
+    grid = write_fake_grid(tmp_path)
+    write_fake_results(plan_runs(read_grid(grid)))
     return grid, tmp_path / "out"
 
 
@@ -631,3 +640,109 @@ def test_a_grid_file_larger_than_any_grid_is_refused_by_its_size_before_it_is_re
     with pytest.raises(ConfigError) as error:
         read_grid(grid)
     assert str(error.value) == f"{grid}: {MAX_YAML_BYTES + 28} bytes, larger than any grid file medfed reads ({MAX_YAML_BYTES} bytes)"
+
+
+# The compute frontier (compare --budgets): fake results folders per budget, no training.
+BUDGETS = {0.5: 0.51, 2.0: 1.98}
+"""Requested budget: the measured training epochs per site and round its fake runs record (the x of the frontier)."""
+GAINS = {0.5: -0.05, 2.0: 0.04}
+"""Requested budget: what its fake runs add to every test AUROC of LAST_AUROC."""
+
+
+def test_budgets_plan_the_grid_once_per_budget_in_its_subfolder_with_its_local_epochs(tmp_path):
+    from medfed.compare.frontier import plan_budgets
+
+    grid = read_grid(write_fake_grid(tmp_path))
+    planned = plan_budgets(grid, ["trainer.rounds=3"], [0.5, 2.0])
+    assert [(budget, one.output, overrides) for budget, one, overrides, _ in planned] == [
+        (0.5, tmp_path / "out" / "budget-0.5", ["trainer.rounds=3", "trainer.local_epochs=0.5"]),
+        (2.0, tmp_path / "out" / "budget-2", ["trainer.rounds=3", "trainer.local_epochs=2"]),
+    ]
+    for budget, one, _, runs in planned:
+        assert len(runs) == 2 * 3 * 3 and all(run.action == "new" for run in runs)
+        for run in runs:
+            assert run.output_dir == one.output / run.setting / run.strategy / f"seed{run.seed}"
+            config = load_config(run.config_path, list(run.overrides))
+            assert config.trainer.local_epochs == budget and config.trainer.rounds == 3
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--budgets", "1", "2", "trainer.local_epochs=3"], "override 'trainer.local_epochs=3' with --budgets: --budgets sets trainer.local_epochs"),
+        (["--budgets", "1", "0"], "--budgets 0.0: expected a finite number > 0"),
+        (["--budgets", "1", "inf"], "--budgets inf: expected a finite number > 0"),
+        (["--budgets", "2", "2"], "--budgets 2 2: a budget is given twice"),
+    ],
+)
+def test_a_local_epochs_override_or_a_bad_budget_beside_budgets_is_refused_in_one_line_before_any_run(tmp_path, capsys, arguments, message):
+    grid = write_fake_grid(tmp_path)
+    assert main(["compare", "--grid", str(grid), "--quiet", *arguments]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"medfed: error: {message}") and error.count("\n") == 1, error
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_frontier_csv_and_figure_hold_each_methods_last_round_mean_and_t_interval_against_its_measured_budget(
+    tmp_path, capsys, monkeypatch
+):
+    from scipy import stats
+
+    from medfed.compare.frontier import FRONTIER_COLUMNS, plan_budgets
+    from medfed.viz import plots
+    from medfed.viz.plots import plot_frontier
+
+    grid = write_fake_grid(tmp_path)
+    for budget, _, _, runs in plan_budgets(read_grid(grid), [], list(BUDGETS)):
+        write_fake_results(runs, training=BUDGETS[budget], gain=GAINS[budget])
+    generated = runs[0].output_dir / "results.json"  # one run of the last budget on GENERATED data: the frontier's title says so
+    record = json.loads(generated.read_text())
+    record["federation"]["generated"] = True
+    generated.write_text(json.dumps(record))
+    titles = []
+    monkeypatch.setattr(plots, "plot_frontier", lambda *args, title: titles.append(title) or plot_frontier(*args, title=title))
+    assert main(["compare", "--grid", str(grid), "--quiet", "--budgets", "0.5", "2"]) == 0
+    assert "18 runs, 18 already finished, 0 to resume" in capsys.readouterr().err
+    out = tmp_path / "out"
+    for budget in ("budget-0.5", "budget-2"):  # each budget's own tables, as compare writes them at one budget
+        assert len(read_rows(out / budget)) == 2 * 3 * 3 * 3 and "trainer.local_epochs=" in (out / budget / "comparison.md").read_text()
+    with (out / "frontier.csv").open(newline="") as handle:
+        frontier = list(csv.DictReader(handle))
+    assert len(frontier) == 2 * 3 * 2 and tuple(frontier[0]) == FRONTIER_COLUMNS  # settings x methods x budgets, one metric
+    for row in frontier:
+        budget = float(row["budget"])
+        per_seed = (np.array(LAST_AUROC[row["config"]][row["strategy"]]) + GAINS[budget]).mean(axis=1)  # each seed's mean over sites
+        low, high = stats.t.interval(0.95, 2, loc=per_seed.mean(), scale=stats.sem(per_seed))
+        assert row["metric"] == "auroc" and row["n_seeds"] == "3"
+        assert float(row["epochs_per_round"]) == pytest.approx(BUDGETS[budget])  # measured, not the requested budget
+        assert [float(row[key]) for key in ("mean", "std", "low", "high")] == pytest.approx(
+            [per_seed.mean(), np.std(per_seed, ddof=1), low, high]
+        )
+    assert (out / "frontier.png").stat().st_size > 10_000 and titles == [f"{grid}: the compute frontier, last round (GENERATED data)"]
+
+    rows = [{**row, **{key: float(row[key]) for key in ("epochs_per_round", "mean", "low", "high")}} for row in frontier]
+    methods, settings = ["local", "fedavg", "ditto"], ["tiny_a", "tiny_b"]
+    figure = plot_frontier(rows, ["auroc"], settings, methods, title="fake")
+    assert len(figure.axes) == len(settings)
+    for axis, setting in zip(figure.axes, settings):
+        lines = axis.get_lines()
+        assert [line.get_label() for line in lines] == methods and len(axis.collections) == len(methods)  # one line and band each
+        for line, method in zip(lines, methods):
+            expected = sorted((r["epochs_per_round"], r["mean"]) for r in rows if (r["config"], r["strategy"]) == (setting, method))
+            assert np.column_stack(line.get_data()) == pytest.approx(np.array(expected))
+
+
+def test_a_fractional_budget_cut_differently_on_each_seeds_split_is_equal_compute_within_each_seed(fake_comparison, capsys):
+    grid, out = fake_comparison
+    for seed, training in ((0, 0.63), (1, 0.55), (2, 0.59)):  # half an epoch of small sites, cut at whole mini-batches per seed's split
+        for results in out.glob(f"tiny_*/*/seed{seed}/results.json"):
+            record = json.loads(results.read_text())
+            record["compute"] = fake_compute(record["strategy"], training)
+            results.write_text(json.dumps(record))
+    assert main(["compare", "--grid", str(grid), "--quiet"]) == 0  # 0.63 and 0.55 are 7% from their mean, but equal on each seed
+    results = out / "tiny_a" / "local" / "seed1" / "results.json"
+    record = json.loads(results.read_text())
+    record["compute"] = fake_compute("local", 0.63)  # seed 1's fedavg trained 0.55
+    results.write_text(json.dumps(record))
+    assert main(["compare", "--grid", str(grid), "--quiet"]) == 2
+    assert "tiny_a/local/seed1 trained 0.63 epochs per site and round, fedavg's 0.55 on the same seed" in capsys.readouterr().err

@@ -35,7 +35,11 @@ given on the command line (:mod:`medfed.compare.grid`). :func:`compare`
    wins/ties/losses, the compute each method got, the average rank, the
    methods indistinguishable from the best in bold, whether the runs had
    plateaued; wall times) and
-   ``comparison.png`` (bars and every site's value) from every run that finished.
+   ``comparison.png`` (bars and every site's value) from every run that finished;
+5. with ``budgets`` (``--budgets 1 2 4``, :mod:`medfed.compare.frontier`), does 1-4 once per budget ``B`` in
+   ``<output>/budget-<B>/`` with ``trainer.local_epochs=B`` in every run (all budgets planned and checked
+   first), then writes ``frontier.csv`` and ``frontier.png``: each method's last-round metric against its
+   measured training epochs per site and round, with 95% t intervals over seeds.
 
 The validation-selected round of a site (:func:`~medfed.compare.tables.selected_round`) is the round
 whose validation score of the *primary* metric (the first of ``metrics``;
@@ -48,13 +52,15 @@ from __future__ import annotations
 
 import sys
 from dataclasses import replace
+from typing import Any
 
 from medfed.atomic import atomic_write
+from medfed.compare.frontier import frontier_rows, plan_budgets
 from medfed.compare.grid import Grid, check_overrides
-from medfed.compare.plan import default_jobs, plan_runs
+from medfed.compare.plan import Run, default_jobs, plan_runs
 from medfed.compare.runner import execute
 from medfed.compare.tables import (
-    BUDGET_TOLERANCE, collect, comparison_rows, markdown, reported_metrics, resolve_reference, unequal_compute, write_csv,
+    BUDGET_TOLERANCE, Finished, collect, comparison_rows, markdown, reported_metrics, resolve_reference, unequal_compute, write_csv,
 )
 from medfed.errors import ConfigError
 
@@ -68,6 +74,7 @@ def compare(
     progress: bool = True,
     reference: str | None = None,
     allow_unequal_compute: bool = False,
+    budgets: list[float] | None = None,
 ) -> dict[str, str]:
     """Plan and check the whole grid, run what is not done, write comparison.csv, comparison.md and comparison.png.
 
@@ -80,6 +87,10 @@ def compare(
         reference: the method the tables pair every other against (default: fedavg if in the grid, else its first strategy).
         allow_unequal_compute: tabulate runs of unequal compute (:func:`~medfed.compare.tables.unequal_compute`),
             named in the md, instead of refusing them.
+        budgets: the compute frontier (:mod:`medfed.compare.frontier`): the whole grid once per budget ``B``, in
+            ``<output>/budget-<B>/`` with ``trainer.local_epochs=B`` in every run (each budget's tables as above;
+            every budget's runs planned and checked before any starts), then ``frontier.csv`` and ``frontier.png``
+            in ``<output>``. None: one comparison at the configs' own budget.
 
     Returns:
         ``{run name: the end of its log}`` of the failed runs (empty: all finished).
@@ -87,16 +98,42 @@ def compare(
     Raises:
         ConfigError: a bad grid (before any run starts), a metric no run reports, or runs of unequal compute
             (after the runs, before any table is written; the runs are kept, so the same command with
-            ``--allow-unequal-compute`` only tabulates).
+            ``--allow-unequal-compute`` only tabulates); with ``budgets``, a ``trainer.local_epochs`` override
+            or a budget that is not a number > 0.
     """
-    from medfed.viz.plots import plot_comparison, save_figure
-
     jobs = default_jobs() if jobs is None else jobs
     if jobs < 1:
         raise ConfigError(f"--jobs {jobs}: expected an integer >= 1 (runs at once; leave it out for one per core)")
     check_overrides(overrides)
     reference = resolve_reference(reference, grid.strategies)
-    runs = plan_runs(grid, overrides, jobs)
+    if budgets is None:
+        return _run_and_tabulate(grid, overrides, plan_runs(grid, overrides, jobs), jobs, source, progress, reference, allow_unequal_compute)[0]
+    failed: dict[str, str] = {}
+    per_budget = []
+    for budget, one, budget_overrides, runs in plan_budgets(grid, overrides, budgets, jobs):  # every budget checked first
+        print(f"medfed: compare: budget {budget:g} ({budget_overrides[-1]})", file=sys.stderr)
+        failed_here, finished, rows, metrics = _run_and_tabulate(
+            one, budget_overrides, runs, jobs, f"{source}, {budget_overrides[-1]}", progress, reference, allow_unequal_compute
+        )
+        failed.update({f"budget-{budget:g}/{name}": tail for name, tail in failed_here.items()})
+        per_budget.append((budget, finished, rows, metrics))
+    _write_frontier(grid, source, per_budget)
+    return failed
+
+
+def _run_and_tabulate(
+    grid: Grid,
+    overrides: list[str] | tuple[str, ...],
+    runs: list[Run],
+    jobs: int,
+    source: str,
+    progress: bool,
+    reference: str,
+    allow_unequal_compute: bool,
+) -> tuple[dict[str, str], list[Finished], list[dict[str, Any]], list[str]]:
+    """Run the planned ``runs`` of ``grid`` and write its tables: ``(failed runs, finished runs, comparison rows, metrics)``."""
+    from medfed.viz.plots import plot_comparison, save_figure
+
     done = sum(run.action == "done" for run in runs)
     print(
         f"medfed: compare: {len(runs)} runs, {done} already finished, {sum(run.action == 'resume' for run in runs)} to resume; "
@@ -120,10 +157,29 @@ def compare(
     with atomic_write(grid.output / "comparison.md") as handle:
         handle.write(markdown(replace(grid, overrides=[*grid.overrides, *overrides]), source, settings, rows, finished, failed, metrics, reference))
     if rows:
-        generated = any(item.results["federation"]["generated"] for item in finished)
-        figure = plot_comparison(
-            rows, metrics, settings, grid.strategies, title=source + (" (GENERATED data)" if generated else "")
-        )
+        figure = plot_comparison(rows, metrics, settings, grid.strategies, title=source + generated_tag(finished))
         save_figure(figure, grid.output / "comparison.png")
     print(f"medfed: compare: wrote {grid.output / 'comparison.md'}, comparison.csv and comparison.png", file=sys.stderr)
-    return failed
+    return failed, finished, rows, metrics
+
+
+def generated_tag(finished: list[Finished]) -> str:
+    """`` (GENERATED data)`` when any of the runs trained on generated data, else empty."""
+    return " (GENERATED data)" if any(item.results["federation"]["generated"] for item in finished) else ""
+
+
+def _write_frontier(grid: Grid, source: str, per_budget: list[tuple[float, list[Finished], list[dict[str, Any]], list[str]]]) -> None:
+    """frontier.csv and frontier.png in ``grid.output`` from every budget's finished runs (:mod:`medfed.compare.frontier`)."""
+    from medfed.viz.plots import plot_frontier, save_figure
+
+    metrics = list(dict.fromkeys(metric for *_, metrics in per_budget for metric in metrics))
+    finished = [item for _, runs, *_ in per_budget for item in runs]
+    settings = list(dict.fromkeys(item.run.setting for item in finished))
+    rows = frontier_rows([(budget, runs, rows) for budget, runs, rows, _ in per_budget], metrics, settings, grid.strategies)
+    if not rows:
+        print("medfed: compare: no finished run: no frontier.csv or frontier.png written", file=sys.stderr)
+        return
+    write_csv(rows, grid.output / "frontier.csv")
+    title = f"{source}: the compute frontier, last round{generated_tag(finished)}"
+    save_figure(plot_frontier(rows, metrics, settings, grid.strategies, title=title), grid.output / "frontier.png")
+    print(f"medfed: compare: wrote {grid.output / 'frontier.csv'} and frontier.png", file=sys.stderr)

@@ -67,13 +67,14 @@ def default_jobs() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def plan_runs(grid: Grid, overrides: list[str] | tuple[str, ...] = (), jobs: int | None = None) -> list[Run]:
+def plan_runs(grid: Grid, overrides: list[str] | tuple[str, ...] = (), jobs: int | None = None, announce: bool = True) -> list[Run]:
     """Every run of ``grid``, each config resolved and its folder inspected; nothing is run or written.
 
     Args:
         grid: the grid.
         overrides: more ``key=value`` overrides (the command line's), after the grid's.
         jobs: runs at once; a new run gets ``trainer.num_threads`` = cores // jobs (at least 1).
+        announce: say on stderr which configs get a validation split (False: the caller said it already).
 
     A config without a validation split (``federation.validation_fraction``
     0) gets one for its runs, :data:`VALIDATION_SPLIT` (recorded in each
@@ -110,7 +111,7 @@ def plan_runs(grid: Grid, overrides: list[str] | tuple[str, ...] = (), jobs: int
                     raise ConfigError(f"{where}: {error}") from None
                 log = grid.output / "logs" / path.stem / strategy / f"seed{seed}.log"
                 runs.append(Run(path.stem, path, strategy, seed, output_dir, (*fixed, f"trainer.num_threads={run_threads}"), run_threads, log, action))
-    if without_validation:
+    if without_validation and announce:
         print(
             f"medfed: compare: no validation split in {', '.join(without_validation)}: each of its runs chooses its sites' rounds "
             f"on {VALIDATION_SPLIT} of each site's training data (recorded in the run's config)",

@@ -14,7 +14,7 @@ Every table compares methods at equal compute: each run's training epochs
 per site and round (``results.json`` ``compute``,
 :mod:`medfed.federated.compute`) are shown beside its metric, and
 :func:`unequal_compute` names the runs whose budget differs by more than
-:data:`BUDGET_TOLERANCE` from their setting's reference method (which
+:data:`BUDGET_TOLERANCE` from their setting's reference method's run of the same seed (which
 ``compare`` refuses unless ``--allow-unequal-compute``).
 """
 
@@ -158,27 +158,33 @@ def run_compute(results: dict[str, Any]) -> tuple[float, float] | None:
 def unequal_compute(finished: list[Finished], reference: str) -> list[str]:
     """The runs whose training budget is not their setting's, one phrase each (empty: every table compares equal compute).
 
-    A setting's budget is the mean training epochs per site and round of its
-    ``reference`` method's runs, or its ``trainer.local_epochs`` where that
-    method has no finished run; a run more than :data:`BUDGET_TOLERANCE`
-    (relative) from it is named with both figures, and so is a run without
-    a compute record (one from before medfed counted compute).
+    A run's budget is the training epochs per site and round of its
+    setting's ``reference`` method's run of the same seed (the same data
+    split, so the same cut of a fractional budget at whole mini-batches:
+    half an epoch of a small site can be 0.55 on one seed and 0.63 on
+    another), else the mean over that method's runs of the setting, else its
+    ``trainer.local_epochs`` where that method has no finished run; a run more
+    than :data:`BUDGET_TOLERANCE` (relative) from it is named with both
+    figures, and so is a run without a compute record (one from before
+    medfed counted compute).
     """
     problems = []
     for setting in dict.fromkeys(item.run.setting for item in finished):
         items = [item for item in finished if item.run.setting == setting]
-        measured = [run_compute(item.results) for item in items if item.run.strategy == reference]
-        measured = [spent[0] for spent in measured if spent is not None]
-        if measured:
-            budget, what = float(np.mean(measured)), f"{reference}'s"
-        else:
-            budget, what = float(items[0].results["config"].get("trainer", {}).get("local_epochs", 1)), "trainer.local_epochs"
+        by_seed = {item.run.seed: run_compute(item.results) for item in items if item.run.strategy == reference}
+        by_seed = {seed: spent[0] for seed, spent in by_seed.items() if spent is not None}
         for item in items:
+            if item.run.seed in by_seed:
+                budget, what = by_seed[item.run.seed], f"{reference}'s {{:.2f}} on the same seed"
+            elif by_seed:
+                budget, what = float(np.mean(list(by_seed.values()))), f"{reference}'s {{:.2f}} (mean over its seeds)"
+            else:
+                budget, what = float(item.results["config"].get("trainer", {}).get("local_epochs", 1)), "trainer.local_epochs {:.2f}"
             spent = run_compute(item.results)
             if spent is None:
                 problems.append(f"{item.run.name} has no compute record (a run from before medfed counted compute: delete its folder to run it again)")
             elif abs(spent[0] - budget) > BUDGET_TOLERANCE * budget:
-                problems.append(f"{item.run.name} trained {spent[0]:.2f} epochs per site and round, {what} {budget:.2f}")
+                problems.append(f"{item.run.name} trained {spent[0]:.2f} epochs per site and round, {what.format(budget)}")
     return problems
 
 

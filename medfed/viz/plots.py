@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 from matplotlib.text import Text
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
 from torchmetrics.functional.classification import binary_auroc, binary_confusion_matrix, binary_roc
 
 REGION_NAMES = {"wt": "whole tumour", "tc": "tumour core", "et": "enhancing tumour"}
@@ -293,5 +293,49 @@ def plot_comparison(
     handles, labels = axes[0][0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="outside lower center", ncols=min(len(strategies), 8), fontsize=8)
     caption = "bars: mean over seeds of the mean over sites; error bars: std over seeds; dots: each seed's sites"
+    figure.suptitle(wrap_to_width(f"{title}; {caption}", figure, 9), fontsize=9)
+    return figure
+
+
+def plot_frontier(rows: list[dict[str, Any]], metrics: list[str], settings: list[str], strategies: list[str], title: str) -> Figure:
+    """The compute frontier: one panel per metric (rows) and setting (columns), each method's metric against its budget.
+
+    Args:
+        rows: :func:`medfed.compare.frontier.frontier_rows` (``config, strategy, metric, epochs_per_round, mean, low, high``).
+        metrics, settings: the panels' rows and columns.
+        strategies: one line each, one colour each: x the measured training
+            epochs per site and round (log scale, base 2), y the mean over seeds of the mean over
+            sites (last round); the band is the 95% t interval over seeds
+            (none where a budget has fewer than 2 seeds). A point without a
+            measured budget is left out.
+        title: the figure's title (the data's provenance included).
+    """
+    figure = Figure(figsize=(max(6.0, 4.2 * len(settings)), 3.4 * len(metrics) + 1.4), layout="constrained")
+    axes = figure.subplots(len(metrics), len(settings), squeeze=False)
+    for row, metric in enumerate(metrics):
+        for column, setting in enumerate(settings):
+            axis = axes[row][column]
+            for index, strategy in enumerate(strategies):
+                points = sorted(
+                    (r["epochs_per_round"], r["mean"], r["low"], r["high"]) for r in rows
+                    if (r["config"], r["strategy"], r["metric"]) == (setting, strategy, metric) and r["epochs_per_round"] is not None
+                )
+                if not points:
+                    continue
+                x, mean, low, high = (np.array(values, dtype=np.float64) for values in zip(*points))
+                axis.plot(x, mean, marker="o", markersize=4, color=f"C{index % 10}", label=strategy)
+                banded = np.isfinite(low) & np.isfinite(high)
+                if banded.any():
+                    axis.fill_between(x, low, high, where=banded, color=f"C{index % 10}", alpha=0.15, linewidth=0)
+            axis.set_xscale("log", base=2)  # budgets come in doublings (0.5 1 2 4): evenly spaced
+            axis.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+            axis.xaxis.set_minor_formatter(NullFormatter())
+            axis.set_title(f"{setting}: {metric}, last round", fontsize=9)
+            axis.set_xlabel("training epochs per site and round\n(measured; log scale)", fontsize=9)
+            axis.set_ylabel(metric_label(metric), fontsize=9)
+            axis.grid(alpha=0.3)
+    legend = {label: handle for axis in figure.axes for handle, label in zip(*axis.get_legend_handles_labels())}
+    figure.legend(list(legend.values()), list(legend), loc="outside lower center", ncols=min(max(len(legend), 1), 8), fontsize=8)
+    caption = "lines: mean over seeds of the mean over sites; bands: 95% t interval over seeds"
     figure.suptitle(wrap_to_width(f"{title}; {caption}", figure, 9), fontsize=9)
     return figure
