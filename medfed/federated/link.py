@@ -265,7 +265,7 @@ class Link:
         if count == 0:
             if data is not None:
                 raise MessageError(f"shape {shape} holds no values, but a stream came with it")
-            return shape, torch.zeros(0, dtype=torch.float32), None, False
+            return shape, torch.zeros(0, dtype=torch.float32, device="cpu"), None, False  # the link decodes on the CPU
         if data is None:
             raise MessageError(f"shape {shape} holds {count} values, but no stream came with it")
         codec = self._small if reference_name is None else self._codecs[direction]
