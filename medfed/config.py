@@ -31,6 +31,7 @@ medfed runs without a clone of the repository.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
@@ -386,11 +387,9 @@ def check_wandb_key(mode: str) -> None:
     if mode != "online" or os.environ.get("WANDB_API_KEY"):
         return
     host = re.sub(r"^\w+://", "", os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").split("/")[0].split(":")[0]
-    try:
+    with contextlib.suppress(OSError, netrc.NetrcParseError):  # no netrc, or one that cannot be read: no key there
         if netrc.netrc(os.environ.get("NETRC") or None).authenticators(host):
             return
-    except (OSError, netrc.NetrcParseError):
-        pass
     raise ConfigError(
         f"config key 'logger.wandb' = 'online': no W&B API key here (WANDB_API_KEY unset and no {host} entry in the netrc file); "
         "run `wandb login`, or set logger.wandb=offline"
