@@ -90,6 +90,7 @@ saved for ``predict`` and shown in figures (``site.module`` is its module).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -102,7 +103,7 @@ from medfed.options.strategies import NoOptions
 if TYPE_CHECKING:
     from medfed.models.base import FederatedModule
 
-__all__ = ["ADAPT", "DELIVER", "MODEL", "NUM_SAMPLES", "SETUP", "Payload", "RoundContext", "ServerHalf", "SiteHalf", "SiteView", "Strategy", "TrainingPlan"]
+__all__ = ["ADAPT", "Auxiliary", "DELIVER", "MODEL", "NUM_SAMPLES", "SETUP", "Payload", "RoundContext", "ServerHalf", "SiteHalf", "SiteView", "Strategy", "TrainingPlan"]
 
 #: What crosses the site boundary: named flat tensors.
 Payload = dict[str, torch.Tensor]
@@ -312,6 +313,23 @@ class ServerHalf(DeclaredState):
         return {}
 
 
+@dataclass(frozen=True)
+class Auxiliary:
+    """How an auxiliary parameter of a site half (a trainable tensor outside the model slots) is stepped.
+
+    The executor differentiates the step's loss in the half's attribute too and,
+    after the slot's optimiser stepped, sets it to ``project(a - learning_rate * grad)``
+    (plain projected gradient descent; ``project`` None: none).
+
+    Attributes:
+        learning_rate: the step size (> 0).
+        project: maps the stepped tensor back onto its feasible set (APFL's alpha: [0, 1]), or None.
+    """
+
+    learning_rate: float
+    project: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
 class SiteHalf(DeclaredState):
     """One site's half: defaults describe local training of the site's one model with nothing exchanged.
 
@@ -326,12 +344,24 @@ class SiteHalf(DeclaredState):
         index: the site this half runs at.
     """
 
+    #: the attributes (tensors, or None) :meth:`loss` reads besides the slots, the batch, ``ctx``, ``plan`` and the
+    #: options: the half's declared per-site loss state (anchors, centres, auxiliary gradients, auxiliary
+    #: parameters), set by its other hooks and never by ``loss``; a batched executor stacks them across sites
+    loss_state: ClassVar[tuple[str, ...]] = ()
+    #: None where :meth:`loss` is a pure function of the declared state (it can run under ``torch.func.vmap``
+    #: over sites), else the one-line reason it cannot (the site then trains sequentially)
+    batchable: ClassVar[str | None] = None
+
     def __init__(self, options: Any, split: ParameterSplit, n_sites: int, seed: int, index: int) -> None:
         self.options = options
         self.split = split
         self.n_sites = n_sites
         self.seed = seed
         self.index = index
+
+    def auxiliary(self, ctx: RoundContext, plan: TrainingPlan) -> dict[str, Auxiliary]:
+        """The auxiliary parameters ``plan``'s steps train, ``{attribute: Auxiliary}`` (each also in :attr:`loss_state`); default none."""
+        return {}
 
     def setup(self, site: SiteView, ctx: RoundContext) -> Payload:
         """Sent once before training, in round 0's ``"setup"`` context (e.g. a data sketch that reveals no sample)."""
@@ -345,7 +375,12 @@ class SiteHalf(DeclaredState):
         return (TrainingPlan(),)
 
     def loss(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan, batch: Any) -> torch.Tensor:
-        """The loss of one local step of ``plan``: the slot's own training loss plus :meth:`regularizer`."""
+        """The loss of one local step of ``plan``: the slot's own training loss plus :meth:`regularizer`.
+
+        A pure function of the slots' parameters and buffers (read through ``site.module``), ``batch``,
+        ``ctx``, ``plan``, the options and the attributes :attr:`loss_state` declares: no backward pass,
+        optimiser step, gradient hook or change to any attribute in here (the executor differentiates it).
+        """
         loss = site.module(plan.slot).training_step(batch, 0)
         regularizer = self.regularizer(site, ctx, plan)
         return loss if regularizer is None else loss + regularizer
