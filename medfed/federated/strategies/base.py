@@ -329,6 +329,15 @@ class Auxiliary:
     learning_rate: float
     project: Callable[[torch.Tensor], torch.Tensor] | None = None
 
+    def step(self, value: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
+        """``project(value - learning_rate * gradient)``, a new tensor (no gradient history; ``value``'s shape and dtype).
+
+        Every executor steps an auxiliary parameter through this, so its update is written once.
+        """
+        with torch.no_grad():
+            stepped = value - self.learning_rate * gradient
+            return stepped if self.project is None else self.project(stepped)
+
 
 class SiteHalf(DeclaredState):
     """One site's half: defaults describe local training of the site's one model with nothing exchanged.
@@ -358,6 +367,8 @@ class SiteHalf(DeclaredState):
         self.n_sites = n_sites
         self.seed = seed
         self.index = index
+        for name in self.loss_state:  # every declared loss state starts unset; the half's hooks set it
+            setattr(self, name, None)
 
     def auxiliary(self, ctx: RoundContext, plan: TrainingPlan) -> dict[str, Auxiliary]:
         """The auxiliary parameters ``plan``'s steps train, ``{attribute: Auxiliary}`` (each also in :attr:`loss_state`); default none."""
