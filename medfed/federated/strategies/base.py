@@ -142,9 +142,10 @@ class TrainingPlan:
         also_steps: other slots whose optimisers step after ``slot``'s on
             every step, on the gradients the same loss gives their
             parameters (SuPerFed's local model, trained through the mixture).
-        data_pass: whether each step's loss passes its batch forward and
-            backward (one pass counted per step); False where the loss's
-            passes are those the half makes through
+        data_pass: how many times each step's loss passes its batch forward
+            and backward (counted per step): 1 (True), or 2 where the loss runs
+            two models on it (APFL: w's loss and the mixture's); 0 (False)
+            where the loss's passes are those the half makes through
             :meth:`~medfed.federated.site_view.SiteView.step` (pFedMe: its K
             inner steps per mini-batch; the outer step's loss has no forward pass).
         passes_per_step: where a step passes its batch up to this many times
@@ -166,7 +167,7 @@ class TrainingPlan:
     name: str | None = None
     data_order: str | None = None
     also_steps: tuple[str, ...] = ()
-    data_pass: bool = True
+    data_pass: int = 1
     passes_per_step: int = 1
     pass_budget: int | None = None
 

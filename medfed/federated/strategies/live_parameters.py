@@ -95,3 +95,13 @@ def training_loss_with(module: nn.Module, parameters: dict[str, torch.Tensor], b
     """
     wrapper = _TrainingStep(unwrap(module))
     return torch.func.functional_call(wrapper, {f"module.{name}": t for name, t in parameters.items()}, (batch,))
+
+
+def gradient_only(term: torch.Tensor) -> torch.Tensor:
+    """``term - sg(term)``: 0 in value (exactly, for a finite ``term``), ``term``'s gradient in everything it depends on.
+
+    Added to a step's loss, it trains what ``term`` depends on without changing
+    the loss the step reports (APFL's mixture loss, which trains v and alpha
+    beside w's reported loss).
+    """
+    return term - term.detach()
