@@ -56,7 +56,20 @@ def proximal_term(module: nn.Module, part: Part, centre: torch.Tensor, weight: f
     Returns:
         A scalar whose gradient in w is ``weight * (w - centre)``.
     """
-    return weight / 2.0 * squared_distance(module, part, centre)
+    return proximal_term_of(live_vector(module, part), centre, weight)
+
+
+def proximal_term_of(vector: torch.Tensor, centre: torch.Tensor, weight: float) -> torch.Tensor:
+    """``weight / 2 * ||vector - centre||^2`` of a live vector the caller already built (SuPerFed's w^f, used twice).
+
+    Args:
+        vector: ``(n,)``, differentiable (e.g. :func:`live_vector`).
+        centre: ``(n,)``, fixed.
+        weight: the term's weight.
+    """
+    return weight / 2.0 * (vector - centre).square().sum()
+
+
 def squared_distance(module: nn.Module, part: Part, centre: torch.Tensor) -> torch.Tensor:
     """||w - c||^2 of ``part``'s live parameters w and a fixed ``centre`` c, shape ``(size(part),)``.
 
