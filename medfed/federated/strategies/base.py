@@ -80,6 +80,23 @@ the budget. A strategy whose published protocol trains more than E (FedRep,
 Ditto, APFL, pFedMe, pFedNet) keeps it as ``strategy.<name>.preset:
 published`` (:mod:`medfed.options.presets`).
 
+*The local objective.* A step's loss (:meth:`SiteHalf.loss`, with
+:meth:`SiteHalf.regularizer`) is a pure function of the slots' parameters
+and buffers (read through ``site.module``), the batch, ``ctx``, the plan,
+the options and the half's declared per-site tensors,
+:attr:`SiteHalf.loss_state` (anchors, centres, auxiliary gradients), which
+the other hooks set and the loss never changes; it calls no ``backward``,
+steps no optimiser and registers no hook: the executor differentiates it.
+Extra trainable tensors of a half (APFL's alpha, APPLE's relationship
+vector) are auxiliary parameters (:meth:`SiteHalf.auxiliary`), which the
+executor differentiates with the slot and steps after its optimiser
+(:class:`Auxiliary`); further slots trained by the same loss are a plan's
+``also_steps``. A proximal term weight/2 ||w - centre||^2 is written once
+(:mod:`medfed.federated.strategies.proximal`). A half whose loss cannot be
+written so (pFedMe's inner solve, SuPerFed's per-step draw) names the reason
+in :attr:`SiteHalf.batchable` and trains one site at a time
+(``tests/test_pure_loss.py`` checks the rest under ``torch.func.vmap``).
+
 *Model slots.* A site holds one model per name in ``slots`` (parameters,
 buffers and optimiser state together, e.g. Ditto's ``global`` and
 ``personal``), all initialised from the run's seeded prototype (and adapted
