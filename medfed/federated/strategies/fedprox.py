@@ -34,8 +34,6 @@ With mu = 0 no term is added at all: FedProx is then FedAvg, bit for bit.
 
 from __future__ import annotations
 
-import torch
-
 from medfed.federated.strategies.base import DELIVER, Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
 from medfed.federated.strategies.proximal import Proximal, ProximalSite
