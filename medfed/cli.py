@@ -155,7 +155,7 @@ def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
         changes = {key: getattr(args, key) for key in ("strategies", "seeds", "metrics", "output") if getattr(args, key) is not None}
         if changes:
             values = {**vars(grid), **changes}
-            grid = make_grid(values["configs"], values["strategies"], values["seeds"], values["overrides"], values["metrics"], values["output"])
+            grid = make_grid(values["configs"], values["strategies"], values["seeds"], values["overrides"], values["metrics"], values["output"], grid.settings)
     else:
         output = args.output or f"outputs/compare/{'+'.join(Path(config).stem for config in args.config)}"
         grid, source = make_grid(args.config, args.strategies or "all", args.seeds or [0], [], args.metrics or [], output), "command line"

@@ -61,7 +61,7 @@ from typing import Any
 
 from medfed.atomic import atomic_write
 from medfed.compare.frontier import frontier_rows, plan_budgets
-from medfed.compare.grid import Grid, check_overrides
+from medfed.compare.grid import Grid, check_overrides, setting_of
 from medfed.compare.plan import Run, default_jobs, plan_runs
 from medfed.compare.runner import execute
 from medfed.compare.tables import (
@@ -69,7 +69,6 @@ from medfed.compare.tables import (
     write_csv,
 )
 from medfed.compare.tune import TuneSpec, check_tune, choose, chosen_overrides, collect_trials, plan_tuning, tuning_rows, tuning_section
-from medfed.config import find_config
 from medfed.errors import ConfigError
 
 
@@ -165,7 +164,7 @@ def _tune_and_compare(
     extra = chosen_overrides(chosen)
     runs = []
     for config in grid.configs:
-        setting = find_config(config).stem
+        setting = setting_of(grid, config)[0]
         for strategy in grid.strategies:
             one = replace(grid, configs=[config], strategies=[strategy])
             runs += plan_runs(one, overrides, jobs, announce=strategy == grid.strategies[0], extra=extra[(setting, strategy)])

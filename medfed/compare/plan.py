@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from medfed.checkpoint import FOLDER, checkpoints, config_differences
-from medfed.compare.grid import Grid
+from medfed.compare.grid import Grid, setting_of
 from medfed.components import resolve
-from medfed.config import find_config, load_config
+from medfed.config import load_config
 from medfed.errors import ConfigError, DataError
 
 VALIDATION_SPLIT = "federation.validation_fraction=0.2"
@@ -104,25 +104,25 @@ def plan_runs(
         DataError: a run folder's results.json or config.json is damaged (naming it).
     """
     threads = max(1, default_jobs() // (jobs or default_jobs()))
-    paths = {config: find_config(config) for config in grid.configs}
-    labels = [path.stem for path in paths.values()]
+    settings = [setting_of(grid, entry) for entry in grid.configs]
+    labels = [label for label, _, _ in settings]
     if len(set(labels)) != len(labels):
-        raise ConfigError(f"grid key 'configs': two configs share a file name ({', '.join(labels)}); the tables need distinct names")
+        raise ConfigError(f"grid key 'configs': two settings share a name ({', '.join(labels)}); the tables need distinct names")
     runs, without_validation = [], []
-    for config, path in paths.items():
+    for label, path, own in settings:
         for strategy in grid.strategies:
             for seed in grid.seeds:
-                folder = Path(path.stem, strategy, variant) if variant else Path(path.stem, strategy)
+                folder = Path(label, strategy, variant) if variant else Path(label, strategy)
                 output_dir = grid.output / folder / f"seed{seed}"
-                fixed = [*grid.overrides, *overrides, *extra, f"strategy.name={strategy}", f"trainer.seed={seed}", f"output_dir={output_dir}"]
+                fixed = [*grid.overrides, *own, *overrides, *extra, f"strategy.name={strategy}", f"trainer.seed={seed}", f"output_dir={output_dir}"]
                 where = f"{folder}/seed{seed}"
                 try:
                     resolved = resolve(load_config(path, [*fixed, f"trainer.num_threads={threads}"]))
                     if resolved.run.federation.validation_fraction <= 0:
                         fixed.append(VALIDATION_SPLIT)
                         resolved = resolve(load_config(path, [*fixed, f"trainer.num_threads={threads}"]))
-                        if path.stem not in without_validation:
-                            without_validation.append(path.stem)
+                        if label not in without_validation:
+                            without_validation.append(label)
                     _check_selectable(resolved.run.federation)
                     if holdout != "test":
                         fixed.append(f"federation.holdout={holdout}")
@@ -132,7 +132,7 @@ def plan_runs(
                     raise ConfigError(f"{where}: {error}") from None
                 log = grid.output / "logs" / folder / f"seed{seed}.log"
                 overrides_of_run = (*fixed, f"trainer.num_threads={run_threads}")
-                runs.append(Run(path.stem, path, strategy, seed, output_dir, overrides_of_run, run_threads, log, action, variant))
+                runs.append(Run(label, path, strategy, seed, output_dir, overrides_of_run, run_threads, log, action, variant))
     if without_validation and announce:
         print(
             f"medfed: compare: no validation split in {', '.join(without_validation)}: each of its runs chooses its sites' rounds "

@@ -36,11 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from medfed.compare.grid import Grid
+from medfed.compare.grid import Grid, setting_of
 from medfed.compare.plan import Run, plan_runs
 from medfed.compare.tables import Finished
 from medfed.components import resolve
-from medfed.config import find_config, load_config
+from medfed.config import load_config
 from medfed.errors import ConfigError, DataError
 from medfed.options.search import default_space
 
@@ -265,10 +265,10 @@ def plan_tuning(
     rounds = [f"trainer.rounds={spec.rounds}"] if spec.rounds is not None else []
     found, runs = [], []
     for config in grid.configs:
-        path = find_config(config)
+        label, path, own = setting_of(grid, config)
         for strategy in grid.strategies:
-            base = resolve(load_config(path, [*grid.overrides, *overrides, f"strategy.name={strategy}"])).config
-            for candidate in candidates(path.stem, strategy, space_of(strategy, spec), base):
+            base = resolve(load_config(path, [*grid.overrides, *own, *overrides, f"strategy.name={strategy}"])).config
+            for candidate in candidates(label, strategy, space_of(strategy, spec), base):
                 found.append(candidate)
                 one = replace(tuning, configs=[config], strategies=[strategy])
                 runs += plan_runs(
