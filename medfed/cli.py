@@ -5,6 +5,7 @@ and tabulates them (:mod:`medfed.compare`)::
 
     python -m medfed compare --grid table3_brats [key=value ...]
     python -m medfed compare --config brats_lack0 --strategies all --seeds 0 1 2 [key=value ...]
+    python -m medfed compare --config clinical_delta1 --strategies all --tune [--tune-space strategy.fedprox.mu=0.01,0.1,1]
 
 Overrides use OmegaConf's dot-list syntax (``trainer.rounds=3
 strategy.pfednet.lam=0.1``); unknown keys are rejected with the key named.

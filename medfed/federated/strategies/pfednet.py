@@ -43,7 +43,8 @@ equal``) each phase trains half of the round's budget E =
 phase continues the shared phase's data order, so together they take the
 steps of E epochs), and a part without parameters gives its half to the
 other: with the clinical logistic regression (all personal) the shared
-phase trains nothing and the personal phase trains E epochs. ``preset:
+phase trains nothing and the personal phase trains E epochs (``schedule: joint``: its one
+plan trains E epochs). ``preset:
 published`` (or ``full_epoch_per_phase: true``) gives each phase all of E,
 the paper's setting (2 E epochs of passes a round), as medfed shipped it
 before.
