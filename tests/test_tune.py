@@ -130,7 +130,7 @@ def test_the_tuner_never_reads_the_test_split_and_the_tables_name_the_chosen_val
 
 
 def _trial(setting, strategy, label, scores, planned=2):
-    return Trial(Candidate(setting, strategy, label, (f"model.lr={label}",)), scores, planned, 2.0 * len(scores), 1.0)
+    return Trial(Candidate(setting, strategy, (("lr", label),), (f"model.lr={label}",)), scores, planned, 2.0 * len(scores), 1.0)
 
 
 def test_choose_takes_the_highest_mean_over_tuning_seeds_the_first_of_equal_ones_and_only_complete_configurations():
@@ -189,6 +189,7 @@ def test_relative_values_multiply_the_configs_own_and_every_combination_is_one_c
         "lam=0.1_knn_k=1_lr=0.002", "lam=0.1_knn_k=1_lr=0.008", "lam=0.1_knn_k=2_lr=0.002", "lam=0.1_knn_k=2_lr=0.008",
     ]
     assert found[1].overrides == ("strategy.pfednet.lam=0.1", "strategy.pfednet.knn_k=1", "model.lr=0.008")
+    assert found[1].values == "lam=0.1 knn_k=1 lr=0.008"
 
 
 @pytest.mark.parametrize("strategy", STRATEGY_NAMES)

@@ -75,19 +75,24 @@ class Candidate:
 
     Attributes:
         setting, strategy: the cell.
-        label: its folder name, ``key=value`` joined by ``_`` (keys shortened to their last name).
+        shown: ``(name, value)`` per key, the key shortened to its last name where that is unambiguous.
         overrides: the ``key=value`` overrides it gives a run (relative values already multiplied).
     """
 
     setting: str
     strategy: str
-    label: str
+    shown: tuple[tuple[str, str], ...]
     overrides: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        """``mu=0.1_lr=0.003``: its folder name."""
+        return "_".join(f"{name}={value}" for name, value in self.shown)
 
     @property
     def values(self) -> str:
         """``mu=0.1 lr=0.003``: the configuration as the tables show it."""
-        return self.label.replace("_", " ")
+        return " ".join(f"{name}={value}" for name, value in self.shown)
 
 
 @dataclass(frozen=True)
@@ -244,8 +249,8 @@ def candidates(setting: str, strategy: str, space: dict[str, tuple[Any, ...]], c
         resolved_values.append(list(dict.fromkeys(row)))  # x1 of a config at 0.1 and 0.1 given beside it: once
     found = []
     for combination in itertools.product(*resolved_values):
-        label = "_".join(f"{name}={value}" for name, value in zip(names, combination))
-        found.append(Candidate(setting, strategy, label, tuple(f"{key}={value}" for key, value in zip(space, combination))))
+        shown = tuple(zip(names, combination))
+        found.append(Candidate(setting, strategy, shown, tuple(f"{key}={value}" for key, value in zip(space, combination))))
     return found
 
 
