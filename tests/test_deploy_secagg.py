@@ -1,0 +1,240 @@
+"""Secure aggregation: the server half gets only a sum, which gives FedAvg's aggregate; incompatible runs are refused.
+
+* In process, for every strategy declaring ``secure_sums``: a loop whose
+  server holds each phase's replies only as their weighted mean
+  (``ServerHalf.aggregate_summed``) ends where the ordinary loop ends, and
+  its server half is never handed a site's own reply.
+* ``python -m medfed deploy submit`` refuses, in one line and with exit
+  status 2, secure aggregation with a strategy that needs each site's vector
+  and with a compressing up codec, before any SuperLink is contacted.
+* On a real Flower federation on localhost (SuperLink, three SuperNodes and
+  their runners), FedAvg with ``deploy.secure_aggregation=true`` (Flower's
+  SecAgg+) and without: the probe ``tests/secagg_probe/sitecustomize.py``
+  records, in the ServerApp process, every call of the server half's
+  ``aggregate`` and ``aggregate_summed``. Secure: only summed replies reach
+  the server half (the one key ``SUMMED``, never a site index), and the
+  round-1 sum equals the plain run's sample-weighted mean of the sites'
+  replies within SecAgg+'s quantisation; the metrics agree to the same
+  tolerance. A site that refuses to send a vector SecAgg+ would clip drops
+  out and the others' sum goes on.
+"""
+
+import copy
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from medfed.federated.executor import InProcessSites, SummedReplies
+from medfed.federated.strategies import STRATEGIES
+from medfed.federated.strategies.base import SUMMED
+from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
+from toy_federation import BatchNormClassifier, build_loop, seeded, two_group_federation, with_a_body
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "clinical_delta1.yaml"
+SUMMABLE = sorted(name for name, cls in STRATEGIES.items() if cls.secure_sums)
+
+
+# ---------------------------------------------------------------------------- declarations and the loop
+def test_the_strategies_secure_aggregation_fits_declare_what_is_summed_and_the_others_declare_why_not():
+    assert {"fedavg", "fedprox", "fedper", "ditto", "pfedme", "superfed"} <= set(SUMMABLE)
+    for name, cls in STRATEGIES.items():
+        assert (cls.secure_aggregation_refusal is None) == bool(cls.secure_sums), name
+        assert set(cls.secure_sums) <= set(cls.phases), name
+    for name in ("pfednet", "fedamp", "ifca", "fpfc", "apple", "pgfed", "local", "pooled"):
+        assert not STRATEGIES[name].secure_sums
+
+
+class SummingSites(InProcessSites):
+    """The simulator's sites, the server holding each summed phase's replies only as their weighted mean (as SecAgg+ hands it)."""
+
+    def __init__(self, sites, links, secure_sums):
+        super().__init__(sites, links)
+        self.secure_sums = secure_sums
+        self.phase = None
+        self._summed = None
+
+    def work(self, work, messages, timing):
+        self.phase = work.phase
+        return super().work(work, messages, timing)
+
+    def replies(self, candidates):
+        received, refused = super().replies(candidates)
+        summed = self.secure_sums.get(self.phase)
+        if summed is None or not received:
+            return received, refused
+        weights = {index: 1.0 if summed.weight is None else float(reply.pop(summed.weight)) for index, reply in received.items()}
+        total = sum(weights.values())
+        keys = next(iter(received.values())).keys()
+        mean = {key: sum(weights[index] * reply[key].double() for index, reply in received.items()) / total for key in keys}
+        reply = {key: value.float() for key, value in mean.items()}
+        if summed.weight is not None:
+            reply[summed.weight] = torch.tensor([total])
+        self._summed = SummedReplies(reply, sorted(received))
+        return {}, refused
+
+    def summed_replies(self):
+        summed, self._summed = self._summed, None
+        return summed
+
+
+@pytest.mark.parametrize("name", SUMMABLE)
+def test_a_server_holding_only_the_weighted_sum_ends_where_the_ordinary_loop_ends(name):
+    federation = two_group_federation(n_sites=3, n_train=24, n_features=3)
+    model = with_a_body(name, BatchNormClassifier)
+
+    def loop():
+        return build_loop(name, federation, seeded(model, 3, 2), batch_size=8, update_norm_limit=None)
+
+    ordinary, summing = loop(), loop()
+    summing.executor = SummingSites(summing.sites, summing.links, STRATEGIES[name].secure_sums)
+    received = []
+    aggregate = summing.server.aggregate
+    summing.server.aggregate = lambda ctx, replies: (received.append({i: sorted(r) for i, r in replies.items()}), aggregate(ctx, replies))[1]
+    ordinary.fit(1)
+    summing.fit(1)
+    for key, value in ordinary.server.state_dict().items():  # the server step of the sum is the server step of the replies
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(summing.server.state_dict()[key], value, atol=1e-6, rtol=1e-5)
+    ordinary.fit(2)
+    summing.fit(2)
+    summed = [call for call in received if list(call) == [SUMMED]]
+    assert len(summed) == 2 and all(not keys for call in received if call not in summed for keys in call.values()), received
+    # never a site's own non-empty reply (L2GD's mix phase replies with nothing, which needs no sum)
+    for expected, got in zip(ordinary.history, summing.history):
+        for site, metrics in expected["metrics"].items():
+            assert got["metrics"][site] == pytest.approx(metrics, abs=1e-4), (name, site)
+
+
+# ---------------------------------------------------------------------------- refusals before any site is contacted
+def _run_config(tmp_path: Path, overrides: str) -> dict:
+    return {"config": str(CONFIG), "overrides": f"federation.label_ratio=null deploy.secure_aggregation=true {overrides}",
+            "output-dir": str(tmp_path / "out"), "run-name": "refused", "reply-timeout-s": 10.0, "resume": False}
+
+
+def test_the_servers_check_refuses_every_strategy_declaring_a_refusal_and_every_compressing_up_codec(tmp_path):
+    pytest.importorskip("flwr")
+    from medfed.config import CODEC_NAMES
+    from medfed.deploy.server_app import run_settings
+    from medfed.errors import ConfigError
+
+    for name, cls in STRATEGIES.items():
+        if name == "pooled":
+            continue  # refused in a deployment whatever the secure aggregation
+        if cls.secure_aggregation_refusal is None:
+            assert run_settings(_run_config(tmp_path, f"strategy.name={name}")).resolved.run.deploy.secure_aggregation
+        else:
+            with pytest.raises(ConfigError, match=f"^config key 'deploy.secure_aggregation': strategy '{name}' cannot"):
+                run_settings(_run_config(tmp_path, f"strategy.name={name}"))
+    for codec in CODEC_NAMES:
+        for direction in ("up", "down"):
+            overrides = f"strategy.name=fedavg codec.{direction}={codec}"
+            if direction == "up" and codec != "dense":
+                with pytest.raises(ConfigError, match="^" + re.escape(f"config key 'codec.up' = '{codec}': secure aggregation masks dense vectors")):
+                    run_settings(_run_config(tmp_path, overrides))
+            else:
+                run_settings(_run_config(tmp_path, overrides))
+    with pytest.raises(ConfigError, match="^config key 'deploy.secure_aggregation': 1 site"):
+        run_settings(_run_config(tmp_path, "strategy.name=fedavg federation.participation=0.3"))
+
+
+@pytest.mark.parametrize("override, named", [
+    ("strategy.name=pfednet", "config key 'deploy.secure_aggregation': strategy 'pfednet' cannot be securely aggregated: its server step needs each site's own vector"),
+    ("strategy.name=fedavg codec.up=cer+stc", "config key 'codec.up' = 'cer+stc': secure aggregation masks dense vectors"),
+])
+def test_deploy_submit_refuses_a_secure_run_it_cannot_have_in_one_line_with_status_2_before_contacting_anything(tmp_path, override, named):
+    pytest.importorskip("flwr")
+    overrides = f"federation.label_ratio=null deploy.secure_aggregation=true {override}"
+    run_config = (f'config="{CONFIG}" overrides="{overrides}" output-dir="{tmp_path / "out"}" run-name="refused"')
+    home = tmp_path / "flwr-home"  # no SuperLink connection at all: contacting one would fail differently
+    command = [sys.executable, "-m", "medfed", "deploy", "submit", str(REPO), "nowhere", "--run-config", run_config]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "FLWR_HOME": str(home)})
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"medfed: error: {named}"), done.stderr
+    assert done.stdout == "" and not (tmp_path / "out").exists() and not home.exists()
+
+
+# ---------------------------------------------------------------------------- a real federation on localhost
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory):
+    pytest.importorskip("flwr")
+    from medfed.config import FederationConfig
+    from medfed.deploy.local import LocalFederation
+    from medfed.tasks import clinical
+
+    tmp = tmp_path_factory.mktemp("secagg")
+    probe = tmp / "probe"
+    probe.mkdir()
+    csv = tmp / "all" / "breast_cancer.csv"
+    files = clinical.site_records(clinical.Options(csv=str(csv)), FederationConfig(n_sites=3), 0, tmp / "sites")
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO / 'tests' / 'secagg_probe'}{os.pathsep}{REPO}", "MEDFED_SECAGG_PROBE": str(probe)}
+    with LocalFederation(tmp / "flwr", env=env) as local:  # stops every process it started, whatever happens
+        local.start_superlink()
+        for index, file in enumerate(files):
+            local.start_supernode(index, file.parent, state_dir=str(tmp / f"state{index}"))
+        yield local, csv, tmp, probe
+
+
+def _deploy(federation, name: str, *extra: str) -> tuple[dict, list[dict], float]:
+    """One run on the federation: its results, the probe's record of the server half's calls, its wall time."""
+    local, csv, tmp, probe = federation
+    for old in probe.iterdir():
+        old.unlink()
+    overrides = [f"data.csv={csv}", "federation.n_sites=3", "federation.label_ratio=null", "trainer.rounds=2",
+                 "trainer.num_threads=1", "logger.wandb=disabled", "strategy.name=fedavg", *extra]
+    run_config = {"config": str(CONFIG), "overrides": " ".join(overrides), "output-dir": str(tmp / name), "run-name": name,
+                  "reply-timeout-s": 120.0}
+    tic = time.perf_counter()
+    log = local.run(REPO, run_config, 400)
+    wall = time.perf_counter() - tic
+    path = tmp / name / "results.json"
+    assert path.is_file(), f"the run wrote no results.json; its log ends:\n{log[-3000:]}"
+    calls = [torch.load(file, weights_only=True) for file in sorted(probe.iterdir())]
+    return json.loads(path.read_text()), calls, wall
+
+
+def _weighted_mean(replies: dict) -> dict:
+    total = sum(float(reply["num_samples"]) for reply in replies.values())
+    return {key: sum(float(reply["num_samples"]) * reply[key].double() for reply in replies.values()) / total
+            for key in ("all", "buffers") if key in next(iter(replies.values()))}
+
+
+@pytest.mark.deploy
+def test_fedavg_with_secagg_plus_gives_the_server_half_only_the_sum_and_the_plain_runs_aggregate(federation):
+    plain, plain_calls, plain_s = _deploy(federation, "plain")
+    secure, secure_calls, secure_s = _deploy(federation, "secure", "deploy.secure_aggregation=true")
+    print(f"\nround times, this machine: plain {[r['timing']['round_s'] for r in plain['history']]} s (run {plain_s:.1f} s), "
+          f"SecAgg+ {[r['timing']['round_s'] for r in secure['history']]} s (run {secure_s:.1f} s)")
+
+    # the plain run's server half gets every site's own reply; the secure one's never does
+    assert [call["keys"] for call in plain_calls] == [[0, 1, 2], [0, 1, 2]]
+    assert [call["method"] for call in secure_calls] == ["aggregate_summed", "aggregate"] * 2
+    assert all(call["keys"] == [SUMMED] for call in secure_calls if call["method"] == "aggregate")
+    summed = secure_calls[0]["summed"]
+    assert float(summed["num_samples"]) == sum(float(r["num_samples"]) for r in plain_calls[0]["replies"].values())
+
+    # round 1 trains from the same model at every site in both runs: the sum is the plain weighted mean, quantised
+    expected = _weighted_mean(plain_calls[0]["replies"])
+    assert set(summed) == {*expected, "num_samples"}
+    for key, mean in expected.items():
+        error = float((summed[key].double() - mean).abs().max())
+        assert error < 1e-4, (key, error)
+        assert mean.numel() == 0 or not any(
+            torch.allclose(summed[key].double(), reply[key].double(), atol=1e-3) for reply in plain_calls[0]["replies"].values()
+        )
+
+    for ours, theirs in zip(secure["history"], plain["history"]):
+        assert ours["participants"] == theirs["participants"] and ours["failures"] == theirs["failures"] == []
+        for site, metrics in theirs["metrics"].items():
+            assert ours["metrics"][site] == pytest.approx(metrics, abs=2e-3), site
+        assert all(ours["bytes"][site]["up"] > 0 for site in ours["bytes"])
