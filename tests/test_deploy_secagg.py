@@ -143,7 +143,7 @@ def test_the_servers_check_refuses_every_strategy_declaring_a_refusal_and_every_
             else:
                 run_settings(_run_config(tmp_path, overrides))
     with pytest.raises(ConfigError, match="^config key 'deploy.secure_aggregation': 1 site"):
-        run_settings(_run_config(tmp_path, "strategy.name=fedavg federation.participation=0.3"))
+        run_settings(_run_config(tmp_path, "strategy.name=fedavg federation.n_sites=3 federation.participation=0.3"))
 
 
 @pytest.mark.parametrize("override, named", [
@@ -227,7 +227,8 @@ def test_fedavg_with_secagg_plus_gives_the_server_half_only_the_sum_and_the_plai
     expected = _weighted_mean(plain_calls[0]["replies"])
     assert set(summed) == {*expected, "num_samples"}
     for key, mean in expected.items():
-        error = float((summed[key].double() - mean).abs().max())
+        assert summed[key].shape == mean.shape
+        error = float((summed[key].double() - mean).abs().max()) if mean.numel() else 0.0
         assert error < 1e-4, (key, error)
         assert mean.numel() == 0 or not any(
             torch.allclose(summed[key].double(), reply[key].double(), atol=1e-3) for reply in plain_calls[0]["replies"].values()
@@ -238,3 +239,18 @@ def test_fedavg_with_secagg_plus_gives_the_server_half_only_the_sum_and_the_plai
         for site, metrics in theirs["metrics"].items():
             assert ours["metrics"][site] == pytest.approx(metrics, abs=2e-3), site
         assert all(ours["bytes"][site]["up"] > 0 for site in ours["bytes"])
+
+
+@pytest.mark.deploy
+def test_sites_that_would_be_clipped_drop_out_so_secagg_halts_and_the_round_fails_without_a_sum(federation):
+    # A clipping range no weighted entry fits: every site refuses to send a clipped vector (an error at SecAgg+'s
+    # collect stage), too few are left to unmask, nothing is aggregated, and every site fails the round with the reason.
+    results, calls, _ = _deploy(federation, "clipped", "deploy.secure_aggregation=true", "deploy.clipping_range=1e-9",
+                                "federation.max_consecutive_failures=null", "trainer.rounds=1")
+    assert calls == []  # the server half received nothing
+    (record,) = results["history"]
+    assert sorted(failure["site"] for failure in record["failures"]) == ["site0", "site1", "site2"]
+    for failure in record["failures"]:
+        assert failure["phase"] == "fit" and failure["reason"].startswith("secure aggregation, collect masked vectors stage: ")
+        assert f"{failure['site']}: its weighted reply reaches" in failure["reason"] and "clipping range +-1e-09" in failure["reason"]
+    assert all(record["bytes"][site]["up"] == 0 for site in record["bytes"])

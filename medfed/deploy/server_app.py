@@ -132,6 +132,7 @@ class FlowerSites:
         self.secure_sums = secure_sums or {}
         self.device = torch.device("cpu")  # where a summed reply's vectors go (the run's device: serve sets it)
         self._summed: SummedReplies | None = None
+        self._summing = False  # the phase under way is securely summed: no reply of its own per site
         self.names = [f"site{index}" for index in range(n_sites)]
         self.config_yaml = config_yaml
         self.timeout_s = timeout_s
@@ -258,6 +259,7 @@ class FlowerSites:
     def _secure_work(self, work: PhaseWork, request: dict[str, Any], wires: dict[int, dict[str, Wire]], timing: dict[str, float]) -> dict[int, SiteResult]:
         """A securely summed phase: the requests ride inside a round of SecAgg+; each site's plain fields, the sum kept
         for :meth:`summed_replies`. The masked vectors' bytes count as the sites' up traffic."""
+        self._summing = True
         max_weight = max(self.declared_samples[index] for index in wires)
         request = {**request, "secure": True, "max_weight": max_weight, "clipping_range": self.secure.options.clipping_range}
         records = {index: self._content(index, (request, wire))[0] for index, wire in wires.items()}
@@ -300,6 +302,10 @@ class FlowerSites:
         return summed
 
     def replies(self, candidates: list[int]) -> tuple[dict[int, Payload], dict[int, str]]:
+        """The candidates' replies, decoded; none in a securely summed phase (the server holds only their sum)."""
+        if self._summing:
+            self._summing = False
+            return {}, {}
         waiting, self._waiting = self._waiting, {}
         received, refused = {}, {}
         for index in candidates:
