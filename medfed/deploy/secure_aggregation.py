@@ -281,8 +281,12 @@ class FlowerSecAgg:
             modulus_range=options.modulus_range, timeout=self.timeout_s,
         )
         log = _StageLog(self.grid)
-        workflow(log, context)
         outcome = SecureOutcome()
+        try:
+            workflow(log, context)
+        except Exception as error:  # e.g. a site's masked vector of another shape: the sum cannot be made
+            outcome.dropped = {index: f"secure aggregation failed: {type(error).__name__}: {error}"[:1000] for index in requests}
+            return outcome
         in_sum = {proxy.node_id: fitres for proxy, fitres in strategy.results}
         for node, index in site_of_node.items():
             if node not in in_sum:
