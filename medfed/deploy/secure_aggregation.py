@@ -177,12 +177,14 @@ class SecureOutcome:
         mean: the unmasked weighted mean of the vectors, in the sites' key
             order, or None where SecAgg+ halted (too few sites answered).
         weight: the total weight of the sum (the plain weights of the sites in it).
+        in_sum: the sites whose masked vectors are in the sum.
     """
 
     plain: dict[int, dict[str, Any]] = field(default_factory=dict)
     dropped: dict[int, str] = field(default_factory=dict)
     mean: list[np.ndarray] | None = None
     weight: float = 0.0
+    in_sum: list[int] = field(default_factory=list)
 
 
 class _StageLog:
@@ -301,6 +303,7 @@ class FlowerSecAgg:
         if strategy.aggregated and in_sum:
             outcome.mean = parameters_to_ndarrays(next(iter(in_sum.values())).parameters)
             outcome.weight = float(sum(fitres.num_examples for fitres in in_sum.values()))
+            outcome.in_sum = sorted(site_of_node[node] for node in in_sum)
         else:  # halted: nobody's work counts
             for index in outcome.plain:
                 outcome.dropped.setdefault(index, _halted(log, len(requests)))
@@ -329,8 +332,8 @@ def _plain_reply(fitres: FitRes, index: int) -> dict[str, Any]:
     """A site's plain reply (:data:`PLAIN`) and its weight, checked.
 
     Raises:
-        MessageError: naming the site: not one JSON text of :data:`PLAIN`, another site's index, or a weight that is
-            not a whole number >= 0.
+        MessageError: naming the site: not one JSON text of :data:`PLAIN`, another site's index, vector keys or
+            shapes that are not strings and lists of sizes, or a weight that is not a whole number >= 0.
     """
     name = f"site{index}"
     try:
@@ -344,6 +347,10 @@ def _plain_reply(fitres: FitRes, index: int) -> dict[str, Any]:
         expect(plain, PLAIN, "secure aggregation reply")
         if plain["site_index"] != index:
             raise MessageError(f"secure aggregation reply: site-index {plain['site_index']}, expected {index}")
+        keys, shapes = plain["keys"], plain["shapes"]
+        if (len(keys) != len(shapes) or not all(isinstance(key, str) for key in keys)
+                or not all(isinstance(shape, list) and all(isinstance(size, int) and size >= 0 for size in shape) for shape in shapes)):
+            raise MessageError("secure aggregation reply: expected vector keys (strings) and one shape (whole numbers >= 0) each")
         weight = fitres.num_examples
         if isinstance(weight, bool) or not isinstance(weight, int) or weight < 0:
             raise MessageError(f"secure aggregation reply: weight {weight!r} is not a whole number >= 0")

@@ -57,6 +57,15 @@ that round, its metrics of the round missing (NaN, ``null`` in
 results.json). A site that cannot go back to a resumed run's round ends the
 run with one line naming it.
 
+*Secure aggregation* (``deploy.secure_aggregation``): a phase the strategy
+declares in ``secure_sums`` runs as one round of Flower's SecAgg+
+(:mod:`medfed.deploy.secure_aggregation`): the work requests ride inside it,
+each site's plain fields come back per site, its vectors only as the
+participants' weighted sum, which the loop hands to the server half's
+``aggregate_summed`` (:meth:`FlowerSites.summed_replies`). A site that drops
+out of the protocol fails the phase with the stage named; the masked
+vectors' bytes are the sites' up traffic.
+
 Round trips are what a deployment waits for (a SuperNode looks for messages
 every 3 s when idle): one per phase and one per round's delivery and
 evaluation, plus the query and the setup; the delivery of round 0, which
@@ -268,6 +277,9 @@ class FlowerSites:
         weight_key = self.secure_sums[work.phase].weight
         layouts = set()
         for index, plain in outcome.plain.items():
+            link = self.links[index]  # a masked vector's bytes, and its float32 size, are the site's up traffic
+            link.bytes_sent["up"] += plain["masked_bytes"]
+            link.dense_bytes["up"] += 4 * sum(math.prod(shape) for shape in plain["shapes"])
             try:
                 reply = dict(plain["reply"])
                 train_s = reply.get("train_s")
@@ -279,9 +291,6 @@ class FlowerSites:
                 continue
             timing["train_s"] += train_s
             layouts.add(json.dumps([plain["keys"], plain["shapes"]]))
-            link = self.links[index]
-            link.bytes_sent["up"] += plain["masked_bytes"]
-            link.dense_bytes["up"] += 4 * (1 + sum(math.prod(shape) for shape in plain["shapes"]))
         self._summed = None
         if outcome.mean is not None:
             fault = _sum_fault(outcome.mean, outcome.weight, layouts)
@@ -293,7 +302,7 @@ class FlowerSites:
             reply = {key: torch.as_tensor(vector, dtype=torch.float32).to(self.device) for key, vector in zip(keys, outcome.mean)}
             if weight_key is not None:
                 reply[weight_key] = torch.tensor([outcome.weight], dtype=torch.float32, device=self.device)
-            self._summed = SummedReplies(reply, sorted(outcome.plain))
+            self._summed = SummedReplies(reply, outcome.in_sum)
         return results
 
     def summed_replies(self) -> SummedReplies | None:
