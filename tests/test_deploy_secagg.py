@@ -164,6 +164,52 @@ def test_deploy_submit_refuses_a_secure_run_it_cannot_have_in_one_line_with_stat
     assert done.stdout == "" and not (tmp_path / "out").exists() and not home.exists()
 
 
+# ---------------------------------------------------------------------------- a site's half
+def _site(tmp_path: Path, secure: bool, require_secure: bool):
+    """Site 1 of the clinical federation (FedAvg) built from its own records, the server's end of its link, the model."""
+    pytest.importorskip("flwr")
+    from medfed.config import FederationConfig, to_yaml
+    from medfed.deploy.server_app import run_settings
+    from medfed.deploy.worker import SiteWorker
+    from medfed.tasks import clinical
+
+    csv = tmp_path / "all" / "breast_cancer.csv"
+    files = clinical.site_records(clinical.Options(csv=str(csv)), FederationConfig(n_sites=3), 0, tmp_path / "sites")
+    run_config = _run_config(tmp_path, f"federation.n_sites=3 data.csv={csv} strategy.name=fedavg deploy.secure_aggregation={secure}")
+    config = run_settings(run_config).resolved.config
+    worker = SiteWorker(to_yaml(config), 1, files[1].parent, tmp_path / "state", require_secure=require_secure)
+    server = copy.deepcopy(worker.link)
+    return worker, server, {"all": worker.site.slot(worker.site.evaluated_slot).module.get_vector("all").clone()}
+
+
+def test_a_site_requiring_secure_aggregation_joins_no_plain_run_and_sends_nothing_in_the_clear(tmp_path):
+    with pytest.raises(ValueError, match="^site1 takes part only in runs with secure aggregation .*require-secure-aggregation=true"):
+        _site(tmp_path / "plain", secure=False, require_secure=True)
+    worker, server, model = _site(tmp_path / "secure", secure=True, require_secure=True)
+    work = {"kind": "work", "round": 1, "phase_index": 0, "phase": "fit", "local_epochs": 1}
+    [(fields, wire)] = worker.handle(1, [(work, server.encode("down", model))])  # asked in the clear: refused
+    assert fields == {"error": "site1 sends its replies only under secure aggregation (its node config "
+                               "require-secure-aggregation=true), and this one was asked in the clear"} and wire == {}
+
+
+def test_a_site_hands_secagg_its_plain_vectors_and_weight_and_refuses_a_vector_it_would_clip(tmp_path):
+    worker, server, model = _site(tmp_path, secure=True, require_secure=False)
+    n = worker.description["num_samples"]
+    work = {"kind": "work", "round": 1, "phase_index": 0, "phase": "fit", "local_epochs": 1, "secure": True, "max_weight": n,
+            "clipping_range": 8.0}
+    before = copy.deepcopy(worker.link.state_dict())
+    [(fields, vectors)] = worker.handle(1, [(work, server.encode("down", model))])
+    assert fields["weight"] == n and set(fields) == {"losses", "non_finite", "compute", "train_s", "weight"}
+    trained = worker.site.slot(worker.site.evaluated_slot).module
+    assert set(vectors) == {"all", "buffers"} and torch.equal(vectors["all"], trained.get_vector("all").float().cpu())
+    assert worker.link.state_dict()["bytes_sent"]["up"] == before["bytes_sent"]["up"] == 0  # never coded by the link
+    tight = {**work, "round": 2, "clipping_range": 1e-9}
+    [(fields, vectors)] = worker.handle(2, [(tight, server.encode("down", model))])
+    largest = float(trained.get_vector("all").abs().max())
+    assert fields == {"error": f"site1: its weighted reply reaches {largest:.4g}, outside SecAgg+'s clipping range +-1e-09 "
+                               "(deploy.clipping_range); it sends no clipped vector"} and vectors == {}
+
+
 # ---------------------------------------------------------------------------- a real federation on localhost
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory):

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,17 +189,32 @@ class SecureOutcome:
 
 
 class _StageLog:
-    """The Grid as SecAgg+ uses it (``send_and_receive``), noting for each stage who was asked and who answered how."""
+    """The Grid as SecAgg+ uses it (``send_and_receive``), noting for each stage who was asked and who answered how.
 
-    def __init__(self, grid: Grid) -> None:
+    It waits for the replies as Flower's ``send_and_receive`` does, but looks
+    every ``poll_s`` (the ServerApp's :data:`~medfed.deploy.server_app.POLL_S`)
+    where Flower's looks every 3 s: each of SecAgg+'s four stages is a round trip.
+    """
+
+    def __init__(self, grid: Grid, poll_s: float) -> None:
         self.grid = grid
+        self.poll_s = poll_s
         self.asked: list[set[int]] = []
         self.answers: list[dict[int, Message]] = []
 
     def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> list[Message]:
         messages = list(messages)
-        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
         self.asked.append({message.metadata.dst_node_id for message in messages})
+        waiting = set(self.grid.push_messages(messages))
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        replies: list[Message] = []
+        while waiting:
+            pulled = list(self.grid.pull_messages(waiting))
+            replies.extend(pulled)
+            waiting.difference_update(reply.metadata.reply_to_message_id for reply in pulled)
+            if not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(self.poll_s)
         self.answers.append({reply.metadata.src_node_id: reply for reply in replies})
         return replies
 
@@ -257,10 +273,11 @@ class FlowerSecAgg:
         run_id: the run's Flower id.
         options: ``deploy``'s SecAgg+ settings.
         timeout_s: how long each of the four stages waits for the sites' replies.
+        poll_s: seconds between the server's looks for replies while it waits.
     """
 
-    def __init__(self, grid: Grid, run_id: int, options: DeployConfig, timeout_s: float) -> None:
-        self.grid, self.run_id, self.options, self.timeout_s = grid, run_id, options, timeout_s
+    def __init__(self, grid: Grid, run_id: int, options: DeployConfig, timeout_s: float, poll_s: float) -> None:
+        self.grid, self.run_id, self.options, self.timeout_s, self.poll_s = grid, run_id, options, timeout_s, poll_s
 
     def run(self, requests: dict[int, RecordDict], node_of_site: dict[int, int], round_index: int, max_weight: int) -> SecureOutcome:
         """Send each site its request inside SecAgg+; the plain replies, the dropouts and the weighted mean.
@@ -282,7 +299,7 @@ class FlowerSecAgg:
             clipping_range=options.clipping_range, quantization_range=options.quantization_range,
             modulus_range=options.modulus_range, timeout=self.timeout_s,
         )
-        log = _StageLog(self.grid)
+        log = _StageLog(self.grid, self.poll_s)
         outcome = SecureOutcome()
         try:
             workflow(log, context)

@@ -731,7 +731,7 @@ def serve(grid: Grid, settings: RunSettings, resumed: dict[str, Any] | None, run
         torch.set_num_threads(trainer.num_threads)
     started = time.perf_counter()
 
-    secure = FlowerSecAgg(grid, run_id, run.deploy, settings.reply_timeout_s) if run.deploy.secure_aggregation else None
+    secure = FlowerSecAgg(grid, run_id, run.deploy, settings.reply_timeout_s, POLL_S) if run.deploy.secure_aggregation else None
     sites = FlowerSites(
         grid, run.federation.n_sites, to_yaml(config), settings.reply_timeout_s, secure, resolved.strategy_cls.secure_sums
     )
