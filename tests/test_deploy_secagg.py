@@ -260,7 +260,8 @@ def test_fedavg_with_secagg_plus_gives_the_server_half_only_the_sum_and_the_plai
     plain, plain_calls, plain_s = _deploy(federation, "plain")
     secure, secure_calls, secure_s = _deploy(federation, "secure", "deploy.secure_aggregation=true")
     print(f"\nround times, this machine: plain {[r['timing']['round_s'] for r in plain['history']]} s (run {plain_s:.1f} s), "
-          f"SecAgg+ {[r['timing']['round_s'] for r in secure['history']]} s (run {secure_s:.1f} s)")
+          f"SecAgg+ {[r['timing']['round_s'] for r in secure['history']]} s (run {secure_s:.1f} s); round-1 bytes of site0: "
+          f"plain {plain['history'][0]['bytes']['site0']}, SecAgg+ {secure['history'][0]['bytes']['site0']}")
 
     # the plain run's server half gets every site's own reply; the secure one's never does
     assert [call["keys"] for call in plain_calls] == [[0, 1, 2], [0, 1, 2]]

@@ -63,7 +63,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.common import Code, FitIns, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.compat.common.recorddict_compat import fitres_to_recorddict
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.compat.grid_client_proxy import GridClientProxy
@@ -172,7 +172,7 @@ class SecureOutcome:
     Attributes:
         plain: per site whose masked vector is in the sum, its plain reply
             (fields, the vector keys and shapes it declared, its weight) and the
-            bytes of its masked vector.
+            bytes it sent in SecAgg+'s records (``secagg_bytes``).
         dropped: per site that is not in the sum, or whose plain reply is
             malformed, why (the stage it dropped out in and the reason).
         mean: the unmasked weighted mean of the vectors, in the sites' key
@@ -230,10 +230,16 @@ class _StageLog:
                 return f"secure aggregation, {STAGES[stage]} stage: {reply.error.reason}"
         return None
 
-    def masked_bytes(self, node: int) -> int:
-        """The bytes of ``node``'s masked vector (its reply in the collect stage)."""
-        reply = self.answers[2][node]
-        return sum(len(data) for data in reply.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS])
+    def sent_bytes(self, node: int) -> int:
+        """The bytes ``node`` sent in SecAgg+'s records: its public keys, encrypted shares, masked vector and unmask shares."""
+        total = 0
+        for answers in self.answers:
+            reply = answers.get(node)
+            if reply is None or reply.has_error() or RECORD_KEY_CONFIGS not in reply.content.config_records:
+                continue
+            for value in reply.content.config_records[RECORD_KEY_CONFIGS].values():
+                total += sum(len(item) for item in (value if isinstance(value, list) else [value]) if isinstance(item, bytes))
+        return total
 
 
 class _PhaseStrategy(FlowerStrategy):
@@ -314,7 +320,7 @@ class FlowerSecAgg:
                 continue
             try:
                 outcome.plain[index] = _plain_reply(in_sum[node], index)
-                outcome.plain[index]["masked_bytes"] = log.masked_bytes(node)
+                outcome.plain[index]["secagg_bytes"] = log.sent_bytes(node)
             except MessageError as error:
                 outcome.dropped[index] = f"malformed reply: {error} (its masked vector is in the sum: none can be taken out)"
         if strategy.aggregated and in_sum:

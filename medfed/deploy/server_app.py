@@ -63,8 +63,8 @@ declares in ``secure_sums`` runs as one round of Flower's SecAgg+
 each site's plain fields come back per site, its vectors only as the
 participants' weighted sum, which the loop hands to the server half's
 ``aggregate_summed`` (:meth:`FlowerSites.summed_replies`). A site that drops
-out of the protocol fails the phase with the stage named; the masked
-vectors' bytes are the sites' up traffic.
+out of the protocol fails the phase with the stage named; what a site
+sent in SecAgg+'s records (keys, shares, masked vector) is its up traffic.
 
 Round trips are what a deployment waits for (a SuperNode looks for messages
 every 3 s when idle): one per phase and one per round's delivery and
@@ -267,7 +267,7 @@ class FlowerSites:
 
     def _secure_work(self, work: PhaseWork, request: dict[str, Any], wires: dict[int, dict[str, Wire]], timing: dict[str, float]) -> dict[int, SiteResult]:
         """A securely summed phase: the requests ride inside a round of SecAgg+; each site's plain fields, the sum kept
-        for :meth:`summed_replies`. The masked vectors' bytes count as the sites' up traffic."""
+        for :meth:`summed_replies`. What each site sent in SecAgg+'s records counts as its up traffic."""
         self._summing = True
         max_weight = max(self.declared_samples[index] for index in wires)
         request = {**request, "secure": True, "max_weight": max_weight, "clipping_range": self.secure.options.clipping_range}
@@ -277,9 +277,9 @@ class FlowerSites:
         weight_key = self.secure_sums[work.phase].weight
         layouts = set()
         for index, plain in outcome.plain.items():
-            link = self.links[index]  # a masked vector's bytes, and its float32 size, are the site's up traffic
-            link.bytes_sent["up"] += plain["masked_bytes"]
-            link.dense_bytes["up"] += 4 * sum(math.prod(shape) for shape in plain["shapes"])
+            link = self.links[index]  # SecAgg+'s bytes (keys, shares, masked vector) are the site's up traffic; dense: float32
+            link.bytes_sent["up"] += plain["secagg_bytes"]
+            link.dense_bytes["up"] += 4 * (sum(math.prod(shape) for shape in plain["shapes"]) + (weight_key is not None))
             try:
                 reply = dict(plain["reply"])
                 train_s = reply.get("train_s")
