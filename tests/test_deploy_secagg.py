@@ -1,27 +1,34 @@
 """Secure aggregation: the server half gets only a sum, which gives FedAvg's aggregate; incompatible runs are refused.
 
+* Declarations: a strategy declares ``secure_sums`` exactly where it
+  declares no ``secure_aggregation_refusal``.
 * In process, for every strategy declaring ``secure_sums``: a loop whose
-  server holds each phase's replies only as their weighted mean
-  (``ServerHalf.aggregate_summed``) ends where the ordinary loop ends, and
-  its server half is never handed a site's own reply.
-* ``python -m medfed deploy submit`` refuses, in one line and with exit
-  status 2, secure aggregation with a strategy that needs each site's vector
-  and with a compressing up codec, before any SuperLink is contacted.
+  server holds each summed phase's replies only as their weighted mean
+  (``ServerHalf.aggregate_summed``) ends round 1 with the ordinary loop's
+  server state and round 2 with its metrics, and its server half is never
+  handed a site's own non-empty reply.
+* The server's check refuses every strategy with a refusal and every
+  compressing up codec (any down codec passes), and a round of one site;
+  ``python -m medfed deploy submit`` refuses pFedNet and ``codec.up=cer+stc``
+  in one line with exit status 2, before any SuperLink is contacted.
+* A site's half: with ``require-secure-aggregation`` it joins no plain run
+  and answers no plain work request; it hands SecAgg+ its plain vectors and
+  weight, never coded by its link, and refuses a vector SecAgg+ would clip.
 * On a real Flower federation on localhost (SuperLink, three SuperNodes and
-  their runners), FedAvg with ``deploy.secure_aggregation=true`` (Flower's
-  SecAgg+) and without: the probe ``tests/secagg_probe/sitecustomize.py``
-  records, in the ServerApp process, every call of the server half's
-  ``aggregate`` and ``aggregate_summed``. Secure: only summed replies reach
-  the server half (the one key ``SUMMED``, never a site index), and the
-  round-1 sum equals the plain run's sample-weighted mean of the sites'
-  replies within SecAgg+'s quantisation; the metrics agree to the same
-  tolerance. A site that refuses to send a vector SecAgg+ would clip drops
-  out and the others' sum goes on.
+  their runners; ``deploy`` marker), FedAvg without and with
+  ``deploy.secure_aggregation=true`` (Flower's SecAgg+): the probe
+  ``tests/secagg_probe/sitecustomize.py`` records, in the ServerApp process,
+  every call of the server half's ``aggregate`` and ``aggregate_summed``.
+  Secure: only the summed reply reaches the server half (the one key
+  ``SUMMED``, never a site index), and its round-1 vectors equal the plain
+  run's sample-weighted mean of the sites' replies within 1e-4 (SecAgg+'s
+  quantisation); the metrics agree within 2e-3. With a clipping range no
+  reply fits, every site drops out at the collect stage with its reason,
+  SecAgg+ halts, the server half receives nothing and the run goes on.
 """
 
 import copy
 import json
-import math
 import os
 import re
 import subprocess

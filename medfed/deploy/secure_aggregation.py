@@ -57,13 +57,13 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.common import Code, FitIns, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
-from flwr.compat.common.recorddict_compat import fitres_to_recorddict
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.compat.common.recorddict_compat import fitres_to_recorddict
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.compat.grid_client_proxy import GridClientProxy
@@ -78,6 +78,9 @@ from medfed.config import DeployConfig
 from medfed.deploy.records import MAX_JSON_CHARS, STYPE, expect
 from medfed.errors import ConfigError, MessageError
 
+if TYPE_CHECKING:
+    from medfed.components import ResolvedRun
+
 STAGES = ("setup", "share keys", "collect masked vectors", "unmask")
 """SecAgg+'s stages, in the order the server runs them (one round trip each)."""
 FIT_CONFIG = "fitins.config"
@@ -86,7 +89,7 @@ WIRE_PREFIX = "wire:"
 """The config keys of the request's codec streams: ``wire:<wire index>:<payload key>``."""
 
 
-def refuse_secure_aggregation(resolved: Any) -> None:
+def refuse_secure_aggregation(resolved: ResolvedRun) -> None:
     """Refuse a run asking for secure aggregation that it cannot have, before any site is contacted.
 
     Raises:
