@@ -23,7 +23,9 @@
   ``SUMMED``, never a site index), and its round-1 vectors equal the plain
   run's sample-weighted mean of the sites' replies within 1e-4 (SecAgg+'s
   quantisation); the metrics agree within 2e-3. With ``MEDFED_DEPLOY_FULL=1``
-  also: with a clipping range no reply fits, every site drops out at the collect stage with its reason,
+  also: a clipping range only one site's reply exceeds makes that site drop
+  out, and the sum is the other two's weighted mean; with a clipping range
+  no reply fits, every site drops out at the collect stage with its reason,
   SecAgg+ halts, the server half receives nothing and the run goes on.
 """
 
@@ -262,9 +264,15 @@ def _weighted_mean(replies: dict) -> dict:
             for key in ("all", "buffers") if key in next(iter(replies.values()))}
 
 
+@pytest.fixture(scope="module")
+def plain_run(federation):
+    """FedAvg on the federation without secure aggregation: results, the server half's calls, wall time."""
+    return _deploy(federation, "plain")
+
+
 @pytest.mark.deploy
-def test_fedavg_with_secagg_plus_gives_the_server_half_only_the_sum_and_the_plain_runs_aggregate(federation):
-    plain, plain_calls, plain_s = _deploy(federation, "plain")
+def test_fedavg_with_secagg_plus_gives_the_server_half_only_the_sum_and_the_plain_runs_aggregate(federation, plain_run):
+    plain, plain_calls, plain_s = plain_run
     secure, secure_calls, secure_s = _deploy(federation, "secure", "deploy.secure_aggregation=true")
     print(f"\nround times, this machine: plain {[r['timing']['round_s'] for r in plain['history']]} s (run {plain_s:.1f} s), "
           f"SecAgg+ {[r['timing']['round_s'] for r in secure['history']]} s (run {secure_s:.1f} s); round-1 bytes of site0: "
@@ -309,3 +317,30 @@ def test_sites_that_would_be_clipped_drop_out_so_secagg_halts_and_the_round_fail
         assert failure["phase"] == "fit" and failure["reason"].startswith("secure aggregation, collect masked vectors stage: ")
         assert f"{failure['site']}: its weighted reply reaches" in failure["reason"] and "clipping range +-1e-09" in failure["reason"]
     assert all(record["bytes"][site]["up"] == 0 for site in record["bytes"])
+
+
+@pytest.mark.deploy
+@pytest.mark.skipif(os.environ.get("MEDFED_DEPLOY_FULL") != "1", reason="the full deployment set: MEDFED_DEPLOY_FULL=1 (one more 1-round run, about a minute)")
+def test_a_site_dropping_out_leaves_the_sum_of_the_others(federation, plain_run):
+    # Round 1 trains alike in every run, so the plain run tells how far each site's weighted reply reaches: a clipping
+    # range between the two largest makes exactly one site refuse to send (it drops out at the collect stage). SecAgg+
+    # removes the masks the others added for it (2 of 3 shares rebuild its key) and the sum is the other two's.
+    _, plain_calls, _ = plain_run
+    replies = plain_calls[0]["replies"]
+    largest_n = max(float(reply["num_samples"]) for reply in replies.values())
+    reach = {index: max(float(reply[key].abs().max()) for key in ("all", "buffers") if reply[key].numel()) * float(reply["num_samples"]) / largest_n
+             for index, reply in replies.items()}
+    ranked = sorted(reach, key=reach.get)
+    dropped, clipping = ranked[-1], (reach[ranked[-1]] + reach[ranked[-2]]) / 2
+    results, calls, _ = _deploy(federation, "dropout", "deploy.secure_aggregation=true", f"deploy.clipping_range={clipping!r}",
+                                "trainer.rounds=1")
+    (record,) = results["history"]
+    (failure,) = record["failures"]
+    assert failure["site"] == f"site{dropped}" and failure["reason"].startswith("secure aggregation, collect masked vectors stage: ")
+    assert "clipping range" in failure["reason"]
+    summed = calls[0]["summed"]
+    others = {index: reply for index, reply in replies.items() if index != dropped}
+    assert float(summed["num_samples"]) == sum(float(reply["num_samples"]) for reply in others.values())
+    for key, mean in _weighted_mean(others).items():
+        error = float((summed[key].double() - mean).abs().max()) if mean.numel() else 0.0
+        assert error < 1e-4, (key, error)
