@@ -24,8 +24,9 @@
   run's sample-weighted mean of the sites' replies within 1e-4 (SecAgg+'s
   quantisation); the metrics agree within 2e-3. With ``MEDFED_DEPLOY_FULL=1``
   also: a clipping range only one site's reply exceeds makes that site drop
-  out, and the sum is the other two's weighted mean; with a clipping range
-  no reply fits, every site drops out at the collect stage with its reason,
+  out, and the sum is the other two's weighted mean; a secure run resumed
+  after round 1 gives the uninterrupted secure run's sums and metrics
+  exactly; with a clipping range no reply fits, every site drops out at the collect stage with its reason,
   SecAgg+ halts, the server half receives nothing and the run goes on.
 """
 
@@ -240,15 +241,16 @@ def federation(tmp_path_factory):
         yield local, csv, tmp, probe
 
 
-def _deploy(federation, name: str, *extra: str) -> tuple[dict, list[dict], float]:
-    """One run on the federation: its results, the probe's record of the server half's calls, its wall time."""
+def _deploy(federation, name: str, *extra: str, resume: bool = False) -> tuple[dict, list[dict], float]:
+    """One run on the federation (``resume``: continue run ``name``): its results, the probe's record of the server
+    half's calls, its wall time."""
     local, csv, tmp, probe = federation
     for old in probe.iterdir():
         old.unlink()
     overrides = [f"data.csv={csv}", "federation.n_sites=3", "federation.label_ratio=null", "trainer.rounds=2",
                  "trainer.num_threads=1", "logger.wandb=disabled", "strategy.name=fedavg", *extra]
     run_config = {"config": str(CONFIG), "overrides": " ".join(overrides), "output-dir": str(tmp / name), "run-name": name,
-                  "reply-timeout-s": 120.0}
+                  "reply-timeout-s": 120.0, "resume": resume}
     tic = time.perf_counter()
     log = local.run(REPO, run_config, 400)
     wall = time.perf_counter() - tic
@@ -270,10 +272,16 @@ def plain_run(federation):
     return _deploy(federation, "plain")
 
 
+@pytest.fixture(scope="module")
+def secure_run(federation):
+    """The same run with ``deploy.secure_aggregation=true``."""
+    return _deploy(federation, "secure", "deploy.secure_aggregation=true")
+
+
 @pytest.mark.deploy
-def test_fedavg_with_secagg_plus_gives_the_server_half_only_the_sum_and_the_plain_runs_aggregate(federation, plain_run):
+def test_fedavg_with_secagg_plus_gives_the_server_half_only_the_sum_and_the_plain_runs_aggregate(plain_run, secure_run):
     plain, plain_calls, plain_s = plain_run
-    secure, secure_calls, secure_s = _deploy(federation, "secure", "deploy.secure_aggregation=true")
+    secure, secure_calls, secure_s = secure_run
     print(f"\nround times, this machine: plain {[r['timing']['round_s'] for r in plain['history']]} s (run {plain_s:.1f} s), "
           f"SecAgg+ {[r['timing']['round_s'] for r in secure['history']]} s (run {secure_s:.1f} s); round-1 bytes of site0: "
           f"plain {plain['history'][0]['bytes']['site0']}, SecAgg+ {secure['history'][0]['bytes']['site0']}")
@@ -344,3 +352,19 @@ def test_a_site_dropping_out_leaves_the_sum_of_the_others(federation, plain_run)
     for key, mean in _weighted_mean(others).items():
         error = float((summed[key].double() - mean).abs().max()) if mean.numel() else 0.0
         assert error < 1e-4, (key, error)
+
+
+@pytest.mark.deploy
+@pytest.mark.skipif(os.environ.get("MEDFED_DEPLOY_FULL") != "1", reason="the full deployment set: MEDFED_DEPLOY_FULL=1 (two more runs, about two minutes)")
+def test_a_secure_run_resumed_after_round_1_gives_the_uninterrupted_secure_runs_numbers(federation, secure_run):
+    # SecAgg+'s masks cancel exactly and each site seeds its stochastic rounding from (seed, site, round, phase): the
+    # resumed run's sums, and so its numbers, are the uninterrupted run's.
+    secure, secure_calls, _ = secure_run
+    first, _, _ = _deploy(federation, "resumed", "deploy.secure_aggregation=true", "trainer.rounds=1")
+    assert first["history"][0]["metrics"] == secure["history"][0]["metrics"]
+    (federation[2] / "resumed" / "results.json").unlink()
+    resumed, calls, _ = _deploy(federation, "resumed", "deploy.secure_aggregation=true", resume=True)
+    assert [call["method"] for call in calls] == ["aggregate_summed", "aggregate"] and calls[0]["round"] == 2
+    for key, value in secure_calls[2]["summed"].items():
+        assert torch.equal(calls[0]["summed"][key], value), key
+    assert [r["metrics"] for r in resumed["history"]] == [r["metrics"] for r in secure["history"]]
