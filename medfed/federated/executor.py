@@ -404,6 +404,7 @@ def train_plans(
             also_steps=plan.also_steps,
             compute=f"{key}/{plan.label}",
             data_pass=plan.data_pass,
+            auxiliary=site.strategy.auxiliary(ctx, plan),
         )
         if loss is not None:
             losses[None if len(plans) == 1 else plan.label] = loss
