@@ -120,7 +120,7 @@ from medfed.options.strategies import NoOptions
 if TYPE_CHECKING:
     from medfed.models.base import FederatedModule
 
-__all__ = ["ADAPT", "Auxiliary", "DELIVER", "MODEL", "NUM_SAMPLES", "SETUP", "Payload", "RoundContext", "ServerHalf", "SiteHalf", "SiteView", "Strategy", "TrainingPlan"]
+__all__ = ["ADAPT", "Auxiliary", "DELIVER", "MODEL", "NUM_SAMPLES", "SETUP", "SUMMED", "Payload", "RoundContext", "SecureSum", "ServerHalf", "SiteHalf", "SiteView", "Strategy", "TrainingPlan"]
 
 #: What crosses the site boundary: named flat tensors.
 Payload = dict[str, torch.Tensor]
@@ -296,6 +296,18 @@ class ServerHalf(DeclaredState):
         The dict is the server's to consume: it may pop the replies as it
         reads them, releasing their memory before a large server step.
         """
+
+    def aggregate_summed(self, ctx: RoundContext, summed: Payload) -> None:
+        """Combine a phase's replies that the server holds only as their sum (secure aggregation, :attr:`Strategy.secure_sums`).
+
+        ``summed`` stands for the replies of every site that came through:
+        under each vector key their weighted mean ``sum_i w_i x_i / sum_i w_i``
+        and under the :class:`SecureSum`'s weight key the total ``sum_i w_i``.
+        Default: :meth:`aggregate` of that one reply, under the key
+        :data:`SUMMED` that no site has: right for every server step that is a
+        weighted mean of the replies (one reply of weight W is its own mean).
+        """
+        self.aggregate(ctx, {SUMMED: summed})
 
     def reply_keys(self, ctx: RoundContext, site_index: int) -> tuple[frozenset[str], ...]:
         """The payload keys site ``site_index``'s reply in ``ctx`` holds (setup included): exactly one of these sets.
@@ -482,6 +494,11 @@ class Strategy:
     dp_sgd_refusal: ClassVar[str | None] = None
     client_dp_refusal: ClassVar[str | None] = "not declared"
     secure_aggregation_refusal: ClassVar[str | None] = "not declared"
+    #: what secure aggregation may hide, ``{phase: SecureSum}``: the phases whose replies the server half needs only
+    #: as a weighted sum (:meth:`ServerHalf.aggregate_summed`); a deployment with ``deploy.secure_aggregation``
+    #: masks those replies with SecAgg+ (:mod:`medfed.deploy.secure_aggregation`). Every other phase must reply
+    #: with nothing; declared where ``secure_aggregation_refusal`` is None
+    secure_sums: ClassVar[dict[str, SecureSum]] = {}
     Server: ClassVar[type[ServerHalf]] = ServerHalf
     Site: ClassVar[type[SiteHalf]] = SiteHalf
 
@@ -555,3 +572,24 @@ NUM_SAMPLES = "num_samples"
 def num_samples(site: SiteView) -> torch.Tensor:
     """The site's training-set size as a payload entry, under :data:`NUM_SAMPLES` (for sample-weighted averaging)."""
     return torch.tensor([float(site.n_train)], device="cpu")  # one number; the link carries it to the server's device
+
+
+#: The key under which :meth:`ServerHalf.aggregate_summed` hands its one summed reply to ``aggregate`` (no site's index).
+SUMMED = -1
+
+
+@dataclass(frozen=True)
+class SecureSum:
+    """A phase whose replies the server half needs only summed, so that secure aggregation can hide each one.
+
+    Every vector of the phase's reply is multiplied by the reply's ``weight``
+    entry (one count, such as :data:`NUM_SAMPLES`; None: 1 per site) and
+    summed over the sites, and the weights are summed too; the server half
+    receives one reply holding ``sum_i w_i x_i / sum_i w_i`` under each vector
+    key and ``sum_i w_i`` under ``weight`` (:meth:`ServerHalf.aggregate_summed`).
+
+    Attributes:
+        weight: the reply key of the site's weight w_i, or None (unweighted).
+    """
+
+    weight: str | None = NUM_SAMPLES

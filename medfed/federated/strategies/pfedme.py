@@ -94,7 +94,7 @@ import torch
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.compute import batch_samples
 from medfed.federated.strategies.base import (
-    DELIVER, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+    DELIVER, NUM_SAMPLES, SETUP, Payload, RoundContext, SecureSum, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.live_parameters import live_parameters, proximal_term
 from medfed.options.presets import by_preset
@@ -217,6 +217,7 @@ class PFedMe(Strategy):
     dp_sgd_refusal = "its K inner steps reuse each sampled batch (SiteView.step); accounting for several noised steps per batch is not built"
     client_dp_refusal = None  # the server averages the sites' local models (sample-weighted), then moves towards the mean
     secure_aggregation_refusal = None
+    secure_sums = {"fit": SecureSum(NUM_SAMPLES)}  # every vector of the fit reply, weighted by the sample count
     summary = "personalised models as proximal points of each site's loss (Moreau envelopes) around a global model"
     reference = "Dinh, Tran and Nguyen, Personalized federated learning with Moreau envelopes, NeurIPS 2020"
     coded_keys = {"all": "all"}

@@ -83,7 +83,7 @@ from __future__ import annotations
 import torch
 
 from medfed.federated.strategies.base import (
-    DELIVER, Payload, RoundContext, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+    DELIVER, NUM_SAMPLES, Payload, RoundContext, SecureSum, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.fedavg import FedAvgServer
 from medfed.federated.strategies.live_parameters import live_parameters, live_vector, proximal_term, proximal_term_of, training_loss_with, unwrap
@@ -196,6 +196,7 @@ class SuPerFed(Strategy):
     dp_sgd_refusal = "its loss runs the model with mixed parameter tensors (functional_call), which Opacus's per-sample hooks attribute to the wrong parameters"
     client_dp_refusal = None  # the federated models are averaged (sample-weighted)
     secure_aggregation_refusal = None
+    secure_sums = {"fit": SecureSum(NUM_SAMPLES)}  # every vector of the fit reply, weighted by the sample count
     summary = "federated and local models trained as the ends of a low-loss line (random mixtures, orthogonality, proximal term)"
     reference = "Hahn, Jeong and Lee, Connecting low-loss subspace for personalized federated learning, KDD 2022"
     coded_keys = {"all": "all"}
