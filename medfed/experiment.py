@@ -35,7 +35,7 @@ from medfed.components import ResolvedRun, resolve
 from medfed.config import RunConfig, check_wandb_key
 from medfed.errors import RunFailed, SiteFailure, warn
 from medfed.evaluation.rounds import ValidationEvaluation, VolumeEvaluation
-from medfed.federated.executor import planned_steps
+from medfed.federated.executor import InProcessSites, executor_for, planned_steps
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.privacy import PrivacyBudgetSpent, PrivacyRecord, SiteDP, privacy_summary
 from medfed.data.federation import Federation
@@ -123,6 +123,7 @@ def _run(
         update_norm_limit=run_cfg.federation.update_norm_limit,
         max_consecutive_failures=run_cfg.federation.max_consecutive_failures,
         scratch_dir=output_dir / FOLDER,
+        executor=InProcessSites(sites, links, executor_for(trainer.executor, fabric.device, dp.enabled)),
     )
     if resumed is not None:
         loop.load_state_dict(resumed)
@@ -142,6 +143,7 @@ def _run(
             config=config,
             pooled=pooled_reference(federation.sites) if strategy.pools_data else None,
         )
+        results["executor"] = loop.executor.record()
         if dp.enabled:
             results["privacy"] = {**privacy_summary(loop.history), "model_changes": list(assembly.model_changes)}
         return results

@@ -32,6 +32,7 @@ from torchmetrics.classification import MulticlassJaccardIndex, MultilabelJaccar
 
 from medfed.data.brats import REGIONS
 from medfed.models.base import FederatedModule, log_odds_shift
+from medfed.models.dropout import use_keyed_dropout
 from medfed.options.models import UNetOptions
 
 if TYPE_CHECKING:
@@ -79,6 +80,8 @@ class UNetSegmenter(FederatedModule):
             num_res_units=options.num_res_units,
             dropout=options.dropout,
         )
+        if options.dropout > 0:
+            use_keyed_dropout(self.unet)  # masks both executors draw alike (medfed.models.dropout)
         if options.target == "wt":
             self.loss = DiceCELoss(to_onehot_y=True, softmax=True)
             self.test_metrics = MulticlassJaccardIndex(num_classes=num_classes, average="none")

@@ -1,0 +1,430 @@
+"""The batched executor's training: one training plan for a group of sites at once, by one vmapped step.
+
+Sites train the same plan of the same strategy on models of the same shape;
+one after another (:meth:`~medfed.federated.site.Site.train`) each step is a
+small launch-bound loop. Here the group's sites are stacked along a leading
+site axis S and each step is one call::
+
+    grads_s, loss_s = vmap(grad_and_value(f))(theta_s, frozen_s, buffers_s, state_s, aux_s, batch_s, key_s)
+    f(...) = template_half.loss(template_view, ctx, plan, batch)        through functional_call
+
+``f`` is the *template* half's ``loss`` (the group's first site): the
+template's slot modules, held by a :class:`_Slots` wrapper, run with the site's
+parameters and buffers swapped in (``torch.func.functional_call``), and the
+half's declared ``loss_state`` and auxiliary attributes are set to the site's
+slices for the call (and put back after it). Exactly what a site trained alone
+does, per site:
+
+* its own parameters, buffers (BatchNorm statistics) and optimiser state,
+  stepped by a functional Adam / SGD over the stacked tensors
+  (:func:`adam_step`, :func:`sgd_step`: torch.optim's update, per-site step
+  counts and hyper-parameters read from each site's own ``param_groups``);
+  only ``plan.part`` of the plan's slot and every parameter of ``also_steps``
+  are differentiated, and the half's declared auxiliary parameters, stepped
+  after the optimisers (``a <- project(a - lr grad)``);
+* its own batches, drawn from its own loader in the order ``Site.train``
+  draws them, as many steps as its plan gives it: at step t the sites that
+  still have steps are grouped by their batch's shape (the last batch of a
+  pass may be smaller), each shape one vmapped call; the other sites' tensors
+  are not touched;
+* its own dropout masks (:mod:`medfed.models.dropout`, keyed per site and step);
+* its passes counted as ``Site.train`` counts them.
+
+The losses stay on the device; the group's mean losses are read once, at the
+end of the plan (the caller turns a non-finite one into that site's failure).
+Everything is read from the sites before the first step and written back
+after the last (parameters and buffers copied into the sites' own tensors,
+optimiser state so that ``optimizer.state_dict()`` is the one sequential
+training gives), so a step that raises leaves the sites' models as they were:
+the caller puts their data orders back and trains them one by one.
+
+:func:`group_key` says which sites can train together, or why a site cannot
+(its half declares ``batchable``, DP-SGD, an optimiser without a functional twin).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from medfed.federated.compute import batch_samples
+from medfed.federated.site import Site
+from medfed.federated.site_view import RoundContext
+from medfed.federated.strategies.base import Auxiliary, TrainingPlan
+from medfed.federated.strategies.live_parameters import unwrap
+from medfed.models.dropout import keyed
+
+#: the optimisers the batched step reproduces, and the ``param_groups`` options they must leave at these values
+SUPPORTED_OPTIMIZERS: dict[type, dict[str, Any]] = {
+    torch.optim.Adam: {"amsgrad": False, "maximize": False, "decoupled_weight_decay": False},
+    torch.optim.SGD: {"maximize": False},
+}
+
+
+# ---------------------------------------------------------------------------------------------------- optimisers
+def _per_site(values: torch.Tensor, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``values`` ``(S,)``, one per site, as ``(S, 1, ..., 1)`` in ``dtype`` (default ``like``'s), broadcastable against ``like`` ``(S, ...)``."""
+    return values.to(dtype or like.dtype).reshape(-1, *([1] * (like.ndim - 1)))
+
+
+def adam_step(
+    param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], hyper: dict[str, list[float]]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One ``torch.optim.Adam`` step (L2 weight decay, no amsgrad) of S sites' copies of one parameter.
+
+    Args:
+        param, grad: ``(S, *shape)``.
+        state: ``exp_avg``, ``exp_avg_sq`` ``(S, *shape)`` (zeros where a site has no state yet) and ``step``
+            ``(S,)`` float64, the steps each site's copy has taken.
+        hyper: ``lr``, ``beta1``, ``beta2``, ``eps`` and, where any site's is not 0, ``weight_decay``: ``(S,)``
+            float64 tensors, one value per site.
+
+    Returns:
+        The stepped parameter and state::
+
+            t <- t + 1;  g <- g + wd p;  m <- m + (1 - b1)(g - m);  v <- b2 v + (1 - b2) g^2
+            p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+    """
+    if "weight_decay" in hyper:
+        grad = grad + _per_site(hyper["weight_decay"], param) * param
+    step = state["step"] + 1
+    exp_avg = state["exp_avg"].lerp(grad, _per_site(1 - hyper["beta1"], param))  # 1 - b in float64, as torch computes it
+    exp_avg_sq = state["exp_avg_sq"] * _per_site(hyper["beta2"], param) + _per_site(1 - hyper["beta2"], param) * grad * grad
+    t = step.reshape(-1, *([1] * (param.ndim - 1)))
+    bias1 = 1 - _per_site(hyper["beta1"], t, torch.float64) ** t
+    bias2_sqrt = (1 - _per_site(hyper["beta2"], t, torch.float64) ** t).sqrt()
+    step_size = (_per_site(hyper["lr"], t, torch.float64) / bias1).to(param.dtype)
+    denom = exp_avg_sq.sqrt() / bias2_sqrt.to(param.dtype) + _per_site(hyper["eps"], param)
+    return param - step_size * (exp_avg / denom), {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
+def sgd_step(
+    param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], hyper: dict[str, list[float]]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One ``torch.optim.SGD`` step (momentum, dampening, Nesterov, L2 weight decay) of S sites' copies of one parameter.
+
+    Args:
+        param, grad: ``(S, *shape)``.
+        state: with momentum, ``momentum_buffer`` ``(S, *shape)`` and ``has_buffer`` ``(S,)`` bool (a site's
+            first step starts its buffer at the gradient, as torch does); empty without.
+        hyper: ``lr``, ``dampening``, ``nesterov`` (1.0 or 0.0) and, where any site's is not 0, ``momentum`` and
+            ``weight_decay``: ``(S,)`` float64 tensors, one value per site.
+
+    Returns:
+        The stepped parameter and state::
+
+            g <- g + wd p;  b <- g (first step) or mu b + (1 - dampening) g;  d = g + mu b (Nesterov) or b
+            p <- p - lr d
+    """
+    if "weight_decay" in hyper:
+        grad = grad + _per_site(hyper["weight_decay"], param) * param
+    if "momentum" in hyper:
+        momentum = _per_site(hyper["momentum"], param)
+        has = state["has_buffer"].reshape(-1, *([1] * (param.ndim - 1)))
+        buffer = torch.where(has, momentum * state["momentum_buffer"] + _per_site(1 - hyper["dampening"], param) * grad, grad)
+        nesterov = _per_site(hyper["nesterov"], param)
+        grad = torch.where(nesterov > 0, grad + momentum * buffer, buffer)
+        state = {"momentum_buffer": buffer, "has_buffer": torch.ones_like(state["has_buffer"])}
+    return param - _per_site(hyper["lr"], param) * grad, state
+
+
+_STEPS: dict[type, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {torch.optim.Adam: adam_step, torch.optim.SGD: sgd_step}
+
+
+def _kind(optimizer: torch.optim.Optimizer) -> type | None:
+    """The supported optimiser class ``optimizer`` is (Fabric's wrapper subclasses it), or None."""
+    return next((cls for cls in SUPPORTED_OPTIMIZERS if isinstance(optimizer, cls)), None)
+
+
+def _options(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> dict[str, float]:
+    """The options of ``param``'s group in ``optimizer``, as :func:`adam_step` / :func:`sgd_step` name them."""
+    group = next(group for group in optimizer.param_groups if any(p is param for p in group["params"]))
+    if _kind(optimizer) is torch.optim.Adam:
+        beta1, beta2 = group["betas"]
+        return {"lr": group["lr"], "beta1": beta1, "beta2": beta2, "eps": group["eps"], "weight_decay": group["weight_decay"]}
+    return {key: float(group[key]) for key in ("lr", "momentum", "dampening", "weight_decay", "nesterov")}
+
+
+def hyper_parameters(optimizers: list[torch.optim.Optimizer], params: list[nn.Parameter], device: torch.device) -> dict[str, torch.Tensor]:
+    """Each site's options of its copy of one parameter, ``{name: (S,) float64}`` as the step functions take them
+    (``weight_decay`` and ``momentum`` left out where every site's is 0, as torch.optim skips them)."""
+    options = [_options(optimizer, param) for optimizer, param in zip(optimizers, params)]
+    return {
+        key: torch.tensor([float(o[key]) for o in options], dtype=torch.float64, device=device)
+        for key in options[0]
+        if key not in ("weight_decay", "momentum") or any(o[key] for o in options)
+    }
+
+
+def _stacked_state(optimizers: list[torch.optim.Optimizer], params: list[nn.Parameter], stacked: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The sites' optimiser state of one parameter, stacked as the step functions take it (zeros where there is none)."""
+    states = [optimizer.state.get(param, {}) for optimizer, param in zip(optimizers, params)]
+    if _kind(optimizers[0]) is torch.optim.Adam:
+        return {
+            "step": torch.tensor([float(s["step"]) if "step" in s else 0.0 for s in states], dtype=torch.float64, device=stacked.device),
+            "exp_avg": torch.stack([s["exp_avg"] if "exp_avg" in s else torch.zeros_like(p) for s, p in zip(states, params)]),
+            "exp_avg_sq": torch.stack([s["exp_avg_sq"] if "exp_avg_sq" in s else torch.zeros_like(p) for s, p in zip(states, params)]),
+        }
+    if not any(_options(optimizer, param)["momentum"] for optimizer, param in zip(optimizers, params)):
+        return {}
+    buffers = [s.get("momentum_buffer") for s in states]
+    return {
+        "momentum_buffer": torch.stack([torch.zeros_like(p) if b is None else b for b, p in zip(buffers, params)]),
+        "has_buffer": torch.tensor([b is not None for b in buffers], device=stacked.device),
+    }
+
+
+def _write_state(optimizer: torch.optim.Optimizer, param: nn.Parameter, state: dict[str, torch.Tensor], site: int, steps: float) -> None:
+    """Put site ``site``'s slice of a stepped state into ``optimizer.state[param]`` as torch.optim keeps it.
+
+    ``steps``: the site's step count of the parameter (Adam's ``step``, a float32 scalar on the CPU, as torch keeps it).
+    """
+    if not state:
+        return
+    own = optimizer.state[param]
+    if _kind(optimizer) is torch.optim.Adam:
+        values = {"step": torch.tensor(steps, dtype=torch.float32), "exp_avg": state["exp_avg"][site], "exp_avg_sq": state["exp_avg_sq"][site]}
+    else:
+        values = {"momentum_buffer": state["momentum_buffer"][site]}
+    for key, value in values.items():
+        if key in own and own[key] is not None:
+            own[key].copy_(value)
+        else:
+            own[key] = value.clone()
+
+
+# ---------------------------------------------------------------------------------------------------- grouping
+def group_key(site: Site, ctx: RoundContext, plan: TrainingPlan) -> tuple[Any, ...] | str:
+    """What sites training ``plan`` together must share (a hashable key), or why ``site`` cannot train in a group.
+
+    Sites with equal keys run the same strategy half, plan, slots (module types, parameter shapes, train/eval
+    modes, the modules' per-site constants), optimiser types and auxiliary step sizes, and hold their loss state in
+    tensors of the same shapes (or None alike).
+    """
+    half = site.strategy
+    if half.batchable is not None:
+        return f"{type(half).__name__}: {half.batchable}"
+    if site.privacy is not None:
+        return "DP-SGD clips and noises each site's per-sample gradients one site at a time"
+    if plan.passes_per_step > 1 or not plan.data_pass:
+        return f"plan {plan.label!r}: its steps are the half's own (SiteView.step)"
+    slots = []
+    for name, slot in sorted(site.slots.items()):
+        module = unwrap(slot.module)
+        optimizer = slot.optimizer
+        kind = _kind(optimizer)
+        required = SUPPORTED_OPTIMIZERS.get(kind)
+        if required is None or any(group.get(key, value) != value for group in optimizer.param_groups for key, value in required.items()):
+            return f"slot {name!r}: {type(optimizer).__name__} with {optimizer.defaults} has no functional twin here"
+        shapes = tuple((key, tuple(t.shape), t.dtype) for key, t in itertools.chain(module.named_parameters(), module.named_buffers()))
+        modes = tuple(m.training for m in module.modules())
+        slots.append((name, type(module), shapes, modes, module.site_constants(), kind, len(optimizer.param_groups)))
+    auxiliary = tuple(sorted((name, a.learning_rate, a.project is None) for name, a in half.auxiliary(ctx, plan).items()))
+    state = tuple((name, _describe(getattr(half, name, None))) for name in half.loss_state)
+    return (type(half), plan, tuple(slots), auxiliary, state)
+
+
+def _describe(value: Any) -> Any:
+    """A loss-state value as a group key sees it: a tensor by shape, dtype and device; anything else as itself."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, value.device)
+    return ("value", repr(value))
+
+
+# ---------------------------------------------------------------------------------------------------- the step
+class _Slots(nn.Module):
+    """The template site's slot modules under one root, so one ``functional_call`` swaps every slot's tensors.
+
+    ``forward(batch)`` is the template half's loss of one step of ``plan``.
+    """
+
+    def __init__(self, site: Site, ctx: RoundContext, plan: TrainingPlan) -> None:
+        super().__init__()
+        self.slots = nn.ModuleDict({name: unwrap(slot.module) for name, slot in site.slots.items()})
+        self._loss = lambda batch: site.strategy.loss(site.view, ctx, plan, batch)
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self._loss(batch)
+
+
+@contextmanager
+def _attributes(obj: Any, values: dict[str, Any]) -> Iterator[None]:
+    """Inside the block, ``obj``'s attributes ``values`` names hold those values; after it, what they held before."""
+    saved = {name: getattr(obj, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(obj, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(obj, name, value)
+
+
+def _batch_stream(site: Site, data_order: str | None, steps: int) -> Iterator[Any]:
+    """The CPU batches of ``steps`` steps in the order :meth:`Site.train` draws them (whole passes, then a cut one).
+
+    After the last one, run the stream out (``next`` once more): a whole pass then ends as Site.train's loop ends it.
+    """
+    loader = site._loader(data_order)
+    remaining = steps
+    while remaining > 0:
+        whole = remaining >= site.batches_per_epoch
+        for batch in loader if whole else itertools.islice(loader, remaining):
+            yield batch
+            remaining -= 1
+
+
+def _signature(batch: Any) -> tuple[Any, ...]:
+    """What batches stacked together must share: the structure, and each tensor's shape and dtype."""
+    leaves, spec = tree_flatten(batch)
+    return (str(spec), *((tuple(leaf.shape), leaf.dtype) for leaf in leaves))
+
+
+def _stack_batches(batches: list[Any]) -> Any:
+    """Batches of one signature stacked leaf by leaf: ``(S, *leaf shape)``."""
+    flat = [tree_flatten(batch) for batch in batches]
+    spec = flat[0][1]
+    return tree_unflatten([torch.stack(leaves) for leaves in zip(*(leaves for leaves, _ in flat))], spec)
+
+
+def train_group(
+    sites: list[Site],
+    ctx: RoundContext,
+    plan: TrainingPlan,
+    steps: list[int],
+    keys: list[torch.Tensor],
+    compute: str | None,
+) -> list[float]:
+    """Train ``plan`` at every one of ``sites`` (equal :func:`group_key`), ``steps[i]`` steps at site i, stacked.
+
+    Args:
+        sites: the group, its first site the template whose half's loss and slot modules run every step.
+        ctx: the round context of the plan.
+        plan: the plan (the same at every site but for its length).
+        steps: each site's optimiser steps (>= 1).
+        keys: each site's dropout keys, ``(steps[i],)`` int64 (:func:`medfed.models.dropout.step_keys`).
+        compute: the key the steps' passes are counted under (None: not counted).
+
+    Returns:
+        Each site's mean loss over its steps (possibly non-finite: the caller's to refuse).
+
+    Raises:
+        Whatever a step raises, before anything of the sites' models changed (their data orders have moved).
+    """
+    template = sites[0]
+    device = template.fabric.device
+    count = len(sites)
+    half = template.strategy
+    auxiliary: dict[str, Auxiliary] = half.auxiliary(ctx, plan)
+    state_names = [name for name in half.loss_state if name not in auxiliary and isinstance(getattr(half, name, None), torch.Tensor)]
+    stepped_slots = (plan.slot, *plan.also_steps)
+
+    # what is trained: the plan's part of its slot (its trainable flags, as Site.train sets them), all of also_steps
+    modules = [{name: unwrap(slot.module) for name, slot in site.slots.items()} for site in sites]
+    for own in modules:
+        own[plan.slot].set_trainable(plan.part)
+        own[plan.slot].train()
+    trained_names = [f"{slot}.{name}" for slot in stepped_slots for name, p in modules[0][slot].named_parameters() if p.requires_grad]
+    parameters = [{f"{slot}.{name}": p for slot, module in own.items() for name, p in module.named_parameters()} for own in modules]
+    buffers = [{f"{slot}.{name}": b for slot, module in own.items() for name, b in module.named_buffers()} for own in modules]
+    stack = lambda tensors, name: torch.stack([t[name].detach() for t in tensors])  # noqa: E731
+    trained = {name: stack(parameters, name) for name in trained_names}
+    frozen = {name: stack(parameters, name) for name in parameters[0] if name not in trained}
+    stacked_buffers = {name: stack(buffers, name) for name in buffers[0]}
+    loss_state = {name: torch.stack([getattr(site.strategy, name) for site in sites]) for name in state_names}
+    aux = {name: torch.stack([getattr(site.strategy, name).detach() for site in sites]) for name in auxiliary}
+
+    optimizers = {name: [site.slot(name.split(".", 1)[0]).optimizer for site in sites] for name in trained_names}
+    owned = {name: [p[name] for p in parameters] for name in trained_names}
+    hyper = {name: hyper_parameters(optimizers[name], owned[name], device) for name in trained_names}
+    states = {name: _stacked_state(optimizers[name], owned[name], trained[name]) for name in trained_names}
+    step_fns = {name: _STEPS[_kind(optimizers[name][0])] for name in trained_names}
+    updates = {name: [0] * count for name in trained_names}  # steps each site's copy of a parameter takes here
+
+    def site_loss(theta, fixed, buffer, state, extra, batch, key):
+        with _attributes(half, {**state, **extra}), keyed(key):
+            return torch.func.functional_call(wrapper, {**fixed, **buffer, **theta}, (batch,), strict=True)
+
+    wrapper = _Slots(template, ctx, plan)
+    prefixed = lambda tensors: {f"slots.{name}": t for name, t in tensors.items()}  # noqa: E731
+    step = torch.func.vmap(torch.func.grad_and_value(site_loss, argnums=(0, 4)), randomness="error")
+    totals = torch.zeros(count, dtype=torch.float32, device=device)
+    streams = [_batch_stream(site, plan.data_order, n) for site, n in zip(sites, steps)]
+    key_matrix = torch.nn.utils.rnn.pad_sequence([k.to(device) for k in keys], batch_first=True)  # (S, max steps)
+    everyone = torch.arange(count, device=device)
+    for site in sites:
+        site.plan_key = compute
+    try:
+        for t in range(max(steps)):
+            by_shape: dict[tuple[Any, ...], list[tuple[int, Any]]] = {}
+            for i in (i for i in range(count) if t < steps[i]):
+                batch = sites[i].fabric.to_device(next(streams[i]))
+                if compute is not None:
+                    sites[i].passes.add(compute, batch_samples(batch))
+                by_shape.setdefault(_signature(batch), []).append((i, batch))
+            for members in by_shape.values():
+                rows = [i for i, _ in members]
+                whole = len(rows) == count
+                index = everyone if whole else torch.tensor(rows, device=device)
+                take = (lambda d: d) if whole else (lambda d: {name: v[index] for name, v in d.items()})  # noqa: E731
+                theta, buffer = take(trained), take(stacked_buffers)
+                extra = take(aux)
+                (grads, aux_grads), loss = step(
+                    prefixed(theta), prefixed(take(frozen)), prefixed(buffer), take(loss_state), extra,
+                    _stack_batches([b for _, b in members]), key_matrix[index, t],
+                )
+                totals.index_add_(0, index, loss.detach().to(totals.dtype))
+                for name in trained_names:
+                    state = {key: value[index] for key, value in states[name].items()} if not whole else states[name]
+                    new, state = step_fns[name](theta[name], grads[f"slots.{name}"], state, take(hyper[name]))
+                    if whole:
+                        trained[name], states[name] = new, state
+                    else:
+                        trained[name][index] = new
+                        for key, value in state.items():
+                            states[name][key][index] = value
+                    for i in rows:
+                        updates[name][i] += 1
+                for name, rule in auxiliary.items():
+                    new = extra[name] - rule.learning_rate * aux_grads[name]
+                    new = new if rule.project is None else torch.func.vmap(rule.project)(new)
+                    if whole:
+                        aux[name] = new
+                    else:
+                        aux[name][index] = new
+                if not whole:
+                    for name, value in buffer.items():
+                        stacked_buffers[name][index] = value
+        for stream in streams:
+            next(stream, None)  # a whole last pass runs to its end, as Site.train's loop does
+    finally:
+        for site, own in zip(sites, modules):
+            site.plan_key = None
+            own[plan.slot].set_trainable("all")
+    _write_back(sites, plan, trained, stacked_buffers, buffers, states, optimizers, owned, updates, aux)
+    return (totals / torch.tensor(steps, dtype=totals.dtype, device=device)).tolist()  # the plan's one host read
+
+
+@torch.no_grad()
+def _write_back(sites, plan, trained, stacked_buffers, buffers, states, optimizers, owned, updates, aux) -> None:
+    """Copy the group's stepped tensors into every site's own parameters, buffers, optimiser state and auxiliary tensors."""
+    for i, site in enumerate(sites):
+        for name, value in trained.items():
+            owned[name][i].copy_(value[i])
+            optimizer = optimizers[name][i]
+            before = optimizer.state.get(owned[name][i], {}).get("step")
+            steps = (0.0 if before is None else float(before)) + updates[name][i]
+            _write_state(optimizer, owned[name][i], {k: v for k, v in states[name].items() if k != "has_buffer"}, i, steps)
+        for name, value in stacked_buffers.items():
+            buffers[i][name].copy_(value[i])
+        for name, value in aux.items():
+            own = getattr(site.strategy, name)
+            setattr(site.strategy, name, value[i].clone().requires_grad_(own.requires_grad))
+        for slot in (plan.slot, *plan.also_steps):
+            site.slot(slot).optimizer.zero_grad(set_to_none=True)

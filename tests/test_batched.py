@@ -1,0 +1,199 @@
+"""The batched executor (medfed.federated.batched): its functional optimisers, and every strategy under both executors."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from medfed.federated.batched import adam_step, hyper_parameters, sgd_step
+from medfed.federated.executor import InProcessSites, executor_for
+from medfed.federated.strategies import STRATEGIES
+from medfed.models.dropout import dropout, keyed, step_keys, uniform_from_key
+from test_strategy_lifecycle import OPTIONS
+from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
+from toy_federation import NEEDS_A_BODY, BodyHeadClassifier, LinearClassifier, build_loop, seeded, two_group_federation
+
+#: at least this many registered strategies train stacked (issue 21's acceptance)
+MIN_BATCHABLE = 15
+
+
+# ------------------------------------------------------------------------------------------- functional optimisers
+def _torch_and_stacked(optimizer_cls, options_per_site, steps_per_site, shape=(3, 4), seed=0):
+    """Each site's parameter stepped by torch.optim (its own options and number of steps) and by the stacked step.
+
+    Returns (torch's parameters, torch's optimisers, the stacked parameter, the stacked state).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    sites = len(options_per_site)
+    start = torch.randn(sites, *shape, generator=generator)
+    grads = torch.randn(max(steps_per_site), sites, *shape, generator=generator)
+    params = [nn.Parameter(start[i].clone()) for i in range(sites)]
+    optimizers = [optimizer_cls([p], **options) for p, options in zip(params, options_per_site)]
+    for i, (p, optimizer) in enumerate(zip(params, optimizers)):
+        for t in range(steps_per_site[i]):
+            p.grad = grads[t, i] + 0.1 * p.detach()  # a gradient that depends on the parameter, as a loss's does
+            optimizer.step()
+    # the stacked run: the same sites, fresh optimisers (for the options), the sites that still have steps at each t
+    twins = [nn.Parameter(start[i].clone()) for i in range(sites)]
+    twin_optimizers = [optimizer_cls([p], **options) for p, options in zip(twins, options_per_site)]
+    hyper = hyper_parameters(twin_optimizers, twins, torch.device("cpu"))
+    stacked = start.clone()
+    if optimizer_cls is torch.optim.Adam:
+        step_fn = adam_step
+        state = {"step": torch.zeros(sites, dtype=torch.float64), "exp_avg": torch.zeros_like(stacked), "exp_avg_sq": torch.zeros_like(stacked)}
+    else:
+        step_fn = sgd_step
+        state = {"momentum_buffer": torch.zeros_like(stacked), "has_buffer": torch.zeros(sites, dtype=torch.bool)} if "momentum" in hyper else {}
+    for t in range(max(steps_per_site)):
+        rows = torch.tensor([i for i in range(sites) if t < steps_per_site[i]])
+        sub_state = {key: value[rows] for key, value in state.items()}
+        grad = grads[t, rows] + 0.1 * stacked[rows]
+        new, sub_state = step_fn(stacked[rows], grad, sub_state, {key: value[rows] for key, value in hyper.items()})
+        stacked[rows] = new
+        for key, value in sub_state.items():
+            state[key][rows] = value
+    return params, optimizers, stacked, state
+
+
+def test_stacked_adam_is_torch_adam_per_site():
+    options = [
+        {"lr": 0.01},
+        {"lr": 0.1, "betas": (0.8, 0.99), "eps": 1e-6},
+        {"lr": 0.05, "weight_decay": 0.1},
+    ]
+    steps = [7, 4, 6]  # each site its own number of steps: its own step count in the bias corrections
+    params, optimizers, stacked, state = _torch_and_stacked(torch.optim.Adam, options, steps)
+    for i, (p, optimizer) in enumerate(zip(params, optimizers)):
+        torch.testing.assert_close(stacked[i], p.detach(), rtol=1e-5, atol=1e-6)
+        own = optimizer.state[p]
+        assert float(own["step"]) == steps[i] == float(state["step"][i])
+        torch.testing.assert_close(state["exp_avg"][i], own["exp_avg"], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(state["exp_avg_sq"][i], own["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+    assert not torch.allclose(stacked[0], stacked[1])  # the sites did not all take one site's options
+
+
+def test_stacked_sgd_is_torch_sgd_per_site():
+    options = [
+        {"lr": 0.1, "momentum": 0.9},
+        {"lr": 0.05, "momentum": 0.5, "dampening": 0.3, "weight_decay": 0.01},
+        {"lr": 0.02, "momentum": 0.9, "nesterov": True},
+    ]
+    steps = [5, 3, 4]
+    params, optimizers, stacked, state = _torch_and_stacked(torch.optim.SGD, options, steps)
+    for i, (p, optimizer) in enumerate(zip(params, optimizers)):
+        torch.testing.assert_close(stacked[i], p.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state["momentum_buffer"][i], optimizer.state[p]["momentum_buffer"], rtol=1e-5, atol=1e-6)
+
+
+def test_stacked_plain_sgd_keeps_no_state():
+    params, optimizers, stacked, state = _torch_and_stacked(torch.optim.SGD, [{"lr": 0.1}, {"lr": 0.3}], [2, 3])
+    assert state == {} and all(not optimizer.state for optimizer in optimizers)
+    for i, p in enumerate(params):
+        torch.testing.assert_close(stacked[i], p.detach(), rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------------------- keyed dropout
+def test_keyed_dropout_draws_the_same_mask_alone_and_under_vmap():
+    keys = step_keys([0, 1, 2, 3], 3, torch.device("cpu"))
+    x = torch.ones(3, 8, 5)
+
+    def masked(key, x):
+        with keyed(key):
+            return dropout(dropout(x, 0.5, True), 0.5, True)  # two calls in one step: two different masks
+
+    alone = torch.stack([masked(keys[i], x[i]) for i in range(3)])
+    stacked = torch.func.vmap(masked, randomness="error")(keys, x)
+    assert torch.equal(alone, stacked)
+    # keyed masks are what p asks for (about 1/4 of the elements survive two dropouts of 0.5), and differ by key
+    survivors = (alone > 0).float().mean().item()
+    assert 0.1 < survivors < 0.4
+    assert not torch.equal(alone[0], alone[1])
+    uniform = uniform_from_key(keys[0], 0, torch.Size([20000]), torch.device("cpu"))
+    assert 0.0 <= uniform.min() and uniform.max() < 1.0 and abs(uniform.mean().item() - 0.5) < 0.01
+
+
+def test_executor_auto_is_batched_on_cuda_only_and_never_with_dp():
+    assert executor_for("auto", torch.device("cpu"), False) == "sequential"
+    assert executor_for("auto", torch.device("cuda"), False) == "batched"
+    assert executor_for("batched", torch.device("cpu"), False) == "batched"
+    assert executor_for("batched", torch.device("cpu"), True) == "sequential"
+    assert executor_for("sequential", torch.device("cuda"), False) == "sequential"
+
+
+# ------------------------------------------------------------------------------------------- every strategy
+class KeyedDropoutClassifier(LinearClassifier):
+    """Softmax regression with medfed's keyed dropout (p = 0.5) on its inputs, trained by Adam with weight decay."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(dropout(x, 0.5, self.training))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.05, weight_decay=1e-3)
+
+
+class KeyedDropoutBodyHeadClassifier(BodyHeadClassifier):
+    """A body under a head (FedBABU), keyed dropout on the features, Adam with weight decay."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(dropout(self.features(x), 0.5, self.training))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.05, weight_decay=1e-3)
+
+
+def _run(name: str, executor: str, rounds: int = 2):
+    """``rounds`` rounds of ``name`` on four toy sites of 44, 52, 60, 68 samples (batch 16: 3 to 5 steps, last batches
+    of 12 or 4), dropout on, under ``executor``."""
+    model = KeyedDropoutBodyHeadClassifier if name in NEEDS_A_BODY else KeyedDropoutClassifier
+    loop = build_loop(name, two_group_federation(n_sites=4, n_train=44), seeded(model, 4, 2), OPTIONS.get(name))
+    loop.executor = InProcessSites(loop.sites, loop.links, executor)
+    loop.fit(rounds)
+    return loop
+
+
+def _assert_close_states(a, b, where):
+    """Two nested states (dicts, lists, tensors, numbers) equal up to float tolerance."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype, where
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{where}: {m}")
+        else:
+            assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{where}: keys {sorted(a)} != {sorted(b)}"
+        for key in a:
+            _assert_close_states(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_close_states(x, y, f"{where}[{i}]")
+    elif isinstance(a, float):
+        assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5) or (math.isnan(a) and math.isnan(b)), f"{where}: {a} != {b}"
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def test_enough_strategies_are_batchable():
+    batchable = sorted(name for name, strategy in STRATEGIES.items() if strategy.Site.batchable is None)
+    assert len(batchable) >= MIN_BATCHABLE, batchable
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_both_executors_train_every_site_alike(name):
+    reason = STRATEGIES[name].Site.batchable
+    if reason is not None:
+        assert isinstance(reason, str) and reason.strip(), f"{name}: batchable must say why not"
+        pytest.skip(f"{name} is not batchable: {reason}")
+    sequential, stacked = _run(name, "sequential"), _run(name, "batched")
+    assert stacked.executor.sequential_plans == {}, "every plan trained stacked"  # else the equality proves nothing
+    for a, b in zip(sequential.sites, stacked.sites):
+        for slot in a.slots:
+            _assert_close_states(a.slot(slot).module.state_dict(), b.slot(slot).module.state_dict(), f"{a.name}/{slot}/module")
+            _assert_close_states(a.slot(slot).optimizer.state_dict(), b.slot(slot).optimizer.state_dict(), f"{a.name}/{slot}/optimizer")
+        _assert_close_states(a.strategy.state_dict(), b.strategy.state_dict(), f"{a.name}/strategy")
+        assert a.generator.get_state().equal(b.generator.get_state())  # the same batches were drawn
+    for record_a, record_b in zip(sequential.history, stacked.history):
+        for key in ("metrics", "train_loss", "adapt_loss", "compute", "failures"):
+            _assert_close_states(copy.deepcopy(record_a[key]), copy.deepcopy(record_b[key]), f"round {record_a['round']}/{key}")
