@@ -13,7 +13,7 @@ from medfed.federated.strategies import STRATEGIES
 from medfed.models.dropout import dropout, keyed, step_keys, uniform_from_key
 from test_strategy_lifecycle import OPTIONS
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
-from toy_federation import NEEDS_A_BODY, BodyHeadClassifier, LinearClassifier, build_loop, seeded, two_group_federation
+from toy_federation import NEEDS_A_BODY, BatchNormClassifier, BodyHeadClassifier, LinearClassifier, build_loop, seeded, two_group_federation
 
 #: at least this many registered strategies train stacked (issue 21's acceptance)
 MIN_BATCHABLE = 15
@@ -197,3 +197,93 @@ def test_both_executors_train_every_site_alike(name):
     for record_a, record_b in zip(sequential.history, stacked.history):
         for key in ("metrics", "train_loss", "adapt_loss", "compute", "failures"):
             _assert_close_states(copy.deepcopy(record_a[key]), copy.deepcopy(record_b[key]), f"round {record_a['round']}/{key}")
+
+
+class KeyedDropoutBatchNormClassifier(BatchNormClassifier):
+    """A hidden layer with BatchNorm (running statistics: per-site buffers), keyed dropout, SGD with momentum."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(dropout(torch.relu(self.norm(self.hidden(x))), 0.5, self.training))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("name", ["fedbn", "fedavg"])
+def test_batchnorm_statistics_and_momentum_stay_per_site(name):
+    runs = {}
+    for executor in ("sequential", "batched"):
+        loop = build_loop(name, two_group_federation(n_sites=4, n_train=44), seeded(KeyedDropoutBatchNormClassifier, 4, 2))
+        loop.executor = InProcessSites(loop.sites, loop.links, executor)
+        loop.fit(2)
+        runs[executor] = loop
+    assert runs["batched"].executor.sequential_plans == {}
+    means = []
+    for a, b in zip(runs["sequential"].sites, runs["batched"].sites):
+        _assert_close_states(a.module.state_dict(), b.module.state_dict(), f"{a.name}/module")
+        _assert_close_states(a.slot("model").optimizer.state_dict(), b.slot("model").optimizer.state_dict(), f"{a.name}/optimizer")
+        assert int(b.module.state_dict()["norm.num_batches_tracked"]) == 2 * a.batches_per_epoch  # each site its own steps
+        means.append(b.module.state_dict()["norm.running_mean"])
+    if name == "fedbn":  # the statistics stay each site's own (FedAvg averages them)
+        assert not torch.allclose(means[0], means[-1])
+
+
+class PoisonedSite(STRATEGIES["fedavg"].Site):
+    """FedAvg's site half whose loss is scaled by a declared per-site tensor: NaN at site 2 (its loss becomes NaN)."""
+
+    loss_state = ("scale",)
+
+    def receive(self, site, ctx, payload):
+        super().receive(site, ctx, payload)
+        self.scale = torch.tensor(math.nan if self.index == 2 else 1.0 + self.index)
+
+    def loss(self, site, ctx, plan, batch):
+        return self.scale * super().loss(site, ctx, plan, batch)
+
+
+class Poisoned(STRATEGIES["fedavg"]):
+    Site = PoisonedSite
+
+
+def test_a_site_whose_stacked_loss_is_not_finite_fails_alone():
+    runs = {}
+    for executor in ("sequential", "batched"):
+        loop = build_loop(Poisoned, two_group_federation(n_sites=4, n_train=44), seeded(KeyedDropoutClassifier, 4, 2))
+        loop.executor = InProcessSites(loop.sites, loop.links, executor)
+        loop.fit(1)
+        runs[executor] = loop
+    assert runs["batched"].executor.sequential_plans == {}
+    for loop in runs.values():
+        (failure,) = loop.history[0]["failures"]
+        assert failure["site"] == "site2" and "FloatingPointError" in failure["reason"]
+        assert set(loop.history[0]["train_loss"]) == {"site0", "site1", "site3"}
+    for a, b in zip(runs["sequential"].sites, runs["batched"].sites):  # the others trained alike, the scale theirs
+        _assert_close_states(a.module.state_dict(), b.module.state_dict(), f"{a.name}/module")
+    _assert_close_states(runs["sequential"].history[0]["train_loss"], runs["batched"].history[0]["train_loss"], "train_loss")
+
+
+class RandomLossSite(STRATEGIES["fedavg"].Site):
+    """FedAvg's site half whose loss draws from torch's global generator (not batchable: vmap refuses the draw)."""
+
+    def loss(self, site, ctx, plan, batch):
+        return super().loss(site, ctx, plan, batch) * (1.0 + 0.1 * torch.rand(()))
+
+
+class RandomLoss(STRATEGIES["fedavg"]):
+    Site = RandomLossSite
+
+
+def test_a_stacked_step_that_raises_trains_its_sites_one_by_one_alike():
+    runs = {}
+    for executor in ("sequential", "batched"):
+        loop = build_loop(RandomLoss, two_group_federation(n_sites=4, n_train=44), seeded(KeyedDropoutClassifier, 4, 2))
+        loop.executor = InProcessSites(loop.sites, loop.links, executor)
+        loop.fit(2)
+        runs[executor] = loop
+    (reason,) = runs["batched"].executor.sequential_plans.values()
+    assert "stacked step raised" in reason and "random" in reason
+    assert runs["batched"].executor.record()["sequential_plans"] == runs["batched"].executor.sequential_plans
+    for a, b in zip(runs["sequential"].sites, runs["batched"].sites):  # the fallback drew what sequential draws
+        assert torch.equal(a.module.get_vector("all"), b.module.get_vector("all"))
+        _assert_close_states(a.slot("model").optimizer.state_dict(), b.slot("model").optimizer.state_dict(), a.name)
+    assert runs["sequential"].history[-1]["metrics"] == runs["batched"].history[-1]["metrics"]
