@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from medfed.config import TrainerConfig
+from medfed.errors import ConfigError
 from medfed.federated.batched import adam_step, hyper_parameters, sgd_step
 from medfed.federated.executor import InProcessSites, executor_for
 from medfed.federated.strategies import STRATEGIES
@@ -287,3 +289,11 @@ def test_a_stacked_step_that_raises_trains_its_sites_one_by_one_alike():
         assert torch.equal(a.module.get_vector("all"), b.module.get_vector("all"))
         _assert_close_states(a.slot("model").optimizer.state_dict(), b.slot("model").optimizer.state_dict(), a.name)
     assert runs["sequential"].history[-1]["metrics"] == runs["batched"].history[-1]["metrics"]
+
+
+def test_the_executor_option_is_checked_with_the_trainer_options():
+    assert TrainerConfig().executor == "auto"
+    for executor in ("auto", "sequential", "batched"):
+        assert TrainerConfig(executor=executor).executor == executor
+    with pytest.raises(ConfigError, match="trainer.executor.*'vmap'.*auto, sequential, batched"):
+        TrainerConfig(executor="vmap")

@@ -226,15 +226,13 @@ def group_key(site: Site, ctx: RoundContext, plan: TrainingPlan) -> tuple[Any, .
         modes = tuple(m.training for m in module.modules())
         slots.append((name, type(module), shapes, modes, module.site_constants(), kind, len(optimizer.param_groups)))
     auxiliary = tuple(sorted((name, a.learning_rate, a.project is None) for name, a in half.auxiliary(ctx, plan).items()))
-    state = tuple((name, _describe(getattr(half, name, None))) for name in half.loss_state)
-    return (type(half), plan, tuple(slots), auxiliary, state)
-
-
-def _describe(value: Any) -> Any:
-    """A loss-state value as a group key sees it: a tensor by shape, dtype and device; anything else as itself."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.dtype, value.device)
-    return ("value", repr(value))
+    state = []
+    for name in half.loss_state:
+        value = getattr(half, name, None)
+        if value is not None and not isinstance(value, torch.Tensor):
+            return f"{type(half).__name__}: its loss state {name!r} is a {type(value).__name__}, not a tensor (or None)"
+        state.append((name, None if value is None else (tuple(value.shape), value.dtype, value.device)))
+    return (type(half), plan, tuple(slots), auxiliary, tuple(state))
 
 
 # ---------------------------------------------------------------------------------------------------- the step
