@@ -162,41 +162,113 @@ def hyper_parameters(optimizers: list[torch.optim.Optimizer], params: list[nn.Pa
     }
 
 
-def _stacked_state(optimizers: list[torch.optim.Optimizer], params: list[nn.Parameter], stacked: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The sites' optimiser state of one parameter, stacked as the step functions take it (zeros where there is none)."""
-    states = [optimizer.state.get(param, {}) for optimizer, param in zip(optimizers, params)]
-    if _kind(optimizers[0]) is torch.optim.Adam:
-        return {
-            "step": torch.tensor([float(s["step"]) if "step" in s else 0.0 for s in states], dtype=torch.float64, device=stacked.device),
-            "exp_avg": torch.stack([s["exp_avg"] if "exp_avg" in s else torch.zeros_like(p) for s, p in zip(states, params)]),
-            "exp_avg_sq": torch.stack([s["exp_avg_sq"] if "exp_avg_sq" in s else torch.zeros_like(p) for s, p in zip(states, params)]),
-        }
-    if not any(_options(optimizer, param)["momentum"] for optimizer, param in zip(optimizers, params)):
-        return {}
-    buffers = [s.get("momentum_buffer") for s in states]
-    return {
-        "momentum_buffer": torch.stack([torch.zeros_like(p) if b is None else b for b, p in zip(buffers, params)]),
-        "has_buffer": torch.tensor([b is not None for b in buffers], device=stacked.device),
-    }
+class _FlatGroup:
+    """Trained parameters that one optimiser steps alike at every site, as one flat ``(S, D)`` tensor and its state.
 
+    Parameters of the same slot, optimiser parameter group and per-site state
+    history (Adam's step counts, SGD's momentum buffers present or not) are
+    stepped by one call of :func:`adam_step` / :func:`sgd_step` over ``(S, D)``
+    instead of one call per parameter; the loss sees them as views of it.
 
-def _write_state(optimizer: torch.optim.Optimizer, param: nn.Parameter, state: dict[str, torch.Tensor], site: int, steps: float) -> None:
-    """Put site ``site``'s slice of a stepped state into ``optimizer.state[param]`` as torch.optim keeps it.
-
-    ``steps``: the site's step count of the parameter (Adam's ``step``, a float32 scalar on the CPU, as torch keeps it).
+    Args:
+        names: the parameters, ``"<slot>.<parameter name>"``.
+        owned: each name's parameter at each site.
+        optimizers: each site's optimiser of the slot.
     """
-    if not state:
-        return
-    own = optimizer.state[param]
-    if _kind(optimizer) is torch.optim.Adam:
-        values = {"step": torch.tensor(steps, dtype=torch.float32), "exp_avg": state["exp_avg"][site], "exp_avg_sq": state["exp_avg_sq"][site]}
-    else:
-        values = {"momentum_buffer": state["momentum_buffer"][site]}
-    for key, value in values.items():
-        if key in own and own[key] is not None:
-            own[key].copy_(value)
-        else:
-            own[key] = value.clone()
+
+    def __init__(self, names: list[str], owned: dict[str, list[nn.Parameter]], optimizers: list[torch.optim.Optimizer]) -> None:
+        self.names = names
+        self.owned = owned
+        self.optimizers = optimizers
+        first = owned[names[0]]
+        device = first[0].device
+        self.shapes = {name: tuple(owned[name][0].shape) for name in names}
+        sizes = [owned[name][0].numel() for name in names]
+        self.bounds = dict(zip(names, itertools.pairwise([0, *itertools.accumulate(sizes)])))
+        self.flat = torch.cat([torch.stack([p.detach() for p in owned[name]]).reshape(len(first), -1) for name in names], dim=1)
+        self.hyper = hyper_parameters(optimizers, first, device)
+        self.step_fn = _STEPS[_kind(optimizers[0])]
+        self.steps_before = [_step_count(optimizer, param) for optimizer, param in zip(optimizers, first)]
+        self.state = self._stacked_state()
+
+    def _stacked_state(self) -> dict[str, torch.Tensor]:
+        """The sites' optimiser state, flat and stacked as the step functions take it (zeros where there is none)."""
+        device = self.flat.device
+        states = {name: [optimizer.state.get(p, {}) for optimizer, p in zip(self.optimizers, self.owned[name])] for name in self.names}
+
+        def flat(key: str) -> torch.Tensor:
+            return torch.cat(
+                [torch.stack([s.get(key) if s.get(key) is not None else torch.zeros_like(p) for s, p in zip(states[name], self.owned[name])]).reshape(len(self.optimizers), -1) for name in self.names],
+                dim=1,
+            )
+
+        if self.step_fn is adam_step:
+            return {"step": torch.tensor(self.steps_before, dtype=torch.float64, device=device), "exp_avg": flat("exp_avg"), "exp_avg_sq": flat("exp_avg_sq")}
+        if "momentum" not in self.hyper:
+            return {}
+        has = [states[self.names[0]][i].get("momentum_buffer") is not None for i in range(len(self.optimizers))]
+        return {"momentum_buffer": flat("momentum_buffer"), "has_buffer": torch.tensor(has, device=device)}
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each parameter's ``(S', *shape)`` view of the rows ``flat`` ``(S', D)``."""
+        return {name: flat[:, a:b].reshape(flat.shape[0], *self.shapes[name]) for name, (a, b) in self.bounds.items()}
+
+    def step(self, rows: torch.Tensor | None, grads: dict[str, torch.Tensor]) -> None:
+        """One optimiser step of the sites ``rows`` (None: every site) on their gradients ``grads`` (``(S', *shape)`` each)."""
+        grad = torch.cat([grads[name].reshape(grads[name].shape[0], -1) for name in self.names], dim=1)
+        if rows is None:
+            self.flat, self.state = self.step_fn(self.flat, grad, self.state, self.hyper)
+            return
+        state = {key: value[rows] for key, value in self.state.items()}
+        new, state = self.step_fn(self.flat[rows], grad, state, {key: value[rows] for key, value in self.hyper.items()})
+        self.flat[rows] = new
+        for key, value in state.items():
+            self.state[key][rows] = value
+
+    @torch.no_grad()
+    def write_back(self, site: int, steps: int) -> None:
+        """Copy site ``site``'s parameters and optimiser state (it took ``steps`` steps) into its own, as torch.optim keeps them."""
+        optimizer = self.optimizers[site]
+        for name, (a, b) in self.bounds.items():
+            param = self.owned[name][site]
+            param.copy_(self.flat[site, a:b].reshape(param.shape))
+            if not self.state:
+                continue
+            if self.step_fn is adam_step:
+                values = {
+                    "step": torch.tensor(float(self.steps_before[site] + steps), dtype=torch.float32),
+                    "exp_avg": self.state["exp_avg"][site, a:b].reshape(param.shape),
+                    "exp_avg_sq": self.state["exp_avg_sq"][site, a:b].reshape(param.shape),
+                }
+            else:
+                values = {"momentum_buffer": self.state["momentum_buffer"][site, a:b].reshape(param.shape)}
+            own = optimizer.state[param]
+            for key, value in values.items():
+                if own.get(key) is not None:
+                    own[key].copy_(value)
+                else:
+                    own[key] = value.clone()
+
+
+def _step_count(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> float:
+    """The steps ``optimizer`` has taken of ``param`` (Adam's ``step``; 0 without state)."""
+    step = optimizer.state.get(param, {}).get("step")
+    return 0.0 if step is None else float(step)
+
+
+def _flat_groups(trained_names: list[str], sites: list[Site], owned: dict[str, list[nn.Parameter]]) -> list[_FlatGroup]:
+    """The trained parameters in :class:`_FlatGroup` s: by slot, optimiser parameter group and per-site state history."""
+    keyed_names: dict[tuple[Any, ...], list[str]] = {}
+    for name in trained_names:
+        slot = name.split(".", 1)[0]
+        optimizers = [site.slot(slot).optimizer for site in sites]
+        params = owned[name]
+        group = next(k for k, g in enumerate(optimizers[0].param_groups) if any(p is params[0] for p in g["params"]))
+        history = tuple(
+            (_step_count(o, p), o.state.get(p, {}).get("momentum_buffer") is not None) for o, p in zip(optimizers, params)
+        )
+        keyed_names.setdefault((slot, group, history), []).append(name)
+    return [_FlatGroup(names, owned, [site.slot(key[0]).optimizer for site in sites]) for key, names in keyed_names.items()]
 
 
 # ---------------------------------------------------------------------------------------------------- grouping
@@ -285,7 +357,7 @@ def _signature(batch: Any) -> tuple[Any, ...]:
 
 
 def _stack_batches(batches: list[Any]) -> Any:
-    """Batches of one signature stacked leaf by leaf: ``(S, *leaf shape)``."""
+    """Batches of one signature stacked leaf by leaf, ``(S, *leaf shape)`` (on the CPU: one copy to the device after)."""
     flat = [tree_flatten(batch) for batch in batches]
     spec = flat[0][1]
     return tree_unflatten([torch.stack(leaves) for leaves in zip(*(leaves for leaves, _ in flat))], spec)
@@ -321,108 +393,81 @@ def train_group(
     half = template.strategy
     auxiliary: dict[str, Auxiliary] = half.auxiliary(ctx, plan)
     state_names = [name for name in half.loss_state if name not in auxiliary and isinstance(getattr(half, name, None), torch.Tensor)]
-    stepped_slots = (plan.slot, *plan.also_steps)
 
     # what is trained: the plan's part of its slot (its trainable flags, as Site.train sets them), all of also_steps
     modules = [{name: unwrap(slot.module) for name, slot in site.slots.items()} for site in sites]
     for own in modules:
         own[plan.slot].set_trainable(plan.part)
         own[plan.slot].train()
-    trained_names = [f"{slot}.{name}" for slot in stepped_slots for name, p in modules[0][slot].named_parameters() if p.requires_grad]
+    stepped = (plan.slot, *plan.also_steps)
+    trained_names = [f"{slot}.{name}" for slot in stepped for name, p in modules[0][slot].named_parameters() if p.requires_grad]
     parameters = [{f"{slot}.{name}": p for slot, module in own.items() for name, p in module.named_parameters()} for own in modules]
     buffers = [{f"{slot}.{name}": b for slot, module in own.items() for name, b in module.named_buffers()} for own in modules]
+    groups = _flat_groups(trained_names, sites, {name: [p[name] for p in parameters] for name in trained_names})
     stack = lambda tensors, name: torch.stack([t[name].detach() for t in tensors])  # noqa: E731
-    trained = {name: stack(parameters, name) for name in trained_names}
-    frozen = {name: stack(parameters, name) for name in parameters[0] if name not in trained}
+    frozen = {name: stack(parameters, name) for name in parameters[0] if name not in trained_names}
     stacked_buffers = {name: stack(buffers, name) for name in buffers[0]}
     loss_state = {name: torch.stack([getattr(site.strategy, name) for site in sites]) for name in state_names}
     aux = {name: torch.stack([getattr(site.strategy, name).detach() for site in sites]) for name in auxiliary}
 
-    optimizers = {name: [site.slot(name.split(".", 1)[0]).optimizer for site in sites] for name in trained_names}
-    owned = {name: [p[name] for p in parameters] for name in trained_names}
-    hyper = {name: hyper_parameters(optimizers[name], owned[name], device) for name in trained_names}
-    states = {name: _stacked_state(optimizers[name], owned[name], trained[name]) for name in trained_names}
-    step_fns = {name: _STEPS[_kind(optimizers[name][0])] for name in trained_names}
-    updates = {name: [0] * count for name in trained_names}  # steps each site's copy of a parameter takes here
+    wrapper = _Slots(template, ctx, plan)
 
     def site_loss(theta, fixed, buffer, state, extra, batch, key):
         with _attributes(half, {**state, **extra}), keyed(key):
             return torch.func.functional_call(wrapper, {**fixed, **buffer, **theta}, (batch,), strict=True)
 
-    wrapper = _Slots(template, ctx, plan)
     prefixed = lambda tensors: {f"slots.{name}": t for name, t in tensors.items()}  # noqa: E731
     step = torch.func.vmap(torch.func.grad_and_value(site_loss, argnums=(0, 4)), randomness="error")
     totals = torch.zeros(count, dtype=torch.float32, device=device)
     streams = [_batch_stream(site, plan.data_order, n) for site, n in zip(sites, steps)]
     key_matrix = torch.nn.utils.rnn.pad_sequence([k.to(device) for k in keys], batch_first=True)  # (S, max steps)
-    everyone = torch.arange(count, device=device)
     for site in sites:
         site.plan_key = compute
     try:
         for t in range(max(steps)):
             by_shape: dict[tuple[Any, ...], list[tuple[int, Any]]] = {}
             for i in (i for i in range(count) if t < steps[i]):
-                batch = sites[i].fabric.to_device(next(streams[i]))
+                batch = next(streams[i])
                 if compute is not None:
                     sites[i].passes.add(compute, batch_samples(batch))
                 by_shape.setdefault(_signature(batch), []).append((i, batch))
             for members in by_shape.values():
-                rows = [i for i, _ in members]
-                whole = len(rows) == count
-                index = everyone if whole else torch.tensor(rows, device=device)
-                take = (lambda d: d) if whole else (lambda d: {name: v[index] for name, v in d.items()})  # noqa: E731
-                theta, buffer = take(trained), take(stacked_buffers)
-                extra = take(aux)
+                # the sites of one batch shape: all of them (the tensors themselves), or some (their rows, put back after)
+                rows = None if len(members) == count else torch.tensor([i for i, _ in members], device=device)
+                take = (lambda d: d) if rows is None else (lambda d: {name: v[rows] for name, v in d.items()})  # noqa: E731
+                theta = {name: view for group in groups for name, view in group.views(group.flat if rows is None else group.flat[rows]).items()}
+                buffer, extra = take(stacked_buffers), take(aux)
                 (grads, aux_grads), loss = step(
                     prefixed(theta), prefixed(take(frozen)), prefixed(buffer), take(loss_state), extra,
-                    _stack_batches([b for _, b in members]), key_matrix[index, t],
+                    template.fabric.to_device(_stack_batches([b for _, b in members])), key_matrix[slice(None) if rows is None else rows, t],
                 )
-                totals.index_add_(0, index, loss.detach().to(totals.dtype))
-                for name in trained_names:
-                    state = {key: value[index] for key, value in states[name].items()} if not whole else states[name]
-                    new, state = step_fns[name](theta[name], grads[f"slots.{name}"], state, take(hyper[name]))
-                    if whole:
-                        trained[name], states[name] = new, state
-                    else:
-                        trained[name][index] = new
-                        for key, value in state.items():
-                            states[name][key][index] = value
-                    for i in rows:
-                        updates[name][i] += 1
-                for name, rule in auxiliary.items():
+                totals.index_add_(0, torch.arange(count, device=device) if rows is None else rows, loss.detach().to(totals.dtype))
+                for group in groups:
+                    group.step(rows, {name: grads[f"slots.{name}"] for name in group.names})
+                for name, rule in auxiliary.items():  # after the optimisers, as Site.train steps them
                     new = extra[name] - rule.learning_rate * aux_grads[name]
                     new = new if rule.project is None else torch.func.vmap(rule.project)(new)
-                    if whole:
+                    if rows is None:
                         aux[name] = new
                     else:
-                        aux[name][index] = new
-                if not whole:
-                    for name, value in buffer.items():
-                        stacked_buffers[name][index] = value
+                        aux[name][rows] = new
+                if rows is not None:
+                    for name, value in buffer.items():  # BatchNorm statistics the step updated in the rows' copies
+                        stacked_buffers[name][rows] = value
         for stream in streams:
             next(stream, None)  # a whole last pass runs to its end, as Site.train's loop does
     finally:
         for site, own in zip(sites, modules):
             site.plan_key = None
             own[plan.slot].set_trainable("all")
-    _write_back(sites, plan, trained, stacked_buffers, buffers, states, optimizers, owned, updates, aux)
+    with torch.no_grad():  # every site gets its own back: parameters, optimiser state, buffers, auxiliary tensors
+        for i, site in enumerate(sites):
+            for group in groups:
+                group.write_back(i, steps[i])
+            for name, value in stacked_buffers.items():
+                buffers[i][name].copy_(value[i])
+            for name, value in aux.items():
+                setattr(site.strategy, name, value[i].clone().requires_grad_(getattr(site.strategy, name).requires_grad))
+            for slot in stepped:
+                site.slot(slot).optimizer.zero_grad(set_to_none=True)
     return (totals / torch.tensor(steps, dtype=totals.dtype, device=device)).tolist()  # the plan's one host read
-
-
-@torch.no_grad()
-def _write_back(sites, plan, trained, stacked_buffers, buffers, states, optimizers, owned, updates, aux) -> None:
-    """Copy the group's stepped tensors into every site's own parameters, buffers, optimiser state and auxiliary tensors."""
-    for i, site in enumerate(sites):
-        for name, value in trained.items():
-            owned[name][i].copy_(value[i])
-            optimizer = optimizers[name][i]
-            before = optimizer.state.get(owned[name][i], {}).get("step")
-            steps = (0.0 if before is None else float(before)) + updates[name][i]
-            _write_state(optimizer, owned[name][i], {k: v for k, v in states[name].items() if k != "has_buffer"}, i, steps)
-        for name, value in stacked_buffers.items():
-            buffers[i][name].copy_(value[i])
-        for name, value in aux.items():
-            own = getattr(site.strategy, name)
-            setattr(site.strategy, name, value[i].clone().requires_grad_(own.requires_grad))
-        for slot in (plan.slot, *plan.also_steps):
-            site.slot(slot).optimizer.zero_grad(set_to_none=True)
