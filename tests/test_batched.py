@@ -12,6 +12,7 @@ from medfed.errors import ConfigError
 from medfed.federated.batched import adam_step, hyper_parameters, sgd_step
 from medfed.federated.executor import InProcessSites, executor_for
 from medfed.federated.strategies import STRATEGIES
+from medfed.federated.strategies.base import SiteHalf, Strategy, TrainingPlan
 from medfed.models.dropout import dropout, keyed, step_keys, uniform_from_key
 from test_strategy_lifecycle import OPTIONS
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
@@ -297,3 +298,36 @@ def test_the_executor_option_is_checked_with_the_trainer_options():
         assert TrainerConfig(executor=executor).executor == executor
     with pytest.raises(ConfigError, match="trainer.executor.*'vmap'.*auto, sequential, batched"):
         TrainerConfig(executor="vmap")
+
+
+class TwoModelSite(SiteHalf):
+    """Trains the ``model`` slot on the logits of ``model(x) + extra(x) / 2``, ``extra`` stepped by its own optimiser."""
+
+    def plan(self, ctx):
+        return (TrainingPlan(slot="model", also_steps=("extra",)),)
+
+    def loss(self, site, ctx, plan, batch):
+        x, y = batch
+        return nn.functional.cross_entropy(site.module("model")(x) + 0.5 * site.module("extra")(x), y)
+
+
+class TwoModels(Strategy):
+    name = "two_models"
+    summary = "a test strategy: a model trained through a sum with another slot's"
+    slots = ("model", "extra")
+    Site = TwoModelSite
+
+
+def test_also_steps_slots_are_stepped_by_their_own_optimisers_alike():
+    runs = {}
+    for executor in ("sequential", "batched"):
+        loop = build_loop(TwoModels, two_group_federation(n_sites=4, n_train=44), seeded(KeyedDropoutClassifier, 4, 2))
+        loop.executor = InProcessSites(loop.sites, loop.links, executor)
+        loop.fit(2)
+        runs[executor] = loop
+    assert runs["batched"].executor.sequential_plans == {}
+    for a, b in zip(runs["sequential"].sites, runs["batched"].sites):
+        for slot in ("model", "extra"):
+            _assert_close_states(a.slot(slot).module.state_dict(), b.slot(slot).module.state_dict(), f"{a.name}/{slot}")
+            _assert_close_states(a.slot(slot).optimizer.state_dict(), b.slot(slot).optimizer.state_dict(), f"{a.name}/{slot}/optimizer")
+        assert float(b.slot("extra").optimizer.state_dict()["state"][0]["step"]) == 2 * a.batches_per_epoch
