@@ -396,10 +396,11 @@ def train_group(
 
     # what is trained: the plan's part of its slot (its trainable flags, as Site.train sets them), all of also_steps
     modules = [{name: unwrap(slot.module) for name, slot in site.slots.items()} for site in sites]
+    stepped = (plan.slot, *plan.also_steps)
     for own in modules:
         own[plan.slot].set_trainable(plan.part)
-        own[plan.slot].train()
-    stepped = (plan.slot, *plan.also_steps)
+        for slot in stepped:
+            own[slot].train()
     trained_names = [f"{slot}.{name}" for slot in stepped for name, p in modules[0][slot].named_parameters() if p.requires_grad]
     parameters = [{f"{slot}.{name}": p for slot, module in own.items() for name, p in module.named_parameters()} for own in modules]
     buffers = [{f"{slot}.{name}": b for slot, module in own.items() for name, b in module.named_buffers()} for own in modules]
@@ -429,7 +430,7 @@ def train_group(
             for i in (i for i in range(count) if t < steps[i]):
                 batch = next(streams[i])
                 if compute is not None:
-                    sites[i].passes.add(compute, batch_samples(batch))
+                    sites[i].passes.add(compute, plan.data_pass * batch_samples(batch))
                 by_shape.setdefault(_signature(batch), []).append((i, batch))
             for members in by_shape.values():
                 # the sites of one batch shape: all of them (the tensors themselves), or some (their rows, put back after)
@@ -467,7 +468,7 @@ def train_group(
             for name, value in stacked_buffers.items():
                 buffers[i][name].copy_(value[i])
             for name, value in aux.items():
-                setattr(site.strategy, name, value[i].clone().requires_grad_(getattr(site.strategy, name).requires_grad))
+                setattr(site.strategy, name, value[i].clone())
             for slot in stepped:
                 site.slot(slot).optimizer.zero_grad(set_to_none=True)
     return (totals / torch.tensor(steps, dtype=totals.dtype, device=device)).tolist()  # the plan's one host read
