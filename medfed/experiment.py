@@ -141,9 +141,9 @@ def _run(
             federation=federation.summary(),
             timing={**timing, "num_threads_reason": threads.reason},
             config=config,
+            executor=loop.executor.record(),
             pooled=pooled_reference(federation.sites) if strategy.pools_data else None,
         )
-        results["executor"] = loop.executor.record()
         if dp.enabled:
             results["privacy"] = {**privacy_summary(loop.history), "model_changes": list(assembly.model_changes)}
         return results

@@ -1,12 +1,14 @@
 """The batched executor (medfed.federated.batched): its functional optimisers, and every strategy under both executors."""
 
 import copy
+import json
 import math
 
 import pytest
 import torch
 from torch import nn
 
+from medfed.cli import main
 from medfed.config import TrainerConfig
 from medfed.errors import ConfigError
 from medfed.federated.batched import adam_step, hyper_parameters, sgd_step
@@ -14,6 +16,7 @@ from medfed.federated.executor import InProcessSites, executor_for
 from medfed.federated.strategies import STRATEGIES
 from medfed.federated.strategies.base import SiteHalf, Strategy, TrainingPlan
 from medfed.models.dropout import dropout, keyed, step_keys, uniform_from_key
+from test_classification_end_to_end import TINY_CLINICAL
 from test_strategy_lifecycle import OPTIONS
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import NEEDS_A_BODY, BatchNormClassifier, BodyHeadClassifier, LinearClassifier, build_loop, seeded, two_group_federation
@@ -331,3 +334,20 @@ def test_also_steps_slots_are_stepped_by_their_own_optimisers_alike():
             _assert_close_states(a.slot(slot).module.state_dict(), b.slot(slot).module.state_dict(), f"{a.name}/{slot}")
             _assert_close_states(a.slot(slot).optimizer.state_dict(), b.slot(slot).optimizer.state_dict(), f"{a.name}/{slot}/optimizer")
         assert float(b.slot("extra").optimizer.state_dict()["state"][0]["step"]) == 2 * a.batches_per_epoch
+
+
+def test_a_cli_run_records_its_executor_and_both_give_its_numbers(tmp_path):
+    results = {}
+    for executor in ("sequential", "batched"):
+        config = tmp_path / f"{executor}.yaml"
+        config.write_text(TINY_CLINICAL.format(data=tmp_path / "data", output=tmp_path / executor))
+        assert main(["fit", "--config", str(config), "--quiet", "strategy.name=fedprox", f"trainer.executor={executor}"]) == 0
+        results[executor] = json.loads((tmp_path / executor / "results.json").read_text())
+    assert results["sequential"]["executor"] == {"name": "sequential"}
+    assert results["batched"]["executor"] == {"name": "batched", "sequential_plans": {}}
+    assert results["batched"]["config"]["trainer"]["executor"] == "batched"
+    for a, b in zip(results["sequential"]["history"], results["batched"]["history"]):
+        _assert_close_states(a["metrics"], b["metrics"], f"round {a['round']} metrics")
+        _assert_close_states(a["train_loss"], b["train_loss"], f"round {a['round']} train_loss")
+        assert a["compute"] == b["compute"]
+        assert set(a["timing"]) == set(b["timing"])
