@@ -40,6 +40,12 @@ the caller puts their data orders back and trains them one by one.
 
 :func:`group_key` says which sites can train together, or why a site cannot
 (its half declares ``batchable``, DP-SGD, an optimiser without a functional twin).
+
+One difference remains by construction: ``torch.func.grad`` gives a trained
+parameter the loss does not reach a zero gradient where autograd gives None,
+so Adam (momentum, weight decay) would step it here and skip it sequentially.
+medfed's strategies train no such parameter; the registry test
+(``tests/test_batched.py``) would show one.
 """
 
 from __future__ import annotations
