@@ -21,7 +21,7 @@ does, per site:
   counts and hyper-parameters read from each site's own ``param_groups``);
   only ``plan.part`` of the plan's slot and every parameter of ``also_steps``
   are differentiated, and the half's declared auxiliary parameters, stepped
-  after the optimisers (``a <- project(a - lr grad)``);
+  after the optimisers (:meth:`~medfed.federated.strategies.base.Auxiliary.step`);
 * its own batches, drawn from its own loader in the order ``Site.train``
   draws them, as many steps as its plan gives it: at step t the sites that
   still have steps are grouped by their batch's shape (the last batch of a
@@ -458,8 +458,7 @@ def train_group(
                 for group in groups:
                     group.step(rows, {name: grads[f"slots.{name}"] for name in group.names})
                 for name, rule in auxiliary.items():  # after the optimisers, as Site.train steps them
-                    new = extra[name] - rule.learning_rate * aux_grads[name]
-                    new = new if rule.project is None else torch.func.vmap(rule.project)(new)
+                    new = torch.func.vmap(rule.step)(extra[name], aux_grads[name])
                     if rows is None:
                         aux[name] = new
                     else:

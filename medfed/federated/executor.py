@@ -566,7 +566,7 @@ def train_plans(
     local_epochs: float,
     epochs_before: dict[str, float],
     key: str,
-    stream: tuple[int, ...],
+    stream: tuple[int, ...] = (),
 ) -> dict[str | None, float]:
     """Train ``plans`` in order on the half's loss; the mean loss of each that trained (None: the only plan).
 
@@ -574,7 +574,8 @@ def train_plans(
         local_epochs: the trainer's, which a plan's ``share`` is of.
         epochs_before: ``{ROUND_BUDGET: the epochs earlier plans of the round took}``; the plans add theirs.
         key: their passes are counted as ``<key>/<plan label>``.
-        stream: the global-RNG stream of the work (the plans' dropout keys are seeded from it: :func:`dropout_keys`).
+        stream: the global-RNG stream of the work (the plans' dropout keys are seeded from it: :func:`dropout_keys`;
+            the executors name it, ``()`` outside any).
     """
     losses = {}
     for position, plan in enumerate(plans):
