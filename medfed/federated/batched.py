@@ -23,7 +23,7 @@ does, per site:
   are differentiated, and the half's declared auxiliary parameters, stepped
   after the optimisers (:meth:`~medfed.federated.strategies.base.Auxiliary.step`);
 * its own batches, drawn from its own loader in the order ``Site.train``
-  draws them, as many steps as its plan gives it: at step t the sites that
+  draws them (:meth:`~medfed.federated.site.Site.batches`), as many steps as its plan gives it: at step t the sites that
   still have steps are grouped by their batch's shape (the last batch of a
   pass may be smaller), each shape one vmapped call; the other sites' tensors
   are not touched;
@@ -348,20 +348,6 @@ def _attributes(obj: Any, values: dict[str, Any]) -> Iterator[None]:
             setattr(obj, name, value)
 
 
-def _batch_stream(site: Site, data_order: str | None, steps: int) -> Iterator[Any]:
-    """The CPU batches of ``steps`` steps in the order :meth:`Site.train` draws them (whole passes, then a cut one).
-
-    After the last one, run the stream out (``next`` once more): a whole pass then ends as Site.train's loop ends it.
-    """
-    loader = site._loader(data_order)
-    remaining = steps
-    while remaining > 0:
-        whole = remaining >= site.batches_per_epoch
-        for batch in loader if whole else itertools.islice(loader, remaining):
-            yield batch
-            remaining -= 1
-
-
 def _signature(batch: Any) -> tuple[Any, ...]:
     """What batches stacked together must share: the structure, and each tensor's shape and dtype."""
     leaves, spec = tree_flatten(batch)
@@ -369,7 +355,7 @@ def _signature(batch: Any) -> tuple[Any, ...]:
 
 
 def _stack_batches(batches: list[Any]) -> Any:
-    """Batches of one signature stacked leaf by leaf, ``(S, *leaf shape)`` (on the CPU: one copy to the device after)."""
+    """Device batches of one signature stacked leaf by leaf, ``(S, *leaf shape)``."""
     flat = [tree_flatten(batch) for batch in batches]
     spec = flat[0][1]
     return tree_unflatten([torch.stack(leaves) for leaves in zip(*(leaves for leaves, _ in flat))], spec)
@@ -432,7 +418,7 @@ def train_group(
     prefixed = lambda tensors: {f"slots.{name}": t for name, t in tensors.items()}  # noqa: E731
     step = torch.func.vmap(torch.func.grad_and_value(site_loss, argnums=(0, 4)), randomness="error")
     totals = torch.zeros(count, dtype=torch.float32, device=device)
-    streams = [_batch_stream(site, plan.data_order, n) for site, n in zip(sites, steps)]
+    streams = [site.batches(n, plan.data_order) for site, n in zip(sites, steps)]
     key_matrix = torch.nn.utils.rnn.pad_sequence([k.to(device) for k in keys], batch_first=True)  # (S, max steps)
     for site in sites:
         site.plan_key = compute
@@ -452,7 +438,7 @@ def train_group(
                 buffer, extra = take(stacked_buffers), take(aux)
                 (grads, aux_grads), loss = step(
                     prefixed(theta), prefixed(take(frozen)), prefixed(buffer), take(loss_state), extra,
-                    template.fabric.to_device(_stack_batches([b for _, b in members])), key_matrix[slice(None) if rows is None else rows, t],
+                    _stack_batches([b for _, b in members]), key_matrix[slice(None) if rows is None else rows, t],
                 )
                 totals.index_add_(0, torch.arange(count, device=device) if rows is None else rows, loss.detach().to(totals.dtype))
                 for group in groups:
@@ -467,7 +453,7 @@ def train_group(
                     for name, value in buffer.items():  # BatchNorm statistics the step updated in the rows' copies
                         stacked_buffers[name][rows] = value
         for stream in streams:
-            next(stream, None)  # a whole last pass runs to its end, as Site.train's loop does
+            next(stream, None)  # run out: a whole last pass ends as Site.train's loop ends it (Site.batches)
     finally:
         for site, own in zip(sites, modules):
             site.plan_key = None
