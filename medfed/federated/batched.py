@@ -412,7 +412,7 @@ def train_group(
     wrapper = _Slots(template, ctx, plan)
 
     def site_loss(theta, fixed, buffer, state, extra, batch, key):
-        with _attributes(half, {**state, **extra}), keyed(key):
+        with _attributes(half, {**state, **extra}), keyed(key), template.fabric.autocast():  # the forward in the run's precision
             return torch.func.functional_call(wrapper, {**fixed, **buffer, **theta}, (batch,), strict=True)
 
     prefixed = lambda tensors: {f"slots.{name}": t for name, t in tensors.items()}  # noqa: E731
