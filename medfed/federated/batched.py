@@ -420,6 +420,7 @@ def train_group(
     totals = torch.zeros(count, dtype=torch.float32, device=device)
     streams = [site.batches(n, plan.data_order) for site, n in zip(sites, steps)]
     key_matrix = torch.nn.utils.rnn.pad_sequence([k.to(device) for k in keys], batch_first=True)  # (S, max steps)
+    row_tensors: dict[tuple[int, ...], torch.Tensor] = {}  # the rows of each subset of the sites that stepped alone
     for site in sites:
         site.plan_key = compute
     try:
@@ -432,7 +433,13 @@ def train_group(
                 by_shape.setdefault(_signature(batch), []).append((i, batch))
             for members in by_shape.values():
                 # the sites of one batch shape: all of them (the tensors themselves), or some (their rows, put back after)
-                rows = None if len(members) == count else torch.tensor([i for i, _ in members], device=device)
+                members_rows = tuple(i for i, _ in members)
+                if len(members) == count:
+                    rows = None
+                elif members_rows in row_tensors:
+                    rows = row_tensors[members_rows]
+                else:  # made once per plan and subset: a copy from the host waits for the device
+                    rows = row_tensors[members_rows] = torch.tensor(members_rows, device=device)
                 take = (lambda d: d) if rows is None else (lambda d: {name: v[rows] for name, v in d.items()})  # noqa: E731
                 theta = {name: view for group in groups for name, view in group.views(group.flat if rows is None else group.flat[rows]).items()}
                 buffer, extra = take(stacked_buffers), take(aux)
