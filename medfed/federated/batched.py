@@ -420,6 +420,7 @@ def train_group(
     totals = torch.zeros(count, dtype=torch.float32, device=device)
     streams = [site.batches(n, plan.data_order) for site, n in zip(sites, steps)]
     key_matrix = torch.nn.utils.rnn.pad_sequence([k.to(device) for k in keys], batch_first=True)  # (S, max steps)
+    everyone = torch.arange(count, device=device)
     row_tensors: dict[tuple[int, ...], torch.Tensor] = {}  # the rows of each subset of the sites that stepped alone
     for site in sites:
         site.plan_key = compute
@@ -447,7 +448,7 @@ def train_group(
                     prefixed(theta), prefixed(take(frozen)), prefixed(buffer), take(loss_state), extra,
                     _stack_batches([b for _, b in members]), key_matrix[slice(None) if rows is None else rows, t],
                 )
-                totals.index_add_(0, torch.arange(count, device=device) if rows is None else rows, loss.detach().to(totals.dtype))
+                totals.index_add_(0, everyone if rows is None else rows, loss.detach().to(totals.dtype))
                 for group in groups:
                     group.step(rows, {name: grads[f"slots.{name}"] for name in group.names})
                 for name, rule in auxiliary.items():  # after the optimisers, as Site.train steps them
