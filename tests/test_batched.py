@@ -149,11 +149,12 @@ class KeyedDropoutBodyHeadClassifier(BodyHeadClassifier):
         return torch.optim.Adam(self.parameters(), lr=0.05, weight_decay=1e-3)
 
 
-def _run(name: str, executor: str, rounds: int = 2):
+def _run(name: str, executor: str, rounds: int = 2, participation: float = 1.0):
     """``rounds`` rounds of ``name`` on four toy sites of 44, 52, 60, 68 samples (batch 16: 3 to 5 steps, last batches
     of 12 or 4), dropout on, under ``executor``."""
     model = KeyedDropoutBodyHeadClassifier if name in NEEDS_A_BODY else KeyedDropoutClassifier
-    loop = build_loop(name, two_group_federation(n_sites=4, n_train=44), seeded(model, 4, 2), OPTIONS.get(name))
+    federation = two_group_federation(n_sites=4, n_train=44)
+    loop = build_loop(name, federation, seeded(model, 4, 2), OPTIONS.get(name), participation=participation)
     loop.executor = InProcessSites(loop.sites, loop.links, executor)
     loop.fit(rounds)
     return loop
@@ -186,6 +187,19 @@ def test_enough_strategies_are_batchable():
     assert len(batchable) >= MIN_BATCHABLE, batchable
 
 
+def _assert_alike(sequential, stacked):
+    """Two runs' sites hold the same models, optimiser states, half states and data orders; their records agree."""
+    for a, b in zip(sequential.sites, stacked.sites):
+        for slot in a.slots:
+            _assert_close_states(a.slot(slot).module.state_dict(), b.slot(slot).module.state_dict(), f"{a.name}/{slot}/module")
+            _assert_close_states(a.slot(slot).optimizer.state_dict(), b.slot(slot).optimizer.state_dict(), f"{a.name}/{slot}/optimizer")
+        _assert_close_states(a.strategy.state_dict(), b.strategy.state_dict(), f"{a.name}/strategy")
+        assert a.generator.get_state().equal(b.generator.get_state())  # the same batches were drawn
+    for record_a, record_b in zip(sequential.history, stacked.history):
+        for key in ("participants", "metrics", "train_loss", "adapt_loss", "compute", "failures"):
+            _assert_close_states(copy.deepcopy(record_a[key]), copy.deepcopy(record_b[key]), f"round {record_a['round']}/{key}")
+
+
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_both_executors_train_every_site_alike(name):
     reason = STRATEGIES[name].Site.batchable
@@ -194,15 +208,15 @@ def test_both_executors_train_every_site_alike(name):
         pytest.skip(f"{name} is not batchable: {reason}")
     sequential, stacked = _run(name, "sequential"), _run(name, "batched")
     assert stacked.executor.sequential_plans == {}, "every plan trained stacked"  # else the equality proves nothing
-    for a, b in zip(sequential.sites, stacked.sites):
-        for slot in a.slots:
-            _assert_close_states(a.slot(slot).module.state_dict(), b.slot(slot).module.state_dict(), f"{a.name}/{slot}/module")
-            _assert_close_states(a.slot(slot).optimizer.state_dict(), b.slot(slot).optimizer.state_dict(), f"{a.name}/{slot}/optimizer")
-        _assert_close_states(a.strategy.state_dict(), b.strategy.state_dict(), f"{a.name}/strategy")
-        assert a.generator.get_state().equal(b.generator.get_state())  # the same batches were drawn
-    for record_a, record_b in zip(sequential.history, stacked.history):
-        for key in ("metrics", "train_loss", "adapt_loss", "compute", "failures"):
-            _assert_close_states(copy.deepcopy(record_a[key]), copy.deepcopy(record_b[key]), f"round {record_a['round']}/{key}")
+    _assert_alike(sequential, stacked)
+
+
+@pytest.mark.parametrize("name", ["fedavg", "ditto", "pfednet"])
+def test_sites_that_skip_rounds_train_alike(name):
+    sequential, stacked = _run(name, "sequential", rounds=3, participation=0.5), _run(name, "batched", rounds=3, participation=0.5)
+    assert stacked.executor.sequential_plans == {}
+    assert len({tuple(record["participants"]) for record in stacked.history}) > 1  # the stacked groups changed
+    _assert_alike(sequential, stacked)
 
 
 class KeyedDropoutBatchNormClassifier(BatchNormClassifier):
