@@ -409,11 +409,10 @@ class InProcessSites:
 
 def executor_for(option: str, device: torch.device, dp_sgd: bool) -> str:
     """The executor ``trainer.executor`` = ``option`` runs on ``device``: ``auto`` is batched on cuda, else sequential;
-    DP-SGD (``dp_sgd``) trains one site at a time whatever the option (said once, where batched was asked for)."""
+    DP-SGD (``dp_sgd``) trains one site at a time whatever the option (said once, where it would have been batched)."""
     wanted = ("batched" if device.type == "cuda" else "sequential") if option == "auto" else option
     if wanted == "batched" and dp_sgd:
-        if option == "batched":
-            warn("trainer.executor=batched: DP-SGD clips and noises per-sample gradients one site at a time; the sites train sequentially")
+        warn(f"trainer.executor={option}: DP-SGD clips and noises per-sample gradients one site at a time; the sites train sequentially")
         return "sequential"
     return wanted
 
