@@ -120,12 +120,15 @@ def test_keyed_dropout_draws_the_same_mask_alone_and_under_vmap():
     assert 0.0 <= uniform.min() and uniform.max() < 1.0 and abs(uniform.mean().item() - 0.5) < 0.01
 
 
-def test_executor_auto_is_batched_on_cuda_only_and_never_with_dp():
+def test_executor_auto_is_batched_on_cuda_only_and_never_with_dp(caplog):
     assert executor_for("auto", torch.device("cpu"), False) == "sequential"
     assert executor_for("auto", torch.device("cuda"), False) == "batched"
     assert executor_for("batched", torch.device("cpu"), False) == "batched"
-    assert executor_for("batched", torch.device("cpu"), True) == "sequential"
     assert executor_for("sequential", torch.device("cuda"), False) == "sequential"
+    assert not caplog.records
+    assert executor_for("batched", torch.device("cpu"), True) == "sequential"
+    (note,) = caplog.records  # one line saying why
+    assert "DP-SGD" in note.getMessage() and "sequentially" in note.getMessage()
 
 
 # ------------------------------------------------------------------------------------------- every strategy
