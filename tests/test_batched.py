@@ -15,7 +15,7 @@ from medfed.federated.batched import adam_step, hyper_parameters, sgd_step
 from medfed.federated.executor import InProcessSites, executor_for
 from medfed.federated.strategies import STRATEGIES
 from medfed.federated.strategies.base import SiteHalf, Strategy, TrainingPlan
-from medfed.models.dropout import dropout, keyed, step_keys, uniform_from_key
+from medfed.models.dropout import dropout
 from test_classification_end_to_end import TINY_CLINICAL
 from test_strategy_lifecycle import OPTIONS
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
@@ -98,26 +98,6 @@ def test_stacked_plain_sgd_keeps_no_state():
     assert state == {} and all(not optimizer.state for optimizer in optimizers)
     for i, p in enumerate(params):
         torch.testing.assert_close(stacked[i], p.detach(), rtol=1e-6, atol=1e-7)
-
-
-# ------------------------------------------------------------------------------------------- keyed dropout
-def test_keyed_dropout_draws_the_same_mask_alone_and_under_vmap():
-    keys = step_keys([0, 1, 2, 3], 3, torch.device("cpu"))
-    x = torch.ones(3, 8, 5)
-
-    def masked(key, x):
-        with keyed(key):
-            return dropout(dropout(x, 0.5, True), 0.5, True)  # two calls in one step: two different masks
-
-    alone = torch.stack([masked(keys[i], x[i]) for i in range(3)])
-    stacked = torch.func.vmap(masked, randomness="error")(keys, x)
-    assert torch.equal(alone, stacked)
-    # keyed masks are what p asks for (about 1/4 of the elements survive two dropouts of 0.5), and differ by key
-    survivors = (alone > 0).float().mean().item()
-    assert 0.1 < survivors < 0.4
-    assert not torch.equal(alone[0], alone[1])
-    uniform = uniform_from_key(keys[0], 0, torch.Size([20000]), torch.device("cpu"))
-    assert 0.0 <= uniform.min() and uniform.max() < 1.0 and abs(uniform.mean().item() - 0.5) < 0.01
 
 
 def test_executor_auto_is_batched_on_cuda_only_and_never_with_dp(caplog):
