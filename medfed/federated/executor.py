@@ -601,6 +601,7 @@ def train_plan(site: Site, ctx: RoundContext, plan: TrainingPlan, steps: int, ke
         also_steps=plan.also_steps,
         compute=f"{key}/{plan.label}",
         data_pass=plan.data_pass,
+        auxiliary=site.strategy.auxiliary(ctx, plan),
     )
 
 
