@@ -417,7 +417,7 @@ def train_group(
 
     prefixed = lambda tensors: {f"slots.{name}": t for name, t in tensors.items()}  # noqa: E731
     step = torch.func.vmap(torch.func.grad_and_value(site_loss, argnums=(0, 4)), randomness="error")
-    totals = torch.zeros(count, dtype=torch.float32, device=device)
+    totals = torch.zeros(count, dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)  # summed as Site.train sums
     streams = [site.batches(n, plan.data_order) for site, n in zip(sites, steps)]
     key_matrix = torch.nn.utils.rnn.pad_sequence([k.to(device) for k in keys], batch_first=True)  # (S, max steps)
     everyone = torch.arange(count, device=device)
