@@ -248,7 +248,8 @@ class _FlatGroup:
                 continue
             if self.step_fn is adam_step:
                 values = {
-                    "step": torch.tensor(float(self.steps_before[site] + steps), dtype=torch.float32),
+                    # a float32 scalar on the CPU, where torch.optim.Adam keeps it (copied into a capturable one's)
+                    "step": torch.tensor(float(self.steps_before[site] + steps), dtype=torch.float32, device="cpu"),
                     "exp_avg": self.state["exp_avg"][site, a:b].reshape(param.shape),
                     "exp_avg_sq": self.state["exp_avg_sq"][site, a:b].reshape(param.shape),
                 }
