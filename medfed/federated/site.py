@@ -118,6 +118,21 @@ class Site:
         sampler = train.sampler(generator) if hasattr(train, "sampler") else RandomSampler(train, generator=generator)
         return DataLoader(train, batch_size=self.batch_size, sampler=sampler, generator=generator)
 
+    def batches(self, steps: int, data_order: str | None = None) -> Iterator[Any]:
+        """The device batches of ``steps`` training steps, drawn as :meth:`train` describes (whole passes, then a cut one).
+
+        Run it out: after a whole pass's last batch the loader's sampler
+        draws from the generator once more, as a plain epoch loop's does.
+        """
+        loader = self._loader(data_order)
+        remaining = steps
+        while remaining > 0:
+            # A fresh pass: whole when the steps cover it, otherwise only its first `remaining` batches (the rest dropped).
+            whole = remaining >= self.batches_per_epoch
+            for drawn in loader if whole else itertools.islice(loader, remaining):
+                yield self.fabric.to_device(drawn)
+                remaining -= 1
+
     def _loader(self, data_order: str | None) -> DataLoader:
         """The shuffled loader of the data order named ``data_order`` (``None``: the site's own), made at its first use."""
         if data_order is None:
