@@ -37,7 +37,7 @@ from medfed.errors import RunFailed, SiteFailure, warn
 from medfed.evaluation.rounds import ValidationEvaluation, VolumeEvaluation
 from medfed.federated.executor import planned_steps
 from medfed.federated.loop import FederatedLoop
-from medfed.federated.privacy import PrivacyBudgetSpent, PrivacyRecord, SiteDP, privacy_summary
+from medfed.federated.privacy import ClientDP, PrivacyBudgetSpent, PrivacyRecord, SiteDP, privacy_summary
 from medfed.data.federation import Federation
 from medfed.data.pooling import pooled_reference
 from medfed.models.classification import BinaryClassifier
@@ -123,6 +123,7 @@ def _run(
         update_norm_limit=run_cfg.federation.update_norm_limit,
         max_consecutive_failures=run_cfg.federation.max_consecutive_failures,
         scratch_dir=output_dir / FOLDER,
+        client_dp=ClientDP(run_cfg.privacy.client_dp, trainer.seed) if run_cfg.privacy.client_dp.enabled else None,
     )
     if resumed is not None:
         loop.load_state_dict(resumed)
@@ -142,7 +143,7 @@ def _run(
             config=config,
             pooled=pooled_reference(federation.sites) if strategy.pools_data else None,
         )
-        if dp.enabled:
+        if dp.enabled or run_cfg.privacy.client_dp.enabled:
             results["privacy"] = {**privacy_summary(loop.history), "model_changes": list(assembly.model_changes)}
         return results
 
