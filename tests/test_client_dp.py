@@ -191,3 +191,15 @@ def test_a_bad_or_refused_client_dp_config_is_one_line_naming_the_key(tmp_path, 
     error = capsys.readouterr().err.strip()
     assert error.count("\n") == 0 and f"'{named}" in error, error
     assert not (tmp_path / "run").exists()
+
+
+def test_a_deployment_asked_for_client_dp_is_refused_before_any_site_is_contacted(tmp_path):
+    from medfed.deploy import server_app
+    from medfed.errors import ConfigError
+
+    run_config = {
+        "config": str(CLINICAL), "overrides": "strategy.name=fedavg federation.label_ratio=null privacy.client_dp.noise_multiplier=1",
+        "run-name": "client-dp", "output-dir": str(tmp_path), "reply-timeout-s": 60.0, "resume": False,
+    }
+    with pytest.raises(ConfigError, match=r"^config key 'privacy.client_dp': client-level DP runs in the simulator only"):
+        server_app.run_settings(run_config)
