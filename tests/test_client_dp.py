@@ -86,6 +86,8 @@ def test_the_noise_has_std_sigma_c_over_m_and_is_seeded():
     assert float(torch.corrcoef(draws[:2])[0, 1]) < 0.05  # rounds draw independently
     again = _client_dp(sigma, clip, seed=3).release(RoundContext(1, "fit"), 0, replies, {i: {"all": sent} for i in range(m)}, list(range(m)), 1.0)
     assert torch.equal(again[0]["all"], draws[0])  # (seed, round, phase) fixes the draw
+    generator = torch.Generator().manual_seed(dp.noise_seed(1, 0))
+    assert torch.equal(torch.normal(0.0, std, (d,), generator=generator), draws[0])  # the recorded seed reproduces the noise
     other = _client_dp(sigma, clip, seed=4).release(RoundContext(1, "fit"), 0, replies, {i: {"all": sent} for i in range(m)}, list(range(m)), 1.0)
     assert not torch.equal(other[0]["all"], draws[0])
 

@@ -401,10 +401,9 @@ class ClientDP:
         self.releases = 0
         self._round: dict[str, Any] = {}  # the current round's clipping and noise, for its record
 
-    def noise_generator(self, device: torch.device, round_index: int, phase_index: int) -> torch.Generator:
-        """The generator of the noise of one release, seeded from (seed, round, phase)."""
-        seed = int(np.random.SeedSequence([self.seed, CLIENT_NOISE_STREAM, round_index, phase_index]).generate_state(1)[0])
-        return torch.Generator(device=device).manual_seed(seed)
+    def noise_seed(self, round_index: int, phase_index: int) -> int:
+        """The seed of the noise of one release, derived from (run seed, round, phase) (in the round's record)."""
+        return int(np.random.SeedSequence([self.seed, CLIENT_NOISE_STREAM, round_index, phase_index]).generate_state(1)[0])
 
     def release(
         self, ctx: RoundContext, phase_index: int, replies: dict[int, Payload], sent: dict[int, Payload], sampled: list[int], sample_rate: float
@@ -452,8 +451,9 @@ class ClientDP:
         m = len(sampled)
         released = {key: weighted_average([row[key] for row in rows], [1.0] * m) for key in keys}
         std = self.noise_multiplier * self.clipping_norm / m
+        noise_seed = self.noise_seed(ctx.round, phase_index)
         if std > 0:
-            generator = self.noise_generator(released[keys[0]].device, ctx.round, phase_index)
+            generator = torch.Generator(device=released[keys[0]].device).manual_seed(noise_seed)
             for key in keys:  # sorted: the same draws in the same order on resume
                 vector = released[key]
                 released[key] = vector + torch.normal(0.0, std, vector.shape, generator=generator, device=vector.device, dtype=vector.dtype)
@@ -462,6 +462,7 @@ class ClientDP:
         self.sample_rate = sample_rate
         self._round = {
             "noise_std": std,
+            "noise_seed": noise_seed,
             "sampled": m,
             "replied": len(replies),
             "clipped": sum(norm > self.clipping_norm for norm in norms),
