@@ -24,9 +24,9 @@ every finished run and writes into ``<out>``:
 * ``dp_utility.md``: per setting and metric, methods as rows and levels as
   columns, ``mean ± half-width`` of the 95% t interval over seeds, and the
   epsilon reached;
-* ``dp_utility.png``: per setting, the metric against epsilon reached (log
-  axis; no DP drawn at the right, labelled), one line per method with its
-  95% interval over seeds as a band.
+* ``dp_utility.png``: per setting, its first metric against epsilon reached
+  (log axis), one line per method with its 95% interval over seeds as a
+  band; no DP at the right, a point with its interval per method.
 
     python benchmarks/dp_utility.py --out bench_out/dp_utility            # run (resumes), then report
     python benchmarks/dp_utility.py --out bench_out/dp_utility --report   # tables and figure from finished runs
@@ -176,38 +176,44 @@ def write_table(rows: list[dict], out: Path) -> str:
 
 
 def write_figure(rows: list[dict], out: Path) -> None:
-    """Per setting (and metric): metric vs epsilon reached, one line and 95% band per method, no DP at the right."""
-    panels = [(setting, metric) for setting, (_, _, metrics) in SETTINGS.items() for metric in metrics[:1] if any(r["setting"] == setting for r in rows)]
-    figure = Figure(figsize=(5.5 * len(panels), 4.2))
-    private_levels = [level for level in LEVELS if LEVELS[level] is not None]
+    """Per setting: its first metric vs epsilon reached, one line and 95% band per method; no DP as a point with its interval at the right."""
+    panels = [(setting, metrics[0]) for setting, (_, _, metrics) in SETTINGS.items() if any(r["setting"] == setting for r in rows)]
+    figure = Figure(figsize=(5.5 * len(panels), 4.4))
+    private_levels = sorted((level for level in LEVELS if LEVELS[level] is not None), key=lambda level: LEVELS[level])
+    no_dp_x = 20.0  # where "no DP" is drawn on the log axis
     for k, (setting, metric) in enumerate(panels):
         axes = figure.add_subplot(1, len(panels), k + 1)
         mine = [row for row in rows if row["setting"] == setting]
-        no_dp_x = 20.0  # where "no DP" is drawn on the log axis
-        for method in METHODS:
+        for j, method in enumerate(METHODS):
             xs, means, lows, highs = [], [], [], []
-            for level in sorted(private_levels, key=lambda level: LEVELS[level]) + ["nodp"]:
+            for level in private_levels:
                 runs = [row for row in mine if row["method"] == method and row["level"] == level]
-                if not runs:
-                    continue
+                if runs:
+                    mean, low, high, _ = cell(runs, metric)
+                    xs.append(float(np.mean([r["epsilon"] for r in runs])))
+                    means.append(mean)
+                    lows.append(max(0.0, mean if math.isnan(low) else low))  # the metrics lie in [0, 1]
+                    highs.append(min(1.0, mean if math.isnan(high) else high))
+            style = {"ls": "--" if method == "local" else "-", "marker": "o"}
+            (line,) = axes.plot(xs, means, label=method, **style)
+            axes.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.12)
+            runs = [row for row in mine if row["method"] == method and row["level"] == "nodp"]
+            if runs:
                 mean, low, high, _ = cell(runs, metric)
-                xs.append(no_dp_x if level == "nodp" else float(np.mean([r["epsilon"] for r in runs])))
-                means.append(mean)
-                lows.append(mean if math.isnan(low) else low)
-                highs.append(mean if math.isnan(high) else high)
-            if xs:
-                (line,) = axes.plot(xs, means, marker="o", label=method)
-                axes.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15)
+                x = no_dp_x * 1.04 ** (j - 2)  # side by side, so the intervals do not hide each other
+                spread = [[0.0], [0.0]] if math.isnan(low) else [[mean - max(0.0, low)], [min(1.0, high) - mean]]
+                axes.errorbar([x], [mean], yerr=spread, color=line.get_color(), marker="s", capsize=3)
         axes.set_xscale("log")
         ticks = [LEVELS[level] for level in private_levels] + [no_dp_x]
         axes.set_xticks(ticks, [f"{t:g}" for t in ticks[:-1]] + [NO_DP_X])
-        axes.axvline(12.0, color="grey", lw=0.5, ls=":")
+        axes.minorticks_off()
+        axes.set_ylim(0.0, 1.0)
         axes.set_xlabel("epsilon reached (delta 1e-5, largest over sites)")
         axes.set_ylabel(f"{metric} (test, last round, mean over sites)")
-        generated = "GENERATED data" if "GENERATED" in mine[0]["data"] else "real data (Wisconsin table)"
+        data = "GENERATED data" if "GENERATED" in mine[0]["data"] else "real data (Wisconsin table)"
         seeds = sorted({row["seed"] for row in mine})
-        axes.set_title(f"{setting}, DP-SGD per site, {generated}\nbands: 95% t interval over seeds {seeds}", fontsize=9)
-        axes.legend(fontsize=8)
+        axes.set_title(f"{setting}, DP-SGD at each site, {data}\nbands and bars: 95% t interval over seeds {seeds}, within [0, 1]", fontsize=9)
+        axes.legend(fontsize=8, loc="lower right")
     figure.tight_layout()
     figure.savefig(out / "dp_utility.png", dpi=120)
 
