@@ -30,6 +30,7 @@ every finished run and writes into ``<out>``:
 
     python benchmarks/dp_utility.py --out bench_out/dp_utility            # run (resumes), then report
     python benchmarks/dp_utility.py --out bench_out/dp_utility --report   # tables and figure from finished runs
+    python benchmarks/dp_utility.py --out bench_out/dp_utility --report --docs   # and into docs/privacy.md, README.md
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import argparse
 import csv
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -137,13 +139,14 @@ def cell(rows: list[dict], metric: str) -> tuple[float, float, float, int]:
     return summary.mean, summary.low, summary.high, summary.n
 
 
-def write_table(rows: list[dict], out: Path) -> str:
-    lines = ["# Utility against privacy: DP-SGD at each site", ""]
+def tables(rows: list[dict], heading: str = "##") -> str:
+    """Per setting: its metrics (methods x levels) and the epsilon reached with sigma, under ``heading`` titles."""
+    lines = []
     for setting, (_, reductions, metrics) in SETTINGS.items():
         mine = [row for row in rows if row["setting"] == setting]
         if not mine:
             continue
-        lines += [f"## {setting}", "", f"Data: {mine[0]['data']}.", ""]
+        lines += [f"{heading} {setting}", "", f"Data: {mine[0]['data']}.", ""]
         if reductions:
             lines += [f"Reduced: {' '.join(reductions)}.", ""]
         levels = [level for level in LEVELS if any(row["level"] == level for row in mine)]
@@ -170,9 +173,34 @@ def write_table(rows: list[dict], out: Path) -> str:
                 cells.append("–" if not runs else f"{np.mean([r['epsilon'] for r in runs]):.2f}, {np.mean([r['noise_multiplier'] for r in runs]):.2f}")
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
         lines.append("")
-    text = "\n".join(lines)
-    (out / "dp_utility.md").write_text(text)
-    return text
+    return "\n".join(lines).rstrip("\n")
+
+
+def summary(rows: list[dict]) -> str:
+    """The README's table: per method, each setting's first metric at no DP, eps 8, 3, 1 (means over seeds)."""
+    order = ["nodp", *sorted((level for level in LEVELS if LEVELS[level] is not None), key=lambda level: -LEVELS[level])]
+    settings = [(setting, metrics[0]) for setting, (_, _, metrics) in SETTINGS.items() if any(r["setting"] == setting for r in rows)]
+    header = ["method", *[f"{setting} {metric}: no DP / eps 8 / 3 / 1" for setting, metric in settings]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method in METHODS:
+        cells = []
+        for setting, metric in settings:
+            values = []
+            for level in order:
+                runs = [r for r in rows if r["setting"] == setting and r["method"] == method and r["level"] == level]
+                values.append(f"{cell(runs, metric)[0]:.2f}" if runs else "–")
+            cells.append(" / ".join(values))
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def replace_block(path: Path, name: str, text: str) -> None:
+    """Put ``text`` between ``<!-- name: ... -->`` and ``<!-- /name -->`` in ``path``."""
+    document = path.read_text()
+    pattern = re.compile(rf"(<!-- {name}:[^\n]*-->\n)(?:.*?\n)?(<!-- /{name} -->)", re.S)
+    if not pattern.search(document):
+        raise SystemExit(f"dp_utility: {path} has no <!-- {name}: ... --> block")
+    path.write_text(pattern.sub(lambda match: f"{match.group(1)}{text}\n{match.group(2)}", document))
 
 
 def write_figure(rows: list[dict], out: Path) -> None:
@@ -218,7 +246,7 @@ def write_figure(rows: list[dict], out: Path) -> None:
     figure.savefig(out / "dp_utility.png", dpi=120)
 
 
-def report(out: Path) -> None:
+def report(out: Path, docs: bool = False) -> None:
     rows = collect(out)
     if not rows:
         print(f"dp_utility: no finished run under {out}")
@@ -228,9 +256,17 @@ def report(out: Path) -> None:
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
-    print(write_table(rows, out))
+    text = tables(rows)
+    (out / "dp_utility.md").write_text(f"# Utility against privacy: DP-SGD at each site\n\n{text}\n")
+    print(text)
     write_figure(rows, out)
     print(f"dp_utility: wrote {out}/dp_utility.csv, dp_utility.md and dp_utility.png ({len(rows)} runs)")
+    if docs:  # the measured tables into docs/privacy.md and the README, the figure into docs/figures
+        replace_block(ROOT / "docs" / "privacy.md", "dp-utility", tables(rows, heading="###"))
+        replace_block(ROOT / "README.md", "dp-utility", summary(rows))
+        (ROOT / "docs" / "figures").mkdir(exist_ok=True)
+        shutil.copyfile(out / "dp_utility.png", ROOT / "docs" / "figures" / "dp_utility.png")
+        print("dp_utility: refreshed docs/privacy.md, README.md and docs/figures/dp_utility.png")
 
 
 def main() -> None:
@@ -240,11 +276,12 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=SEEDS)
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (compare --jobs)")
     parser.add_argument("--report", action="store_true", help="only the tables and figure, from the finished runs")
+    parser.add_argument("--docs", action="store_true", help="also put them into docs/privacy.md, README.md and docs/figures/")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report:
         run_grid(args.out, args.settings, args.seeds, args.jobs)
-    report(args.out)
+    report(args.out, docs=args.docs)
 
 
 if __name__ == "__main__":
