@@ -127,6 +127,7 @@ def collect(out: Path) -> list[dict]:
                     "noise_multiplier": float(np.mean([site["noise_multiplier"] for site in dp.values()])) if dp else "",
                     "dp_steps": int(np.mean([site["steps"] for site in dp.values()])) if dp else "",
                     "rounds": len(results["history"]),
+                    "epochs_per_round": results["compute"]["mean_training_epochs_per_round"],
                     "wall_s": results["timing"]["wall_s"],
                     "data": results["federation"]["description"],
                 })
@@ -163,6 +164,12 @@ def tables(rows: list[dict], heading: str = "##") -> str:
                     cells.append("–" if n == 0 else f"{mean:.3f}{half} ({n})")
                 lines.append(f"| {method} | " + " | ".join(cells) + " |")
             lines.append("")
+        epochs = {method: np.mean([r["epochs_per_round"] for r in mine if r["method"] == method]) for method in METHODS if any(r["method"] == method for r in mine)}
+        lines += [
+            "Training epochs per site and round (measured, mean over runs; the budget is whole mini-batches, so a method whose "
+            "plans split an epoch may pass more samples): " + ", ".join(f"{method} {value:.2f}" for method, value in epochs.items()) + ".",
+            "",
+        ]
         lines += ["epsilon reached (delta 1e-5; largest over sites, mean over seeds) and noise multiplier sigma (mean over sites and seeds):", ""]
         private = [level for level in levels if LEVELS[level] is not None]
         lines += ["| method | " + " | ".join(f"eps {LEVELS[level]:g}: reached, sigma" for level in private) + " |", "|" + "---|" * (len(private) + 1)]
