@@ -5,6 +5,7 @@ and tabulates them (:mod:`medfed.compare`)::
 
     python -m medfed compare --grid table3_brats [key=value ...]
     python -m medfed compare --config brats_lack0 --strategies all --seeds 0 1 2 [key=value ...]
+    python -m medfed compare --config clinical_delta1 --strategies all --tune [--tune-space strategy.fedprox.mu=0.01,0.1,1]
 
 Overrides use OmegaConf's dot-list syntax (``trainer.rounds=3
 strategy.pfednet.lam=0.1``); unknown keys are rejected with the key named.
@@ -31,7 +32,7 @@ import sys
 from pathlib import Path
 
 from medfed.console import one_line_errors, show_warnings
-from medfed.errors import INTERRUPTED
+from medfed.errors import INTERRUPTED, ConfigError
 
 # Each command's module is imported when that command runs: ``--help``, ``strategies`` and a config error
 # answer without importing torch, Lightning or MONAI (tests/test_cli_start.py, benchmarks/cli_start.py).
@@ -67,6 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--budgets", nargs="+", type=float, metavar="B",
         help="the compute frontier: the grid once per budget B (trainer.local_epochs=B, in <output>/budget-B), then frontier.png",
     )
+    compare.add_argument(
+        "--tune", action="store_true",
+        help="choose every method's hyperparameters on the validation split first (its search space, medfed/options/search.py), "
+        "then run the grid with the chosen values",
+    )
+    compare.add_argument(
+        "--tune-space", action="append", default=[], metavar="KEY=V1,V2",
+        help="with --tune: the values tried for a key (model.<option> or strategy.<name>.<option>; x<f> = f times the config's "
+        "value), e.g. strategy.fedprox.mu=0.01,0.1,1 (repeatable)",
+    )
+    compare.add_argument("--tune-rounds", type=int, metavar="R", help="with --tune: the tuning runs' trainer.rounds (default: the grid's)")
+    compare.add_argument("--tune-seeds", nargs="+", type=int, metavar="S", help="with --tune: the tuning runs' seeds (default: the grid's first)")
     compare.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for every run, after the grid's (anywhere on the line)")
     predict = commands.add_parser("predict", help="segment a new scan with one site's personalised model from a run")
     predict.add_argument("--run", required=True, type=Path, help="the run's output_dir (config.json and checkpoints/)")
@@ -97,8 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     moved = []
     if argv[:1] == ["compare"]:  # its key=value overrides may follow --seeds 0 1 2 etc., which would take them as values
-        moved = [arg for arg in argv[1:] if "=" in arg and not arg.startswith("-")]
-        argv = argv[:1] + [arg for arg in argv[1:] if not ("=" in arg and not arg.startswith("-"))]
+        kept = argv[:1]
+        for index, arg in enumerate(argv[1:], start=1):
+            is_override = "=" in arg and not arg.startswith("-") and argv[index - 1] != "--tune-space"  # a space entry is key=values too
+            (moved if is_override else kept).append(arg)
+        argv = kept
     args, extra = parser.parse_known_args(argv)  # fit's overrides may come before or after the flags
     extra = [*moved, *extra]
     stray = [arg for arg in extra if arg.startswith("-") or "=" not in arg or args.command not in ("fit", "compare")]
@@ -140,13 +156,21 @@ def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
         changes = {key: getattr(args, key) for key in ("strategies", "seeds", "metrics", "output") if getattr(args, key) is not None}
         if changes:
             values = {**vars(grid), **changes}
-            grid = make_grid(values["configs"], values["strategies"], values["seeds"], values["overrides"], values["metrics"], values["output"])
+            grid = make_grid(values["configs"], values["strategies"], values["seeds"], values["overrides"], values["metrics"], values["output"], grid.settings)
     else:
         output = args.output or f"outputs/compare/{'+'.join(Path(config).stem for config in args.config)}"
         grid, source = make_grid(args.config, args.strategies or "all", args.seeds or [0], [], args.metrics or [], output), "command line"
+    tune = None
+    if args.tune:
+        from medfed.compare.tune import TuneSpec, parse_space
+
+        seeds = None if args.tune_seeds is None else tuple(args.tune_seeds)
+        tune = TuneSpec(parse_space(args.tune_space), args.tune_rounds, seeds)
+    elif args.tune_space or args.tune_rounds is not None or args.tune_seeds is not None:
+        raise ConfigError("--tune-space, --tune-rounds and --tune-seeds shape the tuning: add --tune")
     try:
         failed = compare(grid, overrides, jobs=args.jobs, source=source, progress=not args.quiet, reference=args.reference,
-                         allow_unequal_compute=args.allow_unequal_compute, budgets=args.budgets)
+                         allow_unequal_compute=args.allow_unequal_compute, budgets=args.budgets, tune=tune)
     except KeyboardInterrupt:
         print("medfed: interrupted; run the same command again: finished runs are kept, interrupted ones resume", file=sys.stderr)
         return INTERRUPTED

@@ -168,7 +168,8 @@ def privacy_table() -> str:
     """docs/privacy.md's markdown table: per registered strategy, each privacy mechanism ``yes`` or ``no (why)``.
 
     Generated from what each strategy class declares (``dp_sgd_refusal``,
-    ``client_dp_refusal``, ``secure_aggregation_refusal``); a pFedNet-like
+    ``client_dp_refusal``, ``secure_aggregation_refusal``, and ``secure_sums``
+    for the last column: what a secure deployment masks); a pFedNet-like
     conditional refusal reads "only with ...".
     """
     from medfed.federated.strategies import REGISTERED  # torch: only for the docs and their sync test
@@ -178,9 +179,19 @@ def privacy_table() -> str:
             return "yes"
         return reason if reason.startswith("only with") else f"no ({reason})"
 
-    header = "| strategy | " + " | ".join(column for column, _ in PRIVACY_MECHANISMS) + " |"
-    rows = [f"| `{cls.name}` | " + " | ".join(cell(getattr(cls, attribute)) for _, attribute in PRIVACY_MECHANISMS) + " |" for cls in REGISTERED]
-    return "\n".join([header, "|---" * (len(PRIVACY_MECHANISMS) + 1) + "|", *rows])
+    def summed(cls: Any) -> str:
+        """What SecAgg+ masks in a deployment (``Strategy.secure_sums``): per phase, the reply's vectors and their weight."""
+        return "; ".join(
+            f"`{phase}` reply: every vector x `{secure.weight}`" if secure.weight else f"`{phase}` reply: every vector, unweighted"
+            for phase, secure in cls.secure_sums.items()
+        ) or "—"
+
+    header = "| strategy | " + " | ".join(column for column, _ in PRIVACY_MECHANISMS) + " | securely summed (deploy.secure_aggregation) |"
+    rows = [
+        f"| `{cls.name}` | " + " | ".join(cell(getattr(cls, attribute)) for _, attribute in PRIVACY_MECHANISMS) + f" | {summed(cls)} |"
+        for cls in REGISTERED
+    ]
+    return "\n".join([header, "|---" * (len(PRIVACY_MECHANISMS) + 2) + "|", *rows])
 
 
 @dataclass(frozen=True)

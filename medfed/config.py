@@ -382,6 +382,46 @@ class PrivacyConfig:
 
 
 @dataclass
+class DeployConfig:
+    """The Flower deployment's settings (``medfed.deploy``, docs/deploy.md): secure aggregation with Flower's SecAgg+.
+
+    ``secure_aggregation``: the server sees each securely summable phase's
+    replies only as their weighted sum (the strategy's ``secure_sums``).
+    The other keys are SecAgg+'s, named as Flower's ``SecAggPlusWorkflow``
+    names them: ``num_shares`` (each site's secrets are split into this many
+    shares, one per neighbour, itself included: a fraction in (0, 1] of the
+    round's participants, or a count >= 3), ``reconstruction_threshold``
+    (shares needed to rebuild a secret: a fraction in (0, 1] of
+    ``num_shares``, at least 2, or a count >= 2 below ``num_shares``),
+    ``clipping_range`` (every weighted entry n_i / max n * x is clipped to
+    [-c, c] before quantisation), ``quantization_range`` (levels of the
+    quantisation of [-c, c]) and ``modulus_range`` (the masks' modulus, a
+    power of two up to 2^32). The simulator reads none of them.
+    """
+
+    secure_aggregation: bool = False
+    num_shares: float = 1.0
+    reconstruction_threshold: float = 0.5
+    clipping_range: float = 8.0
+    quantization_range: int = 1 << 22
+    modulus_range: int = 1 << 32
+
+    def __post_init__(self) -> None:
+        shares, threshold = self.num_shares, self.reconstruction_threshold
+        require(0 < shares <= 1 or (shares >= 3 and float(shares).is_integer()), "deploy.num_shares", shares,
+                "a fraction in (0, 1] of the round's participants, or a whole count >= 3")
+        require(0 < threshold <= 1 or (threshold >= 2 and float(threshold).is_integer()), "deploy.reconstruction_threshold", threshold,
+                "a fraction in (0, 1] of deploy.num_shares, or a whole count >= 2")
+        require(threshold <= 1 or shares <= 1 or threshold < shares, "deploy.reconstruction_threshold", threshold,
+                f"a count below deploy.num_shares = {shares:g}")
+        require(math.isfinite(self.clipping_range) and self.clipping_range > 0, "deploy.clipping_range", self.clipping_range, "a finite range > 0")
+        require(self.quantization_range >= 2, "deploy.quantization_range", self.quantization_range, "an integer >= 2")
+        modulus = self.modulus_range
+        require(self.quantization_range < modulus <= 1 << 32 and modulus & (modulus - 1) == 0, "deploy.modulus_range", modulus,
+                f"a power of two above deploy.quantization_range = {self.quantization_range} and at most 2^32")
+
+
+@dataclass
 class RunConfig:
     """The whole run. ``data``, ``model`` and ``strategy`` are checked by their components."""
 
@@ -394,6 +434,7 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    deploy: DeployConfig = field(default_factory=DeployConfig)
     output_dir: str = "outputs/run"
 
 

@@ -205,7 +205,7 @@ def test_deep_nesting_is_refused_in_one_line_not_a_recursion_error(tmp_path, tex
     start = time.perf_counter()
     with pytest.raises(ConfigError, match=r"deep\.yaml: not valid YAML at line \d+, column \d+: nested deeper than 64 levels"):
         load_config(path)
-    assert time.perf_counter() - start < 1.0  # well under a second; typically a few ms
+    assert time.perf_counter() - start < 5.0  # typically a few ms; generous for a loaded 2-core CI machine
 
 
 def test_overlong_file_is_refused_without_reading_it(tmp_path):

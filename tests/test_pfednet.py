@@ -247,3 +247,51 @@ def test_phases_share_a_rounds_local_steps_unless_each_gets_a_full_epoch(full_ep
             assert steps[(site.index, "shared")] == (batches + 1) // 2
             assert steps[(site.index, "shared")] + steps[(site.index, "personal")] == batches
     assert {loop.sites[3].batches_per_epoch, loop.sites[5].batches_per_epoch} == {5, 6}
+
+
+def _site_models(loop):
+    return [torch.cat([p.detach().reshape(-1) for p in site.module.parameters()]) for site in loop.sites]
+
+
+def test_joint_schedule_trains_the_whole_model_for_the_budget_in_one_phase():
+    federation = two_group_federation(n_sites=3, n_train=37)
+    loop = build_loop("pfednet", federation, seeded(LinearClassifier, 4, 2), {"schedule": "joint"}, batch_size=8, local_epochs=2)
+    assert loop.strategy.phases == ("joint",) and PFedNet.phases == ("shared", "personal")
+    loop.fit(2)
+    for record in loop.history:
+        for site in loop.sites:  # one plan over the whole model: two whole passes, nothing else trained
+            assert record["compute"][site.name] == {"train/joint/model": 2.0, "evaluation": 48 / site.n_train}
+
+
+def test_joint_schedule_at_lambda_zero_is_fedper_and_alternating_is_not():
+    """With lam = 0 the network lasso is the identity: joint pFedNet trains, averages and keeps what FedPer does;
+    with lam > 0 the first round's shared part is still FedPer's (the lasso acts on z only) and the personal parts move."""
+    def run(strategy, options=None):
+        loop = build_loop(strategy, two_group_federation(n_sites=4), seeded(LinearClassifier, 4, 2), options, batch_size=16)
+        loop.fit(3 if options is None or options.get("lam", 0.1) == 0 else 1)
+        return loop
+
+    fedper = _site_models(run("fedper"))
+    joint = _site_models(run("pfednet", {"schedule": "joint", "lam": 0.0, "graph_space": "model"}))
+    alternating = _site_models(run("pfednet", {"schedule": "alternating", "lam": 0.0, "graph_space": "model"}))
+    for a, b in zip(joint, fedper):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert not all(torch.allclose(a, b, atol=1e-3) for a, b in zip(alternating, fedper))
+
+    fedper_one = build_loop("fedper", two_group_federation(n_sites=4), seeded(LinearClassifier, 4, 2), batch_size=16)
+    fedper_one.fit(1)
+    fused = run("pfednet", {"schedule": "joint", "lam": 1.0, "graph_space": "model", "knn_k": 3})
+    weight, bias = slice(0, 8), slice(8, 10)  # LinearClassifier(4, 2): the weight is shared, the bias personal
+    for a, b in zip(_site_models(fused), _site_models(fedper_one)):
+        assert torch.allclose(a[weight], b[weight], atol=1e-6)
+    biases = [model[bias] for model in _site_models(fused)]
+    assert all(torch.allclose(b, biases[0], atol=1e-4) for b in biases)  # lam = 1 on a connected graph: z fused to its mean
+    assert not all(torch.allclose(a[bias], b[bias], atol=1e-3) for a, b in zip(_site_models(fused), _site_models(fedper_one)))
+
+
+def test_joint_schedule_refuses_a_full_epoch_per_phase():
+    with pytest.raises(ConfigError, match="'full_epoch_per_phase'"):
+        PFedNet.Options(schedule="joint", full_epoch_per_phase=True)
+    assert PFedNet.Options(schedule="joint", preset="published").full_epoch_per_phase is False
+    with pytest.raises(ConfigError, match="'schedule'"):
+        PFedNet.Options(schedule="both")

@@ -36,7 +36,12 @@ given on the command line (:mod:`medfed.compare.grid`). :func:`compare`
    methods indistinguishable from the best in bold, whether the runs had
    plateaued; wall times) and
    ``comparison.png`` (bars and every site's value) from every run that finished;
-5. with ``budgets`` (``--budgets 1 2 4``, :mod:`medfed.compare.frontier`), does 1-4 once per budget ``B`` in
+5. with ``tune`` (``--tune``, :mod:`medfed.compare.tune`), first runs every method's search space on the
+   validation split only (tuning runs in ``<output>/tuning/``, the test split set aside unread), picks each
+   (setting, method)'s configuration of the highest validation score, then runs the grid with it (every seed,
+   on the test split) and writes ``tuning.csv`` and a section of comparison.md naming the chosen values and
+   the tuning's cost;
+6. with ``budgets`` (``--budgets 1 2 4``, :mod:`medfed.compare.frontier`), does 1-4 once per budget ``B`` in
    ``<output>/budget-<B>/`` with ``trainer.local_epochs=B`` in every run (all budgets planned and checked
    first), then writes ``frontier.csv`` and ``frontier.png``: each method's last-round metric against its
    measured training epochs per site and round, with 95% t intervals over seeds.
@@ -56,12 +61,14 @@ from typing import Any
 
 from medfed.atomic import atomic_write
 from medfed.compare.frontier import frontier_rows, plan_budgets
-from medfed.compare.grid import Grid, check_overrides
+from medfed.compare.grid import Grid, check_overrides, setting_of
 from medfed.compare.plan import Run, default_jobs, plan_runs
 from medfed.compare.runner import execute
 from medfed.compare.tables import (
-    BUDGET_TOLERANCE, Finished, collect, comparison_rows, markdown, reported_metrics, resolve_reference, unequal_compute, write_csv,
+    BUDGET_TOLERANCE, Finished, collect, comparison_rows, markdown, reported_metrics, resolve_reference, snapshot_tag, unequal_compute,
+    write_csv,
 )
+from medfed.compare.tune import TuneSpec, check_tune, choose, chosen_overrides, collect_trials, plan_tuning, tuning_rows, tuning_section
 from medfed.errors import ConfigError
 
 
@@ -75,6 +82,7 @@ def compare(
     reference: str | None = None,
     allow_unequal_compute: bool = False,
     budgets: list[float] | None = None,
+    tune: TuneSpec | None = None,
 ) -> dict[str, str]:
     """Plan and check the whole grid, run what is not done, write comparison.csv, comparison.md and comparison.png.
 
@@ -91,6 +99,8 @@ def compare(
             ``<output>/budget-<B>/`` with ``trainer.local_epochs=B`` in every run (each budget's tables as above;
             every budget's runs planned and checked before any starts), then ``frontier.csv`` and ``frontier.png``
             in ``<output>``. None: one comparison at the configs' own budget.
+        tune: choose every method's hyperparameters on the validation split first (:mod:`medfed.compare.tune`);
+            None: the configs' own values.
 
     Returns:
         ``{run name: the end of its log}`` of the failed runs (empty: all finished).
@@ -99,13 +109,16 @@ def compare(
         ConfigError: a bad grid (before any run starts), a metric no run reports, or runs of unequal compute
             (after the runs, before any table is written; the runs are kept, so the same command with
             ``--allow-unequal-compute`` only tabulates); with ``budgets``, a ``trainer.local_epochs`` override
-            or a budget that is not a number > 0.
+            or a budget that is not a number > 0; with ``tune``, a bad space (:func:`~medfed.compare.tune.check_tune`).
     """
     jobs = default_jobs() if jobs is None else jobs
     if jobs < 1:
         raise ConfigError(f"--jobs {jobs}: expected an integer >= 1 (runs at once; leave it out for one per core)")
     check_overrides(overrides)
     reference = resolve_reference(reference, grid.strategies)
+    if tune is not None:
+        check_tune(tune, grid.strategies, [*grid.overrides, *overrides], budgets)
+        return _tune_and_compare(grid, overrides, tune, jobs, source, progress, reference, allow_unequal_compute)
     if budgets is None:
         return _run_and_tabulate(grid, overrides, plan_runs(grid, overrides, jobs), jobs, source, progress, reference, allow_unequal_compute)[0]
     failed: dict[str, str] = {}
@@ -121,6 +134,48 @@ def compare(
     return failed
 
 
+def _tune_and_compare(
+    grid: Grid,
+    overrides: list[str] | tuple[str, ...],
+    tune: TuneSpec,
+    jobs: int,
+    source: str,
+    progress: bool,
+    reference: str,
+    allow_unequal_compute: bool,
+) -> dict[str, str]:
+    """``compare --tune``: the tuning runs (validation split only), the choice, then the grid with the chosen values."""
+    found, tuning_runs = plan_tuning(grid, overrides, tune, jobs)  # every configuration resolved before any run starts
+    seeds = sorted({run.seed for run in tuning_runs})
+    print(
+        f"medfed: compare: tuning on the validation split: {len(found)} configurations, {len(tuning_runs)} runs, "
+        f"{sum(run.action == 'done' for run in tuning_runs)} already finished, in {grid.output / 'tuning'}",
+        file=sys.stderr,
+    )
+    failed = {f"tuning/{name}": tail for name, tail in execute(tuning_runs, jobs, progress).items()}
+    finished = collect(tuning_runs)
+    metric = (grid.metrics or reported_metrics(finished) or [None])[0]
+    if metric is None:
+        raise ConfigError("compare --tune: no tuning run finished, nothing to choose from (their logs are in the tuning folder's logs/)")
+    trials = collect_trials(found, tuning_runs, finished, metric)
+    chosen = choose(trials)
+    grid.output.mkdir(parents=True, exist_ok=True)
+    write_csv(tuning_rows(trials, chosen), grid.output / "tuning.csv")
+    extra = chosen_overrides(chosen)
+    runs = []
+    for config in grid.configs:
+        setting = setting_of(grid, config)[0]
+        for strategy in grid.strategies:
+            one = replace(grid, configs=[config], strategies=[strategy])
+            runs += plan_runs(one, overrides, jobs, announce=strategy == grid.strategies[0], extra=extra[(setting, strategy)])
+    settings = list(dict.fromkeys(run.setting for run in runs))
+    rounds = ", ".join(str(value) for value in sorted({item.results["config"]["trainer"]["rounds"] for item in finished}))
+    section = tuning_section(trials, chosen, settings, grid.strategies, metric, tune, seeds, rounds)
+    cells = {key: (trial.candidate.values if trial is not None else "config's values") for key, trial in chosen.items()}
+    failed.update(_run_and_tabulate(grid, overrides, runs, jobs, source, progress, reference, allow_unequal_compute, (section, cells))[0])
+    return failed
+
+
 def _run_and_tabulate(
     grid: Grid,
     overrides: list[str] | tuple[str, ...],
@@ -130,8 +185,12 @@ def _run_and_tabulate(
     progress: bool,
     reference: str,
     allow_unequal_compute: bool,
+    tuning: tuple[list[str], dict[tuple[str, str], str]] | None = None,
 ) -> tuple[dict[str, str], list[Finished], list[dict[str, Any]], list[str]]:
-    """Run the planned ``runs`` of ``grid`` and write its tables: ``(failed runs, finished runs, comparison rows, metrics)``."""
+    """Run the planned ``runs`` of ``grid`` and write its tables: ``(failed runs, finished runs, comparison rows, metrics)``.
+
+    ``tuning``: with ``--tune``, comparison.md's tuning section and ``{(setting, method): the chosen values}``,
+    comparison.csv's ``tuned`` column."""
     from medfed.viz.plots import plot_comparison, save_figure
 
     done = sum(run.action == "done" for run in runs)
@@ -151,13 +210,20 @@ def _run_and_tabulate(
         )
     metrics = grid.metrics or reported_metrics(finished)
     rows = comparison_rows(finished, metrics) if metrics else []
+    if tuning is not None:
+        rows = [{**row, "tuned": tuning[1].get((row["config"], row["strategy"]), "")} for row in rows]
     settings = list(dict.fromkeys(run.setting for run in runs))
     grid.output.mkdir(parents=True, exist_ok=True)
     write_csv(rows, grid.output / "comparison.csv")
     with atomic_write(grid.output / "comparison.md") as handle:
-        handle.write(markdown(replace(grid, overrides=[*grid.overrides, *overrides]), source, settings, rows, finished, failed, metrics, reference))
+        handle.write(
+            markdown(
+                replace(grid, overrides=[*grid.overrides, *overrides]), source, settings, rows, finished, failed, metrics, reference,
+                tuning=None if tuning is None else tuning[0],
+            )
+        )
     if rows:
-        figure = plot_comparison(rows, metrics, settings, grid.strategies, title=source + generated_tag(finished))
+        figure = plot_comparison(rows, metrics, settings, grid.strategies, title=source + generated_tag(finished) + snapshot_tag(finished, metrics[0]))
         save_figure(figure, grid.output / "comparison.png")
     print(f"medfed: compare: wrote {grid.output / 'comparison.md'}, comparison.csv and comparison.png", file=sys.stderr)
     return failed, finished, rows, metrics

@@ -3,6 +3,12 @@
 A grid is a YAML file (:func:`read_grid`, e.g. ``configs/paper/table3_brats.yaml``,
 keys :data:`GRID_KEYS`) or the same given on the command line
 (:func:`make_grid`); either is checked here, before anything is planned.
+
+A setting is a config (a path or a bundled name, labelled by its file name)
+or, in a grid file, a mapping ``{name: <label>, config: <config>, overrides:
+[...]}``: the config under a label of its own with overrides of its own
+(after the grid's, before the command line's), so one grid can put variants
+of one config side by side as columns (``configs/ablation/pfednet_brats.yaml``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,19 @@ SET_BY_COMPARE = {
 
 
 @dataclass(frozen=True)
+class Setting:
+    """A setting given as a mapping: a config under a label, with overrides of its own.
+
+    Attributes:
+        config: the run config (a path or a bundled name).
+        overrides: ``key=value`` overrides of this setting's runs (after the grid's, before the command line's).
+    """
+
+    config: str
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Grid:
     """What to compare.
 
@@ -40,6 +59,7 @@ class Grid:
         metrics: metrics to tabulate, the first one primary (chooses the
             validation round); empty: every metric the runs report.
         output: the comparison folder.
+        settings: ``{label: Setting}`` for the entries of ``configs`` that are labels of mappings.
     """
 
     configs: list[str]
@@ -48,6 +68,19 @@ class Grid:
     overrides: list[str] = field(default_factory=list)
     metrics: list[str] = field(default_factory=list)
     output: Path = Path("outputs/compare")
+    settings: dict[str, Setting] = field(default_factory=dict)
+
+
+def setting_of(grid: Grid, entry: str) -> tuple[str, Path, tuple[str, ...]]:
+    """``(label, config file, the setting's own overrides)`` of an entry of ``grid.configs``.
+
+    Raises:
+        ConfigError: the config is not found (:func:`~medfed.config.find_config`).
+    """
+    if entry in grid.settings:
+        return entry, find_config(grid.settings[entry].config), grid.settings[entry].overrides
+    path = find_config(entry)
+    return path.stem, path, ()
 
 
 def read_grid(name: str | Path) -> Grid:
@@ -66,20 +99,44 @@ def read_grid(name: str | Path) -> Grid:
     if not values.get("configs"):
         raise ConfigError(f"{path}: grid key 'configs' is required: a list of run configs (paths or bundled names)")
     try:
+        configs, settings = _settings(values["configs"])
         return make_grid(
-            configs=values["configs"],
+            configs=configs,
             strategies=values.get("strategies", "all"),
             seeds=values.get("seeds", [0]),
             overrides=values.get("overrides") or [],
             metrics=values.get("metrics") or [],
             output=values.get("output") or f"outputs/compare/{path.stem}",
+            settings=settings,
         )
     except ConfigError as error:
         raise ConfigError(f"{path}: {error}") from None
 
 
-def make_grid(configs: Any, strategies: Any, seeds: Any, overrides: Any, metrics: Any, output: Any) -> Grid:
-    """A checked :class:`Grid` from plain values (a grid file's, or the command line's).
+def _settings(entries: Any) -> tuple[Any, dict[str, Setting]]:
+    """A grid file's ``configs``: each mapping entry replaced by its label, and ``{label: Setting}`` of them."""
+    if not isinstance(entries, list):
+        return entries, {}
+    configs, settings = [], {}
+    for entry in entries:
+        if not isinstance(entry, dict):
+            configs.append(entry)
+            continue
+        unknown = sorted(set(entry) - {"name", "config", "overrides"})
+        name, config, overrides = entry.get("name"), entry.get("config"), entry.get("overrides") or []
+        if unknown or not isinstance(name, str) or not name or not isinstance(config, str) or not config:
+            raise ConfigError(f"grid key 'configs': {entry!r}: expected a config, or a mapping with name, config and overrides (a list)")
+        overrides = _strings(overrides, f"configs: {name}: overrides") if overrides else []
+        check_overrides(overrides, f"grid key 'configs': {name}: ")
+        configs.append(name)
+        settings[name] = Setting(config, tuple(overrides))
+    return configs, settings
+
+
+def make_grid(
+    configs: Any, strategies: Any, seeds: Any, overrides: Any, metrics: Any, output: Any, settings: dict[str, Setting] | None = None
+) -> Grid:
+    """A checked :class:`Grid` from plain values (a grid file's, or the command line's; ``settings``: its labelled ones).
 
     Raises:
         ConfigError: naming the grid key whose value is of the wrong kind, or an unknown strategy.
@@ -98,7 +155,7 @@ def make_grid(configs: Any, strategies: Any, seeds: Any, overrides: Any, metrics
     for key, values in (("configs", configs), ("strategies", strategies), ("seeds", seeds)):
         if not values or len(set(values)) != len(values):
             raise ConfigError(f"grid key '{key}' = {values!r}: expected a non-empty list without repeats")
-    return Grid(configs, strategies, seeds, overrides, metrics, Path(output))
+    return Grid(configs, strategies, seeds, overrides, metrics, Path(output), dict(settings or {}))
 
 
 def check_overrides(overrides: list[str] | tuple[str, ...], where: str = "") -> None:

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from medfed.checkpoint import FOLDER, checkpoints, config_differences
-from medfed.compare.grid import Grid
+from medfed.compare.grid import Grid, setting_of
 from medfed.components import resolve
-from medfed.config import find_config, load_config
+from medfed.config import load_config
 from medfed.errors import ConfigError, DataError
 
 VALIDATION_SPLIT = "federation.validation_fraction=0.2"
@@ -45,6 +45,7 @@ class Run:
         log: where its output goes (``<output>/logs/<config>/<strategy>/seed<k>.log``).
         action: ``"done"`` (finished with this config), ``"resume"``
             (a checkpoint to continue) or ``"new"``.
+        variant: a tuning run's configuration (:mod:`medfed.compare.tune`), a folder of its own; empty for a grid's run.
     """
 
     setting: str
@@ -56,10 +57,11 @@ class Run:
     threads: int
     log: Path
     action: str
+    variant: str = ""
 
     @property
     def name(self) -> str:
-        return f"{self.setting}/{self.strategy}/seed{self.seed}"
+        return f"{self.setting}/{self.strategy}/{f'{self.variant}/' if self.variant else ''}seed{self.seed}"
 
 
 def default_jobs() -> int:
@@ -67,7 +69,16 @@ def default_jobs() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def plan_runs(grid: Grid, overrides: list[str] | tuple[str, ...] = (), jobs: int | None = None, announce: bool = True) -> list[Run]:
+def plan_runs(
+    grid: Grid,
+    overrides: list[str] | tuple[str, ...] = (),
+    jobs: int | None = None,
+    announce: bool = True,
+    *,
+    extra: list[str] | tuple[str, ...] = (),
+    variant: str = "",
+    holdout: str = "test",
+) -> list[Run]:
     """Every run of ``grid``, each config resolved and its folder inspected; nothing is run or written.
 
     Args:
@@ -75,6 +86,12 @@ def plan_runs(grid: Grid, overrides: list[str] | tuple[str, ...] = (), jobs: int
         overrides: more ``key=value`` overrides (the command line's), after the grid's.
         jobs: runs at once; a new run gets ``trainer.num_threads`` = cores // jobs (at least 1).
         announce: say on stderr which configs get a validation split (False: the caller said it already).
+        extra: overrides after those (a tuned configuration's, :mod:`medfed.compare.tune`).
+        variant: a folder between each run's strategy and seed (``<output>/<config>/<strategy>/<variant>/seed<k>``),
+            and in its name: a tuning run's configuration.
+        holdout: ``"test"`` (a grid's runs) or ``"validation"``: tuning runs, whose every metric is on the
+            validation split and whose test split is set aside unread (``federation.holdout=validation``, after
+            every other override).
 
     A config without a validation split (``federation.validation_fraction``
     0) gets one for its runs, :data:`VALIDATION_SPLIT` (recorded in each
@@ -87,30 +104,35 @@ def plan_runs(grid: Grid, overrides: list[str] | tuple[str, ...] = (), jobs: int
         DataError: a run folder's results.json or config.json is damaged (naming it).
     """
     threads = max(1, default_jobs() // (jobs or default_jobs()))
-    paths = {config: find_config(config) for config in grid.configs}
-    labels = [path.stem for path in paths.values()]
+    settings = [setting_of(grid, entry) for entry in grid.configs]
+    labels = [label for label, _, _ in settings]
     if len(set(labels)) != len(labels):
-        raise ConfigError(f"grid key 'configs': two configs share a file name ({', '.join(labels)}); the tables need distinct names")
+        raise ConfigError(f"grid key 'configs': two settings share a name ({', '.join(labels)}); the tables need distinct names")
     runs, without_validation = [], []
-    for config, path in paths.items():
+    for label, path, own in settings:
         for strategy in grid.strategies:
             for seed in grid.seeds:
-                output_dir = grid.output / path.stem / strategy / f"seed{seed}"
-                fixed = [*grid.overrides, *overrides, f"strategy.name={strategy}", f"trainer.seed={seed}", f"output_dir={output_dir}"]
-                where = f"{path.stem}/{strategy}/seed{seed}"
+                folder = Path(label, strategy, variant) if variant else Path(label, strategy)
+                output_dir = grid.output / folder / f"seed{seed}"
+                fixed = [*grid.overrides, *own, *overrides, *extra, f"strategy.name={strategy}", f"trainer.seed={seed}", f"output_dir={output_dir}"]
+                where = f"{folder}/seed{seed}"
                 try:
                     resolved = resolve(load_config(path, [*fixed, f"trainer.num_threads={threads}"]))
                     if resolved.run.federation.validation_fraction <= 0:
                         fixed.append(VALIDATION_SPLIT)
                         resolved = resolve(load_config(path, [*fixed, f"trainer.num_threads={threads}"]))
-                        if path.stem not in without_validation:
-                            without_validation.append(path.stem)
+                        if label not in without_validation:
+                            without_validation.append(label)
                     _check_selectable(resolved.run.federation)
+                    if holdout != "test":
+                        fixed.append(f"federation.holdout={holdout}")
+                        resolved = resolve(load_config(path, [*fixed, f"trainer.num_threads={threads}"]))
                     action, run_threads = _inspect(output_dir, resolved.config, threads)
                 except ConfigError as error:
                     raise ConfigError(f"{where}: {error}") from None
-                log = grid.output / "logs" / path.stem / strategy / f"seed{seed}.log"
-                runs.append(Run(path.stem, path, strategy, seed, output_dir, (*fixed, f"trainer.num_threads={run_threads}"), run_threads, log, action))
+                log = grid.output / "logs" / folder / f"seed{seed}.log"
+                overrides_of_run = (*fixed, f"trainer.num_threads={run_threads}")
+                runs.append(Run(label, path, strategy, seed, output_dir, overrides_of_run, run_threads, log, action, variant))
     if without_validation and announce:
         print(
             f"medfed: compare: no validation split in {', '.join(without_validation)}: each of its runs chooses its sites' rounds "

@@ -245,6 +245,12 @@ def plateaus(finished: list[Finished], primary: str) -> dict[tuple[str, str], li
     return statuses
 
 
+def snapshot_tag(finished: list[Finished], primary: str) -> str:
+    """`` — early-training snapshot`` when every run is early (:func:`plateau_status`), for a figure's title; else empty."""
+    statuses = [status for values in plateaus(finished, primary).values() for status in values]
+    return " — early-training snapshot" if statuses and all(status == "early" for status in statuses) else ""
+
+
 def format_plateaus(statuses: list[str]) -> str:
     """``p/n plateaued`` (with the improving and early runs counted), ``early-training snapshot`` when every run is early, ``—`` for none."""
     if not statuses:
@@ -254,6 +260,24 @@ def format_plateaus(statuses: list[str]) -> str:
     counts = {status: statuses.count(status) for status in ("plateaued", "improving", "early")}
     extra = "".join(f", {counts[status]} {status}" for status in ("improving", "early") if counts[status])
     return f"{counts['plateaued']}/{len(statuses)} plateaued{extra}"
+
+
+def training_caption(statuses: list[str]) -> str:
+    """One sentence on where the runs stopped (:func:`plateau_status` of each): an early-training snapshot, plateaued, or a mix."""
+    if not statuses:
+        return "*Training status: no finished run.*"
+    counts = {status: statuses.count(status) for status in ("plateaued", "improving", "early")}
+    if counts["early"] == len(statuses):
+        return (
+            f"*Early-training snapshot: every run stopped after fewer than {PLATEAU_ROUNDS + 1} rounds, before a plateau "
+            "could be seen; these tables measure how fast the methods learn, not where they end (pass more trainer.rounds).*"
+        )
+    if counts["plateaued"] == len(statuses):
+        return f"*Plateaued: every run's validation curve had stopped improving over its last {PLATEAU_ROUNDS} rounds.*"
+    return (
+        f"*Training status: {counts['plateaued']}/{len(statuses)} runs plateaued, {counts['improving']} still improving, "
+        f"{counts['early']} early; the improving and early ones are snapshots before their end (per setting: the last row of each table).*"
+    )
 
 
 def format_summary(summary: Summary, n_seeds: int, with_best: bool, digits: int = 4) -> str:
@@ -286,8 +310,12 @@ def markdown(
     failed: dict[str, str],
     metrics: list[str],
     reference: str | None = None,
+    tuning: list[str] | None = None,
 ) -> str:
     """comparison.md: provenance, one methods x settings table per metric and round choice, training status, wall times, failures.
+
+    Under the title and under every metric heading, one sentence says whether the runs had plateaued or are an
+    early-training snapshot (:func:`training_caption`).
 
     Each metric table (:func:`medfed.compare_stats.table_statistics`) has per
     setting a cell over seeds (mean ± std [95% t interval], bold when
@@ -303,6 +331,8 @@ def markdown(
         failed: ``{run name: end of its log}``.
         metrics: the tabulated metrics, the first primary (chooses the validation round, and its curve the plateau status).
         reference: the method the others are paired against (:func:`resolve_reference`).
+        tuning: with ``compare --tune``, the section naming the chosen hyperparameters and the tuning's cost
+            (:func:`medfed.compare.tune.tuning_section`); None: the configs' own values, said so.
     """
     reference = resolve_reference(reference, grid.strategies)
     descriptions = {item.run.setting: item.results["federation"]["description"] for item in finished}
@@ -315,6 +345,7 @@ def markdown(
     compute = compute_cells(finished)
     unequal = unequal_compute(finished, reference)
     by_setting = {s: [status for m in grid.strategies for status in statuses.get((s, m), [])] for s in settings}
+    caption = training_caption([status for s in settings for status in by_setting[s]])
 
     def statistics_table(column: str) -> list[str]:
         table = table_statistics(rows, column, settings, grid.strategies, reference)
@@ -345,8 +376,11 @@ def markdown(
     lines = [
         f"# Method comparison{tag}",
         "",
+        caption,
+        "",
         f"Grid: {source}; {len(grid.strategies)} methods x {len(settings)} settings x seeds {grid.seeds}; "
-        f"rounds: {', '.join(map(str, rounds)) or '?'}; overrides: {' '.join(grid.overrides) or 'none'}.",
+        f"rounds: {', '.join(map(str, rounds)) or '?'}; overrides: {' '.join(grid.overrides) or 'none'}; hyperparameters: "
+        + ("chosen on the validation split (compare --tune, section below)." if tuning else "the configs' own (not tuned; compare --tune tunes them)."),
         "",
         *(f"- {setting}: {text}" for setting, text in descriptions.items()),
         "",
@@ -379,9 +413,11 @@ def markdown(
             f"**Unequal compute** (tabulated with --allow-unequal-compute; tolerance {BUDGET_TOLERANCE:.0%}): "
             + "; ".join(unequal) + ".",
         ]
+    if tuning:
+        lines += ["", *tuning]
     for metric in metrics:
         for when, column in (("last round", f"last_{metric}"), ("validation-selected round", f"selected_{metric}")):
-            lines += ["", f"## {metric}, {when}{tag}", "", *statistics_table(column)]
+            lines += ["", f"## {metric}, {when}{tag}", "", caption, "", *statistics_table(column)]
     if metrics:
         lines += [
             "",

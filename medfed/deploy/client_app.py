@@ -15,7 +15,17 @@ of them).
 Two message types: a query (``identify``: which site this node is, and the
 shape of its model's input and its class count; it builds the site) and
 train messages (one or more requests for the site's worker, answered in
-order).
+order). Under secure aggregation (``deploy.secure_aggregation``) the train
+messages of a summed phase are SecAgg+'s: Flower's ``secaggplus_mod`` answers
+its key stages itself and hands the work message, whose request rides in a
+FitIns config, to the worker; the reply's vectors go back to the mod to be
+masked (:mod:`medfed.deploy.secure_aggregation`).
+
+A hospital that wants its updates to leave only masked sets
+``require-secure-aggregation=true`` in its node config: the site then
+refuses to join a run without secure aggregation (the run ends at the
+handshake with one line naming the site) and refuses any non-empty reply
+asked for in the clear.
 """
 
 from __future__ import annotations
@@ -25,9 +35,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from flwr.app import Context, Message
+from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import ClientAppCallable
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from medfed.deploy.records import from_record, to_record
+from medfed.deploy.secure_aggregation import FIT_CONFIG, fit_reply, from_fit_config
 from medfed.deploy.worker import SiteWorker
 
 NodeOf = Callable[[Context], tuple[int, Path, Path]]
@@ -69,8 +83,17 @@ def _worker(context: Context, node_of: NodeOf, config: str) -> SiteWorker:
     if worker is None or not worker.current():
         for other in [other for other in _WORKERS if other[0] != context.run_id or other == key]:
             del _WORKERS[other]
-        _WORKERS[key] = worker = SiteWorker(config, index, root, state)
+        require = str(context.node_config.get("require-secure-aggregation", "false")).lower() == "true"
+        _WORKERS[key] = worker = SiteWorker(config, index, root, state, require_secure=require)
     return worker
+
+
+def secure_aggregation_mod(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Flower's SecAgg+ client mod for the messages of a securely aggregated phase (they carry its record); the
+    other messages pass to medfed's handler as they are."""
+    if RECORD_KEY_CONFIGS in message.content.config_records:
+        return secaggplus_mod(message, context, call_next)
+    return call_next(message, context)
 
 
 def serving(app: ClientApp, node_of: NodeOf) -> ClientApp:
@@ -83,12 +106,19 @@ def serving(app: ClientApp, node_of: NodeOf) -> ClientApp:
         worker = _worker(context, node_of, fields["config"])
         return Message(to_record({"site_index": worker.site.index, **worker.description}, []), reply_to=message)
 
-    @app.train()
+    @app.train(mods=[secure_aggregation_mod])
     def train(message: Message, context: Context) -> Message:
-        """The server's requests to this site, answered in order by its worker."""
-        fields, wires = from_record(message.content, "the server")
+        """The server's requests to this site, answered in order by its worker (inside SecAgg+ where the phase is summed)."""
+        secure = FIT_CONFIG in message.content.config_records
+        fields, wires = from_record(from_fit_config(message.content.config_records[FIT_CONFIG]) if secure else message.content, "the server")
         worker = _worker(context, node_of, fields["config"])
         replies = worker.handle(fields["seq"], list(zip(fields["requests"], wires, strict=True)))
+        if secure:  # the work's vectors go to SecAgg+'s mod, to be masked; an error is the site dropping out of the sum
+            reply, vectors = replies[-1]
+            if "error" in reply:
+                raise RuntimeError(reply["error"])
+            reply = dict(reply)
+            return fit_reply(message, worker.site.index, reply, vectors, reply.pop("weight"))
         reply_fields = {"site_index": worker.site.index, "replies": [reply for reply, _ in replies]}
         return Message(to_record(reply_fields, [wire for _, wire in replies]), reply_to=message)
 

@@ -57,6 +57,15 @@ that round, its metrics of the round missing (NaN, ``null`` in
 results.json). A site that cannot go back to a resumed run's round ends the
 run with one line naming it.
 
+*Secure aggregation* (``deploy.secure_aggregation``): a phase the strategy
+declares in ``secure_sums`` runs as one round of Flower's SecAgg+
+(:mod:`medfed.deploy.secure_aggregation`): the work requests ride inside it,
+each site's plain fields come back per site, its vectors only as the
+participants' weighted sum, which the loop hands to the server half's
+``aggregate_summed`` (:meth:`FlowerSites.summed_replies`). A site that drops
+out of the protocol fails the phase with the stage named; what a site
+sent in SecAgg+'s records (keys, shares, masked vector) is its up traffic.
+
 Round trips are what a deployment waits for (a SuperNode looks for messages
 every 3 s when idle): one per phase and one per round's delivery and
 evaluation, plus the query and the setup; the delivery of round 0, which
@@ -65,6 +74,8 @@ needs no answer, rides with each site's first message of round 1.
 
 from __future__ import annotations
 
+import json
+import math
 import shlex
 import time
 from contextlib import ExitStack
@@ -72,6 +83,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import Context, Message
 from flwr.common.constant import ErrorCode
@@ -84,11 +96,12 @@ from medfed.components import ResolvedRun, resolve
 from medfed.config import load_config, to_yaml
 from medfed.deploy.client_app import run_folder
 from medfed.deploy.records import expect, from_record, to_record
+from medfed.deploy.secure_aggregation import FlowerSecAgg, refuse_secure_aggregation
 from medfed.errors import ConfigError, DataError, MessageError, SiteFailure, warn
-from medfed.federated.executor import PhaseWork, SiteEvaluation, SiteResult
+from medfed.federated.executor import PhaseWork, SiteEvaluation, SiteResult, SummedReplies
 from medfed.federated.link import Link, Wire
 from medfed.federated.loop import FederatedLoop
-from medfed.federated.strategies.base import Payload
+from medfed.federated.strategies.base import Payload, SecureSum
 from medfed.output_dir import hold_output_dir
 from medfed.results import run_results, timing_summary, write_json_atomic
 from medfed.tasks.label_imbalance import refuse_label_ratio
@@ -115,10 +128,20 @@ class FlowerSites:
         n_sites: the federation's sites; this many nodes must identify themselves.
         config_yaml: the resolved run config, sent with every message.
         timeout_s: how long one exchange may wait for a site's reply.
+        secure: SecAgg+ for the phases in ``secure_sums`` (None: every reply in the clear).
+        secure_sums: the strategy's securely summable phases (``Strategy.secure_sums``).
     """
 
-    def __init__(self, grid: Grid, n_sites: int, config_yaml: str, timeout_s: float) -> None:
+    def __init__(
+        self, grid: Grid, n_sites: int, config_yaml: str, timeout_s: float, secure: FlowerSecAgg | None = None,
+        secure_sums: dict[str, SecureSum] | None = None,
+    ) -> None:
         self.grid = grid
+        self.secure = secure
+        self.secure_sums = secure_sums or {}
+        self.device = torch.device("cpu")  # where a summed reply's vectors go (the run's device: serve sets it)
+        self._summed: SummedReplies | None = None
+        self._summing = False  # the phase under way is securely summed: no reply of its own per site
         self.names = [f"site{index}" for index in range(n_sites)]
         self.config_yaml = config_yaml
         self.timeout_s = timeout_s
@@ -223,6 +246,8 @@ class FlowerSites:
         request = {"kind": "work", "round": work.round_index, "phase_index": work.phase_index, "phase": work.phase,
                    "local_epochs": work.local_epochs}
         wires = {index: self.links[index].encode("down", payload) for index, payload in messages.items()}
+        if self.secure is not None and work.phase in self.secure_sums and wires:
+            return self._secure_work(work, request, wires, timing)
         replies = self._exchange({index: (request, wire) for index, wire in wires.items()}, work.round_index)
         results = {}
         for index, reply in replies.items():
@@ -240,7 +265,56 @@ class FlowerSites:
                 self._waiting[index] = wire
         return results
 
+    def _secure_work(self, work: PhaseWork, request: dict[str, Any], wires: dict[int, dict[str, Wire]], timing: dict[str, float]) -> dict[int, SiteResult]:
+        """A securely summed phase: the requests ride inside a round of SecAgg+; each site's plain fields, the sum kept
+        for :meth:`summed_replies`. What each site sent in SecAgg+'s records counts as its up traffic."""
+        self._summing = True
+        max_weight = max(self.declared_samples[index] for index in wires)
+        request = {**request, "secure": True, "max_weight": max_weight, "clipping_range": self.secure.options.clipping_range}
+        records = {index: self._content(index, (request, wire))[0] for index, wire in wires.items()}
+        outcome = self.secure.run(records, self.node_of_site, work.round_index, max_weight)
+        results = {index: SiteResult(error=reason) for index, reason in outcome.dropped.items()}
+        weight_key = self.secure_sums[work.phase].weight
+        layouts = set()
+        for index, plain in outcome.plain.items():
+            link = self.links[index]  # SecAgg+'s bytes (keys, shares, masked vector) are the site's up traffic; dense: float32
+            link.bytes_sent["up"] += plain["secagg_bytes"]
+            link.dense_bytes["up"] += 4 * (sum(math.prod(shape) for shape in plain["shapes"]) + (weight_key is not None))
+            try:
+                reply = dict(plain["reply"])
+                train_s = reply.get("train_s")
+                results[index] = _work_result(reply, self.names[index])
+                if weight_key is not None and plain["weight"] > self.declared_samples[index]:
+                    raise MessageError(f"weight {plain['weight']} is over the {self.declared_samples[index]} training samples the site declared")
+            except MessageError as error:
+                results[index] = SiteResult(error=f"malformed reply: {error} (its masked vector is in the sum: none can be taken out)")
+                continue
+            timing["train_s"] += train_s
+            layouts.add(json.dumps([plain["keys"], plain["shapes"]]))
+        self._summed = None
+        if outcome.mean is not None:
+            fault = _sum_fault(outcome.mean, outcome.weight, layouts)
+            if fault is not None:
+                for index in outcome.plain:
+                    results[index] = SiteResult(error=f"secure aggregation: {fault}")
+                return results
+            keys, _ = json.loads(layouts.pop())
+            reply = {key: torch.as_tensor(vector, dtype=torch.float32).to(self.device) for key, vector in zip(keys, outcome.mean)}
+            if weight_key is not None:
+                reply[weight_key] = torch.tensor([outcome.weight], dtype=torch.float32, device=self.device)
+            self._summed = SummedReplies(reply, outcome.in_sum)
+        return results
+
+    def summed_replies(self) -> SummedReplies | None:
+        """The last securely summed phase's sum (once), or None where the phase's replies came in the clear."""
+        summed, self._summed = self._summed, None
+        return summed
+
     def replies(self, candidates: list[int]) -> tuple[dict[int, Payload], dict[int, str]]:
+        """The candidates' replies, decoded; none in a securely summed phase (the server holds only their sum)."""
+        if self._summing:
+            self._summing = False
+            return {}, {}
         waiting, self._waiting = self._waiting, {}
         received, refused = {}, {}
         for index in candidates:
@@ -370,11 +444,7 @@ class FlowerSites:
         """
         content, carried_count = {}, {}
         for index, request in requests.items():
-            carried = [*self._pending.pop(index, []), request]
-            carried_count[index] = len(carried)
-            self.seq[index] += 1
-            fields = {"seq": self.seq[index], "config": self.config_yaml, "requests": [fields for fields, _ in carried]}
-            content[index] = to_record(fields, [wire for _, wire in carried])
+            content[index], carried_count[index] = self._content(index, request)
         sent: dict[int, tuple[int, str]] = {}  # site -> (node, message id)
 
         def push(indices: list[int]) -> None:
@@ -412,6 +482,13 @@ class FlowerSites:
             time.sleep(POLL_S)
         return replies
 
+    def _content(self, index: int, request: Request) -> tuple[Any, int]:
+        """Site ``index``'s next message: ``request`` after the requests waiting to ride with it; and how many it carries."""
+        carried = [*self._pending.pop(index, []), request]
+        self.seq[index] += 1
+        fields = {"seq": self.seq[index], "config": self.config_yaml, "requests": [fields for fields, _ in carried]}
+        return to_record(fields, [wire for _, wire in carried]), len(carried)
+
     def _last_reply(self, reply: Message, index: int, count: int) -> Request:
         """The reply to the last of the ``count`` requests site ``index`` was sent, from its message.
 
@@ -438,6 +515,19 @@ class FlowerSites:
             if isinstance(reply, str):
                 raise RuntimeError(reply if reply.startswith(self.names[index]) else f"{self.names[index]}: {reply}")
         return replies
+
+
+def _sum_fault(mean: list[Any], weight: float, layouts: set[str]) -> str | None:
+    """Why a securely aggregated sum cannot be used, or None: the sites in it declared different vector keys or
+    shapes, or shapes other than the sum's, its total weight is not positive, or it holds non-finite values."""
+    if len(layouts) != 1:
+        return f"the sites in the sum declared {len(layouts)} different layouts of vector keys and shapes, expected one"
+    keys, shapes = json.loads(next(iter(layouts)))
+    if shapes != [list(vector.shape) for vector in mean] or len(set(map(str, keys))) != len(keys):
+        return "the sum's vectors do not have the keys and shapes the sites declared"
+    if not weight > 0 or not all(np.isfinite(vector).all() for vector in mean):
+        return f"the sum's total weight {weight:g} is not positive, or it holds non-finite values"
+    return None
 
 
 def _description(fields: Any, n_sites: int) -> dict[str, Any]:
@@ -584,6 +674,7 @@ def run_settings(run_config: dict[str, Any]) -> RunSettings:
     if resolved.run.privacy.client_dp.enabled:  # the deployment's loop is built without it (docs/privacy.md)
         raise ConfigError("config key 'privacy.client_dp': client-level DP runs in the simulator only; the Flower deployment does not build it yet")
     refuse_label_ratio(resolved.run.federation)
+    refuse_secure_aggregation(resolved)
     return RunSettings(resolved, Path(str(run_config["output-dir"])), float(run_config["reply-timeout-s"]), run_config["resume"])
 
 
@@ -630,10 +721,10 @@ def main(grid: Grid, context: Context) -> None:
         except (ConfigError, DataError) as error:
             print(f"medfed: error: {error}", flush=True)
             raise
-        serve(grid, settings, resumed)
+        serve(grid, settings, resumed, context.run_id)
 
 
-def serve(grid: Grid, settings: RunSettings, resumed: dict[str, Any] | None) -> None:
+def serve(grid: Grid, settings: RunSettings, resumed: dict[str, Any] | None, run_id: int) -> None:
     """The run itself, the output-dir held: find the sites, run the rounds (from ``resumed``'s round), write results.json."""
     resolved, output_dir = settings.resolved, settings.output_dir
     config, run = resolved.config, resolved.run
@@ -642,11 +733,15 @@ def serve(grid: Grid, settings: RunSettings, resumed: dict[str, Any] | None) -> 
         torch.set_num_threads(trainer.num_threads)
     started = time.perf_counter()
 
-    sites = FlowerSites(grid, run.federation.n_sites, to_yaml(config), settings.reply_timeout_s)
+    secure = FlowerSecAgg(grid, run_id, run.deploy, settings.reply_timeout_s, POLL_S) if run.deploy.secure_aggregation else None
+    sites = FlowerSites(
+        grid, run.federation.n_sites, to_yaml(config), settings.reply_timeout_s, secure, resolved.strategy_cls.secure_sums
+    )
     described = sites.handshake()
     assembly = RunAssembly.from_config(resolved, described["input_shape"], described["num_classes"], run.federation.n_sites)
     fabric = Fabric(accelerator=trainer.device, devices=1, callbacks=[sites])  # sites.on_round_end: the validation metrics
     initial = assembly.initial_values(fabric.device)
+    sites.device = fabric.device
     sites.links = [assembly.link(initial, fabric.device, peer=name) for name in sites.names]
     loop = FederatedLoop(
         fabric, [], assembly.strategy, sites.links, initial, local_epochs=trainer.local_epochs,

@@ -29,7 +29,10 @@ later ones; a site without an intact snapshot of round r (or one written
 with another config) answers with an error naming the round.
 
 What the site sends back: codec streams of its strategy half's replies
-(coded by its own end of the :class:`~medfed.federated.link.Link`), its
+(coded by its own end of the :class:`~medfed.federated.link.Link`; in a
+securely aggregated phase its reply's vectors instead, which medfed's
+ClientApp hands to SecAgg+ to be masked:
+:mod:`medfed.deploy.secure_aggregation`), its
 training losses, the names of non-finite reply keys (a reply it refuses to
 send), the samples it passed (compute, in epochs of its training data), its
 test metrics (and validation metrics, where it has a validation split), and, once, its model's input shape, class count and
@@ -49,6 +52,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
@@ -62,6 +66,7 @@ from medfed.errors import DataError
 from medfed.federated.executor import PhaseWork, site_evaluation, site_phase, site_receive_delivery, site_setup
 from medfed.federated.faults import non_finite_keys
 from medfed.federated.link import Wire
+from medfed.federated.strategies.base import Payload
 
 STATE_FILE = "site-state.pt"
 SNAPSHOTS = "rounds"
@@ -76,19 +81,25 @@ class SiteWorker:
         site_index: this node's site (its ``--node-config site-index``).
         data_root: this node's data (``data-root``), read by the task's ``build_site``.
         state_dir: where this node keeps the site's state for this run (created).
+        require_secure: the hospital's ``require-secure-aggregation``: the site joins only runs with
+            ``deploy.secure_aggregation`` and sends no non-empty reply outside SecAgg+.
 
     Raises:
         ConfigError: the config is invalid, or no site can build itself alone under it (a ``federation.label_ratio``).
+        ValueError: ``require_secure`` and a run without secure aggregation.
         DataError: the site's data (from the task's reader).
     """
 
-    def __init__(self, config_yaml: str, site_index: int, data_root: Path, state_dir: Path) -> None:
+    def __init__(self, config_yaml: str, site_index: int, data_root: Path, state_dir: Path, require_secure: bool = False) -> None:
         Path(state_dir).mkdir(parents=True, exist_ok=True)
         config_path = Path(state_dir) / "config.yaml"
         with atomic_write(config_path) as handle:
             handle.write(config_yaml)
         resolved = resolve(load_config(config_path))
         run = resolved.run
+        if require_secure and not run.deploy.secure_aggregation:
+            raise ValueError(f"site{site_index} takes part only in runs with secure aggregation (its node config "
+                             "require-secure-aggregation=true); this run has deploy.secure_aggregation=false")
         if run.trainer.num_threads is not None:
             torch.set_num_threads(run.trainer.num_threads)
         federation = resolved.task.build_site(
@@ -102,6 +113,8 @@ class SiteWorker:
         self.validation_loader = None if validation is None else DataLoader(validation, batch_size=self.site.test_loader.batch_size, shuffle=False)
         self.link = assembly.link(assembly.initial_values(fabric.device), fabric.device, peer=f"site{site_index}")
         self.config = resolved.config
+        self.secure_sums = resolved.strategy_cls.secure_sums
+        self.require_secure = require_secure
         self.snapshots = Path(state_dir) / SNAPSHOTS
         self.keep = run.trainer.keep_checkpoints + 1
         self.description = {
@@ -120,8 +133,10 @@ class SiteWorker:
         """Whether the state file is still the one this worker last read or wrote (no other process answered since)."""
         return _stamp(self.state_path) == self._stamp
 
-    def handle(self, seq: int, requests: list[tuple[dict[str, Any], dict[str, Wire]]]) -> list[tuple[dict[str, Any], dict[str, Wire]]]:
+    def handle(self, seq: int, requests: list[tuple[dict[str, Any], dict[str, Wire]]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
         """Answer one message's requests in order: each one's ``(reply fields, reply wire)``; the state is saved once, before returning.
+
+        (A securely aggregated phase's work reply holds its plain vectors in place of the wire: :meth:`_unmasked`.)
 
         A request's ``kind``: ``setup`` (the strategy half's setup reply),
         ``work`` (a phase: receive, train, reply), ``deliver`` (receive the
@@ -160,8 +175,23 @@ class SiteWorker:
         self._stamp = _stamp(self.state_path)
         return replies
 
-    def _work(self, request: dict[str, Any], wire: dict[str, Wire]) -> tuple[dict[str, Any], dict[str, Wire]]:
-        """Receive, train, reply; the reply is coded now (the server decodes it only if it accepts it)."""
+    def _work(self, request: dict[str, Any], wire: dict[str, Wire]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Receive, train, reply; the reply is coded now (the server decodes it only if it accepts it), or, for a
+        securely aggregated phase (``request["secure"]``), kept as plain vectors for SecAgg+ to mask (:meth:`_unmasked`)."""
+        fields, reply = self._train(request, wire)
+        if reply is None:
+            return fields, {}
+        if fields["non_finite"]:  # refused: in the clear the server names the keys; in a sum the site drops out
+            return ({"error": f"site{self.site.index}: non-finite reply {fields['non_finite']}"} if request.get("secure") else fields), {}
+        if request.get("secure"):
+            return self._unmasked(request, fields, reply)
+        if self.require_secure and reply:
+            return {"error": f"site{self.site.index} sends its replies only under secure aggregation "
+                             "(its node config require-secure-aggregation=true), and this one was asked in the clear"}, {}
+        return fields, self.link.encode("up", reply)
+
+    def _train(self, request: dict[str, Any], wire: dict[str, Wire]) -> tuple[dict[str, Any], Payload | None]:
+        """Receive the server's message, train the phase; the reply's fields and its payload (None: the work raised)."""
         work = PhaseWork(request["round"], request["phase_index"], request["phase"], request["local_epochs"])
         if work.phase_index == 0:
             self.state["epochs_before"] = {}
@@ -171,15 +201,35 @@ class SiteWorker:
         try:
             losses, reply, compute = site_phase(self.site, work, message, self.state["epochs_before"], timing)
         except Exception as error:  # whatever it is, it happened at the site: the site fails
-            return {"error": f"{type(error).__name__}: {error}"}, {}
-        bad = non_finite_keys(reply)
+            return {"error": f"{type(error).__name__}: {error}"}, None
         fields = {
             "losses": {("" if label is None else label): loss for label, loss in losses.items()},
-            "non_finite": bad,
+            "non_finite": non_finite_keys(reply),
             "compute": compute,
             "train_s": timing["train_s"],
         }
-        return fields, ({} if bad else self.link.encode("up", reply))
+        return fields, reply
+
+    def _unmasked(self, request: dict[str, Any], fields: dict[str, Any], reply: Payload) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A securely aggregated phase's reply for SecAgg+ (:mod:`medfed.deploy.secure_aggregation`): its vectors as
+        float32 CPU tensors, its weight in ``fields["weight"]``; never coded by the link (masking needs dense values).
+
+        A site whose weighted vector SecAgg+ would clip (an entry of ``weight / max_weight * x`` outside
+        ``[-clipping_range, clipping_range]``) sends an error instead: a clipped vector would bias the sum unseen.
+        Seeds numpy's global generator, which SecAgg+'s stochastic rounding draws from, from the run's seed, the site,
+        the round and the phase.
+        """
+        summed = self.secure_sums[request["phase"]]
+        weight = 1 if summed.weight is None else int(float(reply.pop(summed.weight).reshape(-1)[0]))
+        vectors = {key: value.detach().to("cpu", torch.float32) for key, value in reply.items()}
+        largest = max((float(vector.abs().max()) for vector in vectors.values() if vector.numel()), default=0.0)
+        reach = largest * weight / request["max_weight"]
+        if reach > request["clipping_range"]:
+            return {"error": f"site{self.site.index}: its weighted reply reaches {reach:.4g}, outside SecAgg+'s clipping range "
+                             f"+-{request['clipping_range']:g} (deploy.clipping_range); it sends no clipped vector"}, {}
+        entropy = [self.config["trainer"]["seed"], self.site.index, request["round"], request["phase_index"], 0x5EC]
+        np.random.seed(np.random.SeedSequence(entropy).generate_state(1)[0])
+        return {**fields, "weight": weight}, vectors
 
     def _deliver(self, request: dict[str, Any], wire: dict[str, Wire]) -> dict[str, Any]:
         """Put the site back to the round's start first if it failed this round, receive the delivery, adapt and evaluate

@@ -98,6 +98,20 @@ class SiteEvaluation:
     error: str | None = None
 
 
+@dataclass
+class SummedReplies:
+    """A phase's replies as the server holds them under secure aggregation: one reply standing for all of them.
+
+    Attributes:
+        reply: what :meth:`~medfed.federated.strategies.base.ServerHalf.aggregate_summed` receives (the weighted
+            mean of every vector, the total weight: :class:`~medfed.federated.strategies.base.SecureSum`).
+        sites: the sites whose replies are in the sum (the server knows who took part, never what each sent).
+    """
+
+    reply: Payload
+    sites: list[int]
+
+
 class SiteExecutor(Protocol):
     """The sites' half of the loop (see the module docstring)."""
 
@@ -145,6 +159,11 @@ class SiteExecutor(Protocol):
             (:class:`~medfed.errors.MessageError`) the reason; a refused reply
             leaves the server's end of its link as it was.
         """
+        ...
+
+    def summed_replies(self) -> SummedReplies | None:
+        """The phase's replies summed, where the server may hold them only so (secure aggregation; then
+        :meth:`replies` gives none), or None: the server holds each site's reply. Called after :meth:`replies`."""
         ...
 
     def deliver(
@@ -248,6 +267,10 @@ class InProcessSites:
                 self.links[index].load_state_dict(self._before_reply.pop(index))
                 refused[index] = f"malformed reply: {error}"
         return received, refused
+
+    def summed_replies(self) -> None:
+        """None: the simulator's server holds every site's reply."""
+        return None
 
     def deliver(
         self, round_index: int, payloads: dict[int, Payload], evaluate: bool, timing: dict[str, float] | None
@@ -381,6 +404,7 @@ def train_plans(
             also_steps=plan.also_steps,
             compute=f"{key}/{plan.label}",
             data_pass=plan.data_pass,
+            auxiliary=site.strategy.auxiliary(ctx, plan),
         )
         if loss is not None:
             losses[None if len(plans) == 1 else plan.label] = loss

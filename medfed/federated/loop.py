@@ -259,8 +259,11 @@ class FederatedLoop:
             for index, reason in refused.items():
                 fail(index, phase, reason)
                 del replies[index]
+            summed = self._checked_sum(ctx, fail)  # secure aggregation: the replies as one sum, never one by one
             tic = time.perf_counter()
-            if replies:  # a phase no participant came through leaves the server as it was
+            if summed is not None:
+                self.server.aggregate_summed(ctx, summed)
+            elif replies:  # a phase no participant came through leaves the server as it was
                 if self.client_dp is not None:  # the server step receives only the clipped, noised average
                     sent = {index: {**self._sent.get(index, {}), **messages.get(index, {})} for index in participants}
                     replies = self.client_dp.release(ctx, phase_index, replies, sent, participants, self.sample_size() / len(names))
@@ -303,6 +306,21 @@ class FederatedLoop:
             "excluded": newly_excluded,
             **({"client_dp": self.client_dp.round_record()} if self.client_dp is not None else {}),
         }
+
+    def _checked_sum(self, ctx: RoundContext, fail: Callable[[int, str, str], None]) -> Payload | None:
+        """The executor's summed replies of the phase (secure aggregation), checked as one reply of the server half's
+        declared keys holding at most the summed sites' declared samples; None where there is none. A sum that is
+        refused fails every site in it (no site can be taken out of a sum)."""
+        summed = self.executor.summed_replies()
+        if summed is None:
+            return None
+        declared = sum(self.executor.declared_samples[index] for index in summed.sites)
+        reason = reply_fault(summed.reply, self.server, ctx, summed.sites[0], declared)
+        if reason is not None:
+            for index in summed.sites:
+                fail(index, ctx.phase, f"the securely summed reply of sites {summed.sites} is refused: {reason}")
+            return None
+        return summed.reply
 
     def _adapt_failed(self, index: int, round_index: int, reason: str, failures: dict[int, dict[str, Any]]) -> None:
         """Site ``index``'s adapt step raised: it fails the round (unless it already had), or the run stops.

@@ -35,7 +35,7 @@ from medfed.data.federation import SiteData
 from medfed.federated.compute import AUX, EVALUATION, FORWARD, PassCounter, batch_samples
 from medfed.federated.privacy import SiteDP
 from medfed.federated.site_view import SiteView, split_of
-from medfed.federated.strategies.base import SiteHalf, state_on_device
+from medfed.federated.strategies.base import Auxiliary, SiteHalf, state_on_device
 from medfed.models.base import FederatedModule
 
 
@@ -202,7 +202,8 @@ class Site:
         *,
         also_steps: tuple[str, ...] = (),
         compute: str | None = None,
-        data_pass: bool = True,
+        data_pass: int = 1,
+        auxiliary: dict[str, Auxiliary] | None = None,
     ) -> float | None:
         """Train ``part`` of the model in ``slot`` for ``steps`` optimiser steps (e.g. :meth:`steps` of some epochs).
 
@@ -224,9 +225,14 @@ class Site:
             also_steps: other slots whose optimisers step after ``slot``'s on
                 every step, on the gradients the same loss gives them.
             compute: the key the plan's passes are counted under (None: not counted).
-            data_pass: whether each step's loss passes its batch forward and
-                backward itself (counted once per step); False where the
-                loss's passes are the half's own :meth:`View.step` calls.
+            data_pass: how many times each step's loss passes its batch
+                forward and backward itself (counted per step; True: once,
+                APFL: twice); 0 / False where the loss's passes are the
+                half's own :meth:`View.step` calls.
+            auxiliary: the strategy half's auxiliary parameters the steps
+                train (``SiteHalf.auxiliary``): each step's loss is
+                differentiated in them too, and after the optimisers they
+                step by ``Auxiliary.step``; they are detached again at the end.
 
         The gradients are freed at the end (``set_to_none``): between rounds
         a site holds its model and optimiser state, not a gradient as well.
@@ -258,12 +264,17 @@ class Site:
         module.set_trainable(part)
         module.train()
         stepped = [module, *(self.slot(name).module for name in also_steps)]
+        for other in stepped[1:]:
+            other.train()
         parameters = [p for m in stepped for p in m.parameters() if p.requires_grad]
         noise = None if privacy is None else privacy.noise_generator(self.fabric.device, *self._rng_stream, self._train_calls)
         hooked = [] if privacy is None else privacy.attach(stepped)
         total = 0.0
         steps = 0
         self.plan_key = compute
+        half, auxiliary = self.strategy, auxiliary or {}
+        for name in auxiliary:  # differentiable leaves while the plan runs
+            setattr(half, name, getattr(half, name).detach().requires_grad_(True))
         try:
             while remaining > 0:
                 # A fresh pass: whole when the steps cover it (run to its end, as a plain epoch loop
@@ -286,16 +297,22 @@ class Site:
                     if privacy is not None:
                         privacy.privatise(parameters, noise)
                     if compute is not None and data_pass:
-                        self.passes.add(compute, batch_samples(batch))
+                        self.passes.add(compute, data_pass * batch_samples(batch))
                     optimizer.step()
                     for other in others:
                         other.step()
                         other.zero_grad(set_to_none=True)
+                    for name, rule in auxiliary.items():
+                        value = getattr(half, name)
+                        if value.grad is not None:
+                            setattr(half, name, rule.step(value, value.grad).requires_grad_(True))
                     total += loss.item()
                     remaining -= 1
                     steps += 1
         finally:
             self.plan_key = None
+            for name in auxiliary:
+                setattr(half, name, getattr(half, name).detach())
             if privacy is not None:
                 privacy.detach(hooked)
         optimizer.zero_grad(set_to_none=True)

@@ -70,7 +70,9 @@ class FederatedModule(PersonalizationSplit, L.LightningModule):
         return tensor.to(device=first.device, dtype=first.dtype)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        """Adam over every parameter; frozen ones get no gradient and are skipped."""
+        """``model.optimizer`` (Adam, or SGD with ``model.momentum``) over every parameter; frozen ones get no gradient and are skipped."""
+        if self.options.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.options.lr, momentum=self.options.momentum, weight_decay=self.options.weight_decay)
         return torch.optim.Adam(self.parameters(), lr=self.options.lr, weight_decay=self.options.weight_decay)
 
     def test_results(self) -> dict[str, float]:

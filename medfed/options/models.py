@@ -18,6 +18,8 @@ TARGETS = ("wt", "regions")
 """What a U-Net may learn (``model.target``): whole tumour, or the WT/TC/ET regions."""
 CLASS_WEIGHTS = ("balanced",)
 """What ``model.class_weight`` may be besides null (two-class models)."""
+OPTIMIZERS = ("adam", "sgd")
+"""Local training's optimiser (``model.optimizer``): ``torch.optim.Adam`` or ``torch.optim.SGD`` (with ``model.momentum``)."""
 
 
 @dataclass
@@ -25,8 +27,10 @@ class ModelOptions:
     """Options every model takes (the ``model`` config group); models extend it with their own.
 
     Attributes:
-        lr: Adam learning rate of local training.
-        weight_decay: Adam weight decay.
+        lr: learning rate of local training.
+        weight_decay: the optimiser's weight decay (L2, added to the gradient).
+        optimizer: ``adam`` (default) or ``sgd`` (the pFedNet authors' code: SGD, lr 1e-3, momentum 0.9).
+        momentum: SGD's momentum (0: plain SGD); ``sgd`` only.
         personal_patterns: regexes over parameter names that make a parameter
             personal (``None``: the model's default split).
         shared_patterns: regexes that make a parameter shared (``None``:
@@ -37,10 +41,15 @@ class ModelOptions:
     weight_decay: float = 0.0
     personal_patterns: list[str] | None = None
     shared_patterns: list[str] | None = None
+    optimizer: str = "adam"
+    momentum: float = 0.0
 
     def __post_init__(self) -> None:
         require(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "a positive finite learning rate")
         require(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", self.weight_decay, "a finite number >= 0")
+        require(self.optimizer in OPTIMIZERS, "optimizer", self.optimizer, f"one of {', '.join(OPTIMIZERS)}")
+        require(0.0 <= self.momentum < 1.0, "momentum", self.momentum, "a momentum in [0, 1)")
+        require(self.optimizer == "sgd" or self.momentum == 0.0, "momentum", self.momentum, "0 with optimizer adam (momentum is sgd's)")
 
 
 @dataclass

@@ -29,6 +29,8 @@ P_NORMS = {"1": 1.0, "2": 2.0, "inf": float("inf")}
 """pFedNet's column norms of the graph penalty, by their config spelling."""
 GRAPH_SPACES = ("data", "feature", "model")
 """Where pFedNet measures the similarity of sites."""
+SCHEDULES = ("alternating", "joint")
+"""pFedNet's round shapes: two phases (shared, then personal) or one joint plan (the paper's Algorithm 2 with local steps)."""
 LAM_SCALES = ("fusion", "absolute")
 """The units of pFedNet's lambda."""
 KNN_RULES = ("union", "mutual")
@@ -386,16 +388,29 @@ class PFedNetOptions:
     admm_max_iter: int = 500
     admm_abs_tol: float = 1e-6
     admm_rel_tol: float = 1e-5
+    schedule: str = "alternating"
+    """"alternating": a shared phase, then a personal phase (each trains its part only); "joint": one
+    phase whose one plan trains shared and personal parts together for all of trainer.local_epochs,
+    after which the server averages x and solves the network lasso on z from the same replies (the
+    paper's Algorithm 2 with local steps)."""
     preset: str = "equal"
-    """"equal": the two phases share trainer.local_epochs; "published": each phase trains all of it."""
+    """"equal": the two phases share trainer.local_epochs; "published": each phase trains all of it
+    (with schedule joint the one plan trains trainer.local_epochs either way)."""
     full_epoch_per_phase: bool | None = None
     """True: each phase trains all of trainer.local_epochs (the paper's setting: twice a
     one-phase baseline's local steps per round); False: each phase takes half of them (all of
     them when the other part is empty), so a round takes the local steps a FedAvg round takes;
-    null: the preset's (False or True)."""
+    null: the preset's (False or True). Alternating schedule only: null or false with joint."""
 
     def __post_init__(self) -> None:
         check_preset(self.preset)
+        require(self.schedule in SCHEDULES, "schedule", self.schedule, f"one of {', '.join(SCHEDULES)}")
+        if self.schedule == "joint":
+            require(
+                not self.full_epoch_per_phase, "full_epoch_per_phase", self.full_epoch_per_phase,
+                "null or false with schedule joint (its one plan trains trainer.local_epochs)",
+            )
+            self.full_epoch_per_phase = False
         if self.full_epoch_per_phase is None:
             self.full_epoch_per_phase = by_preset(self.preset, False, True)
         require(self.lam >= 0, "lam", self.lam, "lambda >= 0")

@@ -31,7 +31,7 @@ from typing import ClassVar
 
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.strategies.base import (
-    DELIVER, MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, num_samples,
+    DELIVER, MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, SecureSum, ServerHalf, SiteHalf, SiteView, Strategy, num_samples,
 )
 
 
@@ -91,6 +91,7 @@ class FedAvg(Strategy):
     name = "fedavg"
     client_dp_refusal = None  # the server step is a sample-weighted sum (also for every subclass that keeps it)
     secure_aggregation_refusal = None
+    secure_sums = {"fit": SecureSum(NUM_SAMPLES)}  # every vector of the fit reply, weighted by the sample count
     summary = "one global model, sample-weighted averaging of parameters and buffers"
     reference = "McMahan et al., Communication-efficient learning of deep networks from decentralized data, AISTATS 2017"
     coded_keys = {"all": "all"}

@@ -19,13 +19,32 @@ alternates two phases:
 
    and delivers z_{t+1,n}, so site n is evaluated with M x_{t+1} + N z_{t+1,n}.
 
+**Joint schedule** (``schedule: joint``; the paper's Algorithm 2 with local
+steps instead of one gradient). A round is one phase, ``"joint"``: each site
+n starts from its delivered (x_t, z_{t,n}) and trains the whole model y_n =
+M x + N z_n together, one plan for all of the round's budget E, giving
+(x~_n, z~_n); it replies both (and its sample count), and the server makes
+both updates from that one reply::
+
+    x_{t+1} = sum_n s_n x~_n / sum_n s_n                    (s_n: sample counts)
+    Z_{t+1} = argmin_Z 1/(2 eta_s) ||Z - Z~||_F^2 + lam_t ||Z Q||_{1,p}
+
+then delivers (x_{t+1}, z_{t+1,n}) to every site. The two schedules differ
+in what the personal parts are trained against: alternating trains z_n
+against the new average x_{t+1}, joint against the site's own drifting x~_n
+(as FedPer does). With lam = 0 the server step is the identity on Z, so
+joint pFedNet is FedPer (same plan, same average of x; tests/test_pfednet.py
+checks the models agree); alternating pFedNet is not, at any lam. Same cost
+as alternating at ``preset: equal``: E epochs of training passes a round.
+
 **Budget** (:mod:`medfed.federated.strategies.base`). By default (``preset:
 equal``) each phase trains half of the round's budget E =
 ``trainer.local_epochs`` (a training plan with ``share`` = 0.5; the personal
 phase continues the shared phase's data order, so together they take the
 steps of E epochs), and a part without parameters gives its half to the
 other: with the clinical logistic regression (all personal) the shared
-phase trains nothing and the personal phase trains E epochs. ``preset:
+phase trains nothing and the personal phase trains E epochs (``schedule: joint``: its one
+plan trains E epochs). ``preset:
 published`` (or ``full_epoch_per_phase: true``) gives each phase all of E,
 the paper's setting (2 E epochs of passes a round), as medfed shipped it
 before.
@@ -109,6 +128,9 @@ from medfed.federated.strategies.base import (
 )
 from medfed.options.strategies import PFedNetOptions, P_NORMS
 
+JOINT = "joint"
+"""The one phase of ``schedule: joint``."""
+
 
 class PFedNetServer(ServerHalf):
     """Holds the shared part x and every site's personal part (columns of Z); averages x, solves the network lasso for Z."""
@@ -157,21 +179,26 @@ class PFedNetServer(ServerHalf):
         return {"shared": self.shared} if ctx.phase == "personal" else {}
 
     def reply_keys(self, ctx: RoundContext, site_index: int) -> tuple[frozenset[str], ...]:
-        """At setup the sketch (nothing in model space); then the phase's part, with the sample count in "shared"."""
+        """At setup the sketch (nothing in model space); then the phase's part(s), with the sample count beside "shared"."""
         if ctx.phase == SETUP:
             return (frozenset() if self.options.graph_space == "model" else frozenset({"sketch"}),)
+        if ctx.phase == JOINT:
+            return (frozenset({"shared", "personal", NUM_SAMPLES}),)
         return (frozenset({ctx.phase, NUM_SAMPLES} if ctx.phase == "shared" else {ctx.phase}),)
 
     def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
-        if ctx.phase == "shared":
+        """Shared phase: average x; personal phase: the network lasso on z; joint phase: both, from the same replies."""
+        if ctx.phase in ("shared", JOINT):
             self.shared = weighted_average(
                 [r["shared"] for r in replies.values()], [float(r["num_samples"]) for r in replies.values()]
             )
-            self.sites_holding_shared = set()
-            return
-        # The sites replying now trained their personal parts from x_{t+1} and hold it; one that got
-        # the message but failed was put back to its start-of-round state, so it needs x_{t+1} delivered.
-        self.sites_holding_shared = set(replies)
+            self.sites_holding_shared = set()  # joint: every site trained from x_t, so every site is delivered x_{t+1}
+            if ctx.phase == "shared":
+                return
+        else:
+            # The sites replying now trained their personal parts from x_{t+1} and hold it; one that got
+            # the message but failed was put back to its start-of-round state, so it needs x_{t+1} delivered.
+            self.sites_holding_shared = set(replies)
         centre = self.personal  # written in place (no second (d2, N) copy): the replies' columns, the others as they were
         while replies:  # consumed as read: no reply is held through the solve
             index, reply = replies.popitem()
@@ -290,8 +317,11 @@ class PFedNetSite(SiteHalf):
                 site.set(MODEL, part, payload[part])
 
     def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
-        """The phase's part ("shared" or "personal") for half the round's budget, all of it with
-        ``full_epoch_per_phase`` or when the other part has no parameters; nothing for a part without any."""
+        """Joint phase: the whole model (x and z together) for the round's budget. Alternating: the phase's
+        part ("shared" or "personal") for half the round's budget, all of it with ``full_epoch_per_phase`` or
+        when the other part has no parameters; nothing for a part without any."""
+        if ctx.phase == JOINT:
+            return (TrainingPlan(part="all"),)
         other = "personal" if ctx.phase == "shared" else "shared"
         if self.options.full_epoch_per_phase:
             return (TrainingPlan(part=ctx.phase),)
@@ -300,8 +330,9 @@ class PFedNetSite(SiteHalf):
         return (TrainingPlan(part=ctx.phase, share=1.0 if self.split.size(other) == 0 else 0.5),)
 
     def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
-        reply = {ctx.phase: site.get(MODEL, ctx.phase)}
-        if ctx.phase == "shared":
+        parts = ("shared", "personal") if ctx.phase == JOINT else (ctx.phase,)
+        reply = {part: site.get(MODEL, part) for part in parts}
+        if "shared" in parts:
             reply["num_samples"] = num_samples(site)
         return reply
 
@@ -324,3 +355,8 @@ class PFedNet(Strategy):
     delivered = "all"
     Server = PFedNetServer
     Site = PFedNetSite
+
+    def __init__(self, options: Any, split: Any, n_sites: int, seed: int) -> None:
+        super().__init__(options, split, n_sites, seed)
+        if options.schedule == "joint":
+            self.phases = (JOINT,)  # one phase: this run's round shape (the class's is the alternating one)

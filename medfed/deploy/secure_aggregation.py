@@ -1,0 +1,385 @@
+"""Secure aggregation in a deployment: a phase's replies reach the server only as their sum, with Flower's SecAgg+.
+
+With ``deploy.secure_aggregation: true`` every phase a strategy declares in
+``secure_sums`` (:class:`~medfed.federated.strategies.base.SecureSum`:
+FedAvg's fit reply, its model vectors weighted by its sample count) runs as
+one round of Flower's SecAgg+ (:class:`flwr.server.workflow.SecAggPlusWorkflow`
+on the server, :func:`flwr.client.mod.secaggplus_mod` in medfed's ClientApp):
+
+1. *setup* and *share keys*: each site makes two key pairs; its secrets are
+   split into ``num_shares`` Shamir shares, encrypted for its neighbours
+   (the server relays ciphertexts it cannot read);
+2. *collect masked vectors*: the server's medfed request rides with the
+   forwarded shares; the site trains (:mod:`medfed.deploy.worker`) and hands
+   Flower its reply's vectors x_i and its weight n_i. SecAgg+ multiplies
+   x_i by n_i / max_weight (max_weight: the largest training-set size the
+   participants declared when they joined), clips every entry to
+   [-``clipping_range``, ``clipping_range``], quantises it to
+   ``quantization_range`` levels (stochastic rounding, the site's numpy
+   generator seeded from the run's seed, the site, the round and the phase),
+   prepends the quantised weight and adds a private mask and one pairwise
+   mask per neighbour (mod ``modulus_range``). The server receives only
+   those masked integers and the site's plain fields (training losses,
+   compute, time; its sample count n_i, which it declared when it joined);
+3. *unmask*: the surviving sites send the shares the server needs to remove
+   the masks of the sum; the server obtains sum_i q(n_i/max x_i) and
+   sum_i q(n_i/max), and Flower hands it their ratio, the weighted mean.
+
+:class:`FlowerSecAgg` runs those four stages for one phase; the server half
+then receives one reply, the weighted mean under each vector key and the
+total weight (:meth:`~medfed.federated.strategies.base.ServerHalf.aggregate_summed`),
+never a site's own vector.
+
+*Sites that drop out* (an error, no reply within ``reply-timeout-s``) are
+what SecAgg+'s threshold is for. One that drops before its masked vector came
+(setup, share keys, or its work failed: a site refuses to send a vector that
+is not finite or that SecAgg+ would clip) is not in the sum: the server
+rebuilds and removes the pairwise masks its neighbours added for it from
+``reconstruction_threshold`` of their shares. One that drops after (unmask)
+is in the sum; its own private mask is rebuilt from its neighbours' shares.
+Either way the round goes on if every participant still has at least
+``reconstruction_threshold`` answering neighbours (and at least 2 sites
+sent a vector); otherwise SecAgg+ halts, nothing is aggregated and every
+participant fails the phase (the server keeps its model; the sites are put
+back to the round's start). A site whose plain fields are malformed fails
+the phase, but its vector, already in the sum, cannot be taken out.
+
+What the server can no longer check (it never sees one vector): the update
+norms (``federation.update_norm_limit`` does not apply to a summed phase)
+and whether the weight inside a site's masked vector is the count it sent in
+plain; SecAgg+'s clipping bounds every weighted entry a site adds to
+[-clipping_range, clipping_range].
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.common import Code, FitIns, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.compat.common.recorddict_compat import fitres_to_recorddict
+from flwr.server.client_manager import ClientManager
+from flwr.server.client_proxy import ClientProxy
+from flwr.server.compat.grid_client_proxy import GridClientProxy
+from flwr.server.compat.legacy_context import LegacyContext
+from flwr.server.strategy import Strategy as FlowerStrategy
+from flwr.server.workflow import SecAggPlusWorkflow
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
+from flwr.server.workflow.constant import Key as WorkflowKey
+from flwr.serverapp import Grid
+
+from medfed.config import DeployConfig
+from medfed.deploy.records import MAX_JSON_CHARS, STYPE, expect
+from medfed.errors import ConfigError, MessageError
+
+if TYPE_CHECKING:
+    from medfed.components import ResolvedRun
+
+STAGES = ("setup", "share keys", "collect masked vectors", "unmask")
+"""SecAgg+'s stages, in the order the server runs them (one round trip each)."""
+FIT_CONFIG = "fitins.config"
+"""The record of a SecAgg+ work message that carries medfed's request (Flower's FitIns config)."""
+WIRE_PREFIX = "wire:"
+"""The config keys of the request's codec streams: ``wire:<wire index>:<payload key>``."""
+
+
+def refuse_secure_aggregation(resolved: ResolvedRun) -> None:
+    """Refuse a run asking for secure aggregation that it cannot have, before any site is contacted.
+
+    Raises:
+        ConfigError: one line naming the key: a strategy whose server step
+            needs each site's own vector (its ``secure_aggregation_refusal``),
+            a compressing ``codec.up`` (SecAgg+ masks dense vectors), or a
+            federation too small or too large for SecAgg+'s settings.
+    """
+    run = resolved.run
+    deploy = run.deploy
+    if not deploy.secure_aggregation:
+        return
+    strategy = resolved.strategy_cls
+    if strategy.secure_aggregation_refusal is not None:
+        raise ConfigError(
+            f"config key 'deploy.secure_aggregation': strategy {strategy.name!r} cannot be securely aggregated: "
+            f"{strategy.secure_aggregation_refusal} (secure aggregation shows the server only a sum; docs/privacy.md)"
+        )
+    if run.codec.up != "dense":
+        raise ConfigError(
+            f"config key 'codec.up' = {run.codec.up!r}: secure aggregation masks dense vectors (SecAgg+ adds a mask to "
+            "every entry), which a sparse or change-coded stream is not; use codec.up=dense (codec.down may be any codec)"
+        )
+    n_sites = run.federation.n_sites
+    participants = max(1, math.ceil(run.federation.participation * n_sites - 1e-9))
+    if participants < 2:
+        raise ConfigError(
+            f"config key 'deploy.secure_aggregation': {participants} site(s) take part in a round "
+            f"(federation.n_sites = {n_sites}, participation = {run.federation.participation:g}); a sum hides a site "
+            "only among at least 2"
+        )
+    if n_sites * deploy.quantization_range > deploy.modulus_range:
+        raise ConfigError(
+            f"config key 'deploy.quantization_range' = {deploy.quantization_range}: the sum of {n_sites} sites' quantised "
+            f"entries could pass deploy.modulus_range = {deploy.modulus_range} (expected n_sites x quantization_range "
+            "<= modulus_range)"
+        )
+
+
+def fit_config(record: RecordDict) -> dict[str, str | bytes]:
+    """A medfed message (:func:`~medfed.deploy.records.to_record`'s record) as the flat config of a Flower FitIns."""
+    config: dict[str, str | bytes] = {"json": record["fields"]["json"]}
+    config.update({WIRE_PREFIX + name: array.data for name, array in record["wire"].items()})
+    return config
+
+
+def from_fit_config(config: ConfigRecord) -> RecordDict:
+    """The inverse of :func:`fit_config`: the record :func:`~medfed.deploy.records.from_record` reads (and checks).
+
+    Raises:
+        MessageError: a config entry that is neither the JSON text nor a codec stream.
+    """
+    if not isinstance(config.get("json"), str):
+        raise MessageError("secure aggregation request: no JSON text of fields")
+    arrays = {}
+    for key, value in config.items():
+        if key == "json":
+            continue
+        if not key.startswith(WIRE_PREFIX) or not isinstance(value, bytes):
+            raise MessageError(f"secure aggregation request: unexpected entry {key[:80]!r}")
+        arrays[key[len(WIRE_PREFIX):]] = Array(dtype="uint8", shape=(len(value),), stype=STYPE, data=value)
+    return RecordDict({"fields": ConfigRecord({"json": config.get("json")}), "wire": ArrayRecord(arrays)})
+
+
+def fit_reply(message: Message, site_index: int, fields: dict[str, Any], vectors: dict[str, Any], weight: int) -> Message:
+    """A site's reply to a securely aggregated phase, as SecAgg+'s client mod takes it: a FitRes of the vectors
+    (key order), the weight as its example count and the plain fields as one JSON metric."""
+    keys = sorted(vectors)
+    plain = {"site_index": site_index, "reply": fields, "keys": keys, "shapes": [list(vectors[key].shape) for key in keys]}
+    fitres = FitRes(
+        status=Status(Code.OK, ""),
+        parameters=ndarrays_to_parameters([vectors[key].numpy() for key in keys]),
+        num_examples=weight,
+        metrics={"json": json.dumps(plain)},
+    )
+    return Message(fitres_to_recorddict(fitres, keep_input=False), reply_to=message)
+
+
+@dataclass
+class SecureOutcome:
+    """What one securely aggregated phase left the server with.
+
+    Attributes:
+        plain: per site whose masked vector is in the sum, its plain reply
+            (fields, the vector keys and shapes it declared, its weight) and the
+            bytes it sent in SecAgg+'s records (``secagg_bytes``).
+        dropped: per site that is not in the sum, or whose plain reply is
+            malformed, why (the stage it dropped out in and the reason).
+        mean: the unmasked weighted mean of the vectors, in the sites' key
+            order, or None where SecAgg+ halted (too few sites answered).
+        weight: the total weight of the sum (the plain weights of the sites in it).
+        in_sum: the sites whose masked vectors are in the sum.
+    """
+
+    plain: dict[int, dict[str, Any]] = field(default_factory=dict)
+    dropped: dict[int, str] = field(default_factory=dict)
+    mean: list[np.ndarray] | None = None
+    weight: float = 0.0
+    in_sum: list[int] = field(default_factory=list)
+
+
+class _StageLog:
+    """The Grid as SecAgg+ uses it (``send_and_receive``), noting for each stage who was asked and who answered how.
+
+    It waits for the replies as Flower's ``send_and_receive`` does, but looks
+    every ``poll_s`` (the ServerApp's :data:`~medfed.deploy.server_app.POLL_S`)
+    where Flower's looks every 3 s: each of SecAgg+'s four stages is a round trip.
+    """
+
+    def __init__(self, grid: Grid, poll_s: float) -> None:
+        self.grid = grid
+        self.poll_s = poll_s
+        self.asked: list[set[int]] = []
+        self.answers: list[dict[int, Message]] = []
+
+    def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> list[Message]:
+        messages = list(messages)
+        self.asked.append({message.metadata.dst_node_id for message in messages})
+        waiting = set(self.grid.push_messages(messages))
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        replies: list[Message] = []
+        while waiting:
+            pulled = list(self.grid.pull_messages(waiting))
+            replies.extend(pulled)
+            waiting.difference_update(reply.metadata.reply_to_message_id for reply in pulled)
+            if not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(self.poll_s)
+        self.answers.append({reply.metadata.src_node_id: reply for reply in replies})
+        return replies
+
+    def dropout(self, node: int, timeout_s: float) -> str | None:
+        """Why ``node`` left the protocol (the stage and its error, or that it did not answer in time), or None."""
+        for stage, (asked, answers) in enumerate(zip(self.asked, self.answers)):
+            if node not in asked:
+                return f"secure aggregation, {STAGES[stage]} stage: the site was not asked (it dropped out before)"
+            reply = answers.get(node)
+            if reply is None:
+                return f"secure aggregation, {STAGES[stage]} stage: no reply within reply-timeout-s = {timeout_s:g} s"
+            if reply.has_error():
+                return f"secure aggregation, {STAGES[stage]} stage: {reply.error.reason}"
+        return None
+
+    def sent_bytes(self, node: int) -> int:
+        """The bytes ``node`` sent in SecAgg+'s records: its public keys, encrypted shares, masked vector and unmask shares."""
+        total = 0
+        for answers in self.answers:
+            reply = answers.get(node)
+            if reply is None or reply.has_error() or RECORD_KEY_CONFIGS not in reply.content.config_records:
+                continue
+            for value in reply.content.config_records[RECORD_KEY_CONFIGS].values():
+                total += sum(len(item) for item in (value if isinstance(value, list) else [value]) if isinstance(item, bytes))
+        return total
+
+
+class _PhaseStrategy(FlowerStrategy):
+    """Flower's side of one securely aggregated phase: SecAgg+ asks it whom to send what (``configure_fit``) and hands
+    it the unmasked weighted mean (``aggregate_fit``); nothing else of a Flower strategy is used."""
+
+    def __init__(self, grid: Grid, run_id: int, fit_ins: dict[int, FitIns]) -> None:
+        self.grid, self.run_id, self.fit_ins = grid, run_id, fit_ins
+        self.results: list[tuple[ClientProxy, FitRes]] = []
+        self.aggregated = False
+
+    def configure_fit(self, server_round: int, parameters: Parameters, client_manager: ClientManager) -> list[tuple[ClientProxy, FitIns]]:
+        return [(GridClientProxy(node, self.grid, self.run_id), ins) for node, ins in self.fit_ins.items()]
+
+    def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list[Any]) -> tuple[None, dict]:
+        self.results, self.aggregated = results, True
+        return None, {}
+
+    def initialize_parameters(self, client_manager: ClientManager) -> None:
+        return None
+
+    def configure_evaluate(self, server_round: int, parameters: Parameters, client_manager: ClientManager) -> list:
+        return []
+
+    def aggregate_evaluate(self, server_round: int, results: list, failures: list) -> tuple[None, dict]:
+        return None, {}
+
+    def evaluate(self, server_round: int, parameters: Parameters) -> None:
+        return None
+
+
+class FlowerSecAgg:
+    """Runs one phase of a deployment as a round of Flower's SecAgg+ (the module docstring).
+
+    Args:
+        grid: the run's Grid.
+        run_id: the run's Flower id.
+        options: ``deploy``'s SecAgg+ settings.
+        timeout_s: how long each of the four stages waits for the sites' replies.
+        poll_s: seconds between the server's looks for replies while it waits.
+    """
+
+    def __init__(self, grid: Grid, run_id: int, options: DeployConfig, timeout_s: float, poll_s: float) -> None:
+        self.grid, self.run_id, self.options, self.timeout_s, self.poll_s = grid, run_id, options, timeout_s, poll_s
+
+    def run(self, requests: dict[int, RecordDict], node_of_site: dict[int, int], round_index: int, max_weight: int) -> SecureOutcome:
+        """Send each site its request inside SecAgg+; the plain replies, the dropouts and the weighted mean.
+
+        Args:
+            requests: per site, the medfed message (:func:`~medfed.deploy.records.to_record`) of its work.
+            node_of_site: each site's Flower node.
+            round_index: the round (Flower's ``group_id`` of the messages).
+            max_weight: the largest weight a site may hold (the largest declared training-set size).
+        """
+        site_of_node = {node_of_site[index]: index for index in requests}
+        fit_ins = {node_of_site[index]: FitIns(Parameters([], ""), fit_config(record)) for index, record in requests.items()}
+        strategy = _PhaseStrategy(self.grid, self.run_id, fit_ins)
+        state = RecordDict({MAIN_CONFIGS_RECORD: ConfigRecord({WorkflowKey.CURRENT_ROUND: round_index}), MAIN_PARAMS_RECORD: ArrayRecord()})
+        context = LegacyContext(Context(run_id=self.run_id, node_id=0, node_config={}, state=state, run_config={}), strategy=strategy)
+        options = self.options
+        workflow = SecAggPlusWorkflow(
+            _flower_count(options.num_shares), _flower_count(options.reconstruction_threshold), max_weight=float(max_weight),
+            clipping_range=options.clipping_range, quantization_range=options.quantization_range,
+            modulus_range=options.modulus_range, timeout=self.timeout_s,
+        )
+        log = _StageLog(self.grid, self.poll_s)
+        outcome = SecureOutcome()
+        try:
+            workflow(log, context)
+        except Exception as error:  # e.g. a site's masked vector of another shape: the sum cannot be made
+            outcome.dropped = {index: f"secure aggregation failed: {type(error).__name__}: {error}"[:1000] for index in requests}
+            return outcome
+        in_sum = {proxy.node_id: fitres for proxy, fitres in strategy.results}
+        for node, index in site_of_node.items():
+            if node not in in_sum:
+                reason = log.dropout(node, self.timeout_s)
+                outcome.dropped[index] = reason or _halted(log, len(requests))
+                continue
+            try:
+                outcome.plain[index] = _plain_reply(in_sum[node], index)
+                outcome.plain[index]["secagg_bytes"] = log.sent_bytes(node)
+            except MessageError as error:
+                outcome.dropped[index] = f"malformed reply: {error} (its masked vector is in the sum: none can be taken out)"
+        if strategy.aggregated and in_sum:
+            outcome.mean = parameters_to_ndarrays(next(iter(in_sum.values())).parameters)
+            outcome.weight = float(sum(fitres.num_examples for fitres in in_sum.values()))
+            outcome.in_sum = sorted(site_of_node[node] for node in in_sum)
+        else:  # halted: nobody's work counts
+            for index in outcome.plain:
+                outcome.dropped.setdefault(index, _halted(log, len(requests)))
+            outcome.plain = {}
+        return outcome
+
+
+def _halted(log: _StageLog, participants: int) -> str:
+    """Why SecAgg+ stopped before the sum (too few sites answered a stage)."""
+    stage = STAGES[max(len(log.answers) - 1, 0)]
+    answered = len([reply for reply in log.answers[-1].values() if not reply.has_error()]) if log.answers else 0
+    return (f"secure aggregation halted in the {stage} stage: {answered} of {participants} sites answered, fewer than "
+            "SecAgg+ needs (at least 2, and deploy.reconstruction_threshold answering neighbours of every site)")
+
+
+def _flower_count(value: float) -> int | float:
+    """A ``num_shares`` or ``reconstruction_threshold`` as Flower takes it: a fraction (float) or a count (int)."""
+    return float(value) if value <= 1 else int(value)
+
+
+PLAIN = {"site_index": int, "reply": dict, "keys": list, "shapes": list}
+"""The plain fields of a site's reply to a securely aggregated phase."""
+
+
+def _plain_reply(fitres: FitRes, index: int) -> dict[str, Any]:
+    """A site's plain reply (:data:`PLAIN`) and its weight, checked.
+
+    Raises:
+        MessageError: naming the site: not one JSON text of :data:`PLAIN`, another site's index, vector keys or
+            shapes that are not strings and lists of sizes, or a weight that is not a whole number >= 0.
+    """
+    name = f"site{index}"
+    try:
+        text = fitres.metrics.get("json") if set(fitres.metrics) == {"json"} else None
+        if not isinstance(text, str) or len(text) > MAX_JSON_CHARS:
+            raise MessageError("secure aggregation reply: expected one JSON text of plain fields")
+        try:
+            plain = json.loads(text)
+        except (ValueError, RecursionError):
+            raise MessageError("secure aggregation reply: its plain fields are not JSON") from None
+        expect(plain, PLAIN, "secure aggregation reply")
+        if plain["site_index"] != index:
+            raise MessageError(f"secure aggregation reply: site-index {plain['site_index']}, expected {index}")
+        keys, shapes = plain["keys"], plain["shapes"]
+        if (len(keys) != len(shapes) or not all(isinstance(key, str) for key in keys)
+                or not all(isinstance(shape, list) and all(isinstance(size, int) and size >= 0 for size in shape) for shape in shapes)):
+            raise MessageError("secure aggregation reply: expected vector keys (strings) and one shape (whole numbers >= 0) each")
+        weight = fitres.num_examples
+        if isinstance(weight, bool) or not isinstance(weight, int) or weight < 0:
+            raise MessageError(f"secure aggregation reply: weight {weight!r} is not a whole number >= 0")
+    except MessageError as error:
+        raise error.about(name) from None
+    return {**plain, "weight": weight}

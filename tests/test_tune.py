@@ -1,0 +1,228 @@
+"""``compare --tune``: the tuner never reads the test split, the choice on hand-made scores, the chosen values in the
+tables, the search spaces' keys, refused spaces (one line, exit status 2)."""
+
+import csv
+import json
+import math
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import medfed.compare
+import medfed.tasks.clinical as clinical
+from medfed.cli import main
+from medfed.compare.grid import make_grid
+from medfed.compare.plan import Run
+from medfed.compare.tables import collect
+from medfed.compare.tune import Candidate, TuneSpec, Trial, candidates, choose, collect_trials, parse_space, plan_tuning, tuning_rows
+from medfed.components import STRATEGY_NAMES
+from medfed.errors import ConfigError, DataError
+from medfed.fit import fit
+from medfed.options.search import default_space
+from medfed.options.strategies import STRATEGY_OPTIONS
+
+TINY_CLINICAL = """
+data:
+  task: clinical
+  csv: {data}/breast_cancer.csv
+federation:
+  n_sites: 3
+  label_ratio: {{delta: 2.0, spread: 1.5}}
+model:
+  name: logreg
+strategy:
+  name: local
+trainer: {{rounds: 2, batch_size: 16, seed: 0, num_threads: 1}}
+logger: {{wandb: disabled}}
+"""
+
+
+def tiny_config(folder: Path) -> Path:
+    config = folder / "tiny_clinical.yaml"
+    config.write_text(TINY_CLINICAL.format(data=folder))
+    return config
+
+
+class PoisonedTestSplit:
+    """Makes building a dataset from any test record raise while ``armed``: each federation build records its sites'
+    test records (drawn first, the same for either holdout) through the wrapped ``split_site``."""
+
+    def __init__(self, monkeypatch):
+        self.armed, self.test_records, self.datasets = False, set(), 0
+        real_split, real_dataset = clinical.split_site, clinical._dataset
+
+        def split_site(subjects, draw, federation, seed, site_index):
+            split = real_split(subjects, draw, federation, seed, site_index)
+            if site_index == 0:
+                self.test_records = set()
+            self.test_records |= set(split.set_aside if split.holdout == "validation" else split.evaluation)
+            return split
+
+        def dataset(data, records, lo, hi):
+            self.datasets += 1
+            if self.armed and self.test_records & set(np.asarray(records).tolist()):
+                raise AssertionError(f"test records read: {sorted(self.test_records & set(np.asarray(records).tolist()))[:5]}")
+            return real_dataset(data, records, lo, hi)
+
+        monkeypatch.setattr(clinical, "split_site", split_site)
+        monkeypatch.setattr(clinical, "_dataset", dataset)
+
+
+def test_the_tuner_never_reads_the_test_split_and_the_tables_name_the_chosen_values(tmp_path, monkeypatch, capsys):
+    records = PoisonedTestSplit(monkeypatch)
+    config = tiny_config(tmp_path)
+    executed: list[Run] = []
+
+    def in_process(runs, jobs, progress=True):  # compare's runner, in this process: the tuning runs under the armed records
+        for run in runs:
+            if run.action != "done":
+                executed.append(run)
+                records.armed = bool(run.variant)  # a tuning run
+                assert fit(str(run.config_path), list(run.overrides), resume=run.action == "resume", quiet=True) == 0
+                records.armed = False
+        return {}
+
+    monkeypatch.setattr(medfed.compare, "execute", in_process)
+    # the poison works: a run on the test split (armed) raises
+    records.armed = True
+    with pytest.raises(AssertionError, match="test records read"):
+        fit(str(config), ["federation.validation_fraction=0.2", f"output_dir={tmp_path / 'control'}"], quiet=True)
+    records.armed = False
+
+    out = tmp_path / "out"
+    command = [
+        "compare", "--config", str(config), "--strategies", "fedavg,fedprox", "--seeds", "0", "1", "--metrics", "auroc",
+        "--output", str(out), "--tune", "--tune-space", "strategy.fedprox.mu=0.01,1", "--tune-space", "model.lr=x1",
+        "--tune-rounds", "2", "--quiet", "trainer.rounds=3",
+    ]
+    assert main(command) == 0, capsys.readouterr().err
+    tuning = [run for run in executed if run.variant]
+    assert sorted(run.name for run in tuning) == [
+        "tiny_clinical/fedavg/lr=0.01/seed0", "tiny_clinical/fedprox/mu=0.01_lr=0.01/seed0", "tiny_clinical/fedprox/mu=1_lr=0.01/seed0",
+    ]
+    assert len(executed) == 3 + 2 * 2 and records.datasets > 0
+    for run in tuning:
+        results = json.loads((run.output_dir / "results.json").read_text())
+        assert results["config"]["federation"]["holdout"] == "validation" and results["config"]["trainer"]["rounds"] == 2
+        assert all("n_test" not in site and site["n_validation"] > 0 for site in results["federation"]["sites"])
+
+    with (out / "tuning.csv").open(newline="") as handle:
+        trials = {row["configuration"]: row for row in csv.DictReader(handle) if row["strategy"] == "fedprox"}
+    scores = {label: float(row["validation_score"]) for label, row in trials.items()}
+    best = max(scores, key=scores.get)  # (ties: the first, mu=0.01)
+    assert [label for label, row in trials.items() if row["chosen"] == "True"] == [best]
+    chosen_mu = best.split("_")[0].split("=")[1]
+    for seed in (0, 1):  # the grid's runs: every seed, on the test split, with the chosen values
+        results = json.loads((out / "tiny_clinical" / "fedprox" / f"seed{seed}" / "results.json").read_text())
+        assert results["config"]["federation"]["holdout"] == "test"
+        assert results["config"]["strategy"]["fedprox"]["mu"] == float(chosen_mu)
+    md = (out / "comparison.md").read_text()
+    assert f"| fedprox | {best.replace('_', ' ')} (validation {scores[best]:.4f}; 2 configurations, 2/2 runs, " in md
+    assert "hyperparameters: chosen on the validation split (compare --tune, section below)" in md
+    with (out / "comparison.csv").open(newline="") as handle:
+        assert {row["tuned"] for row in csv.DictReader(handle) if row["strategy"] == "fedprox"} == {best.replace("_", " ")}
+
+    executed.clear()
+    assert main(command) == 0  # resumable: every tuning and grid run is found finished
+    assert executed == []
+
+
+def _trial(setting, strategy, label, scores, planned=2):
+    return Trial(Candidate(setting, strategy, (("lr", label),), (f"model.lr={label}",)), scores, planned, 2.0 * len(scores), 1.0)
+
+
+def test_choose_takes_the_highest_mean_over_tuning_seeds_the_first_of_equal_ones_and_only_complete_configurations():
+    trials = [
+        _trial("a", "ditto", "1", {0: 0.7, 1: 0.9}),   # 0.80
+        _trial("a", "ditto", "2", {0: 0.85, 1: 0.75}),  # 0.80: equal, comes later
+        _trial("a", "ditto", "3", {0: 0.99}),           # the best score, but seed 1 did not finish
+        _trial("a", "ditto", "4", {0: 0.79, 1: 0.8}),   # 0.795
+        _trial("b", "ditto", "1", {0: 0.5, 1: math.nan}),
+        _trial("b", "ditto", "2", {0: 0.4, 1: 0.41}),
+        _trial("b", "ditto", "3", {0: 0.6, 1: 0.2}),   # 0.40: below "2"
+        _trial("c", "ditto", "1", {}),
+    ]
+    chosen = choose(trials)
+    assert chosen[("a", "ditto")] is trials[0] and chosen[("b", "ditto")] is trials[5] and chosen[("c", "ditto")] is None
+    assert trials[0].score == pytest.approx(0.8) and trials[2].score is None and trials[4].score is None
+    assert [row["chosen"] for row in tuning_rows(trials, chosen)] == [True, False, False, False, False, True, False, False]
+
+
+def test_tuning_runs_are_scored_on_their_last_rounds_validation_metric_and_a_test_evaluated_one_is_refused(tmp_path):
+    config = tiny_config(tmp_path)
+    grid = make_grid([str(config)], ["fedprox"], [0, 1], [], ["auroc"], tmp_path / "out")
+    spec = TuneSpec({"strategy.fedprox.mu": ("0.1", "1"), "model.lr": ("x1",)}, rounds=2, seeds=(0, 1))
+    found, runs = plan_tuning(grid, [], spec, jobs=1)
+    assert [c.label for c in found] == ["mu=0.1_lr=0.01", "mu=1_lr=0.01"] and len(runs) == 4
+    assert all(run.overrides[-2] == "federation.holdout=validation" for run in runs)  # after every other override
+    site_scores = {("mu=0.1_lr=0.01", 0): [0.6, 0.8, 0.7], ("mu=0.1_lr=0.01", 1): [0.9, 0.9, 0.6],
+                   ("mu=1_lr=0.01", 0): [0.9, 0.9, 0.9], ("mu=1_lr=0.01", 1): [0.5, 0.5, 0.5]}
+    for run in runs:
+        run.output_dir.mkdir(parents=True)
+        last = {f"site{i}": {"auroc": value} for i, value in enumerate(site_scores[(run.variant, run.seed)])}
+        results = {
+            "config": {"federation": {"holdout": "validation"}, "trainer": {"rounds": 2}},
+            "history": [{"round": 1, "metrics": {site: {"auroc": 0.0} for site in last}}, {"round": 2, "metrics": last}],
+            "federation": {"description": "fake", "generated": False}, "timing": {"wall_s": 2.0},
+            "compute": {"training_epochs": {site: 4.0 for site in last}},
+        }
+        (run.output_dir / "results.json").write_text(json.dumps(results))
+    trials = collect_trials(found, runs, collect(runs), "auroc")
+    assert trials[0].scores == pytest.approx({0: 0.7, 1: 0.8}) and trials[1].scores == pytest.approx({0: 0.9, 1: 0.5})
+    assert choose(trials)[("tiny_clinical", "fedprox")] is trials[0]  # 0.75 against 0.70
+    assert trials[0].training_epochs == 8.0 and trials[0].wall_s == 4.0
+
+    damaged = json.loads((runs[0].output_dir / "results.json").read_text())
+    damaged["config"]["federation"]["holdout"] = "test"
+    (runs[0].output_dir / "results.json").write_text(json.dumps(damaged))
+    with pytest.raises(DataError, match="a tuning run evaluated on 'test'"):
+        collect_trials(found, runs, collect(runs), "auroc")
+
+
+def test_relative_values_multiply_the_configs_own_and_every_combination_is_one_candidate():
+    config = {"model": {"lr": 0.004}, "strategy": {"pfednet": {"lam": 0.1, "knn_k": 2}}}
+    space = {"strategy.pfednet.lam": ("0.1", "x1"), "strategy.pfednet.knn_k": (1, 2), "model.lr": ("x0.5", "x2")}
+    found = candidates("lack0", "pfednet", space, config)
+    assert [c.label for c in found] == [
+        "lam=0.1_knn_k=1_lr=0.002", "lam=0.1_knn_k=1_lr=0.008", "lam=0.1_knn_k=2_lr=0.002", "lam=0.1_knn_k=2_lr=0.008",
+    ]
+    assert found[1].overrides == ("strategy.pfednet.lam=0.1", "strategy.pfednet.knn_k=1", "model.lr=0.008")
+    assert found[1].values == "lam=0.1 knn_k=1 lr=0.008"
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_every_default_space_names_options_of_its_strategy_with_values_they_accept(strategy):
+    space = default_space(strategy)
+    assert "model.lr" in space
+    assert parse_space([f"{key}={','.join(map(str, values))}" for key, values in space.items()]).keys() == space.keys()
+    options = STRATEGY_OPTIONS[strategy]
+    for key, values in space.items():
+        if key.startswith("strategy."):
+            assert key.split(".")[1] == strategy and key.split(".")[2] in {f.name for f in fields(options)}
+            for value in values:
+                options(**{key.split(".")[2]: value})  # refused values raise ConfigError
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--tune-space", "strategy.fedprox.muu=0.1,1"], "--tune-space 'strategy.fedprox.muu=0.1,1': unknown key 'strategy.fedprox.muu' (strategy.fedprox options: mu)"),
+        (["--tune-space", "federation.holdout=test"], "unknown key 'federation.holdout' (expected model.<option> or strategy.<name>.<option>)"),
+        (["--tune-space", "model.lrr=0.1"], "unknown key 'model.lrr' (model options: "),
+        (["--tune-space", "strategy.ditto.lam=0.1"], "--tune-space 'strategy.ditto.lam': ditto is not among the grid's strategies (fedavg, fedprox)"),
+        (["--tune-space", "model.lr=x-1"], "'x-1' is no relative value"),
+        (["--tune-space", "model.lr=0.1,0.1"], "none empty or repeated"),
+        (["strategy.fedprox.mu=0.1"], "override 'strategy.fedprox.mu=0.1' with --tune: --tune chooses strategy.fedprox.mu"),
+        (["--budgets", "1", "2"], "--tune with --budgets"),
+    ],
+)
+def test_a_bad_tuning_is_refused_in_one_line_with_exit_status_2_before_any_run(tmp_path, capsys, monkeypatch, arguments, message):
+    monkeypatch.setattr(medfed.compare, "execute", lambda *args, **kwargs: pytest.fail("a run started"))
+    config = tiny_config(tmp_path)
+    command = ["compare", "--config", str(config), "--strategies", "fedavg", "fedprox", "--output", str(tmp_path / "out"), "--tune", *arguments]
+    assert main(command) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("medfed: error: ") and message in error and error.count("\n") == 1, error
+    assert not (tmp_path / "out").exists()
