@@ -249,6 +249,14 @@ class ResolvedRun:
         return {"target": self.model_options.target} if task_spec(self.task_name).targets else {}
 
 
+def _require_opacus(key: str, mechanism: str) -> None:
+    """A one-line ConfigError naming ``key`` unless Opacus can be imported."""
+    import importlib.util
+
+    if importlib.util.find_spec("opacus") is None:
+        raise ConfigError(f"config key '{key}': {mechanism} needs Opacus, which is not installed (pip install -e \".[privacy]\")")
+
+
 def resolve(cfg: DictConfig) -> ResolvedRun:
     """Validate every component group of ``cfg`` and the device; fill in every default (no torch imported).
 
@@ -277,16 +285,20 @@ def resolve(cfg: DictConfig) -> ResolvedRun:
     if target is not None and target not in task.targets:
         raise ConfigError(f"config key 'model.target' = {target!r}: the {task.name} task labels samples for {', '.join(task.targets) or 'no target choice'}")
     if run.privacy.dp.enabled:  # a DP run: Opacus present, and the strategy's own refusal (its class imports torch)
-        import importlib.util
-
-        if importlib.util.find_spec("opacus") is None:
-            raise ConfigError("config key 'privacy.dp': DP-SGD needs Opacus, which is not installed (pip install -e \".[privacy]\")")
+        _require_opacus("privacy.dp", "DP-SGD")
         from medfed.federated.strategies import STRATEGIES
 
         strategy_cls = STRATEGIES[strategy_name]
         refusal = strategy_cls.dp_sgd_refused(strategy_options)
         if refusal is not None:
             raise ConfigError(f"config key 'privacy.dp': DP-SGD does not fit strategy {strategy_cls.name!r}: {refusal} (docs/privacy.md)")
+    if run.privacy.client_dp.enabled:  # Opacus (its accountant) present, and the strategy's own refusal
+        _require_opacus("privacy.client_dp", "client-level DP")
+        from medfed.federated.strategies import STRATEGIES
+
+        refusal = STRATEGIES[strategy_name].client_dp_refusal
+        if refusal is not None:
+            raise ConfigError(f"config key 'privacy.client_dp': client-level DP does not fit strategy {strategy_name!r}: {refusal} (docs/privacy.md)")
     check_device(run.trainer.device)
     full = {
         **config,

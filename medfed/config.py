@@ -353,10 +353,39 @@ class DPConfig:
 
 
 @dataclass
+class ClientDPConfig:
+    """Client-level DP of what the sites send (:class:`medfed.federated.privacy.ClientDP`); off unless ``noise_multiplier`` is given.
+
+    Each participant's update (its reply minus what the server sent it) is
+    clipped to L2 norm ``clipping_norm`` C, the server averages the clipped
+    updates uniformly over the m replies and adds N(0, (sigma C / m)^2) noise
+    per coordinate (sigma = ``noise_multiplier``); epsilon at ``delta`` is
+    Opacus's RDP accountant over the rounds, at the participation rate.
+    """
+
+    noise_multiplier: float | None = None
+    clipping_norm: float = 1.0
+    delta: float = 1e-5
+
+    def __post_init__(self) -> None:
+        require(
+            self.noise_multiplier is None or (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0),
+            "privacy.client_dp.noise_multiplier", self.noise_multiplier, "null (off) or a finite number >= 0",
+        )
+        require(self.clipping_norm > 0, "privacy.client_dp.clipping_norm", self.clipping_norm, "a clipping norm > 0 (.inf: no clipping)")
+        require(0 < self.delta < 1, "privacy.client_dp.delta", self.delta, "a probability in (0, 1), e.g. 1e-5")
+
+    @property
+    def enabled(self) -> bool:
+        return self.noise_multiplier is not None
+
+
+@dataclass
 class PrivacyConfig:
-    """Privacy mechanisms of a run: ``dp``, DP-SGD at every site (see ``docs/privacy.md``)."""
+    """Privacy mechanisms of a run (see ``docs/privacy.md``): ``dp``, DP-SGD at every site; ``client_dp``, client-level DP at aggregation."""
 
     dp: DPConfig = field(default_factory=DPConfig)
+    client_dp: ClientDPConfig = field(default_factory=ClientDPConfig)
 
 
 @dataclass

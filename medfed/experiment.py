@@ -37,7 +37,7 @@ from medfed.errors import RunFailed, SiteFailure, warn
 from medfed.evaluation.rounds import ValidationEvaluation, VolumeEvaluation
 from medfed.federated.executor import InProcessSites, executor_for, planned_steps
 from medfed.federated.loop import FederatedLoop
-from medfed.federated.privacy import PrivacyBudgetSpent, PrivacyRecord, SiteDP, privacy_summary
+from medfed.federated.privacy import ClientDP, PrivacyBudgetSpent, PrivacyRecord, SiteDP, privacy_summary
 from medfed.data.federation import Federation
 from medfed.data.pooling import pooled_reference
 from medfed.models.classification import BinaryClassifier
@@ -125,6 +125,7 @@ def _run(
         max_consecutive_failures=run_cfg.federation.max_consecutive_failures,
         scratch_dir=output_dir / FOLDER,
         executor=executor,
+        client_dp=ClientDP(run_cfg.privacy.client_dp, trainer.seed) if run_cfg.privacy.client_dp.enabled else None,
     )
     if resumed is not None:
         loop.load_state_dict(resumed)
@@ -145,7 +146,7 @@ def _run(
             executor=executor.record(),
             pooled=pooled_reference(federation.sites) if strategy.pools_data else None,
         )
-        if dp.enabled:
+        if dp.enabled or run_cfg.privacy.client_dp.enabled:
             results["privacy"] = {**privacy_summary(loop.history), "model_changes": list(assembly.model_changes)}
         return results
 

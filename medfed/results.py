@@ -211,6 +211,13 @@ def format_table(results: dict[str, Any]) -> str:
         epsilons = ", ".join(f"{site} {math.inf if info['epsilon'] is None else info['epsilon']:.3g}" for site, info in dp.items())  # null: inf
         notes.append(f"DP-SGD ({first['accountant']}, delta={first['delta']:g}, C={first['max_grad_norm']:g}): epsilon {epsilons}")
         notes += [f"DP-SGD model change: {change}" for change in results["privacy"].get("model_changes", [])]
+    client_dp = results.get("privacy", {}).get("client_dp")
+    if client_dp:  # client-level DP at aggregation (medfed.federated.privacy.ClientDP)
+        epsilon = math.inf if client_dp["epsilon"] is None else client_dp["epsilon"]
+        notes.append(
+            f"client-level DP (rdp, delta={client_dp['delta']:g}, C={client_dp['clipping_norm']:g}, sigma={client_dp['noise_multiplier']:g}): "
+            f"epsilon {epsilon:.3g} after {client_dp['releases']} noised aggregations"
+        )
     pooled = results.get("pooled")
     if pooled:  # not a federated result: say so above the table
         title += f"\n{pooled['reference']} ({pooled['n_train']} training samples, held at {pooled['pool_site']})"

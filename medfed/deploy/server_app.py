@@ -671,6 +671,8 @@ def run_settings(run_config: dict[str, Any]) -> RunSettings:
         )
     if resolved.run.privacy.dp.enabled:  # the sites of a deployment are built without it (docs/privacy.md)
         raise ConfigError("config key 'privacy.dp': DP-SGD runs in the simulator only; the Flower deployment does not build it yet")
+    if resolved.run.privacy.client_dp.enabled:  # the deployment's loop is built without it (docs/privacy.md)
+        raise ConfigError("config key 'privacy.client_dp': client-level DP runs in the simulator only; the Flower deployment does not build it yet")
     refuse_label_ratio(resolved.run.federation)
     refuse_secure_aggregation(resolved)
     return RunSettings(resolved, Path(str(run_config["output-dir"])), float(run_config["reply-timeout-s"]), run_config["resume"])

@@ -55,6 +55,7 @@ from medfed.federated.compute import merge, training_epochs
 from medfed.federated.executor import InProcessSites, PhaseWork, SiteEvaluation, SiteExecutor
 from medfed.federated.faults import refused_replies, reply_fault
 from medfed.federated.link import Link
+from medfed.federated.privacy import ClientDP
 from medfed.federated.site import Site
 from medfed.federated.site_view import ADAPT, DELIVER, SETUP, RoundContext
 from medfed.federated.strategies.base import Payload, Strategy, state_on_device
@@ -92,6 +93,8 @@ class FederatedLoop:
             and ``links`` (the simulator). A deployment passes its own
             (``medfed.deploy``) with ``sites`` empty and ``links`` the
             server's ends of the wires.
+        client_dp: client-level DP (:class:`~medfed.federated.privacy.ClientDP`): every phase's
+            replies reach the server step as its one clipped, noised average; ``None``: off.
     """
 
     def __init__(
@@ -110,6 +113,7 @@ class FederatedLoop:
         max_consecutive_failures: int | None = 3,
         scratch_dir: Path | None = None,
         executor: SiteExecutor | None = None,
+        client_dp: ClientDP | None = None,
     ) -> None:
         self.fabric = fabric
         self.sites = sites
@@ -126,6 +130,8 @@ class FederatedLoop:
         self.max_consecutive_failures = max_consecutive_failures
         self.scratch_dir = scratch_dir
         self.executor = executor if executor is not None else InProcessSites(sites, links)
+        self.client_dp = client_dp
+        self._sent: dict[int, Payload] = {}  # with client_dp: each site's last delivery, what its updates are measured against
         self.site_names = self.executor.names
         self.round = 0
         self.history: list[dict[str, Any]] = []
@@ -192,14 +198,17 @@ class FederatedLoop:
         The draw is over every site, so excluding one leaves the other sites'
         rounds as they were.
         """
-        n = len(self.site_names)
-        k = max(1, math.ceil(self.participation * n - 1e-9))
+        n, k = len(self.site_names), self.sample_size()
         if k >= n:
             chosen = range(n)
         else:
             rng = np.random.default_rng(np.random.SeedSequence([self.seed, round_index, 0x5E1EC7]))
             chosen = sorted(rng.choice(n, size=k, replace=False).tolist())
         return [i for i in chosen if self.site_names[i] not in self.excluded]
+
+    def sample_size(self) -> int:
+        """m, the sites drawn for each round: ceil(participation * n), at least 1."""
+        return min(len(self.site_names), max(1, math.ceil(self.participation * len(self.site_names) - 1e-9)))
 
     # ------------------------------------------------------------------ one round
     def _run_round(self, round_index: int) -> dict[str, Any]:
@@ -255,6 +264,9 @@ class FederatedLoop:
             if summed is not None:
                 self.server.aggregate_summed(ctx, summed)
             elif replies:  # a phase no participant came through leaves the server as it was
+                if self.client_dp is not None:  # the server step receives only the clipped, noised average
+                    sent = {index: {**self._sent.get(index, {}), **messages.get(index, {})} for index in participants}
+                    replies = self.client_dp.release(ctx, phase_index, replies, sent, participants, self.sample_size() / len(names))
                 self.server.aggregate(ctx, replies)
             timing["server_s"] += time.perf_counter() - tic
         adapt_loss: dict[str, dict[str, float]] = {}
@@ -292,6 +304,7 @@ class FederatedLoop:
             "timing": timing,
             "failures": [failures[index] for index in sorted(failures)],
             "excluded": newly_excluded,
+            **({"client_dp": self.client_dp.round_record()} if self.client_dp is not None else {}),
         }
 
     def _checked_sum(self, ctx: RoundContext, fail: Callable[[int, str, str], None]) -> Payload | None:
@@ -355,6 +368,8 @@ class FederatedLoop:
         """Every site receives the server's delivery; with ``evaluate``, each adapts and is evaluated (``timing["eval_s"]``)."""
         ctx = RoundContext(self.round, DELIVER)
         payloads = {index: self.server.deliver(ctx, index) for index in range(len(self.site_names))}
+        if self.client_dp is not None:
+            self._sent = payloads
         return self.executor.deliver(self.round, payloads, evaluate, timing)
 
     # ------------------------------------------------------------------ checkpoints
@@ -369,6 +384,7 @@ class FederatedLoop:
             "failure_streaks": list(self.failure_streaks),
             "excluded": dict(self.excluded),
             "num_threads": torch.get_num_threads(),
+            **({"client_dp": self.client_dp.state_dict()} if self.client_dp is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -392,6 +408,10 @@ class FederatedLoop:
         for link, link_state in zip(self.links, state["links"], strict=True):
             link.load_state_dict(link_state)
         self.server.load_state_dict(state_on_device(state["server"], self.fabric.device))
+        if self.client_dp is not None:  # its accountant, and the deliveries the next round's updates are measured against
+            self.client_dp.load_state_dict(state["client_dp"])
+            ctx = RoundContext(self.round, DELIVER)
+            self._sent = {index: self.server.deliver(ctx, index) for index in range(len(self.site_names))}
 
 
 def _link_counters(link: Link) -> dict[str, float]:
@@ -442,6 +462,8 @@ def _flatten_for_logging(record: dict[str, Any]) -> dict[str, float]:
         flat[f"time/{name}"] = value
     for site, privacy in record.get("privacy", {}).items():  # DP-SGD (medfed.federated.privacy)
         flat[f"privacy/{site}/epsilon"] = float(privacy["epsilon"])
+    if "client_dp" in record:  # client-level DP (medfed.federated.privacy.ClientDP)
+        flat["privacy/client_dp/epsilon"] = float(record["client_dp"]["epsilon"])
     failed = {failure["site"] for failure in record["failures"]}
     for site in record["metrics"]:
         flat[f"{site}/failed"] = float(site in failed)

@@ -39,6 +39,11 @@ plans over the run; a site whose next step would take it past the target
 stops training (it still receives, replies with what it has, and is
 evaluated), with a one-line note; ``on_budget: stop_run`` ends the run at
 the end of that round instead.
+
+Client-level DP (:class:`ClientDP`, ``privacy.client_dp``) protects a whole
+site's data instead: what the site sends is clipped and noised at
+aggregation (McMahan et al., ICLR 2018; Flower's
+``DifferentialPrivacyServerSideFixedClipping``), see its docstring.
 """
 
 from __future__ import annotations
@@ -53,14 +58,19 @@ import torch
 from torch import nn
 
 from medfed.errors import RunFailed, warn
+from medfed.federated.aggregate import weighted_average
+from medfed.federated.site_view import RoundContext
+from medfed.federated.strategies.base import NUM_SAMPLES, Payload
 
 if TYPE_CHECKING:
-    from medfed.config import DPConfig
+    from medfed.config import ClientDPConfig, DPConfig
 
 #: the stabiliser of Opacus's clipping factor C / (||g|| + 1e-6)
 CLIP_EPSILON = 1e-6
 #: the stream tag of the noise generators (beside the site's other draws from (seed, site, round, phase))
 NOISE_STREAM = 0xD95
+#: the stream tag of client-level DP's noise at aggregation (drawn from (seed, round, phase))
+CLIENT_NOISE_STREAM = 0xC1D9
 
 
 def dp_compatible(module: nn.Module) -> tuple[nn.Module, list[str]]:
@@ -310,8 +320,185 @@ class PrivacyRecord:
 
 
 def privacy_summary(history: list[dict[str, Any]]) -> dict[str, Any]:
-    """results.json's ``privacy`` section: each site's last record (epsilon at delta after the run)."""
-    last = next((record["privacy"] for record in reversed(history) if "privacy" in record), None)
-    return {} if last is None else {"dp_sgd": last}
+    """results.json's ``privacy`` section: the last round's records (epsilon at delta after the run).
 
+    ``dp_sgd``: each site's DP-SGD record; ``client_dp``: client-level DP's (:meth:`ClientDP.round_record`).
+    """
+    summary = {}
+    for section, key in (("dp_sgd", "privacy"), ("client_dp", "client_dp")):
+        last = next((record[key] for record in reversed(history) if key in record), None)
+        if last is not None:
+            summary[section] = last
+    return summary
+
+
+
+
+# ---------------------------------------------------------------------------- client-level DP at aggregation
+def clip_update(update: dict[str, torch.Tensor], clipping_norm: float) -> tuple[dict[str, torch.Tensor], float]:
+    """``update`` scaled by min(1, C / ||update||) (Flower's ``clip_inputs_inplace``, flat clipping), and its norm.
+
+    ``update``: ``{key: (d_key,)}``, one update; its norm is the L2 norm of
+    all keys' vectors together. Unchanged (the same tensors) when the norm
+    is at most C.
+    """
+    norm = float(torch.sqrt(sum(vector.double().square().sum() for vector in update.values())))  # one host read per update
+    if norm <= clipping_norm:
+        return update, norm
+    scale = clipping_norm / norm
+    return {key: vector * scale for key, vector in update.items()}, norm
+
+
+@dataclass
+class ClientDP:
+    """Client-level DP of what the sites send: each update clipped, Gaussian noise on their average (DP-FedAvg).
+
+    McMahan, Ramage, Talwar and Zhang, "Learning differentially private
+    recurrent language models", ICLR 2018, with Flower's server-side fixed
+    clipping (``DifferentialPrivacyServerSideFixedClipping``). In every phase
+    where the participants reply vectors, with m the sites sampled for the
+    round and R of them replying (site k sent v_k and had been sent s_k)::
+
+        Delta_k = v_k - s_k                                 (every vector key of the reply, flattened together)
+        r_k     = s_k + Delta_k min(1, C / ||Delta_k||)     (unchanged when ||Delta_k|| <= C)
+        release = (1/m) sum_{sampled k} r_k + N(0, (sigma C / m)^2 I)    (r_k = s_k for a sampled site that did not reply)
+
+    The average is uniform over the sampled sites, with a fixed denominator m
+    (McMahan's fixed-denominator estimator with equal weights): weighting by
+    the sites' sample counts would let one site's count scale its share past
+    C / m, so the counts are not used. The strategy's server step then
+    receives ``release`` as the one reply of the phase (sample count 1): it
+    sees no site's own vector, and whatever it computes from the release is
+    post-processing. With sigma = 0 and C = inf, and every sampled site
+    replying, the release is the uniform average of the replies, which is
+    FedAvg's for sites of equal size (bit for bit).
+
+    *Accounting.* Each release is one Gaussian mechanism of noise multiplier
+    sigma on the sum of clipped updates (sensitivity C when a site is added
+    or removed), subsampled at the participation rate q = m / n_sites: one
+    step of Opacus's RDP accountant (q as a Poisson rate: the sites are a
+    seeded draw of fixed size m, the same approximation DP-SGD's batches
+    make). epsilon at ``delta`` after the releases so far is in every round's
+    record.
+
+    *Noise.* Drawn from a generator seeded from (run seed, round, phase), so
+    a resumed run draws what an uninterrupted one does; the accountant's
+    history is in the loop's checkpoint.
+
+    Args:
+        config: the run's ``privacy.client_dp`` group (on).
+        seed: the run's seed.
+    """
+
+    config: ClientDPConfig
+    seed: int
+
+    def __post_init__(self) -> None:
+        self.sample_rate: float | None = None  # q of the last release
+        self.noise_multiplier = float(self.config.noise_multiplier)
+        self.clipping_norm = float(self.config.clipping_norm)
+        self.accountant = make_accountant("rdp")
+        self.releases = 0
+        self._round: dict[str, Any] = {}  # the current round's clipping and noise, for its record
+
+    def noise_seed(self, round_index: int, phase_index: int) -> int:
+        """The seed of the noise of one release, derived from (run seed, round, phase) (in the round's record)."""
+        return int(np.random.SeedSequence([self.seed, CLIENT_NOISE_STREAM, round_index, phase_index]).generate_state(1)[0])
+
+    def release(
+        self, ctx: RoundContext, phase_index: int, replies: dict[int, Payload], sent: dict[int, Payload], sampled: list[int], sample_rate: float
+    ) -> dict[int, Payload]:
+        """The phase's replies turned into the one noised average the server step receives (class docstring).
+
+        Args:
+            ctx: the phase's context; phase_index: its rank in the round (the noise's stream).
+            replies: ``{site index: reply}``, the replies the server accepted (not empty).
+            sent: ``{site index: {key: vector}}``, what the server last sent each sampled site (its
+                delivery, overridden by the phase's message).
+            sampled: the sites sampled for the round (m = len(sampled)).
+            sample_rate: q, the rate the round's sites were drawn at (for the accountant).
+
+        Returns:
+            ``{the first replying site: {key: release, "num_samples": 1}}``, or ``replies`` unchanged
+            when they carry no vector (nothing is released, nothing is counted).
+
+        Raises:
+            RunFailed: a reply's vector the server sent no counterpart of (the strategy declares
+                client-level DP wrongly).
+        """
+        first = min(replies)
+        keys = sorted(key for key in replies[first] if key != NUM_SAMPLES)
+        if not keys:
+            return replies
+        for index in sampled:
+            missing = [key for key in keys if key not in sent[index] or sent[index][key].shape != replies[first][key].shape]
+            if missing:
+                raise RunFailed(
+                    f"privacy.client_dp: the server sent site {index} no {missing[0]!r} vector in round {ctx.round} to measure its "
+                    "update against (the strategy cannot take client-level DP)"
+                )
+        rows, norms = [], []  # r_k of every sampled site, ||Delta_k|| of every reply
+        for index in sampled:
+            reference = sent[index]
+            if index not in replies:  # sampled, did not reply: a zero update
+                rows.append({key: reference[key] for key in keys})
+                continue
+            reply = replies[index]
+            update = {key: reply[key] - reference[key] for key in keys}
+            clipped, norm = clip_update(update, self.clipping_norm)
+            norms.append(norm)
+            rows.append({key: reply[key] for key in keys} if clipped is update else {key: reference[key] + clipped[key] for key in keys})
+        m = len(sampled)
+        released = {key: weighted_average([row[key] for row in rows], [1.0] * m) for key in keys}
+        std = self.noise_multiplier * self.clipping_norm / m
+        noise_seed = self.noise_seed(ctx.round, phase_index)
+        if std > 0:
+            generator = torch.Generator(device=released[keys[0]].device).manual_seed(noise_seed)
+            for key in keys:  # sorted: the same draws in the same order on resume
+                vector = released[key]
+                released[key] = vector + torch.normal(0.0, std, vector.shape, generator=generator, device=vector.device, dtype=vector.dtype)
+        self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=sample_rate)
+        self.releases += 1
+        self.sample_rate = sample_rate
+        self._round = {
+            "noise_std": std,
+            "noise_seed": noise_seed,
+            "sampled": m,
+            "replied": len(replies),
+            "clipped": sum(norm > self.clipping_norm for norm in norms),
+            "median_update_norm": float(np.median(norms)),
+        }
+        count = torch.ones(1, dtype=replies[first][NUM_SAMPLES].dtype, device=replies[first][NUM_SAMPLES].device)
+        return {first: {**released, NUM_SAMPLES: count}}
+
+    def epsilon(self) -> float:
+        """epsilon at ``delta`` after the releases so far (0 before any, inf without noise)."""
+        if not self.accountant.history:
+            return 0.0
+        if self.noise_multiplier == 0:
+            return math.inf
+        return float(self.accountant.get_epsilon(self.config.delta))
+
+    def round_record(self) -> dict[str, Any]:
+        """What a round's record says of client-level DP: epsilon so far, and the round's last release (then forgotten)."""
+        record = {
+            "epsilon": self.epsilon(),
+            "delta": self.config.delta,
+            "releases": self.releases,
+            "noise_multiplier": self.noise_multiplier,
+            "clipping_norm": self.clipping_norm,
+            "sample_rate": self.sample_rate,
+            "accountant": "rdp",
+            **self._round,
+        }
+        self._round = {}
+        return record
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"accountant": self.accountant.state_dict(), "releases": self.releases, "sample_rate": self.sample_rate}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.accountant.load_state_dict(state["accountant"])
+        self.releases = int(state["releases"])
+        self.sample_rate = state["sample_rate"]
 

@@ -105,6 +105,7 @@ class L2GDSite(FedAvgSite):
 
 class L2GD(FedAvg):
     name = "l2gd"
+    client_dp_refusal = "each site trains its own model and moves it towards the mean: the server never sent what a site trains from, so it has no update to clip"
     summary = "local models trained alone, then each moved part of the way (theta) towards their mean every round"
     reference = "Hanzely and Richtarik, Federated learning of a mixture of global and local models, arXiv 2002.05516 (2020)"
     phases = (FIT, MIX)
