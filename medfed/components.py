@@ -313,6 +313,21 @@ def resolve(cfg: DictConfig) -> ResolvedRun:
     return ResolvedRun(full, run, task.name, data_options, model_name, model_options, strategy_name, strategy_options)
 
 
+def default_config(resolved: ResolvedRun) -> dict[str, Any]:
+    """The resolved config of a run of ``resolved``'s task, model and strategy with every other key at its default.
+
+    What a key added to medfed after a run was made reads as in that run: a
+    new key's default keeps the behaviour older versions had, so a run whose
+    saved config lacks a key it now has at this value is the same run (compare
+    resumes grids over several sittings and medfed versions).
+    """
+    defaults = dataclasses.asdict(RunConfig())
+    defaults["data"] = {"task": resolved.task_name, **dataclasses.asdict(type(resolved.data_options)())}
+    defaults["model"] = {"name": resolved.model_name, **dataclasses.asdict(type(resolved.model_options)())}
+    defaults["strategy"] = {"name": resolved.strategy_name, resolved.strategy_name: dataclasses.asdict(type(resolved.strategy_options)())}
+    return defaults
+
+
 def check_device(device: str) -> None:
     """Refuse ``trainer.device`` values this machine cannot run (``cuda``/``gpu`` without CUDA, ``mps`` without MPS)."""
     if device not in ("cuda", "gpu", "mps"):

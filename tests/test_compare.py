@@ -746,3 +746,26 @@ def test_a_fractional_budget_cut_differently_on_each_seeds_split_is_equal_comput
     results.write_text(json.dumps(record))
     assert main(["compare", "--grid", str(grid), "--quiet"]) == 2
     assert "tiny_a/local/seed1 trained 0.63 epochs per site and round, fedavg's 0.55 on the same seed" in capsys.readouterr().err
+
+
+def _drop_key(results_json, group: str, key: str) -> None:
+    """Remove ``group.key`` from a run's saved config, as a run made before medfed had that key would hold it."""
+    results = json.loads(results_json.read_text())
+    del results["config"][group][key]
+    results_json.write_text(json.dumps(results))
+
+
+def test_a_run_made_before_a_key_existed_counts_as_done_where_the_key_is_at_its_default(compared, tmp_path, capsys):
+    grid, out, _ = compared
+    copy = shutil.copytree(out, tmp_path / "out")
+    finished = copy / "tiny_clinical" / "fedavg" / "seed0" / "results.json"
+    _drop_key(finished, "trainer", "executor")  # trainer.executor came later: its default (auto) is the old behaviour
+    mtime = finished.stat().st_mtime_ns
+    arguments = ["compare", "--grid", str(grid), "--output", str(copy), "--quiet"]
+    assert main(arguments) == 0
+    assert "4 runs, 4 already finished, 0 to resume" in capsys.readouterr().err
+    assert finished.stat().st_mtime_ns == mtime
+
+    assert main([*arguments, "trainer.executor=batched"]) == 2  # not the default: the old run is not this run
+    error = capsys.readouterr().err
+    assert "holds a run of another config (it differs at trainer.executor)" in error and error.count("\n") == 1

@@ -20,7 +20,7 @@ from typing import Any
 
 from medfed.checkpoint import FOLDER, checkpoints, config_differences
 from medfed.compare.grid import Grid, setting_of
-from medfed.components import resolve
+from medfed.components import default_config, resolve
 from medfed.config import load_config
 from medfed.errors import ConfigError, DataError
 
@@ -127,7 +127,7 @@ def plan_runs(
                     if holdout != "test":
                         fixed.append(f"federation.holdout={holdout}")
                         resolved = resolve(load_config(path, [*fixed, f"trainer.num_threads={threads}"]))
-                    action, run_threads = _inspect(output_dir, resolved.config, threads)
+                    action, run_threads = _inspect(output_dir, resolved.config, threads, default_config(resolved))
                 except ConfigError as error:
                     raise ConfigError(f"{where}: {error}") from None
                 log = grid.output / "logs" / folder / f"seed{seed}.log"
@@ -151,13 +151,15 @@ def _check_selectable(federation: Any) -> None:
         )
 
 
-def _inspect(output_dir: Path, config: dict[str, Any], threads: int) -> tuple[str, int]:
+def _inspect(output_dir: Path, config: dict[str, Any], threads: int, defaults: dict[str, Any]) -> tuple[str, int]:
     """What a run folder holds for the run of ``config``: ``(action, thread count to run with)``.
 
     ``done`` when results.json holds this config (the thread count, the
     folder and kept checkpoints aside); ``resume`` when a checkpoint of it
     (or results of fewer rounds) is there, with the thread count the run
-    started with, which ``--resume`` needs; else ``new``.
+    started with, which ``--resume`` needs; else ``new``. A key the saved
+    config lacks (a run made before medfed had it) counts as equal where
+    ``config`` holds its default (``defaults``, :func:`~medfed.components.default_config`).
 
     Raises:
         ConfigError: the folder holds a run of another config, or of more rounds.
@@ -170,7 +172,9 @@ def _inspect(output_dir: Path, config: dict[str, Any], threads: int) -> tuple[st
     saved = read_run_file(source, "config") if source == results else read_run_file(source)
     if not isinstance(saved.get("trainer"), dict) or not isinstance(saved["trainer"].get("rounds"), int):
         raise DataError(f"{source}: holds no run config with trainer.rounds; the file is damaged: delete the run folder {output_dir} to run it again")
-    changed = [key for key in config_differences(saved, config) if key not in NOT_COMPARED]
+    changed = [
+        key for key in config_differences(saved, config) if key not in NOT_COMPARED and not _added_at_default(key, saved, config, defaults)
+    ]
     rounds, saved_rounds = config["trainer"]["rounds"], saved["trainer"]["rounds"]
     if saved_rounds > rounds:
         changed.append(f"trainer.rounds ({saved_rounds} there, {rounds} asked)")
@@ -183,6 +187,22 @@ def _inspect(output_dir: Path, config: dict[str, Any], threads: int) -> tuple[st
     if source == results and saved_rounds == rounds:
         return "done", saved_threads
     return "resume", saved_threads
+
+
+def _added_at_default(key: str, saved: dict[str, Any], config: dict[str, Any], defaults: dict[str, Any]) -> bool:
+    """Whether dotted ``key`` is missing from ``saved`` and ``config`` holds it at its value in ``defaults``."""
+    missing = object()
+
+    def lookup(tree: Any, path: list[str]) -> Any:
+        for name in path:
+            if not isinstance(tree, dict) or name not in tree:
+                return missing
+            tree = tree[name]
+        return tree
+
+    path = key.split(".")
+    default = lookup(defaults, path)
+    return lookup(saved, path) is missing and default is not missing and lookup(config, path) == default
 
 
 def read_run_file(path: Path, key: str | None = None) -> dict[str, Any]:
