@@ -193,6 +193,8 @@ def _site_sizes(value: Any, n_sites: int) -> str | list[float]:
 
 
 DEVICES = ("cpu", "cuda", "gpu", "mps", "auto")
+PRECISIONS = ("32", "bf16-mixed")
+"""``trainer.precision``: float32 throughout, or bfloat16 autocast of the forward passes (Lightning Fabric's names)."""
 CODEC_NAMES = ("dense", "stc", "cer", "cer+stc")
 """The codecs of :mod:`medfed.compression.codecs` by name, here so that a config is checked without importing torch
 (tests/test_cli_start.py checks the two agree)."""
@@ -214,6 +216,12 @@ class TrainerConfig:
     device: str = "cpu"
     """``cpu``, ``cuda`` (Lightning's alias ``gpu``), ``mps`` or ``auto``; checked against the machine before any data is read."""
     num_threads: int | None = None
+    precision: str = "32"
+    """``32`` (float32 throughout) or ``bf16-mixed`` (forward passes and losses under bfloat16 autocast, float32
+    parameters and optimiser state), through Lightning Fabric; recorded in results.json (``execution``)."""
+    compile: bool = False
+    """torch.compile each model slot's forward (``nn.Module.compile``: the module, its parameters and checkpoints stay
+    as they are); the first steps pay the compilation. Recorded in results.json (``execution``)."""
     keep_checkpoints: int = 2
     """How many of the newest round checkpoints stay in ``<output_dir>/checkpoints`` (the one before the newest in case that is damaged)."""
 
@@ -224,6 +232,7 @@ class TrainerConfig:
         require(0 <= self.seed < 2**63, "trainer.seed", self.seed, "an integer in [0, 2^63) (torch and numpy seeds are 64-bit)")
         require(self.device in DEVICES, "trainer.device", self.device, f"one of {', '.join(DEVICES)}")
         require(self.num_threads is None or self.num_threads >= 1, "trainer.num_threads", self.num_threads, "null or >= 1")
+        require(self.precision in PRECISIONS, "trainer.precision", self.precision, f"one of {', '.join(PRECISIONS)}")
         require(self.keep_checkpoints >= 1, "trainer.keep_checkpoints", self.keep_checkpoints, "an integer >= 1")
 
 

@@ -19,7 +19,9 @@ deployment's ServerApp (:mod:`medfed.deploy.server_app`), write one schema,
   (:func:`~medfed.federated.compute.compute_summary`), ``timing``
   (:func:`timing_summary`), ``config`` (the resolved config), ``history``
   (the loop's round records), and ``outcome`` when nothing was learned
-  (:func:`learned_nothing`).
+  (:func:`learned_nothing`);
+* the simulator's also ``execution``: the ``device``, ``precision`` and
+  ``compile`` its sites trained with (``trainer.precision``, ``trainer.compile``).
 """
 
 from __future__ import annotations
