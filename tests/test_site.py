@@ -310,3 +310,43 @@ def test_a_loss_that_becomes_nan_at_step_3_fails_the_site_naming_the_site_the_ro
     ):
         loop.fit(2)
     assert calls[2] == steps  # the plan ran to its end: its losses were read once, after its last step
+
+
+def _assembled_site(model, *, precision="32", compile=False, n_train=112):
+    """Site 0 of a 2-site toy FedAvg federation built as a run builds it (RunAssembly, make_fabric) in ``precision``/``compile``."""
+    from medfed.assembly import RunAssembly, make_fabric
+    from medfed.config import TrainerConfig
+    from medfed.federated.strategies import strategy_from_config
+
+    federation = two_group_federation(n_sites=2, n_train=n_train)
+    strategy_cls, options = strategy_from_config({"name": "fedavg"})
+    strategy = strategy_cls(options, model.parameter_split, 2, 0)
+    assembly = RunAssembly(model, strategy, {"name": "dense"}, {"name": "dense"}, 16, 0, compile=compile)
+    fabric = make_fabric(TrainerConfig(precision=precision, compile=compile), loggers=[], callbacks=[])
+    return assembly.site(fabric, 0, federation.sites[0])
+
+
+def test_bf16_mixed_trains_under_bfloat16_autocast_on_the_cpu_close_to_float32():
+    runs = {}
+    for precision in ("32", "bf16-mixed"):
+        site = _assembled_site(seeded(LinearClassifier, 4, 2), precision=precision)
+        dtypes = []  # of the linear layer's output in each training step
+        site.module.linear.register_forward_hook(lambda layer, inputs, output, dtypes=dtypes: dtypes.append(output.dtype))
+        step_loss = lambda batch, site=site: site.module.training_step(batch, 0)  # noqa: E731 (as the strategies call it)
+        runs[precision] = (site.train(site.steps(1.0), "model", "all", step_loss), dtypes, site)
+    (full, full_dtypes, full_site), (mixed, mixed_dtypes, mixed_site) = runs["32"], runs["bf16-mixed"]
+    assert set(full_dtypes) == {torch.float32} and set(mixed_dtypes) == {torch.bfloat16}
+    assert mixed != full and mixed == pytest.approx(full, rel=2e-2)  # bfloat16 has 8 significant bits
+    assert all(p.dtype == torch.float32 for p in mixed_site.module.parameters())  # float32 parameters and optimiser
+    assert mixed_site.evaluate()["accuracy"] == pytest.approx(full_site.evaluate()["accuracy"], abs=0.05)
+
+
+@pytest.mark.slow  # the compilation: 15-45 s on two busy cores
+def test_compile_gives_the_eager_first_step_loss():
+    eager = _assembled_site(seeded(LinearClassifier, 4, 2))
+    compiled = _assembled_site(seeded(LinearClassifier, 4, 2), compile=True)
+    assert compiled.module.module._compiled_call_impl is not None and eager.module.module._compiled_call_impl is None
+    assert list(compiled.module.state_dict()) == list(eager.module.state_dict())  # checkpoints keep their keys
+    losses = [site.train(1, "model", "all", lambda batch, site=site: site.module.training_step(batch, 0)) for site in (eager, compiled)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6, abs=1e-7)
+    assert torch.allclose(compiled.module.get_vector("all"), eager.module.get_vector("all"), rtol=1e-6, atol=1e-7)
