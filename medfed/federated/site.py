@@ -133,6 +133,21 @@ class Site:
         samples = train if self.resident is None else range(len(train))
         return DataLoader(samples, batch_size=self.batch_size, sampler=sampler, generator=generator)
 
+    def batches(self, steps: int, data_order: str | None = None) -> Iterator[Any]:
+        """The device batches of ``steps`` training steps, drawn as :meth:`train` describes (whole passes, then a cut one).
+
+        Run it out: after a whole pass's last batch the loader's sampler
+        draws from the generator once more, as a plain epoch loop's does.
+        """
+        loader = self._loader(data_order)
+        remaining = steps
+        while remaining > 0:
+            # A fresh pass: whole when the steps cover it, otherwise only its first `remaining` batches (the rest dropped).
+            whole = remaining >= self.batches_per_epoch
+            for drawn in loader if whole else itertools.islice(loader, remaining):
+                yield self._device_batch(drawn)
+                remaining -= 1
+
     def _device_batch(self, drawn: Any) -> Any:
         """What the shuffled loader drew as a batch on the device: the samples cut from the resident split, or moved there."""
         if self.resident is None:
@@ -283,8 +298,6 @@ class Site:
         if privacy is not None and privacy.spent:
             privacy.note_spent()
             return None
-        loader = self._loader(data_order)
-        remaining = steps
         module.set_trainable(part)
         module.train()
         stepped = [module, *(self.slot(name).module for name in also_steps)]
@@ -296,34 +309,26 @@ class Site:
         done = 0
         self.plan_key = compute
         try:
-            while remaining > 0:
-                # A fresh pass: whole when the steps cover it (run to its end, as a plain epoch loop
-                # does: the sampler draws from the generator once more when it is exhausted),
-                # otherwise only its first `remaining` batches, and the rest of it is dropped.
-                whole = remaining >= self.batches_per_epoch
-                for drawn in loader if whole else itertools.islice(loader, remaining):
-                    batch = self._device_batch(drawn)
-                    if privacy is not None and privacy.spent:  # host-side accounting: no wait for the device
-                        privacy.note_spent()
-                        remaining = 0
-                        break
-                    optimizer.zero_grad(set_to_none=True)
-                    for other in others:
-                        other.zero_grad(set_to_none=True)
-                    with self.fabric.autocast():
-                        loss = step_loss(batch)
-                    self.fabric.backward(loss)
-                    if privacy is not None:
-                        privacy.privatise(parameters, noise)
-                    if compute is not None and data_pass:
-                        self.passes.add(compute, batch_samples(batch))
-                    optimizer.step()
-                    for other in others:
-                        other.step()
-                        other.zero_grad(set_to_none=True)
-                    losses[done] = loss.detach()
-                    remaining -= 1
-                    done += 1
+            for batch in self.batches(steps, data_order):
+                if privacy is not None and privacy.spent:  # host-side accounting: no wait for the device
+                    privacy.note_spent()
+                    break
+                optimizer.zero_grad(set_to_none=True)
+                for other in others:
+                    other.zero_grad(set_to_none=True)
+                with self.fabric.autocast():
+                    loss = step_loss(batch)
+                self.fabric.backward(loss)
+                if privacy is not None:
+                    privacy.privatise(parameters, noise)
+                if compute is not None and data_pass:
+                    self.passes.add(compute, batch_samples(batch))
+                optimizer.step()
+                for other in others:
+                    other.step()
+                    other.zero_grad(set_to_none=True)
+                losses[done] = loss.detach()
+                done += 1
         finally:
             self.plan_key = None
             if privacy is not None:
