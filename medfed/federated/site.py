@@ -101,6 +101,7 @@ class Site:
         #: the training split's tensors on the device (batches are cut from them there), or None: its DataLoader's batches
         self.resident = resident_tensors(data.train, fabric.device)
         self.generator = self._new_generator()
+        #: the site's own data order: its shuffled loader (of the samples, or device-resident of their indices: :meth:`batches`)
         self.train_loader = self._shuffled_loader(self.generator)
         #: the data orders training plans name (``TrainingPlan.data_order``): {name: (generator, loader)}
         self.data_orders: dict[str, tuple[torch.Generator, DataLoader]] = {}
