@@ -179,6 +179,8 @@ def federated(setting: Setting, n_sites: int, executor: str) -> Measurement:
     sites_part.work = timed_work
     loop = FederatedLoop(fabric, sites, strategy, links, initial, 1, 1.0, 0, executor=sites_part)
     loop.fit(setting.warmup + setting.rounds)
+    for plan, reason in getattr(sites_part, "sequential_plans", {}).items():  # the batched executor's fallbacks
+        print(f"  note: under {executor}, plan {plan} trained one site at a time: {reason}")
     kept = measured[setting.warmup :]
     return Measurement(sum(m.samples for m in kept), sum(m.seconds for m in kept))
 
