@@ -21,7 +21,8 @@ stacked; not the messages, the sites' receive and reply, the server step or
 the evaluation), its samples those the sites report having trained
 (:mod:`medfed.federated.compute`). The central column's time is its epochs'
 training loop (:meth:`Site.train`), its samples the pooled set's. The first
-``--warmup`` rounds (epochs) are not measured (allocation, compilation).
+``--warmup`` rounds (epochs) are not measured (allocation, compilation);
+then ``--rounds`` are, and more until their training took ``--min-seconds``.
 
 The data are GENERATED (seeded Gaussian noise, labels at random): they
 cost what real data of the same shapes cost, and nothing here measures
@@ -32,7 +33,7 @@ default U-Net on 4 x P x P patches (``--patch``, 32 by default on a CPU).
 Run from the repository root (nice'd on a shared machine):
 
     PYTHONPATH=$PWD nice python benchmarks/throughput.py [--quick] [--sites 5 20 50] [--models clinical unet] [--patch 32]
-        [--samples-per-site 64] [--rounds 2] [--warmup 1] [--precision 32] [--compile] [--threads 1]
+        [--samples-per-site 64] [--rounds 2] [--warmup 1] [--min-seconds 1] [--precision 32] [--compile] [--threads 1]
 
 ``--quick``: a CI-sized run (2 and 3 sites, a small U-Net on 16 x 16 patches, one measured round).
 """
@@ -87,6 +88,7 @@ class Setting:
         unet_channels: the U-Net's channels per level (None: the BraTS default).
         precision, compile: ``trainer.precision``, ``trainer.compile``.
         rounds, warmup: measured and unmeasured rounds (epochs, for the central column).
+        min_seconds: more rounds are measured until their training took this long (short ones are noisy).
     """
 
     model: str
@@ -98,6 +100,7 @@ class Setting:
     compile: bool
     rounds: int
     warmup: int
+    min_seconds: float = 1.0
 
     def trainer(self) -> TrainerConfig:
         return TrainerConfig(device=self.device, precision=self.precision, compile=self.compile, batch_size=BATCH)
@@ -179,6 +182,8 @@ def federated(setting: Setting, n_sites: int, executor: str) -> Measurement:
     sites_part.work = timed_work
     loop = FederatedLoop(fabric, sites, strategy, links, initial, 1, 1.0, 0, executor=sites_part)
     loop.fit(setting.warmup + setting.rounds)
+    while sum(m.seconds for m in measured[setting.warmup :]) < setting.min_seconds:
+        loop.fit(loop.round + 1)
     for plan, reason in getattr(sites_part, "sequential_plans", {}).items():  # the batched executor's fallbacks
         print(f"  note: under {executor}, plan {plan} trained one site at a time: {reason}")
     kept = measured[setting.warmup :]
@@ -200,8 +205,8 @@ def central(setting: Setting, n_sites: int) -> Measurement:
     def loss(batch):
         return site.slot(slot).module.training_step(batch, 0)
 
-    samples, seconds = 0, 0.0
-    for epoch in range(setting.warmup + setting.rounds):
+    samples, seconds, epoch = 0, 0.0, 0
+    while epoch < setting.warmup + setting.rounds or seconds < setting.min_seconds:
         _synchronised(fabric.device)
         tic = time.perf_counter()
         site.train(site.steps(1.0), slot, "all", loss, compute=f"{TRAIN}/central")
@@ -211,6 +216,7 @@ def central(setting: Setting, n_sites: int) -> Measurement:
         if epoch >= setting.warmup:
             samples += round(epochs * site.n_train)
             seconds += elapsed
+        epoch += 1
     return Measurement(samples, seconds)
 
 
@@ -272,12 +278,13 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--samples-per-site", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--min-seconds", type=float, default=1.0, help="measure more rounds until their training took this long")
     parser.add_argument("--precision", choices=("32", "bf16-mixed"), default="32")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--threads", type=int, default=1, help="torch's CPU threads")
     args = parser.parse_args(argv)
     if args.quick:
-        args.sites, args.samples_per_site, args.rounds, args.warmup = [2, 3], 20, 1, 1
+        args.sites, args.samples_per_site, args.rounds, args.warmup, args.min_seconds = [2, 3], 20, 1, 1, 0.0
     torch.set_num_threads(args.threads)
     devices = args.devices or ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
     executors = executors_here()
@@ -290,13 +297,13 @@ def main(argv: list[str] | None = None) -> list[Row]:
             patch = args.patch or (16 if args.quick else 32 if device == "cpu" else 64)
             setting = Setting(
                 model, device, args.samples_per_site, patch, (4, 8, 16) if args.quick else None,
-                args.precision, args.compile, args.rounds, args.warmup,
+                args.precision, args.compile, args.rounds, args.warmup, args.min_seconds,
             )
             for n_sites in args.sites:
                 rows.append(measure(setting, n_sites, executors))
     print(f"\nsamples/s of training over all sites; batch {BATCH} per site, {BATCH} x N central; precision {args.precision}, "
           f"compile {args.compile}; U-Net patches {', '.join(sorted({f'{r.setting.patch}x{r.setting.patch} ({r.setting.device})' for r in rows if r.setting.model == 'unet'})) or '-'}; "
-          f"{args.samples_per_site} samples per site, {args.rounds} measured round(s) after {args.warmup}; one seed")
+          f"{args.samples_per_site} samples per site, >= {args.rounds} measured round(s) (>= {args.min_seconds} s) after {args.warmup}; one seed")
     print(table(rows))
     print(f"# {machine()}")
     return rows

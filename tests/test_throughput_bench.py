@@ -30,7 +30,7 @@ def seen(monkeypatch):
 
 
 def _setting(rounds=2, warmup=1):
-    return throughput.Setting("clinical", "cpu", 20, 16, None, "32", False, rounds, warmup)
+    return throughput.Setting("clinical", "cpu", 20, 16, None, "32", False, rounds, warmup, min_seconds=0.0)
 
 
 def test_a_federated_column_counts_the_samples_of_its_measured_rounds(seen):
