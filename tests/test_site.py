@@ -326,6 +326,13 @@ def _assembled_site(model, *, precision="32", compile=False, n_train=112):
     return assembly.site(fabric, 0, federation.sites[0])
 
 
+def test_every_precision_the_config_accepts_has_a_fabric_precision():
+    from medfed.assembly import FABRIC_PRECISION
+    from medfed.config import PRECISIONS
+
+    assert set(FABRIC_PRECISION) == set(PRECISIONS)
+
+
 def test_bf16_mixed_trains_under_bfloat16_autocast_on_the_cpu_close_to_float32():
     runs = {}
     for precision in ("32", "bf16-mixed"):
