@@ -195,6 +195,8 @@ def _site_sizes(value: Any, n_sites: int) -> str | list[float]:
 DEVICES = ("cpu", "cuda", "gpu", "mps", "auto")
 PRECISIONS = ("32", "bf16-mixed")
 """``trainer.precision``: float32 throughout, or bfloat16 autocast of the forward passes (Lightning Fabric's names)."""
+#: ``trainer.executor``: how the simulator runs the sites' local training (:mod:`medfed.federated.batched`)
+EXECUTORS = ("auto", "sequential", "batched")
 CODEC_NAMES = ("dense", "stc", "cer", "cer+stc")
 """The codecs of :mod:`medfed.compression.codecs` by name, here so that a config is checked without importing torch
 (tests/test_cli_start.py checks the two agree)."""
@@ -222,6 +224,10 @@ class TrainerConfig:
     compile: bool = False
     """torch.compile each model slot's forward (``nn.Module.compile``: the module, its parameters and checkpoints stay
     as they are); the first steps pay the compilation. Recorded in results.json (``execution``)."""
+    executor: str = "auto"
+    """How the simulator trains the sites: ``sequential`` (one after another), ``batched`` (the sites of a training plan
+    stacked and trained by one vmapped step each, :mod:`medfed.federated.batched`), or ``auto`` (batched on cuda,
+    sequential elsewhere). Both give the same models to float tolerance."""
     keep_checkpoints: int = 2
     """How many of the newest round checkpoints stay in ``<output_dir>/checkpoints`` (the one before the newest in case that is damaged)."""
 
@@ -233,6 +239,7 @@ class TrainerConfig:
         require(self.device in DEVICES, "trainer.device", self.device, f"one of {', '.join(DEVICES)}")
         require(self.num_threads is None or self.num_threads >= 1, "trainer.num_threads", self.num_threads, "null or >= 1")
         require(self.precision in PRECISIONS, "trainer.precision", self.precision, f"one of {', '.join(PRECISIONS)}")
+        require(self.executor in EXECUTORS, "trainer.executor", self.executor, f"one of {', '.join(EXECUTORS)}")
         require(self.keep_checkpoints >= 1, "trainer.keep_checkpoints", self.keep_checkpoints, "an integer >= 1")
 
 

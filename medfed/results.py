@@ -17,7 +17,11 @@ deployment's ServerApp (:mod:`medfed.deploy.server_app`), write one schema,
   last round's metrics, :func:`summarise`), ``failures``, ``excluded``,
   ``communication`` (:func:`communication_totals`), ``compute``
   (:func:`~medfed.federated.compute.compute_summary`), ``timing``
-  (:func:`timing_summary`), ``config`` (the resolved config), ``history``
+  (:func:`timing_summary`), ``executor`` (how the sites trained: ``name``,
+  ``sequential`` or ``batched``, and under ``batched`` the ``sequential_plans``
+  that trained one site at a time, with the reason:
+  :meth:`~medfed.federated.executor.InProcessSites.record`; a deployment's
+  sites each train alone), ``config`` (the resolved config), ``history``
   (the loop's round records), and ``outcome`` when nothing was learned
   (:func:`learned_nothing`);
 * the simulator's also ``execution``: the ``device``, ``precision`` and
@@ -51,6 +55,7 @@ def run_results(
     federation: dict[str, Any],
     timing: dict[str, Any],
     config: dict[str, Any],
+    executor: dict[str, Any],
     pooled: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """results.json of a run (module docstring), from its loop's state after the rounds it has run.
@@ -62,6 +67,7 @@ def run_results(
             site's ``n_<holdout>`` size the table's rows.
         timing: :func:`timing_summary` (and whatever an engine adds to it).
         config: the resolved config.
+        executor: how the sites trained (module docstring).
         pooled: the pooled reference's account (:func:`~medfed.data.pooling.pooled_reference`), None for a federated run.
     """
     holdout = federation["holdout"]
@@ -80,6 +86,7 @@ def run_results(
         "communication": communication_totals(loop.links),
         "compute": compute_summary(loop.history, loop.site_names),
         "timing": timing,
+        "executor": executor,
         "config": config,
         "history": loop.history,
     }

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from medfed.federated.executor import train_plans
 from medfed.federated.strategies.base import RoundContext
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import BatchNormClassifier, LinearClassifier, LinearOptions, build_loop, seeded, two_group_federation
@@ -25,7 +26,8 @@ def _gradient(theta, x, y):
 def test_one_local_step_by_hand(alpha_lr, alpha):
     lr = 0.3
     federation = two_group_federation(n_sites=3, n_train=20)
-    loop = build_loop("apfl", federation, seeded(LinearClassifier, 4, 2, LinearOptions(lr=lr)), {"alpha": alpha, "alpha_lr": alpha_lr})
+    model = seeded(LinearClassifier, 4, 2, LinearOptions(lr=lr))
+    loop = build_loop("apfl", federation, model, {"alpha": alpha, "alpha_lr": alpha_lr}, batch_size=32)  # one batch: the whole split
     loop.setup()
     site = loop.sites[0]
     half, global_slot, local_slot = site.strategy, site.slot("global"), site.slot("local")
@@ -37,9 +39,8 @@ def test_one_local_step_by_hand(alpha_lr, alpha):
     assert plan.slot == "global"
 
     x, y = federation.sites[0].train.tensors
-    global_slot.optimizer.zero_grad()
-    half.loss(site.view, RoundContext(1, "fit"), plan, (x, y)).backward()  # what Site.train does with the loss: backward, then w's optimiser step
-    global_slot.optimizer.step()
+    assert train_plans(site, RoundContext(1, "fit"), (plan,), 1.0, {}, "train/fit")  # one step (half an epoch of one batch)
+    assert site.passes.take(site.n_train) == {"train/fit/global": 2.0}  # two passes of the split: w's and v_bar's
 
     mixed = alpha * v + (1 - alpha) * w
     g_mixed = _gradient(mixed, x, y)

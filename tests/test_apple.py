@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from medfed.compression.codecs import make_codec
+from medfed.federated.executor import train_plans
 from medfed.federated.strategies.apple import choose_downloads, loss_scheduler
 from medfed.federated.strategies.base import RoundContext
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
@@ -52,7 +53,8 @@ def test_one_local_step_follows_eqs_5_to_7():
     lr, dr_lr, mu, L = 0.3, 0.2, 0.7, 4
     federation = two_group_federation(n_sites=3, n_train=20)
     loop = build_loop(
-        "apple", federation, seeded(LinearClassifier, 4, 2, LinearOptions(lr=lr)), {"dr_lr": dr_lr, "mu": mu, "scheduler_rounds": L}
+        "apple", federation, seeded(LinearClassifier, 4, 2, LinearOptions(lr=lr)), {"dr_lr": dr_lr, "mu": mu, "scheduler_rounds": L},
+        batch_size=32,  # one batch: the whole split
     )
     loop.setup()
     site = loop.sites[0]
@@ -67,9 +69,7 @@ def test_one_local_step_follows_eqs_5_to_7():
     assert plan.slot == "core" and half.plan(RoundContext(1, "select")) == ()
 
     x, y = federation.sites[0].train.tensors
-    core.optimizer.zero_grad()
-    half.loss(site.view, RoundContext(1, "fit"), plan, (x, y)).backward()
-    core.optimizer.step()
+    assert train_plans(site, RoundContext(1, "fit"), (plan,), 1.0, {}, "train/fit")  # one step, the loop's: w^(c) and p_i
 
     personalised = (dr @ cores).requires_grad_(True)  # independent forward pass of w^(p)
     logits = x @ personalised[:8].reshape(2, 4).T + personalised[8:]

@@ -48,3 +48,20 @@ def test_the_region_loss_rewards_nested_regions_predicted_together():
     expected = torch.nn.functional.binary_cross_entropy_with_logits(torch.zeros_like(masks), masks)  # undecided logits
     dice = 1 - (2 * (0.5 * masks).sum((2, 3)) / (0.5 * 64 + masks.sum((2, 3)))).mean()  # MONAI's Dice at sigmoid 0.5
     assert float(model.loss(torch.zeros_like(masks), masks)) == pytest.approx(float(expected + dice), rel=1e-4)
+
+
+def test_dice_cross_entropy_is_monais_dice_ce_and_runs_under_vmap():
+    from monai.losses import DiceCELoss
+
+    from medfed.models.segmentation import DiceCrossEntropy
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 2, 8, 8, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 2, (3, 4, 8, 8), generator=generator)
+    ours, monais = DiceCrossEntropy(), DiceCELoss(to_onehot_y=True, softmax=True)
+    for i in range(3):  # value for value, gradient for gradient: the default runs' numbers do not move
+        a, b = ours(logits[i], labels[i]), monais(logits[i], labels[i].unsqueeze(1))
+        assert torch.equal(a, b)
+        assert torch.equal(torch.autograd.grad(a, logits)[0], torch.autograd.grad(b, logits)[0])
+    stacked = torch.func.vmap(ours)(logits, labels)  # MONAI's one-hot scatter_ cannot run under vmap
+    torch.testing.assert_close(stacked, torch.stack([ours(logits[i], labels[i]) for i in range(3)]))

@@ -674,6 +674,7 @@ def serve(grid: Grid, settings: RunSettings, resumed: dict[str, Any] | None) -> 
             "num_threads_reason": "the ServerApp's torch default (each site's runner keeps its own)",
         },
         config=config,
+        executor={"name": "sequential"},  # every SuperNode trains its own site
     )
     write_json_atomic(output_dir / "results.json", results)
     print(f"medfed: wrote {output_dir / 'results.json'}", flush=True)

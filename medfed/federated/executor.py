@@ -14,24 +14,30 @@ bytes, and what each side decodes, are the same either way.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
+import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
-from medfed.errors import MessageError
+from medfed.errors import MessageError, warn
+from medfed.federated import batched
 from medfed.federated.compute import TRAIN
 from medfed.federated.faults import RoundStartStates, non_finite_keys
 from medfed.federated.link import Link
 from medfed.federated.site import Site
 from medfed.federated.site_view import ADAPT, DELIVER, SETUP, RoundContext
 from medfed.federated.strategies.base import Payload, TrainingPlan
+from medfed.models.dropout import keyed, step_keys
 
 
 #: the key of a site's round budget taken so far in ``epochs_before`` (:func:`train_plans`)
@@ -177,12 +183,28 @@ class InProcessSites:
     sent, so a phase holds one model-sized vector per reply, raw or
     received, not both.
 
+    With ``executor="batched"`` a phase's training is not run site by site
+    but plan by plan: every participant receives its message and plans
+    (each in its own seeded stream), then for each plan position the sites
+    whose plans can train together (:func:`~medfed.federated.batched.group_key`)
+    train it in one stacked, vmapped step (:mod:`medfed.federated.batched`)
+    and the others one by one, then every participant replies (its stream
+    continued where its receive left it). The results, faults (a site whose
+    work raises fails alone: a stacked step that raises puts its group back
+    and trains it one site at a time) and timing keys are the sequential ones.
+
     Args:
         sites: the sites, index order, each holding its half of the strategy.
         links: one link per site (both ends in one object).
+        executor: ``"sequential"`` or ``"batched"`` (``trainer.executor`` resolved for the run's device).
     """
 
-    def __init__(self, sites: list[Site], links: list[Link]) -> None:
+    def __init__(self, sites: list[Site], links: list[Link], executor: str = "sequential") -> None:
+        if executor not in ("sequential", "batched"):
+            raise ValueError(f"executor must be 'sequential' or 'batched', got {executor!r}")
+        self.executor = executor
+        #: why plans trained one site at a time under the batched executor, ``{"<phase>/<plan label>": reason}``
+        self.sequential_plans: dict[str, str] = {}
         self.sites = sites
         self.links = links
         self.names = [site.name for site in sites]
@@ -223,12 +245,14 @@ class InProcessSites:
     def work(self, work: PhaseWork, messages: dict[int, Payload], timing: dict[str, float]) -> dict[int, SiteResult]:
         self._before_reply = {}
         received = {index: self.links[index].send("down", payload) for index, payload in messages.items()}
+        if work.phase_index == 0:
+            self._epochs_before.update({index: {} for index in received})
+        if self.executor == "batched":
+            return self._work_batched(work, received, timing)
         results = {}
         for index in list(received):
             site, message = self.sites[index], received.pop(index)
             try:
-                if work.phase_index == 0:
-                    self._epochs_before[index] = {}
                 losses, reply, compute = site_phase(site, work, message, self._epochs_before[index], timing)
             except Exception as error:  # whatever it is, it happened at the site: the site fails
                 results[index] = SiteResult(error=f"{type(error).__name__}: {error}")
@@ -236,6 +260,119 @@ class InProcessSites:
             results[index] = SiteResult(losses=losses, non_finite=non_finite_keys(reply), compute=compute)
             self._waiting[index] = reply
         return results
+
+    def record(self) -> dict[str, Any]:
+        """What results.json keeps of the executor: which ran and, batched, each plan trained one site at a time and why."""
+        return {"name": self.executor, **({"sequential_plans": dict(self.sequential_plans)} if self.executor == "batched" else {})}
+
+    def _work_batched(self, work: PhaseWork, received: dict[int, Payload], timing: dict[str, float]) -> dict[int, SiteResult]:
+        """:meth:`work` with the participants' plans trained together where they can (class docstring)."""
+        ctx = RoundContext(work.round_index, work.phase)
+        stream = (work.round_index, work.phase_index)
+        phases: dict[int, _OpenPhase] = {}
+        errors: dict[int, str] = {}  # whatever a site's work raised happened at the site: the site fails
+        for index in list(received):
+            site, message = self.sites[index], received.pop(index)
+            phases[index] = _OpenPhase(site, _Stream(site, stream))
+            try:
+                phases[index].plans = _receive(site, ctx, message, phases[index].stream)
+            except Exception as error:
+                errors[index] = f"{type(error).__name__}: {error}"
+        tic = time.perf_counter()
+        for position in range(max((len(p.plans) for i, p in phases.items() if i not in errors), default=0)):
+            groups: dict[Any, list[tuple[int, TrainingPlan, int]]] = {}
+            alone: list[tuple[int, TrainingPlan, int]] = []
+            for index, phase in phases.items():
+                if index in errors or position >= len(phase.plans):
+                    continue
+                try:
+                    plan, steps = plan_length(phase.site, phase.plans[position], work.local_epochs, self._epochs_before[index])
+                    key = batched.group_key(phase.site, ctx, plan)
+                except Exception as error:
+                    errors[index] = f"{type(error).__name__}: {error}"
+                    continue
+                if isinstance(key, str):
+                    self._note(f"{work.phase}/{plan.label}", key)
+                    alone.append((index, plan, steps))
+                elif phase.site.slot(plan.slot).module.parameter_split.size(plan.part) == 0:
+                    alone.append((index, plan, steps))  # nothing to train (Site.train says so)
+                else:
+                    groups.setdefault(key, []).append((index, plan, steps))
+            for group in groups.values():
+                if len(group) == 1:
+                    alone.extend(group)
+                    continue
+                for index, outcome in self._train_together(work, ctx, position, group, phases).items():
+                    if isinstance(outcome, str):
+                        errors[index] = outcome
+                    elif outcome is not None:
+                        phases[index].losses[phase_label(phases[index].plans, group[0][1])] = outcome
+            for index, plan, steps in alone:
+                phase = phases[index]
+                try:
+                    with phase.stream.resumed():
+                        loss = train_plan(phase.site, ctx, plan, steps, f"{TRAIN}/{work.phase}", stream, position)
+                except Exception as error:
+                    errors[index] = f"{type(error).__name__}: {error}"
+                    continue
+                if loss is not None:
+                    phase.losses[phase_label(phase.plans, plan)] = loss
+        timing["train_s"] = timing.get("train_s", 0.0) + time.perf_counter() - tic
+        results = {}
+        for index, phase in phases.items():
+            site = phase.site
+            if index not in errors:
+                try:
+                    with phase.stream.resumed():
+                        reply = site.strategy.reply(site.view, ctx)
+                except Exception as error:
+                    errors[index] = f"{type(error).__name__}: {error}"
+            if index in errors:
+                results[index] = SiteResult(error=errors[index])
+                continue
+            results[index] = SiteResult(losses=phase.losses, non_finite=non_finite_keys(reply), compute=site.passes.take(site.n_train))
+            self._waiting[index] = reply
+        return results
+
+    def _train_together(
+        self, work: PhaseWork, ctx: RoundContext, position: int, group: list[tuple[int, TrainingPlan, int]], phases: dict[int, _OpenPhase]
+    ) -> dict[int, float | str | None]:
+        """One plan at a group of sites, stacked; where the stacked step raises, one site at a time.
+
+        Returns each site's mean loss (None: nothing trained), or its error (``"<ExceptionType>: <message>"``; a
+        non-finite loss is one, naming the site and the round).
+        """
+        stream = (work.round_index, work.phase_index)
+        sites = [phases[index].site for index, _, _ in group]
+        plan = group[0][1]
+        compute = f"{TRAIN}/{work.phase}"
+        saved = [_saved_data_orders(site) for site in sites]
+        try:
+            keys = [dropout_keys(site, stream, position, steps) for site, (_, _, steps) in zip(sites, group)]
+            means = batched.train_group(sites, ctx, plan, [steps for _, _, steps in group], keys, f"{compute}/{plan.label}")
+        except Exception as error:  # put the group back, train its sites one at a time: a site's fault fails it alone
+            self._note(f"{work.phase}/{plan.label}", f"the stacked step raised ({type(error).__name__}: {error})")
+            outcomes: dict[int, float | str | None] = {}
+            for site, before, (index, site_plan, steps) in zip(sites, saved, group):
+                _restore_data_orders(site, before)
+                try:
+                    with phases[index].stream.resumed():
+                        outcomes[index] = train_plan(site, ctx, site_plan, steps, compute, stream, position)
+                except Exception as site_error:
+                    outcomes[index] = f"{type(site_error).__name__}: {site_error}"
+            return outcomes
+        return {
+            index: mean
+            if math.isfinite(mean)
+            else f"FloatingPointError: {site.name}: training loss became {mean} in round {work.round_index} (learning rate too high?)"
+            for site, (index, _, _), mean in zip(sites, group, means)
+        }
+
+    def _note(self, plan: str, reason: str) -> None:
+        """Record, and say once per run, why ``plan`` trains one site at a time under the batched executor."""
+        if plan not in self.sequential_plans:
+            self.sequential_plans[plan] = reason
+            warn(f"trainer.executor=batched: plan {plan} trains one site at a time: {reason}")
 
     def replies(self, candidates: list[int]) -> tuple[dict[int, Payload], dict[int, str]]:
         waiting, self._waiting = self._waiting, {}
@@ -268,6 +405,16 @@ class InProcessSites:
     def load_state_dict(self, state: list[dict[str, Any]]) -> None:
         for site, site_state in zip(self.sites, state, strict=True):
             site.load_state_dict(site_state)
+
+
+def executor_for(option: str, device: torch.device, dp_sgd: bool) -> str:
+    """The executor ``trainer.executor`` = ``option`` runs on ``device``: ``auto`` is batched on cuda, else sequential;
+    DP-SGD (``dp_sgd``) trains one site at a time whatever the option (said once, where it would have been batched)."""
+    wanted = ("batched" if device.type == "cuda" else "sequential") if option == "auto" else option
+    if wanted == "batched" and dp_sgd:
+        warn(f"trainer.executor={option}: DP-SGD clips and noises per-sample gradients one site at a time; the sites train sequentially")
+        return "sequential"
+    return wanted
 
 
 def site_setup(site: Site) -> Payload:
@@ -318,15 +465,67 @@ def site_phase(
         (:mod:`medfed.federated.compute`).
     """
     half, view, ctx = site.strategy, site.view, RoundContext(work.round_index, work.phase)
-    site.passes.take(site.n_train)  # (what a phase that raised had passed is not counted)
-    with site.global_rng(work.round_index, work.phase_index):
-        half.receive(view, ctx, message)
-        plans = half.plan(ctx)
+    stream = (work.round_index, work.phase_index)
+    with site.global_rng(*stream):
+        plans = _receive(site, ctx, message, None)
         tic = time.perf_counter()
-        losses = train_plans(site, ctx, plans, work.local_epochs, epochs_before, f"{TRAIN}/{work.phase}")
+        losses = train_plans(site, ctx, plans, work.local_epochs, epochs_before, f"{TRAIN}/{work.phase}", stream)
         timing["train_s"] = timing.get("train_s", 0.0) + time.perf_counter() - tic
         reply = half.reply(view, ctx)
         return losses, reply, site.passes.take(site.n_train)
+
+
+def _receive(site: Site, ctx: RoundContext, message: Payload, stream: _Stream | None) -> tuple[TrainingPlan, ...]:
+    """The start of a site's phase: its pass count taken afresh, then its half receives ``message`` and plans.
+
+    ``stream``: the site's resumable stream of the work to run in (None: the caller's ``global_rng`` block is open).
+    """
+    site.passes.take(site.n_train)  # (what a phase that raised had passed is not counted)
+    with contextlib.nullcontext() if stream is None else stream.resumed():
+        site.strategy.receive(site.view, ctx, message)
+        return site.strategy.plan(ctx)
+
+
+@dataclass
+class _OpenPhase:
+    """A site's phase in progress under the batched executor: its plans, its stream and its losses so far."""
+
+    site: Site
+    stream: _Stream
+    plans: tuple[TrainingPlan, ...] = ()
+    losses: dict[str | None, float] = field(default_factory=dict)
+
+
+class _Stream:
+    """A site's global-RNG stream of one piece of work, entered several times, each time where the last entry left it.
+
+    Torch's (CPU and the site's device), NumPy's and Python's generators are
+    kept between the entries, so a receive, a training and a reply apart draw
+    what they would draw in one ``site.global_rng(*stream)`` block.
+    """
+
+    def __init__(self, site: Site, stream: tuple[int, ...]) -> None:
+        self.site = site
+        self.stream = stream
+        self.state: tuple[Any, ...] | None = None
+
+    @contextmanager
+    def resumed(self) -> Iterator[None]:
+        device = self.site.fabric.device
+        accelerator = None if device.type == "cpu" else torch.get_device_module(device.type)
+        with self.site.global_rng(*self.stream):
+            if self.state is not None:
+                cpu, on_device, numpy_state, python_state = self.state
+                torch.set_rng_state(cpu)
+                if accelerator is not None:
+                    accelerator.set_rng_state(on_device, device)
+                np.random.set_state(numpy_state)
+                random.setstate(python_state)
+            try:
+                yield
+            finally:
+                on_device = None if accelerator is None else accelerator.get_rng_state(device)
+                self.state = (torch.get_rng_state(), on_device, np.random.get_state(), random.getstate())
 
 
 def site_adapt(site: Site, round_index: int) -> tuple[dict[str | None, float], str | None]:
@@ -353,14 +552,20 @@ def site_adapt(site: Site, round_index: int) -> tuple[dict[str | None, float], s
         return {}, f"{type(error).__name__}: {error}"
     try:
         with site.global_rng(round_index, ADAPT_STREAM):
-            return train_plans(site, ctx, plans, 0.0, {}, ADAPT), None
+            return train_plans(site, ctx, plans, 0.0, {}, ADAPT, (round_index, ADAPT_STREAM)), None
     except Exception as error:  # whatever it is, it happened at the site: the site fails, unadapted
         _restore_slots(site, saved)
         return {}, f"{type(error).__name__}: {error}"
 
 
 def train_plans(
-    site: Site, ctx: RoundContext, plans: tuple[TrainingPlan, ...], local_epochs: float, epochs_before: dict[str, float], key: str
+    site: Site,
+    ctx: RoundContext,
+    plans: tuple[TrainingPlan, ...],
+    local_epochs: float,
+    epochs_before: dict[str, float],
+    key: str,
+    stream: tuple[int, ...] = (),
 ) -> dict[str | None, float]:
     """Train ``plans`` in order on the half's loss; the mean loss of each that trained (None: the only plan).
 
@@ -368,23 +573,42 @@ def train_plans(
         local_epochs: the trainer's, which a plan's ``share`` is of.
         epochs_before: ``{ROUND_BUDGET: the epochs earlier plans of the round took}``; the plans add theirs.
         key: their passes are counted as ``<key>/<plan label>``.
+        stream: the global-RNG stream of the work (the plans' dropout keys are seeded from it: :func:`dropout_keys`;
+            the executors name it, ``()`` outside any).
     """
     losses = {}
-    for plan in plans:
+    for position, plan in enumerate(plans):
         plan, steps = plan_length(site, plan, local_epochs, epochs_before)
-        loss = site.train(
-            steps,
-            plan.slot,
-            plan.part,
-            _step_loss(site, ctx, plan),
-            data_order=plan.data_order,
-            also_steps=plan.also_steps,
-            compute=f"{key}/{plan.label}",
-            data_pass=plan.data_pass,
-        )
+        loss = train_plan(site, ctx, plan, steps, key, stream, position)
         if loss is not None:
-            losses[None if len(plans) == 1 else plan.label] = loss
+            losses[phase_label(plans, plan)] = loss
     return losses
+
+
+def phase_label(plans: tuple[TrainingPlan, ...], plan: TrainingPlan) -> str | None:
+    """How a phase's losses name ``plan``'s: None where the phase has one plan, else the plan's label."""
+    return None if len(plans) == 1 else plan.label
+
+
+def train_plan(site: Site, ctx: RoundContext, plan: TrainingPlan, steps: int, key: str, stream: tuple[int, ...], position: int) -> float | None:
+    """``steps`` steps of ``plan``, the ``position``-th plan of the work ``stream``, at ``site`` alone: its mean loss, or None."""
+    return site.train(
+        steps,
+        plan.slot,
+        plan.part,
+        _step_loss(site, ctx, plan, dropout_keys(site, stream, position, steps)),
+        data_order=plan.data_order,
+        also_steps=plan.also_steps,
+        compute=f"{key}/{plan.label}",
+        data_pass=plan.data_pass,
+        auxiliary=site.strategy.auxiliary(ctx, plan),
+    )
+
+
+def dropout_keys(site: Site, stream: tuple[int, ...], position: int, steps: int) -> torch.Tensor:
+    """The dropout keys of the ``steps`` steps of the ``position``-th plan of the work ``stream`` at ``site``: ``(steps,)``
+    int64 on its device (:mod:`medfed.models.dropout`), the same whichever executor trains the plan."""
+    return step_keys([site.seed, site.index, *stream, position], steps, site.fabric.device)
 
 
 def plan_length(site: Site, plan: TrainingPlan, local_epochs: float, epochs_before: dict[str, float]) -> tuple[TrainingPlan, int]:
@@ -411,8 +635,7 @@ def _saved_slots(site: Site, plans: tuple[TrainingPlan, ...]) -> dict[str, Any]:
     slots = {name for plan in plans for name in (plan.slot, *plan.also_steps)}
     return {
         "slots": {name: copy.deepcopy((site.slot(name).module.state_dict(), site.slot(name).optimizer.state_dict())) for name in slots},
-        "generator": site.generator.get_state(),
-        "data_orders": {name: generator.get_state() for name, (generator, _) in site.data_orders.items()},
+        **_saved_data_orders(site),
     }
 
 
@@ -422,16 +645,37 @@ def _restore_slots(site: Site, saved: dict[str, Any]) -> None:
         site.slot(name).module.load_state_dict(module)
         site.slot(name).optimizer.load_state_dict(optimizer)
         site.slot(name).optimizer.zero_grad(set_to_none=True)
+    _restore_data_orders(site, saved)
+    site.passes.take(site.n_train)
+
+
+def _saved_data_orders(site: Site) -> dict[str, Any]:
+    """The states of the site's data-order generators, and its passes counted so far."""
+    return {
+        "generator": site.generator.get_state(),
+        "data_orders": {name: generator.get_state() for name, (generator, _) in site.data_orders.items()},
+        "passes": copy.copy(site.passes.samples),
+    }
+
+
+def _restore_data_orders(site: Site, saved: dict[str, Any]) -> None:
+    """Put back what :func:`_saved_data_orders` kept (a data order first made since starts afresh)."""
     site.generator.set_state(saved["generator"])
     site.data_orders = {name: order for name, order in site.data_orders.items() if name in saved["data_orders"]}
     for name, state in saved["data_orders"].items():
         site.data_orders[name][0].set_state(state)
-    site.passes.take(site.n_train)
+    site.passes.samples = copy.copy(saved["passes"])
 
 
-def _step_loss(site: Site, ctx: RoundContext, plan: TrainingPlan) -> Callable[[Any], torch.Tensor]:
-    """Maps a device batch to the loss of one step of ``plan`` (the site half's ``loss``)."""
-    return lambda batch: site.strategy.loss(site.view, ctx, plan, batch)
+def _step_loss(site: Site, ctx: RoundContext, plan: TrainingPlan, keys: torch.Tensor) -> Callable[[Any], torch.Tensor]:
+    """Maps a device batch to the loss of one step of ``plan`` (the site half's ``loss``), step t's dropout keyed by ``keys[t]``."""
+    step_key = iter(keys)
+
+    def loss(batch: Any) -> torch.Tensor:
+        with keyed(next(step_key)):
+            return site.strategy.loss(site.view, ctx, plan, batch)
+
+    return loss
 
 
 def planned_steps(site: Site, phases: tuple[str, ...], rounds: int, local_epochs: float) -> int:

@@ -43,7 +43,7 @@ from medfed.data.federation import SiteData
 from medfed.federated.compute import AUX, EVALUATION, FORWARD, PassCounter, batch_samples
 from medfed.federated.privacy import SiteDP
 from medfed.federated.site_view import SiteView, split_of
-from medfed.federated.strategies.base import SiteHalf, state_on_device
+from medfed.federated.strategies.base import Auxiliary, SiteHalf, state_on_device
 from medfed.models.base import FederatedModule
 
 #: a training split is kept on a CUDA device when it takes at most this share of the device's free memory
@@ -240,7 +240,8 @@ class Site:
         *,
         also_steps: tuple[str, ...] = (),
         compute: str | None = None,
-        data_pass: bool = True,
+        data_pass: int = 1,
+        auxiliary: dict[str, Auxiliary] | None = None,
     ) -> float | None:
         """Train ``part`` of the model in ``slot`` for ``steps`` optimiser steps (e.g. :meth:`steps` of some epochs).
 
@@ -262,9 +263,14 @@ class Site:
             also_steps: other slots whose optimisers step after ``slot``'s on
                 every step, on the gradients the same loss gives them.
             compute: the key the plan's passes are counted under (None: not counted).
-            data_pass: whether each step's loss passes its batch forward and
-                backward itself (counted once per step); False where the
-                loss's passes are the half's own :meth:`View.step` calls.
+            data_pass: how many times each step's loss passes its batch
+                forward and backward itself (counted per step; True: once,
+                APFL: twice); 0 / False where the loss's passes are the
+                half's own :meth:`View.step` calls.
+            auxiliary: the strategy half's auxiliary parameters the steps
+                train (``SiteHalf.auxiliary``): each step's loss is
+                differentiated in them too, and after the optimisers they
+                step by ``Auxiliary.step``; they are detached again at the end.
 
         The gradients are freed at the end (``set_to_none``): between rounds
         a site holds its model and optimiser state, not a gradient as well.
@@ -302,6 +308,8 @@ class Site:
         module.set_trainable(part)
         module.train()
         stepped = [module, *(self.slot(name).module for name in also_steps)]
+        for other in stepped[1:]:
+            other.train()
         parameters = [p for m in stepped for p in m.parameters() if p.requires_grad]
         noise = None if privacy is None else privacy.noise_generator(self.fabric.device, *self._rng_stream, self._train_calls)
         hooked = [] if privacy is None else privacy.attach(stepped)
@@ -309,6 +317,9 @@ class Site:
         losses = torch.empty(steps, dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)  # read at the end
         done = 0
         self.plan_key = compute
+        half, auxiliary = self.strategy, auxiliary or {}
+        for name in auxiliary:  # differentiable leaves while the plan runs
+            setattr(half, name, getattr(half, name).detach().requires_grad_(True))
         try:
             for batch in self.batches(steps, data_order):
                 if privacy is not None and privacy.spent:  # host-side accounting: no wait for the device
@@ -323,15 +334,21 @@ class Site:
                 if privacy is not None:
                     privacy.privatise(parameters, noise)
                 if compute is not None and data_pass:
-                    self.passes.add(compute, batch_samples(batch))
+                    self.passes.add(compute, data_pass * batch_samples(batch))
                 optimizer.step()
                 for other in others:
                     other.step()
                     other.zero_grad(set_to_none=True)
+                for name, rule in auxiliary.items():
+                    value = getattr(half, name)
+                    if value.grad is not None:
+                        setattr(half, name, rule.step(value, value.grad).requires_grad_(True))
                 losses[done] = loss.detach()
                 done += 1
         finally:
             self.plan_key = None
+            for name in auxiliary:
+                setattr(half, name, getattr(half, name).detach())
             if privacy is not None:
                 privacy.detach(hooked)
         optimizer.zero_grad(set_to_none=True)

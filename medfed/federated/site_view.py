@@ -10,7 +10,7 @@ algorithm's local work needs:
   (:data:`~medfed.models.split.PARTS`);
 * the site's sample counts and its own data splits (sketches, class counts);
 * :meth:`SiteView.step`, one optimiser step of a slot on a loss the half
-  computed (APFL's local model, pFedMe's inner steps);
+  computed (pFedMe's inner steps, which is why pFedMe is not batchable);
 * :meth:`SiteView.full_pass`, the batches of a whole split in a fixed order
   (PGFed's gradient estimate, IFCA's cluster losses);
 * :meth:`SiteView.global_rng`, the site's seeded random streams;

@@ -11,6 +11,7 @@ once, through :meth:`FederatedModule.prepare_for_site`.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, ClassVar
 
 import lightning as L
@@ -63,6 +64,13 @@ class FederatedModule(PersonalizationSplit, L.LightningModule):
         counts = torch.bincount(targets.reshape(-1).long(), minlength=self.num_classes)
         shift = counts.clamp_min(1).to(torch.float64).log().reshape(-1, *([1] * (targets.ndim - 1)))
         return self._like_parameters(shift)
+
+    def site_constants(self) -> Hashable:
+        """What the loss reads of the site besides the parameters and buffers (e.g. class weights); default none.
+
+        The batched executor (:mod:`medfed.federated.batched`) trains sites together only where these are equal.
+        """
+        return ()
 
     def _like_parameters(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` in the parameters' dtype and on their device."""

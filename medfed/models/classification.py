@@ -41,6 +41,7 @@ from torchmetrics.classification import BinaryAUROC, BinaryConfusionMatrix
 
 from medfed.errors import DataError
 from medfed.models.base import FederatedModule
+from medfed.models.dropout import use_keyed_dropout
 from medfed.options.models import ClassifierOptions, DenseNetOptions
 
 if TYPE_CHECKING:
@@ -90,6 +91,10 @@ class BinaryClassifier(FederatedModule):
                 f"found {counts[0]} negative and {counts[1]} positive"
             )
         self.class_weights = (len(labels) / (2 * counts[0]), len(labels) / (2 * counts[1]))
+
+    def site_constants(self) -> tuple[float, float] | None:
+        """The site's class weights (None without ``class_weight``)."""
+        return self.class_weights
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         """Binary cross-entropy of the log-odds, each sample weighted by its class's weight when there are any."""
@@ -153,6 +158,8 @@ class NoduleClassifier(BinaryClassifier):
             bn_size=options.bn_size,
             dropout_prob=options.dropout,
         )
+        if options.dropout > 0:
+            use_keyed_dropout(self.densenet)  # masks both executors draw alike (medfed.models.dropout)
         self.configure_split(options.personal_patterns, options.shared_patterns)
 
     def min_input_side(self) -> int:

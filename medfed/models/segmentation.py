@@ -26,12 +26,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from monai.losses import DiceCELoss, DiceLoss
+from monai.losses import DiceLoss
 from monai.networks.nets import UNet
 from torchmetrics.classification import MulticlassJaccardIndex, MultilabelJaccardIndex
 
 from medfed.data.brats import REGIONS
 from medfed.models.base import FederatedModule, log_odds_shift
+from medfed.models.dropout import use_keyed_dropout
 from medfed.options.models import UNetOptions
 
 if TYPE_CHECKING:
@@ -40,6 +41,24 @@ if TYPE_CHECKING:
 #: MONAI's UNet nests ``Sequential(down, SkipConnection(submodule), up)``; index 2 at any depth is
 #: an up-sampling (decoder) block. Everything else — down blocks and the bottom — is the encoder.
 UNET_DECODER_PATTERN = r"^unet\.model\.(1\.submodule\.)*2\."
+
+class DiceCrossEntropy(torch.nn.Module):
+    """Dice (of softmax outputs) + cross-entropy of ``(B, K, H, W)`` logits against ``(B, H, W)`` class indices.
+
+    MONAI's ``DiceCELoss(to_onehot_y=True, softmax=True)`` value for value, with the one-hot targets made by a
+    comparison instead of MONAI's in-place ``scatter_`` into a fresh tensor, which ``torch.func.vmap`` (the batched
+    executor, :mod:`medfed.federated.batched`) cannot run over a stack of sites.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dice = DiceLoss(softmax=True)
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        classes = torch.arange(logits.shape[1], device=labels.device).reshape(1, -1, *([1] * (labels.ndim - 1)))
+        one_hot = (labels.unsqueeze(1) == classes).to(logits.dtype)
+        return self.dice(logits, one_hot) + torch.nn.functional.cross_entropy(logits, labels.long())
+
 
 class RegionLoss(torch.nn.Module):
     """Dice + binary cross-entropy of overlapping regions: ``(B, R, H, W)`` logits against 0/1 masks of the same shape."""
@@ -79,8 +98,10 @@ class UNetSegmenter(FederatedModule):
             num_res_units=options.num_res_units,
             dropout=options.dropout,
         )
+        if options.dropout > 0:
+            use_keyed_dropout(self.unet)  # masks both executors draw alike (medfed.models.dropout)
         if options.target == "wt":
-            self.loss = DiceCELoss(to_onehot_y=True, softmax=True)
+            self.loss = DiceCrossEntropy()
             self.test_metrics = MulticlassJaccardIndex(num_classes=num_classes, average="none")
         else:
             self.metric_names = ("label_iou", "label_iou_tc", "label_iou_et")
@@ -109,7 +130,7 @@ class UNetSegmenter(FederatedModule):
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return self.loss(self(x), y.unsqueeze(1) if self.target == "wt" else y.float())
+        return self.loss(self(x), y if self.target == "wt" else y.float())
 
     def test_step(self, batch, batch_idx: int) -> None:
         x, y = batch

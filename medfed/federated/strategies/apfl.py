@@ -40,18 +40,23 @@ protocol as medfed shipped it before: a step per mini-batch of E epochs,
 2 E epochs of passes.
 
 **Model slots.** ``global`` (w_i, trained by the round's training plan,
-sent, set by the delivery), ``local`` (v_i) and ``mixed`` (v_bar_i,
-evaluated, loaded at every delivery: its parameters the mixture, its
-buffers those of ``local``). v_i steps inside the global plan's loss
-(:meth:`APFLSite.loss`), on the same batch and before w_i moves, since its
-gradient is taken at v_bar with w^{t-1}: the mixed model's forward pass
-runs ``local``'s module with the parameters alpha v + (1 - alpha) w
-(``torch.func.functional_call``; w detached, so no gradient of the mixture
-reaches w), one step of ``local``'s optimiser on it
-(:meth:`~medfed.federated.site_view.SiteView.step`, a second pass of the
-batch, counted in the global plan's compute) gives v's gradient and alpha's
-in one backward pass and steps v, then the loop steps w on the returned
-loss f_i(w; xi).
+sent, set by the delivery), ``local`` (v_i, trained by the same plan:
+``TrainingPlan.also_steps``) and ``mixed`` (v_bar_i, evaluated, loaded at
+every delivery: its parameters the mixture, its buffers those of
+``local``). alpha_i is the half's declared auxiliary parameter
+(:meth:`APFLSite.auxiliary`: plain steps of ``alpha_lr``, projected onto
+[0, 1]). Each step's loss is one function of w, v and alpha at the values
+before the step::
+
+    loss = f_i(w; xi) + [f_i(v_bar; xi) - sg(f_i(v_bar; xi))],   v_bar = alpha v + (1 - alpha) sg(w)
+
+(sg: stop-gradient): its value is f_i(w; xi), the loss reported; its
+gradient in w is grad f_i(w; xi) (w is detached in the mixture), in v and
+alpha that of f_i(v_bar; xi), so one backward pass gives the three
+gradients of the update above; w's and v's optimisers step, then alpha.
+The mixture's forward pass runs ``local``'s module with the parameters
+alpha v + (1 - alpha) w (``torch.func.functional_call``), before w's; both
+passes are counted in the global plan's compute (``data_pass=2``).
 
 **BatchNorm buffers.** ``global``'s running statistics are w_i's, averaged
 as FedAvg averages them; ``local``'s are updated by the mixed model's
@@ -76,9 +81,9 @@ from __future__ import annotations
 
 import torch
 
-from medfed.federated.strategies.base import DELIVER, Payload, RoundContext, SiteView, TrainingPlan
+from medfed.federated.strategies.base import DELIVER, Auxiliary, Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
-from medfed.federated.strategies.live_parameters import live_parameters, training_loss_with
+from medfed.federated.strategies.live_parameters import gradient_only, live_parameters, training_loss_with
 from medfed.options.strategies import APFLOptions
 
 GLOBAL, LOCAL, MIXED = "global", "local", "mixed"
@@ -89,19 +94,27 @@ def mixture(alpha: torch.Tensor, local: torch.Tensor, global_: torch.Tensor) -> 
     return alpha * local + (1.0 - alpha) * global_
 
 
+def unit_interval(alpha: torch.Tensor) -> torch.Tensor:
+    """Pi_[0,1]: alpha clamped to [0, 1]."""
+    return alpha.clamp(0.0, 1.0)
+
+
 class APFLSite(FedAvgSite):
-    """FedAvg's site half on the ``global`` slot; also steps v_i and alpha_i on every batch; evaluated with the mixture."""
+    """FedAvg's site half on the ``global`` slot; its steps also train v_i and alpha_i; evaluated with the mixture."""
 
     state_fields = ("alpha",)
+    #: alpha_i, 0-d on the model's device, from the first delivery (an auxiliary parameter where ``adaptive``)
+    loss_state = ("alpha",)
 
     global_slot = GLOBAL
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.alpha: torch.Tensor | None = None  # 0-d, on the model's device, from the first delivery
+        self.alpha_rate: float | None = None  # eta_alpha: alpha_lr, or v's learning rate (read when a message arrives)
 
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
         super().receive(site, ctx, payload)
+        self.alpha_rate = self.options.alpha_lr if self.options.alpha_lr is not None else site.learning_rate(LOCAL)
         if ctx.phase == DELIVER:
             if self.alpha is None:
                 reference = site.get(LOCAL, "all")
@@ -114,31 +127,26 @@ class APFLSite(FedAvgSite):
         site.set(MIXED, "buffers", site.get(LOCAL, "buffers"))
 
     def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
-        """w's steps (each also steps v and alpha): ``step_share`` of the budget."""
-        return (TrainingPlan(slot=GLOBAL, share=self.options.step_share),)
+        """w's steps, each also stepping v (``also_steps``) and alpha; two passes a step; ``step_share`` of the budget."""
+        return (TrainingPlan(slot=GLOBAL, share=self.options.step_share, also_steps=(LOCAL,), data_pass=2),)
+
+    def auxiliary(self, ctx: RoundContext, plan: TrainingPlan) -> dict[str, Auxiliary]:
+        """alpha_i <- Pi_[0,1](alpha_i - eta_alpha grad_alpha), where ``adaptive``."""
+        return {"alpha": Auxiliary(self.alpha_rate, unit_interval)} if self.options.adaptive else {}
 
     def loss(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan, batch) -> torch.Tensor:
-        """Steps v_i and alpha_i on ``batch`` at the values before this step, then returns f_i(w; batch) for w's step."""
-        self._local_step(site, batch)
-        return super().loss(site, ctx, plan, batch)
-
-    def _local_step(self, site: SiteView, batch) -> None:
-        """v <- v - eta grad_v f(v_bar); alpha <- Pi_[0,1](alpha - eta_alpha <v - w, grad f(v_bar)>), one backward pass."""
+        """f_i(w; batch) in value; the gradient of f_i(v_bar; batch) in v and alpha besides (module docstring)."""
         local, global_module = site.module(LOCAL), site.module(GLOBAL)
-        alpha = self.alpha.detach().clone().requires_grad_(self.options.adaptive)
         names = local.parameter_split.names("all")
         pairs = zip(names, live_parameters(local, "all"), live_parameters(global_module, "all"), strict=True)
-        mixed = {name: mixture(alpha, v, w.detach()) for name, v, w in pairs}
-        local.train()
-        site.step(LOCAL, training_loss_with(local, mixed, batch), batch)
-        if self.options.adaptive:
-            rate = self.options.alpha_lr if self.options.alpha_lr is not None else site.learning_rate(LOCAL)
-            self.alpha = (alpha.detach() - rate * alpha.grad).clamp(0.0, 1.0)
+        mixed = {name: mixture(self.alpha, v, w.detach()) for name, v, w in pairs}
+        mixture_loss = training_loss_with(local, mixed, batch)  # the mixture's pass first (the draws' order)
+        return super().loss(site, ctx, plan, batch) + gradient_only(mixture_loss)
 
 
 class APFL(FedAvg):
     name = "apfl"
-    dp_sgd_refusal = "its local model takes a second step on each sampled batch (SiteView.step); accounting for several noised steps per batch is not built"
+    dp_sgd_refusal = "its loss runs the local model with mixed parameter tensors (functional_call), which Opacus's per-sample hooks attribute to the wrong parameters, and steps its mixing weight outside the clipping"
     summary = "each site evaluates alpha v + (1 - alpha) w, its own model mixed with the FedAvg one, alpha learned"
     reference = "Deng, Kamani, Mahdavi, Adaptive personalized federated learning, arXiv 2003.13461 (2020)"
     slots = (GLOBAL, LOCAL, MIXED)

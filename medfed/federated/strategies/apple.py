@@ -58,7 +58,13 @@ optimiser and moments act on the core model) and ``personalised``
 of the core slot through ``torch.func.functional_call`` with the parameters
 p_ii * w_i^(c) + sum_{j != i} p_ij w_j^(c), built from the live core
 parameters and the frozen copies, so gradients reach w_i^(c) (scaled by
-p_ii, eq. 5) and p_i (eq. 6). At every delivery (after setup and at the end
+p_ii, eq. 5) and p_i (eq. 6). p_i is the half's declared auxiliary parameter
+(:meth:`APPLESite.auxiliary`): the step's one backward pass gives both
+gradients at the same point, the core's optimiser steps w_i^(c) and then
+p_i <- p_i - eta_2 dF/dp_i (plain SGD, no projection). The loss reads only
+declared state (:attr:`APPLESite.loss_state`): p_i, p_0, the core copies,
+e_i (the one-hot of the site's own index, so that p_ii = <p_i, e_i>) and the
+penalty's weight lambda(r) mu / 2, set when the round's first message (r) arrives. At every delivery (after setup and at the end
 of each round, when the loop evaluates) the site records its core model
 among its copies and loads w_i^(p), with the core slot's buffers (BatchNorm
 statistics), into the personalised slot. Each site holds N model vectors
@@ -72,7 +78,7 @@ import math
 import torch
 
 from medfed.federated.strategies.base import (
-    DELIVER, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+    DELIVER, NUM_SAMPLES, SETUP, Auxiliary, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.live_parameters import live_parameters, training_loss_with
 from medfed.options.strategies import APPLEOptions
@@ -136,24 +142,6 @@ def choose_downloads(
     return sorted(never + [seen[k] for k in drawn.tolist()])
 
 
-def _sgd_in_backward(stored: torch.Tensor, lr: float) -> torch.Tensor:
-    """A leaf copy of ``stored`` whose gradient, once backward has accumulated it, steps ``stored`` by SGD.
-
-    The loop's optimiser knows only the module's parameters; this applies
-    eq. (6), p <- p - eta_2 dF/dp, in the same backward pass that gives the
-    optimiser its gradients for eq. (5) (both at the same point).
-    """
-    leaf = stored.detach().clone().requires_grad_(True)
-
-    def step(tensor: torch.Tensor) -> None:
-        with torch.no_grad():
-            stored.sub_(lr * tensor.grad)
-        tensor.grad = None
-
-    leaf.register_post_accumulate_grad_hook(step)
-    return leaf
-
-
 CORE, PERSONALISED = "core", "personalised"
 
 
@@ -205,6 +193,9 @@ class APPLESite(SiteHalf):
     #: set at the first delivery: p_0, p_i, its copies of the core models (N, d), its download counts (N,),
     #: its download generator's state, and r
     state_fields = ("prior", "dr", "cores", "downloads", "generator", "completed_rounds")
+    #: what the loss reads: p_i (N,) (an auxiliary parameter), p_0 (N,), the core copies (N, d), e_i (N,) one-hot
+    #: of the site's index, and lambda(r) mu / 2 (0-d), the last two set when the round's "select" message arrives
+    loss_state = ("dr", "prior", "cores", "own", "penalty_weight")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -222,11 +213,19 @@ class APPLESite(SiteHalf):
             return
         if ctx.phase == "select":
             self.completed_rounds = int(payload["completed_rounds"])
+            self._set_loss_constants()
             return
         for key, core in payload.items():
             j = int(key.split("/", 1)[1])
             self.cores[j] = core
             self.downloads[j] += 1
+
+    def _set_loss_constants(self) -> None:
+        """e_i and lambda(r) mu / 2 for the round's loss, on p_i's device and dtype."""
+        self.own = torch.zeros_like(self.dr)
+        self.own[self.index] = 1.0
+        weight = loss_scheduler(self.options.scheduler, self.completed_rounds, self.options.scheduler_rounds, self.options.scheduler_eps)
+        self.penalty_weight = torch.tensor(weight * self.options.mu / 2.0, dtype=self.dr.dtype, device=self.dr.device)
 
     def _initialise(self, site: SiteView, prior: torch.Tensor) -> None:
         """State before round 1: p_i = p_0, every core model = the seeded initial model."""
@@ -247,21 +246,22 @@ class APPLESite(SiteHalf):
     def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
         return () if ctx.phase == "select" else (TrainingPlan(slot=CORE),)
 
+    def auxiliary(self, ctx: RoundContext, plan: TrainingPlan) -> dict[str, Auxiliary]:
+        """p_i, stepped by plain SGD at ``dr_lr`` = eta_2 (eq. 6)."""
+        return {"dr": Auxiliary(self.options.dr_lr)}
+
     def loss(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan, batch) -> torch.Tensor:
-        """Loss of w_i^(p) on ``batch`` plus lambda(r) mu/2 ||p_i - p_0||^2; backward also steps p_i."""
+        """Loss of w_i^(p) = p_ii w_i^(c) + sum_{j != i} p_ij w_j^(c) on ``batch`` plus lambda(r) mu/2 ||p_i - p_0||^2."""
         core = site.module(CORE)
-        dr = _sgd_in_backward(self.dr, self.options.dr_lr)
-        not_self = torch.ones_like(dr)
-        not_self[self.index] = 0.0
-        frozen = (dr * not_self) @ self.cores  # sum_{j != i} p_ij w_j^(c), (d,)
+        frozen = (self.dr * (1.0 - self.own)) @ self.cores  # sum_{j != i} p_ij w_j^(c), (d,)
+        own_weight = self.dr @ self.own  # p_ii
         names = core.parameter_split.names("all")
         mixed, offset = {}, 0
         for name, parameter in zip(names, live_parameters(core, "all"), strict=True):
             size = parameter.numel()
-            mixed[name] = dr[self.index] * parameter + frozen[offset : offset + size].view_as(parameter)
+            mixed[name] = own_weight * parameter + frozen[offset : offset + size].view_as(parameter)
             offset += size
-        weight = loss_scheduler(self.options.scheduler, self.completed_rounds, self.options.scheduler_rounds, self.options.scheduler_eps)
-        penalty = weight * self.options.mu / 2.0 * (dr - self.prior).square().sum()
+        penalty = self.penalty_weight * (self.dr - self.prior).square().sum()
         return training_loss_with(core, mixed, batch) + penalty
 
     def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
@@ -279,7 +279,7 @@ class APPLESite(SiteHalf):
 
 class APPLE(Strategy):
     name = "apple"
-    dp_sgd_refusal = "its loss runs the core model with mixed parameter tensors (functional_call) and steps its directed relationships inside backward, outside the clipping"
+    dp_sgd_refusal = "its loss runs the core model with mixed parameter tensors (functional_call), and its directed relationships are stepped outside the clipping"
     client_dp_refusal = "its server step needs each site's own vector: every site downloads the others' core models"
     secure_aggregation_refusal = "its server step needs each site's own vector: every site downloads the others' core models"
     summary = "each site mixes every site's core model with directed relationships it learns"

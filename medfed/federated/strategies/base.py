@@ -80,6 +80,23 @@ the budget. A strategy whose published protocol trains more than E (FedRep,
 Ditto, APFL, pFedMe, pFedNet) keeps it as ``strategy.<name>.preset:
 published`` (:mod:`medfed.options.presets`).
 
+*The local objective.* A step's loss (:meth:`SiteHalf.loss`, with
+:meth:`SiteHalf.regularizer`) is a pure function of the slots' parameters
+and buffers (read through ``site.module``), the batch, ``ctx``, the plan,
+the options and the half's declared per-site tensors,
+:attr:`SiteHalf.loss_state` (anchors, centres, auxiliary gradients), which
+the other hooks set and the loss never changes; it calls no ``backward``,
+steps no optimiser and registers no hook: the executor differentiates it.
+Extra trainable tensors of a half (APFL's alpha, APPLE's relationship
+vector) are auxiliary parameters (:meth:`SiteHalf.auxiliary`), which the
+executor differentiates with the slot and steps after its optimiser
+(:class:`Auxiliary`); further slots trained by the same loss are a plan's
+``also_steps``. A proximal term weight/2 ||w - centre||^2 is written once
+(:mod:`medfed.federated.strategies.proximal`). A half whose loss cannot be
+written so (pFedMe's inner solve, SuPerFed's per-step draw) names the reason
+in :attr:`SiteHalf.batchable` and trains one site at a time
+(``tests/test_pure_loss.py`` checks the rest under ``torch.func.vmap``).
+
 *Model slots.* A site holds one model per name in ``slots`` (parameters,
 buffers and optimiser state together, e.g. Ditto's ``global`` and
 ``personal``), all initialised from the run's seeded prototype (and adapted
@@ -142,9 +159,10 @@ class TrainingPlan:
         also_steps: other slots whose optimisers step after ``slot``'s on
             every step, on the gradients the same loss gives their
             parameters (SuPerFed's local model, trained through the mixture).
-        data_pass: whether each step's loss passes its batch forward and
-            backward (one pass counted per step); False where the loss's
-            passes are those the half makes through
+        data_pass: how many times each step's loss passes its batch forward
+            and backward (counted per step): 1 (True), or 2 where the loss runs
+            two models on it (APFL: w's loss and the mixture's); 0 (False)
+            where the loss's passes are those the half makes through
             :meth:`~medfed.federated.site_view.SiteView.step` (pFedMe: its K
             inner steps per mini-batch; the outer step's loss has no forward pass).
         passes_per_step: where a step passes its batch up to this many times
@@ -166,7 +184,7 @@ class TrainingPlan:
     name: str | None = None
     data_order: str | None = None
     also_steps: tuple[str, ...] = ()
-    data_pass: bool = True
+    data_pass: int = 1
     passes_per_step: int = 1
     pass_budget: int | None = None
 
@@ -329,6 +347,15 @@ class Auxiliary:
     learning_rate: float
     project: Callable[[torch.Tensor], torch.Tensor] | None = None
 
+    def step(self, value: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
+        """``project(value - learning_rate * gradient)``, a new tensor (no gradient history; ``value``'s shape and dtype).
+
+        Every executor steps an auxiliary parameter through this, so its update is written once.
+        """
+        with torch.no_grad():
+            stepped = value - self.learning_rate * gradient
+            return stepped if self.project is None else self.project(stepped)
+
 
 class SiteHalf(DeclaredState):
     """One site's half: defaults describe local training of the site's one model with nothing exchanged.
@@ -358,6 +385,8 @@ class SiteHalf(DeclaredState):
         self.n_sites = n_sites
         self.seed = seed
         self.index = index
+        for name in self.loss_state:  # every declared loss state starts unset; the half's hooks set it
+            setattr(self, name, None)
 
     def auxiliary(self, ctx: RoundContext, plan: TrainingPlan) -> dict[str, Auxiliary]:
         """The auxiliary parameters ``plan``'s steps train, ``{attribute: Auxiliary}`` (each also in :attr:`loss_state`); default none."""

@@ -60,20 +60,20 @@ part of the loss, so any optimiser descends h_k.
 
 from __future__ import annotations
 
-import torch
-
 from medfed.federated.strategies.base import DELIVER, Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
-from medfed.federated.strategies.live_parameters import proximal_term
+from medfed.federated.strategies.proximal import Proximal, ProximalSite
 from medfed.options.strategies import DittoOptions
 
 GLOBAL, PERSONAL = "global", "personal"
 
 
-class DittoSite(FedAvgSite):
+class DittoSite(ProximalSite, FedAvgSite):
     """FedAvg's site half on the ``global`` slot, then the personal model's steps on h_k(v; w^t)."""
 
     global_slot = GLOBAL
+    #: w^t, ``(size("all"),)``: the global model the round's training starts from, None outside it
+    loss_state = ("anchor",)
 
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
         super().receive(site, ctx, payload)
@@ -88,14 +88,14 @@ class DittoSite(FedAvgSite):
         )
         return (TrainingPlan(slot=GLOBAL, share=options.global_share), personal)
 
-    def regularizer(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan) -> torch.Tensor | None:
-        """lambda / 2 * ||v - w^t||^2 on the personal model's live parameters; none for the global plan or at lambda = 0."""
+    def proximal(self, ctx: RoundContext, plan: TrainingPlan) -> Proximal | None:
+        """lambda / 2 * ||v - w^t||^2 on the personal model; none for the global plan or at lambda = 0."""
         if plan.slot != PERSONAL or self.options.lam == 0:
             return None
-        return proximal_term(site.module(PERSONAL), "all", self.anchor, self.options.lam)
+        return Proximal(PERSONAL, "all", self.options.lam, self.anchor)
 
     def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
-        del self.anchor  # only needed while training
+        self.anchor = None  # only needed while training
         return super().reply(site, ctx)
 
 

@@ -39,10 +39,8 @@ from __future__ import annotations
 import torch
 
 from medfed.errors import ConfigError
-from medfed.federated.strategies.base import (
-    DELIVER, MODEL, SETUP, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan,
-)
-from medfed.federated.strategies.live_parameters import proximal_term
+from medfed.federated.strategies.base import DELIVER, MODEL, SETUP, Payload, RoundContext, ServerHalf, SiteView, Strategy, TrainingPlan
+from medfed.federated.strategies.proximal import Proximal, ProximalSite
 from medfed.options.strategies import FedAMPOptions
 
 
@@ -138,8 +136,11 @@ class FedAMPServer(ServerHalf):
         return {"self_attention_mean": float(self.attention.diagonal().mean())}
 
 
-class FedAMPSite(SiteHalf):
+class FedAMPSite(ProximalSite):
     """Trains w_i from its cloud model u_i on F_i(w) + lam / (2 alpha) ||w - u_i||^2."""
+
+    #: u_i, ``(size("all"),)``: the cloud model of the round's message, None outside the round's training
+    loss_state = ("cloud",)
 
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
         if ctx.phase == DELIVER:
@@ -147,12 +148,12 @@ class FedAMPSite(SiteHalf):
         self.cloud = payload["all"]
         site.set(MODEL, "all", self.cloud)
 
-    def regularizer(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan) -> torch.Tensor:
-        """lam / (2 alpha) * ||w - u_i||^2 on the live parameters w (gradient (lam / alpha)(w - u_i))."""
-        return proximal_term(site.module(MODEL), "all", self.cloud, self.options.lam / self.options.alpha)
+    def proximal(self, ctx: RoundContext, plan: TrainingPlan) -> Proximal:
+        """lam / (2 alpha) * ||w - u_i||^2 on the whole model (gradient (lam / alpha)(w - u_i))."""
+        return Proximal(MODEL, "all", self.options.lam / self.options.alpha, self.cloud)
 
     def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
-        del self.cloud  # only needed while training; keeps checkpoints small
+        self.cloud = None  # only needed while training
         return {"all": site.get(MODEL, "all")}
 
 

@@ -25,7 +25,7 @@ counterpart: every participant takes the trainer's steps.
 **Where medfed differs from PFLlib.** PFLlib adds mu (w - w^t) to the
 gradient inside a custom SGD step (``PerturbedGradientDescent``). Here the
 term is part of the loss, built on the live parameters
-(:func:`~medfed.federated.strategies.live_parameters.proximal_term`), so
+(:class:`~medfed.federated.strategies.proximal.ProximalSite`), so
 the optimiser, whichever it is (the BraTS U-Net's Adam included), descends
 h_k itself; with plain SGD both are the same step.
 
@@ -34,30 +34,31 @@ With mu = 0 no term is added at all: FedProx is then FedAvg, bit for bit.
 
 from __future__ import annotations
 
-import torch
-
 from medfed.federated.strategies.base import DELIVER, Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
-from medfed.federated.strategies.live_parameters import proximal_term
+from medfed.federated.strategies.proximal import Proximal, ProximalSite
 from medfed.options.strategies import FedProxOptions
 
 
-class FedProxSite(FedAvgSite):
+class FedProxSite(ProximalSite, FedAvgSite):
     """FedAvg's site half training on F_k(w) + mu / 2 ||w - w^t||^2."""
+
+    #: w^t, ``(size(parameters_part),)``: set when the round's training starts, None outside it
+    loss_state = ("anchor",)
 
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
         super().receive(site, ctx, payload)
         if ctx.phase != DELIVER:  # the round's training starts from w^t, the global model delivered last
             self.anchor = site.get(self.global_slot, self.parameters_part)
 
-    def regularizer(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan) -> torch.Tensor | None:
-        """mu / 2 * ||w - w^t||^2 on the live parameters (gradient mu (w - w^t)); none at mu = 0."""
+    def proximal(self, ctx: RoundContext, plan: TrainingPlan) -> Proximal | None:
+        """mu / 2 * ||w - w^t||^2 on the global model's parameters; none at mu = 0."""
         if self.options.mu == 0:
             return None
-        return proximal_term(site.module(self.global_slot), self.parameters_part, self.anchor, self.options.mu)
+        return Proximal(self.global_slot, self.parameters_part, self.options.mu, self.anchor)
 
     def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
-        del self.anchor  # only needed while training
+        self.anchor = None  # only needed while training
         return super().reply(site, ctx)
 
 

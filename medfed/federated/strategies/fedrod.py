@@ -82,7 +82,7 @@ from __future__ import annotations
 
 import torch
 
-from medfed.federated.strategies.base import RoundContext, SiteView, TrainingPlan
+from medfed.federated.strategies.base import Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
 from medfed.federated.strategies.live_parameters import training_loss_with, unwrap
 from medfed.options.strategies import FedRoDOptions
@@ -93,15 +93,18 @@ from medfed.models.base import FederatedModule
 class FedRoDSite(FedAvgSite):
     """Trains body + generic head on BSM and its personal head on the empirical loss; sends body + generic head."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.shift: torch.Tensor | None = None  # gamma log N_m, from the site's training labels (not state: recomputed alike)
+    #: gamma log N_m, the Balanced Softmax's shift of the generic logits (the model's ``log_prior`` shape), from the
+    #: site's training labels at its first message (not checkpointed: a resumed run computes the same again)
+    loss_state = ("shift",)
+
+    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        super().receive(site, ctx, payload)
+        if self.shift is None:
+            self.shift = self.options.gamma * unwrap(site.module(self.global_slot)).log_prior(site.data)
 
     def loss(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan, batch) -> torch.Tensor:
         """BSM of the generic logits plus the empirical loss of the personalised ones, on one batch."""
         module = unwrap(site.module(plan.slot))
-        if self.shift is None:
-            self.shift = self.options.gamma * module.log_prior(site.data)
         return self.balanced_loss(module, batch) + self.personal_loss(module, batch)
 
     def balanced_loss(self, module: FederatedModule, batch) -> torch.Tensor:

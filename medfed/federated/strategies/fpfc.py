@@ -84,9 +84,9 @@ from medfed.federated.aggregate import weighted_average
 from medfed.federated.strategies.solvers.concave_penalty import fusion_prox
 from medfed.federated.strategies.solvers.graph import connected_components, incidence_matrix
 from medfed.federated.strategies.base import (
-    DELIVER, MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+    DELIVER, MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
-from medfed.federated.strategies.live_parameters import proximal_term
+from medfed.federated.strategies.proximal import Proximal, ProximalSite
 from medfed.options.strategies import FPFCOptions
 
 
@@ -163,20 +163,23 @@ class FPFCServer(ServerHalf):
         return dict(self.last_step)
 
 
-class FPFCSite(SiteHalf):
+class FPFCSite(ProximalSite):
     """Trains its own model on f_i(w) + rho/2 ||w_personal - u_i||^2 (u_i from the server), shared part from the average."""
+
+    #: u_i, ``(size("personal"),)``: the centre of the round's message, None outside the round's training
+    loss_state = ("centre",)
 
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
         site.set(MODEL, "shared", payload["shared"])
         if ctx.phase != DELIVER:
             self.centre = payload["personal"]
 
-    def regularizer(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan) -> torch.Tensor:
-        """rho/2 ||w - u_i||^2 on the live personal parameters (gradient rho (w - u_i))."""
-        return proximal_term(site.module(MODEL), "personal", self.centre, self.options.rho)
+    def proximal(self, ctx: RoundContext, plan: TrainingPlan) -> Proximal:
+        """rho/2 ||w - u_i||^2 on the personal part (gradient rho (w - u_i))."""
+        return Proximal(MODEL, "personal", self.options.rho, self.centre)
 
     def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
-        del self.centre  # only needed while training; keeps checkpoints small
+        self.centre = None  # only needed while training
         return {"shared": site.get(MODEL, "shared"), "personal": site.get(MODEL, "personal"), "num_samples": num_samples(site)}
 
 

@@ -56,7 +56,20 @@ def proximal_term(module: nn.Module, part: Part, centre: torch.Tensor, weight: f
     Returns:
         A scalar whose gradient in w is ``weight * (w - centre)``.
     """
-    return weight / 2.0 * squared_distance(module, part, centre)
+    return proximal_term_of(live_vector(module, part), centre, weight)
+
+
+def proximal_term_of(vector: torch.Tensor, centre: torch.Tensor, weight: float) -> torch.Tensor:
+    """``weight / 2 * ||vector - centre||^2`` of a live vector the caller already built (SuPerFed's w^f, used twice).
+
+    Args:
+        vector: ``(n,)``, differentiable (e.g. :func:`live_vector`).
+        centre: ``(n,)``, fixed.
+        weight: the term's weight.
+    """
+    return weight / 2.0 * (vector - centre).square().sum()
+
+
 def squared_distance(module: nn.Module, part: Part, centre: torch.Tensor) -> torch.Tensor:
     """||w - c||^2 of ``part``'s live parameters w and a fixed ``centre`` c, shape ``(size(part),)``.
 
@@ -95,3 +108,13 @@ def training_loss_with(module: nn.Module, parameters: dict[str, torch.Tensor], b
     """
     wrapper = _TrainingStep(unwrap(module))
     return torch.func.functional_call(wrapper, {f"module.{name}": t for name, t in parameters.items()}, (batch,))
+
+
+def gradient_only(term: torch.Tensor) -> torch.Tensor:
+    """``term - sg(term)``: 0 in value (exactly, for a finite ``term``), ``term``'s gradient in everything it depends on.
+
+    Added to a step's loss, it trains what ``term`` depends on without changing
+    the loss the step reports (APFL's mixture loss, which trains v and alpha
+    beside w's reported loss).
+    """
+    return term - term.detach()

@@ -75,6 +75,12 @@ epochs, K E epochs of passes. With ``inner_tolerance`` the inner steps may
 stop early and pass fewer (every inner step then also reads the gradient
 norm on the host: one device synchronisation per inner step).
 
+**Not batchable.** The inner solve runs inside the step's loss: up to K
+optimiser steps of the ``personal`` slot per mini-batch, stopped early by
+the tolerance (a host read) and by the round's pass budget, Python control
+flow the batched executor cannot stack over sites (``batchable`` says so;
+pFedMe's sites always train one after another).
+
 Defaults: lam = 15, K = 5, beta = 1, the paper's MNIST settings (the
 authors' README: ``--lamda 15 --K 5 --beta 1``).
 """
@@ -90,7 +96,7 @@ from medfed.federated.compute import batch_samples
 from medfed.federated.strategies.base import (
     DELIVER, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
-from medfed.federated.strategies.live_parameters import live_parameters, squared_distance
+from medfed.federated.strategies.live_parameters import live_parameters, proximal_term
 from medfed.options.presets import by_preset
 from medfed.options.strategies import PFedMeOptions
 
@@ -122,6 +128,8 @@ class PFedMeServer(ServerHalf):
 
 class PFedMeSite(SiteHalf):
     """Per mini-batch: solve the inner problem for theta_i, then step w_i along lam (w_i - theta_i)."""
+
+    batchable = "its loss solves the inner problem with up to K optimiser steps of its own per mini-batch (SiteView.step), stopped by a tolerance and a pass budget"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -155,7 +163,7 @@ class PFedMeSite(SiteHalf):
             self.samples_passed += inner_steps * samples
         data_loss = self.solve_inner_problem(site, batch, site.get(LOCAL, "all"), inner_steps)
         theta = site.get(PERSONAL, "all")
-        return data_loss + self.options.lam / 2.0 * squared_distance(site.module(LOCAL), "all", theta)
+        return data_loss + proximal_term(site.module(LOCAL), "all", theta, self.options.lam)
 
     def solve_inner_problem(self, site: SiteView, batch, centre: torch.Tensor, inner_steps: int | None = None) -> torch.Tensor:
         """theta <- approx. argmin f_i(theta; batch) + lam/2 ||theta - centre||^2, in the ``personal`` slot.
@@ -179,7 +187,7 @@ class PFedMeSite(SiteHalf):
         module.train()
         for _ in range(self.options.inner_steps if inner_steps is None else inner_steps):
             data_loss = module.training_step(batch, 0)
-            objective = data_loss + self.options.lam / 2.0 * squared_distance(module, "all", centre)
+            objective = data_loss + proximal_term(module, "all", centre, self.options.lam)
             if not site.step(PERSONAL, objective, batch, optimizer=optimizer, stop_if=converged):
                 break
         return data_loss.detach()

@@ -47,6 +47,24 @@ downloaded g~ as is. Line 8's update is the module's optimiser applied to the
 loss f(theta_i, B) + <g~_i, theta_i> (the linear term on the live parameters
 has gradient g~_i), so with plain SGD it is exactly line 8.
 
+**The local objective as declared state** (``PGFedSite.loss_state``). A
+step's loss reads g~_i, gbar, g1_{t-1}, the mask of S_{t-1} and a_i, set
+when the round's message arrives, and changes none of them: a_i is an
+auxiliary parameter (:meth:`PGFedSite.auxiliary`, plain steps of
+``alpha_lr`` projected onto a >= 0), whose gradient comes from the
+zero-valued term ``due * [T - sg(T)]`` added to the loss,
+
+    T(a) = sum_{j in S_{t-1}} a_ij (g1_{t-1}[j] + gbar^T sg(theta_i)),      dT/da_ij = g1_{t-1}[j] + g2
+
+(eq. 5's auxiliary risk in a, eqs. 11-12), taken at the model the step
+starts from. That is theta after the previous batch's step, so the a-step
+of batch k (line 9 reads the *updated* theta) is taken at step k + 1;
+``due`` is 0 in the round's first step (no a-step is due yet) and 1 from the
+second on (an auxiliary whose every step sets it to 1), and the a-step of
+the last batch is taken in the reply. a_i is kept in float64 during the
+round, each step's arithmetic in float64 and its result rounded to the
+model's dtype, the precision a_i travels and is kept at the server in.
+
 Sites are evaluated with their own theta_i (nothing is delivered). The
 gradients ("aux_gradient", "mean_gradient" down; "gradient" up) are
 model-sized too and go through the configured codecs, their first message
@@ -59,9 +77,9 @@ import torch
 
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.strategies.base import (
-    DELIVER, MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+    DELIVER, MODEL, NUM_SAMPLES, SETUP, Auxiliary, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
-from medfed.federated.strategies.live_parameters import live_parameters, live_vector
+from medfed.federated.strategies.live_parameters import gradient_only, live_parameters, live_vector
 from medfed.options.strategies import PGFedMoOptions, PGFedOptions
 
 
@@ -165,11 +183,11 @@ class PGFedSite(SiteHalf):
     """Trains theta_i on its risk plus the first-order auxiliary risk; learns its row a_i of A."""
 
     state_fields = ("aux_gradient",)
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.aux_gradient: torch.Tensor | None = None  # g~_i, kept across rounds for the momentum (eq. 15)
-        self.this_round: dict | None = None  # while a round's training runs (from round 2 on)
+    #: g~_i (d,), kept across rounds for the momentum (eq. 15); from round 2 on, while the round trains: gbar (d,),
+    #: a_i (N,) float64 (an auxiliary parameter), g1_{t-1} (N,) float64 (0 off S_{t-1}), the 0/1 mask of S_{t-1}
+    #: (N,) float64 and the 0-d "an a-step is due" flag (an auxiliary parameter); None otherwise
+    loss_state = ("aux_gradient", "mean_gradient", "alpha", "alpha_offsets", "alpha_mask", "alpha_due")
+    _round_state = ("mean_gradient", "alpha", "alpha_offsets", "alpha_mask", "alpha_due")
 
     @property
     def beta(self) -> float:
@@ -185,43 +203,50 @@ class PGFedSite(SiteHalf):
         downloaded = payload["aux_gradient"]
         previous = self.aux_gradient
         self.aux_gradient = downloaded if previous is None else (1.0 - self.beta) * downloaded + self.beta * previous
-        self.this_round = {
-            "mean_gradient": payload["mean_gradient"],
-            "alpha": payload["alpha"].clone(),
-            "offsets": payload["previous_offsets"],
-            "in_previous": payload["previous_participants"] > 0.5,
-            "alpha_step_due": False,
-        }
+        self.mean_gradient = payload["mean_gradient"]
+        self.alpha = payload["alpha"].to(torch.float64)
+        self.alpha_offsets = payload["previous_offsets"].to(torch.float64)
+        self.alpha_mask = (payload["previous_participants"] > 0.5).to(torch.float64)
+        self.alpha_due = torch.zeros((), dtype=torch.float64, device=self.alpha.device)
+
+    def auxiliary(self, ctx: RoundContext, plan: TrainingPlan) -> dict[str, Auxiliary]:
+        """From round 2 on: a_i (line 10, projected onto a >= 0) and the due flag (set to 1 by every step)."""
+        if self.alpha is None:
+            return {}
+        return {"alpha": self.alpha_rule(), "alpha_due": Auxiliary(1.0, torch.ones_like)}
+
+    def alpha_rule(self) -> Auxiliary:
+        """a_ij <- max(0, a_ij - eta_2 dT/da_ij), stepped in float64 and kept at the precision a_i travels in (the model's)."""
+        travels_as = self.mean_gradient.dtype
+        return Auxiliary(self.options.alpha_lr, lambda alpha: alpha.clamp_min(0.0).to(travels_as).to(torch.float64))
+
+    def alpha_gradient(self, theta: torch.Tensor) -> torch.Tensor:
+        """dT/da_i at ``theta``: (g1_{t-1}[j] + gbar^T theta) for j in S_{t-1}, 0 elsewhere; (N,) float64."""
+        g2 = torch.dot(self.mean_gradient.to(torch.float64), theta.to(torch.float64))
+        return self.alpha_mask * (self.alpha_offsets + g2)
 
     def loss(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan, batch) -> torch.Tensor:
-        """Before batch k's step, do batch k-1's a step (its theta step is done); then the loss of line 8."""
-        if self.this_round is not None:
-            if self.this_round["alpha_step_due"]:
-                self._alpha_step(site, self.this_round)
-            self.this_round["alpha_step_due"] = True
-        return super().loss(site, ctx, plan, batch)
+        """Line 8's loss f(theta; batch) + <g~_i, theta>; from round 2 on plus due * [T - sg(T)] (value 0; module docstring)."""
+        loss = super().loss(site, ctx, plan, batch)
+        if self.alpha is None:
+            return loss
+        theta = live_vector(site.module(MODEL), "all").detach()
+        alpha_term = self.alpha_due * gradient_only(self.alpha @ self.alpha_gradient(theta))
+        return loss + alpha_term.to(loss.dtype)
 
     def regularizer(self, site: SiteView, ctx: RoundContext, plan: TrainingPlan) -> torch.Tensor | None:
         """<g~_i, theta_i> on the live parameters: its gradient is the auxiliary gradient g~_i (line 8)."""
-        if self.this_round is None:
+        if self.alpha is None:
             return None
         return torch.dot(self.aux_gradient, live_vector(site.module(MODEL), "all"))
 
-    def _alpha_step(self, site: SiteView, this_round: dict) -> None:
-        """Lines 9-10: a_ij <- max(0, a_ij - eta_2 (g1_{t-1}[j] + gbar^T theta_i)) for j in S_{t-1}."""
-        theta = site.get(MODEL, "all")
-        g2 = torch.dot(this_round["mean_gradient"].to(torch.float64), theta.to(torch.float64))
-        mask = this_round["in_previous"]
-        alpha = this_round["alpha"]
-        step = self.options.alpha_lr * (this_round["offsets"][mask].to(torch.float64) + g2)
-        alpha[mask] = (alpha[mask].to(torch.float64) - step).clamp_min(0.0).to(alpha.dtype)
-
     def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
-        this_round, self.this_round = self.this_round, None
-        if this_round is not None and this_round["alpha_step_due"]:
-            self._alpha_step(site, this_round)  # the last batch's a step
-        risk, gradient = training_risk(site)
         theta = site.get(MODEL, "all")
+        alpha = self.alpha
+        if alpha is not None and bool(self.alpha_due):  # the last batch's a-step (lines 9-10 with the final theta)
+            alpha = self.alpha_rule().step(alpha, self.alpha_gradient(theta))
+        self._end_round()
+        risk, gradient = training_risk(site)
         offset = self.options.mu * (risk - float(torch.dot(gradient.to(torch.float64), theta.to(torch.float64))))
         reply = {
             "all": theta,
@@ -229,13 +254,18 @@ class PGFedSite(SiteHalf):
             "alpha_offset": torch.tensor([offset], device=theta.device),
             "num_samples": num_samples(site),
         }
-        if this_round is not None:
-            reply["alpha"] = this_round["alpha"]
+        if alpha is not None:
+            reply["alpha"] = alpha.to(theta.dtype)
         return reply
+
+    def _end_round(self) -> None:
+        """Drop the round's state (a round's reply material never outlives it)."""
+        for name in self._round_state:
+            setattr(self, name, None)
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.this_round = None  # a round's reply material never outlives it: a restored site has none pending
+        self._end_round()  # a restored site has no round pending
 
 
 class PGFed(Strategy):

@@ -21,6 +21,13 @@ the training plan steps the federated slot's optimiser on w^f and, declared
 in the plan (``TrainingPlan.also_steps``), the local slot's optimiser on
 w^l after it (each with its own state, e.g. Adam moments).
 
+**Not batchable.** Each step's lambda is a fresh draw from the site's
+seeded global generator inside the loss, which a batched step over sites
+cannot reproduce draw for draw; SuPerFed's sites train one after another
+(``batchable`` says so). Otherwise the loss is a function of the two slots
+and the declared proximal centre w^g (``loss_state``), and nothing steps in
+it: both optimisers step after the loop's one backward pass.
+
 **Personalisation starts** at round ``start_round`` (the authors' code:
 after round floor(L R), L = ``--L``). Before it only w^f trains, with
 lambda = 0 (FedAvg with the proximal term) and the local model waits at its
@@ -79,7 +86,7 @@ from medfed.federated.strategies.base import (
     DELIVER, Payload, RoundContext, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.fedavg import FedAvgServer
-from medfed.federated.strategies.live_parameters import live_parameters, live_vector, squared_distance, training_loss_with, unwrap
+from medfed.federated.strategies.live_parameters import live_parameters, live_vector, proximal_term, proximal_term_of, training_loss_with, unwrap
 from medfed.options.strategies import SuPerFedOptions
 
 FEDERATED, LOCAL, PERSONALISED = "federated", "local", "personalised"
@@ -111,6 +118,9 @@ class SuPerFedSite(SiteHalf):
     """Trains w^f and w^l along the segment between them; evaluated with W(eval_lambda)."""
 
     state_fields = ("round",)
+    #: w^g, ``(size("all"),)``: the proximal centre, the global model of the round's message (None outside training)
+    loss_state = ("global_model",)
+    batchable = "its loss draws the mixing weight lambda ~ U(0, 1) from the site's global generator at every step"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -152,7 +162,7 @@ class SuPerFedSite(SiteHalf):
         """
         federated = site.module(FEDERATED)
         if not self.personalising:
-            return federated.training_step(batch, 0) + self.options.mu * squared_distance(federated, "all", self.global_model)
+            return federated.training_step(batch, 0) + proximal_term(federated, "all", self.global_model, 2.0 * self.options.mu)
         return self.mixture_loss(site, batch, float(torch.rand((), device="cpu")))
 
     def mixture_loss(self, site: SiteView, batch, lam: float) -> torch.Tensor:
@@ -164,9 +174,9 @@ class SuPerFedSite(SiteHalf):
         names = federated.parameter_split.names("all")
         pieces = mixed.split([p.numel() for p in parameters])
         data_loss = training_loss_with(federated, {n: t.view_as(p) for n, t, p in zip(names, pieces, parameters)}, batch)
-        proximal = (f - self.global_model).square().sum()
+        proximal = proximal_term_of(f, self.global_model, 2.0 * self.options.mu)  # mu ||w^f - w^g||^2
         cosine_squared = (f @ l).square() / ((f @ f) * (l @ l)).clamp_min(torch.finfo(f.dtype).tiny)
-        return data_loss + self.options.mu * proximal + self.options.nu * cosine_squared
+        return data_loss + proximal + self.options.nu * cosine_squared
 
     def _load_personalised_model(self, site: SiteView) -> None:
         """personalised <- W(eval_lambda) of the two models (w^f before personalisation), with the federated buffers."""
@@ -177,7 +187,7 @@ class SuPerFedSite(SiteHalf):
         site.set(PERSONALISED, "buffers", site.get(FEDERATED, "buffers"))
 
     def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
-        del self.global_model  # only needed while training
+        self.global_model = None  # only needed while training
         return {"all": site.get(FEDERATED, "all"), "buffers": site.get(FEDERATED, "buffers"), "num_samples": num_samples(site)}
 
 
