@@ -236,7 +236,7 @@ class Row:
 def measure(setting: Setting, n_sites: int, executors: tuple[str, ...], repeats: int = 1, say: Callable[[str], None] = print) -> Row:
     """One row: every executor here and the central reference, one after another in this process, ``repeats`` times
     in turn; each column keeps its fastest measurement (on a shared machine the others' load only slows a column down)."""
-    columns: dict[str, Measurement | None] = {name: None for name in EXECUTORS}
+    columns: dict[str, Measurement | None] = {name: None for name in (*EXECUTORS, "central")}
     for _ in range(repeats):
         for name in (*executors, "central"):
             measured = central(setting, n_sites) if name == "central" else federated(setting, n_sites, name)
