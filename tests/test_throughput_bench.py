@@ -49,3 +49,15 @@ def test_the_table_sets_the_ratios_side_by_side():
     rows = [throughput.Row(_setting(), 5, {"sequential": throughput.Measurement(100, 1.0), "batched": None, "central": throughput.Measurement(400, 2.0)})]
     line = throughput.table(rows).splitlines()[-1]
     assert line == "| cpu | clinical | 5 | 100 | - | 200 | - | 0.50 | - |"
+
+
+def test_a_row_measured_in_turn_keeps_each_columns_fastest_measurement(seen):
+    said = []
+    row = throughput.measure(_setting(rounds=1, warmup=0), 2, ("sequential",), repeats=2, say=said.append)
+    parts = [line.split() for line in said]  # "cpu clinical N=2 sequential: 1,234 samples/s"
+    assert [p[3] for p in parts] == ["sequential:", "central:"] * 2  # in turn
+    assert row.columns["batched"] is None
+    assert row.columns["sequential"].samples == 2 * 20 and row.columns["central"].samples == 2 * 20  # one round (epoch) each
+    for name in ("sequential", "central"):
+        fastest = max(float(p[4].replace(",", "")) for p in parts if p[3] == f"{name}:")
+        assert row.columns[name].rate == pytest.approx(fastest, abs=0.5)  # printed to the unit
