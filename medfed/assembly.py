@@ -12,9 +12,11 @@ another builds:
   ``torch.manual_seed(trainer.seed)`` (the global generator is restored
   afterwards);
 * the *strategy* (both halves), told the prototype's shared/personal split;
+* the *Fabric* (:func:`make_fabric`): the device and the precision
+  (``trainer.precision``) every site trains and evaluates in;
 * a *site*: one copy of the prototype per model slot of the strategy
-  (``strategy.prepare_slot``), each set up with its optimiser by Fabric, and
-  the strategy's site half;
+  (``strategy.prepare_slot``), its forward compiled with ``trainer.compile``,
+  each set up with its optimiser by Fabric, and the strategy's site half;
 * the *initial values* both ends of every link hold before any message
   (``strategy.initial_values`` of the prototype's ``{"shared", "personal",
   "all"}`` vectors);
@@ -32,6 +34,7 @@ import torch
 from lightning.fabric import Fabric
 
 from medfed.components import ResolvedRun
+from medfed.config import TrainerConfig
 from medfed.data.federation import Federation, SiteData
 from medfed.data.pooling import pool_training_data
 from medfed.federated.link import Link
@@ -40,6 +43,15 @@ from medfed.federated.site import Site, Slot
 from medfed.federated.strategies.base import Payload, Strategy
 from medfed.models.base import FederatedModule
 from medfed.models.split import PARTS
+
+
+#: Lightning Fabric's name of each ``trainer.precision``
+FABRIC_PRECISION = {"32": "32-true", "bf16-mixed": "bf16-mixed"}
+
+
+def make_fabric(trainer: TrainerConfig, **kwargs: Any) -> Fabric:
+    """The run's Fabric: one ``trainer.device`` in ``trainer.precision`` (``kwargs``: its loggers, callbacks)."""
+    return Fabric(accelerator=trainer.device, devices=1, precision=FABRIC_PRECISION[trainer.precision], **kwargs)
 
 
 def seeded_prototype(resolved: ResolvedRun, input_shape: tuple[int, ...] | list[int], num_classes: int) -> FederatedModule:
@@ -61,6 +73,7 @@ class RunAssembly:
         batch_size: the sites' training batch size (``trainer.batch_size``).
         seed: the run's seed (``trainer.seed``): the sites' data orders derive from it.
         model_changes: the layers replaced so that DP-SGD can train the prototype (one line per kind; empty without DP).
+        compile: whether each slot module's forward is compiled (``trainer.compile``: ``nn.Module.compile``, in place).
     """
 
     prototype: FederatedModule
@@ -70,6 +83,7 @@ class RunAssembly:
     batch_size: int
     seed: int
     model_changes: tuple[str, ...] = ()
+    compile: bool = False
 
     @classmethod
     def from_config(
@@ -87,7 +101,14 @@ class RunAssembly:
             prototype, changes = privacy.dp_compatible(prototype)
         strategy = resolved.strategy_cls(resolved.strategy_options, prototype.parameter_split, n_sites, run.trainer.seed)
         return cls(
-            prototype, strategy, run.codec.spec("up"), run.codec.spec("down"), run.trainer.batch_size, run.trainer.seed, tuple(changes)
+            prototype,
+            strategy,
+            run.codec.spec("up"),
+            run.codec.spec("down"),
+            run.trainer.batch_size,
+            run.trainer.seed,
+            tuple(changes),
+            run.trainer.compile,
         )
 
     def site(self, fabric: Fabric, index: int, data: SiteData) -> Site:
@@ -96,6 +117,8 @@ class RunAssembly:
         for name in self.strategy.slots:
             module = copy.deepcopy(self.prototype)
             self.strategy.prepare_slot(name, module)
+            if self.compile:
+                module.compile()  # its __call__ compiled; parameters, methods and state_dict keys as they were
             slots[name] = Slot(*fabric.setup(module, module.configure_optimizers()))
         return Site(index, data, slots, self.strategy.evaluated_slot, self.strategy.site_half(index), fabric, self.batch_size, self.seed)
 

@@ -193,6 +193,8 @@ def _site_sizes(value: Any, n_sites: int) -> str | list[float]:
 
 
 DEVICES = ("cpu", "cuda", "gpu", "mps", "auto")
+PRECISIONS = ("32", "bf16-mixed")
+"""``trainer.precision``: float32 throughout, or bfloat16 autocast of the forward passes (Lightning Fabric's names)."""
 #: ``trainer.executor``: how the simulator runs the sites' local training (:mod:`medfed.federated.batched`)
 EXECUTORS = ("auto", "sequential", "batched")
 CODEC_NAMES = ("dense", "stc", "cer", "cer+stc")
@@ -216,6 +218,12 @@ class TrainerConfig:
     device: str = "cpu"
     """``cpu``, ``cuda`` (Lightning's alias ``gpu``), ``mps`` or ``auto``; checked against the machine before any data is read."""
     num_threads: int | None = None
+    precision: str = "32"
+    """``32`` (float32 throughout) or ``bf16-mixed`` (forward passes and losses under bfloat16 autocast, float32
+    parameters and optimiser state), through Lightning Fabric; recorded in results.json (``execution``)."""
+    compile: bool = False
+    """torch.compile each model slot's forward (``nn.Module.compile``: the module, its parameters and checkpoints stay
+    as they are); the first steps pay the compilation. Recorded in results.json (``execution``)."""
     executor: str = "auto"
     """How the simulator trains the sites: ``sequential`` (one after another), ``batched`` (the sites of a training plan
     stacked and trained by one vmapped step each, :mod:`medfed.federated.batched`), or ``auto`` (batched on cuda,
@@ -230,6 +238,7 @@ class TrainerConfig:
         require(0 <= self.seed < 2**63, "trainer.seed", self.seed, "an integer in [0, 2^63) (torch and numpy seeds are 64-bit)")
         require(self.device in DEVICES, "trainer.device", self.device, f"one of {', '.join(DEVICES)}")
         require(self.num_threads is None or self.num_threads >= 1, "trainer.num_threads", self.num_threads, "null or >= 1")
+        require(self.precision in PRECISIONS, "trainer.precision", self.precision, f"one of {', '.join(PRECISIONS)}")
         require(self.executor in EXECUTORS, "trainer.executor", self.executor, f"one of {', '.join(EXECUTORS)}")
         require(self.keep_checkpoints >= 1, "trainer.keep_checkpoints", self.keep_checkpoints, "an integer >= 1")
 

@@ -25,11 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric import Fabric
 from omegaconf import DictConfig
 from tqdm import tqdm  # text bars: tqdm.auto warns in a notebook without ipywidgets
 
-from medfed.assembly import RunAssembly
+from medfed.assembly import RunAssembly, make_fabric
 from medfed.checkpoint import FOLDER, resume_state, round_checkpoints
 from medfed.components import ResolvedRun, resolve
 from medfed.config import RunConfig, check_wandb_key
@@ -93,7 +92,7 @@ def _run(
     validation = [ValidationEvaluation()] if any(site.validation is not None for site in federation.sites) else []
     privacy = [PrivacyRecord(dp.on_budget)] if dp.enabled else []
     callbacks = [*_volume_evaluation(federation, run_cfg, progress), *validation, *privacy, tracker]  # scores join the round before the tracker logs
-    fabric = Fabric(accelerator=trainer.device, devices=1, loggers=tracker.loggers, callbacks=callbacks)
+    fabric = make_fabric(trainer, loggers=tracker.loggers, callbacks=callbacks)
     sites = assembly.sites(fabric, federation)
     if dp.enabled:
         for site in sites:
@@ -146,6 +145,7 @@ def _run(
             executor=executor.record(),
             pooled=pooled_reference(federation.sites) if strategy.pools_data else None,
         )
+        results["execution"] = {"device": str(fabric.device), "precision": trainer.precision, "compile": trainer.compile}
         if dp.enabled or run_cfg.privacy.client_dp.enabled:
             results["privacy"] = {**privacy_summary(loop.history), "model_changes": list(assembly.model_changes)}
         return results

@@ -23,7 +23,9 @@ deployment's ServerApp (:mod:`medfed.deploy.server_app`), write one schema,
   :meth:`~medfed.federated.executor.InProcessSites.record`; a deployment's
   sites each train alone), ``config`` (the resolved config), ``history``
   (the loop's round records), and ``outcome`` when nothing was learned
-  (:func:`learned_nothing`).
+  (:func:`learned_nothing`);
+* the simulator's also ``execution``: the ``device``, ``precision`` and
+  ``compile`` its sites trained with (``trainer.precision``, ``trainer.compile``).
 """
 
 from __future__ import annotations

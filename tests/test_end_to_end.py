@@ -119,3 +119,13 @@ def test_validation_holdout_run_reports_metrics_on_validation_and_never_uses_tes
         train, validation, test = (set(site[f"{split}_cases"]) for split in ("train", "validation", "test"))
         assert train and validation and test
         assert train.isdisjoint(validation) and test.isdisjoint(train | validation)
+
+
+def test_a_bf16_mixed_run_on_the_cpu_records_its_precision(tiny_run_config, tmp_path):
+    assert main(["fit", "--config", str(tiny_run_config), "--quiet", "trainer.rounds=1", "trainer.precision=bf16-mixed"]) == 0
+    results = _results(tmp_path / "run")
+    assert results["execution"] == {"device": "cpu", "precision": "bf16-mixed", "compile": False}
+    assert results["config"]["trainer"]["precision"] == "bf16-mixed"
+    losses = [loss for site in results["history"][0]["train_loss"].values() for loss in site.values()]
+    assert losses and all(0.0 < loss < 10.0 for loss in losses)  # trained, finite
+    assert all(0.0 <= row["iou"] <= 1.0 for row in results["sites"])

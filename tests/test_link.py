@@ -256,3 +256,22 @@ def test_two_ends_send_the_same_bytes_and_decode_the_same_values_as_one_link(up,
             assert all(torch.equal(state[k], getattr(site, name)[k]) for k in state)
     if up != "dense" or down != "dense":
         assert one.known, "a lossy codec keeps known values"
+
+
+def test_dense_entries_cross_a_simulated_link_on_the_device_without_bytes_and_are_counted_as_their_stream(monkeypatch):
+    from medfed.compression.codecs import DenseCodec
+
+    link, wire_end = _link(), _link()
+    payload = {"all": torch.randn(4000), "num_samples": torch.tensor([12], dtype=torch.int64), "core/1": torch.randn(40, 100)}
+    expected_bytes = sum(len(data) for _, data in wire_end.encode("up", payload).values())
+    monkeypatch.setattr(DenseCodec, "_encode_payload", lambda self, x: pytest.fail("a dense entry was coded to bytes"))
+    received = link.send("up", payload)
+    assert link.bytes_sent["up"] == expected_bytes and link.dense_bytes["up"] == 4 * (4000 + 1 + 4000)
+    for key, value in payload.items():
+        assert received[key].dtype == torch.float32 and received[key].shape == value.shape
+        assert torch.equal(received[key], value.to(torch.float32))
+        assert received[key].data_ptr() != value.data_ptr()  # the receiver's own copy
+    bad = {"all": torch.randn(4000), "num_samples": torch.tensor([float("nan")])}
+    with pytest.raises(ValueError, match="payload 'num_samples' \\(down\\): contains NaN or infinite entries"):
+        link.send("down", bad)
+    assert link.bytes_sent["down"] == 0  # refused before anything was counted

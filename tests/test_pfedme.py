@@ -23,7 +23,7 @@ def _ready_site(loop, w=W):
     loop.setup()
     site = loop.sites[0]
     site.strategy.receive(site.view, RoundContext(1, "fit"), {"all": w, "buffers": torch.zeros(0)})
-    return site, site.fabric.to_device(next(iter(site.train_loader)))
+    return site, next(site.batches(1))  # a device batch, as Site.train draws it
 
 
 def _inner_gradient(theta, w, lam, x, y):

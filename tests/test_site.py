@@ -198,3 +198,162 @@ def test_a_plan_counts_steps_epochs_or_a_share_of_the_trainers_epochs():
     assert TrainingPlan(share=0.25).epochs_of(2.0) == 0.5
     assert TrainingPlan().epochs_of(3.0) == 3.0
 
+
+
+def _dataloader_route(site):
+    """``site`` put on the DataLoader route (as a split that is not device-resident trains): the samples' own loaders."""
+    site.resident = None
+    site.train_loader = site._shuffled_loader(site.generator)
+    site.data_orders = {}
+    return site
+
+
+def test_device_resident_batches_are_the_dataloaders_batches_in_the_same_order():
+    resident, loaded = _site(104), _dataloader_route(_site(104))  # B = 7, the last batch of a pass holds 8 samples
+    assert resident.resident is not None and loaded.resident is None
+    batches = {id(resident): [], id(loaded): []}
+
+    def recording(site):
+        def step_loss(batch):
+            batches[id(site)].append([tensor.clone() for tensor in batch])
+            return site.module.training_step(batch, 0)
+
+        return step_loss
+
+    for site in (resident, loaded):  # half a pass, the rest of the round, two whole passes, a named data order
+        site.train(site.steps(0.5), "model", "all", recording(site))
+        site.train(site.steps(0.5, 0.5), "model", "all", recording(site))
+        site.train(site.steps(2.0), "model", "all", recording(site))
+        site.train(site.steps(1.0), "model", "all", recording(site), data_order="personal")
+    assert len(batches[id(resident)]) == 4 + 3 + 14 + 7
+    assert [len(batch[1]) for batch in batches[id(resident)][-7:]] == [16] * 6 + [8]
+    for got, expected in zip(batches[id(resident)], batches[id(loaded)], strict=True):
+        assert len(got) == len(expected) == 2
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, expected))
+    assert torch.equal(resident.generator.get_state(), loaded.generator.get_state())
+    assert torch.equal(resident.data_orders["personal"][0].get_state(), loaded.data_orders["personal"][0].get_state())
+    assert torch.equal(resident.module.get_vector("all"), loaded.module.get_vector("all"))
+
+
+def test_a_split_with_its_own_sampler_keeps_its_dataloader():
+    from torch.utils.data import TensorDataset
+
+    from medfed.federated.site import resident_tensors
+
+    class Crops(TensorDataset):  # what random crops look like to the site: tensors, and a sampler of their own
+        def sampler(self, generator):
+            raise AssertionError("not drawn here")
+
+    x, y = torch.randn(8, 3), torch.zeros(8, dtype=torch.long)
+    assert resident_tensors(Crops(x, y), torch.device("cpu")) is None
+    kept = resident_tensors(TensorDataset(x, y), torch.device("cpu"))
+    assert kept[0] is x and kept[1] is y  # on the CPU the split is used as it is: no copy
+
+
+class _HostReads:
+    """Counts the host reads of floating-point and boolean tensors (``item``, ``tolist``, ``bool``, ``float``) while on."""
+
+    METHODS = ("item", "tolist", "__bool__", "__float__")
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, original=original):
+                if tensor.is_floating_point() or tensor.dtype == torch.bool:
+                    self.count += 1
+                return original(tensor, *args)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+def test_a_plan_reads_its_losses_from_the_device_once_not_at_every_step(monkeypatch):
+    site = _site(112)
+    reads = _HostReads(monkeypatch)
+    mean = site.train(site.steps(2.0), "model", "all", lambda batch: site.module.training_step(batch, 0))
+    assert reads.count == 1  # 14 steps, one read (the sampler's int64 permutations are host tensors, not counted)
+    monkeypatch.undo()
+    twin = _site(112)
+    losses = []
+
+    def step_loss(batch):
+        loss = twin.module.training_step(batch, 0)
+        losses.append(loss.item())
+        return loss
+
+    twin.train(twin.steps(2.0), "model", "all", step_loss)
+    total = 0.0
+    for loss in losses:  # the running float64 sum a per-step loss.item() gave
+        total += loss
+    assert mean == total / 14
+
+
+def test_a_loss_that_becomes_nan_at_step_3_fails_the_site_naming_the_site_the_round_and_the_step():
+    from medfed.errors import SiteFailure
+
+    loop = build_loop("fedavg", two_group_federation(n_sites=2, n_train=96), seeded(LinearClassifier, 4, 2), on_site_failure="stop")
+    half = loop.sites[1].strategy
+    calls = {}
+
+    def loss(view, ctx, plan, batch, honest=half.loss):
+        calls[ctx.round] = calls.get(ctx.round, 0) + 1
+        value = honest(view, ctx, plan, batch)
+        return value * float("nan") if ctx.round == 2 and calls[ctx.round] >= 3 else value
+
+    half.loss = loss
+    loop.fit(1)
+    steps = loop.sites[1].batches_per_epoch
+    with pytest.raises(
+        SiteFailure,
+        match=rf"^site site1 failed in round 2 \(fit phase\): FloatingPointError: site1: training loss became nan at step 3 of {steps} ",
+    ):
+        loop.fit(2)
+    assert calls[2] == steps  # the plan ran to its end: its losses were read once, after its last step
+
+
+def _assembled_site(model, *, precision="32", compile=False, n_train=112):
+    """Site 0 of a 2-site toy FedAvg federation built as a run builds it (RunAssembly, make_fabric) in ``precision``/``compile``."""
+    from medfed.assembly import RunAssembly, make_fabric
+    from medfed.config import TrainerConfig
+    from medfed.federated.strategies import strategy_from_config
+
+    federation = two_group_federation(n_sites=2, n_train=n_train)
+    strategy_cls, options = strategy_from_config({"name": "fedavg"})
+    strategy = strategy_cls(options, model.parameter_split, 2, 0)
+    assembly = RunAssembly(model, strategy, {"name": "dense"}, {"name": "dense"}, 16, 0, compile=compile)
+    fabric = make_fabric(TrainerConfig(precision=precision, compile=compile), loggers=[], callbacks=[])
+    return assembly.site(fabric, 0, federation.sites[0])
+
+
+def test_every_precision_the_config_accepts_has_a_fabric_precision():
+    from medfed.assembly import FABRIC_PRECISION
+    from medfed.config import PRECISIONS
+
+    assert set(FABRIC_PRECISION) == set(PRECISIONS)
+
+
+def test_bf16_mixed_trains_under_bfloat16_autocast_on_the_cpu_close_to_float32():
+    runs = {}
+    for precision in ("32", "bf16-mixed"):
+        site = _assembled_site(seeded(LinearClassifier, 4, 2), precision=precision)
+        dtypes = []  # of the linear layer's output in each training step
+        site.module.linear.register_forward_hook(lambda layer, inputs, output, dtypes=dtypes: dtypes.append(output.dtype))
+        step_loss = lambda batch, site=site: site.module.training_step(batch, 0)  # noqa: E731 (as the strategies call it)
+        runs[precision] = (site.train(site.steps(1.0), "model", "all", step_loss), dtypes, site)
+    (full, full_dtypes, full_site), (mixed, mixed_dtypes, mixed_site) = runs["32"], runs["bf16-mixed"]
+    assert set(full_dtypes) == {torch.float32} and set(mixed_dtypes) == {torch.bfloat16}
+    assert mixed != full and mixed == pytest.approx(full, rel=2e-2)  # bfloat16 has 8 significant bits
+    assert all(p.dtype == torch.float32 for p in mixed_site.module.parameters())  # float32 parameters and optimiser
+    assert mixed_site.evaluate()["accuracy"] == pytest.approx(full_site.evaluate()["accuracy"], abs=0.05)
+
+
+@pytest.mark.slow  # the compilation: 15-45 s on two busy cores
+def test_compile_gives_the_eager_first_step_loss():
+    eager = _assembled_site(seeded(LinearClassifier, 4, 2))
+    compiled = _assembled_site(seeded(LinearClassifier, 4, 2), compile=True)
+    assert compiled.module.module._compiled_call_impl is not None and eager.module.module._compiled_call_impl is None
+    assert list(compiled.module.state_dict()) == list(eager.module.state_dict())  # checkpoints keep their keys
+    losses = [site.train(1, "model", "all", lambda batch, site=site: site.module.training_step(batch, 0)) for site in (eager, compiled)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6, abs=1e-7)
+    assert torch.allclose(compiled.module.get_vector("all"), eager.module.get_vector("all"), rtol=1e-6, atol=1e-7)

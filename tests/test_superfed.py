@@ -24,7 +24,7 @@ def _site_at_round(loop, round_index, global_model=None):
     global_model = loop.initial["all"] if global_model is None else global_model
     message = {"all": global_model, "buffers": torch.zeros(0), "round": torch.tensor([float(round_index)])}
     site.strategy.receive(site.view, RoundContext(1, "fit"), message)
-    return site, site.fabric.to_device(next(iter(site.train_loader)))
+    return site, next(site.batches(1))  # a device batch, as Site.train draws it
 
 
 def _vectors(site):

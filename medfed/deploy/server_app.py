@@ -88,9 +88,8 @@ import torch
 from flwr.app import Context, Message
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
-from lightning.fabric import Fabric
 
-from medfed.assembly import RunAssembly
+from medfed.assembly import RunAssembly, make_fabric
 from medfed.checkpoint import FOLDER, checkpoints, resume_state, round_checkpoints
 from medfed.components import ResolvedRun, resolve
 from medfed.config import load_config, to_yaml
@@ -739,7 +738,7 @@ def serve(grid: Grid, settings: RunSettings, resumed: dict[str, Any] | None, run
     )
     described = sites.handshake()
     assembly = RunAssembly.from_config(resolved, described["input_shape"], described["num_classes"], run.federation.n_sites)
-    fabric = Fabric(accelerator=trainer.device, devices=1, callbacks=[sites])  # sites.on_round_end: the validation metrics
+    fabric = make_fabric(trainer, callbacks=[sites])  # sites.on_round_end: the validation metrics
     initial = assembly.initial_values(fabric.device)
     sites.device = fabric.device
     sites.links = [assembly.link(initial, fabric.device, peer=name) for name in sites.names]

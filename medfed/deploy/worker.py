@@ -54,10 +54,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
-from medfed.assembly import RunAssembly
+from medfed.assembly import RunAssembly, make_fabric
 from medfed.atomic import atomic_write
 from medfed.checkpoint import checkpoints, config_differences, read_checkpoint, save_checkpoint
 from medfed.components import resolve
@@ -107,7 +106,7 @@ class SiteWorker:
             **resolved.task_inputs,
         )
         assembly = RunAssembly.from_config(resolved, federation.input_shape, federation.num_classes, run.federation.n_sites)
-        fabric = Fabric(accelerator=run.trainer.device, devices=1)
+        fabric = make_fabric(run.trainer)
         self.site = assembly.site(fabric, site_index, federation.sites[0])
         validation = self.site.data.validation  # evaluated as the simulator's ValidationEvaluation does (medfed.evaluation.rounds)
         self.validation_loader = None if validation is None else DataLoader(validation, batch_size=self.site.test_loader.batch_size, shuffle=False)

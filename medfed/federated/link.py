@@ -64,6 +64,16 @@ key that has the size of a parameter part of the model (``initial``'s
 vectors other than buffers, from ``MIN_CHECKED_SIZE`` values) is refused: a model vector must be declared in ``coded_keys`` so
 that it never silently skips the codec.
 
+*Dense on the device.* Where both ends are in one process (the simulator's
+:meth:`Link.send`), an entry a lossless codec carries (``dense``: model
+vectors under a dense codec, and every entry outside ``coded_keys``) would
+decode to exactly its float32 values, so it is handed over as a float32 copy
+on the receiver's device, never copied to the host, and counted as the
+stream it would be (header + 4 bytes a value); one check per message (one
+host read) refuses a NaN or an infinity as the codec would. A lossy codec's
+entries, and a deployment's (:meth:`Link.encode` / :meth:`Link.decode`),
+cross as bytes.
+
 *What a receiver accepts.* :meth:`Link.decode` reads bytes from the other
 end, which it does not trust: a wire is a dict of string keys, each entry a
 shape (at most ``MAX_DIMS`` non-negative integers) and a codec stream. A
@@ -88,7 +98,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from medfed.compression.codecs import Codec, make_codec
+from medfed.compression.codecs import HEADER_SIZE, Codec, make_codec
 from medfed.errors import MessageError
 from medfed.federated.strategies.base import Payload
 
@@ -183,11 +193,46 @@ class Link:
                 raise error.about(self._sender(direction), key) from None
         received = {}
         started = time.perf_counter()
+        dense = {key: value for key, value in payload.items() if self._codec(direction, key).lossless and value.numel() > 0}
+        self._check_dense(direction, dense)
         for key, value in payload.items():
+            if key in dense:
+                received[key] = value.detach().to(device=self.device, dtype=torch.float32, copy=True)
+                self.bytes_sent[direction] += HEADER_SIZE + 4 * value.numel()  # the dense stream it would be
+                self.dense_bytes[direction] += 4 * value.numel()
+                continue
             shape, data, decoded = self._encode_key(direction, key, value)
             received[key] = value.to(self.device) if data is None else decoded.reshape(shape).to(self.device)
         self.codec_seconds += time.perf_counter() - started
         return received
+
+    def _check_dense(self, direction: str, dense: Payload) -> None:
+        """Refuse what the dense codec would refuse in ``dense`` (``send``'s lossless entries), reading the device once.
+
+        Raises:
+            ValueError: a model-sized tensor under a key not in ``coded_keys``, or an entry holding a NaN or an infinity.
+        """
+        for key, value in dense.items():
+            self._check_declared(direction, key, value.numel())
+        if not dense:
+            return
+        finite = torch.stack([torch.isfinite(value).all().to(self.device) for value in dense.values()])
+        if not bool(finite.all()):  # the message's one host read
+            key = list(dense)[int(torch.nonzero(~finite)[0])]
+            raise ValueError(f"payload {key!r} ({direction}): contains NaN or infinite entries")
+
+    def _codec(self, direction: str, key: str) -> Codec:
+        """The codec that carries ``key`` in ``direction``: the direction's for a model vector, dense for any other entry."""
+        return self._small if self._reference_name(key) is None else self._codecs[direction]
+
+    def _check_declared(self, direction: str, key: str, count: int) -> None:
+        """Refuse ``count`` values under ``key`` where they have a model part's size and the key is not in ``coded_keys``."""
+        if self._reference_name(key) is None and count in self._model_sizes:
+            raise ValueError(
+                f"payload {key!r} ({direction}) holds {count} values, the size of the model part "
+                f"{self._model_sizes[count]!r}, but is not declared in the strategy's coded_keys "
+                f"({', '.join(self.coded_keys) or 'none'}): a model vector must go through the codec"
+            )
 
     def encode(self, direction: str, payload: Payload) -> dict[str, Wire]:
         """The sender's end alone (a deployment): ``payload`` -> ``{key: (shape, bytes)}``, counted here.
@@ -314,14 +359,9 @@ class Link:
         flat = value.detach().reshape(-1).to(torch.float32).cpu()
         if flat.numel() == 0:  # e.g. the shared part of an all-personal model: nothing to send
             return shape, None, None
+        self._check_declared(direction, key, flat.numel())
         reference_name = self._reference_name(key)
-        if reference_name is None and flat.numel() in self._model_sizes:
-            raise ValueError(
-                f"payload {key!r} ({direction}) holds {flat.numel()} values, the size of the model part "
-                f"{self._model_sizes[flat.numel()]!r}, but is not declared in the strategy's coded_keys "
-                f"({', '.join(self.coded_keys) or 'none'}): a model vector must go through the codec"
-            )
-        codec = self._small if reference_name is None else self._codecs[direction]
+        codec = self._codec(direction, key)
         if codec.lossless:
             data = codec.encode(flat)
             decoded = codec.decode(data)

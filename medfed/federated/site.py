@@ -10,6 +10,14 @@ global generators) comes from :meth:`Site.global_rng`, seeded afresh from
 the run's seed, the site and the round before each piece of work, so it
 needs no state: two runs, or a run and its resumed twin, draw the same.
 
+A training split of plain tensors that fits on the device is moved there
+once, when the site is built, and each step's batch is cut from it on the
+device by the indices the seeded shuffled loader draws (the loader runs over
+the sample indices, so it draws exactly as it would over the samples: the
+same batches in the same order). A split that draws fresh samples (random
+crops) goes through its DataLoader. A training step never waits for the
+device: the plan's losses are kept on it and read once, at the plan's end.
+
 A site's strategy half sees it only through :attr:`Site.view`, a
 :class:`~medfed.federated.site_view.SiteView`; the site counts the samples
 it passes, per training plan, auxiliary pass and evaluation
@@ -29,7 +37,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from lightning.fabric import Fabric
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from medfed.data.federation import SiteData
 from medfed.federated.compute import AUX, EVALUATION, FORWARD, PassCounter, batch_samples
@@ -37,6 +45,9 @@ from medfed.federated.privacy import SiteDP
 from medfed.federated.site_view import SiteView, split_of
 from medfed.federated.strategies.base import Auxiliary, SiteHalf, state_on_device
 from medfed.models.base import FederatedModule
+
+#: a training split is kept on a CUDA device when it takes at most this share of the device's free memory
+RESIDENT_SHARE = 0.25
 
 
 @dataclass
@@ -87,7 +98,10 @@ class Site:
         self.fabric = fabric
         self.seed = seed
         self.batch_size = batch_size
+        #: the training split's tensors on the device (batches are cut from them there), or None: its DataLoader's batches
+        self.resident = resident_tensors(data.train, fabric.device)
         self.generator = self._new_generator()
+        #: the site's own data order: its shuffled loader (of the samples, or device-resident of their indices: :meth:`batches`)
         self.train_loader = self._shuffled_loader(self.generator)
         #: the data orders training plans name (``TrainingPlan.data_order``): {name: (generator, loader)}
         self.data_orders: dict[str, tuple[torch.Generator, DataLoader]] = {}
@@ -112,11 +126,13 @@ class Site:
         return torch.Generator().manual_seed(self.seed * 1_000_003 + self.index)
 
     def _shuffled_loader(self, generator: torch.Generator) -> DataLoader:
-        """The training split in mini-batches, shuffled by ``generator``."""
+        """The training split in mini-batches, shuffled by ``generator`` (device-resident: the mini-batches of sample indices)."""
         train = self.data.train
         # A training set that draws fresh samples (random crops) brings its own sampler; it draws from the same generator.
         sampler = train.sampler(generator) if hasattr(train, "sampler") else RandomSampler(train, generator=generator)
-        return DataLoader(train, batch_size=self.batch_size, sampler=sampler, generator=generator)
+        # Over range(n) the loader draws from the generator exactly as over the samples: the batches are their indices.
+        samples = train if self.resident is None else range(len(train))
+        return DataLoader(samples, batch_size=self.batch_size, sampler=sampler, generator=generator)
 
     def batches(self, steps: int, data_order: str | None = None) -> Iterator[Any]:
         """The device batches of ``steps`` training steps, drawn as :meth:`train` describes (whole passes, then a cut one).
@@ -130,8 +146,15 @@ class Site:
             # A fresh pass: whole when the steps cover it, otherwise only its first `remaining` batches (the rest dropped).
             whole = remaining >= self.batches_per_epoch
             for drawn in loader if whole else itertools.islice(loader, remaining):
-                yield self.fabric.to_device(drawn)
+                yield self._device_batch(drawn)
                 remaining -= 1
+
+    def _device_batch(self, drawn: Any) -> Any:
+        """What the shuffled loader drew as a batch on the device: the samples cut from the resident split, or moved there."""
+        if self.resident is None:
+            return self.fabric.to_device(drawn)
+        indices = drawn.to(self.fabric.device, non_blocking=True)
+        return [tensor[indices] for tensor in self.resident]  # a list, as the DataLoader collates a TensorDataset's samples
 
     def _loader(self, data_order: str | None) -> DataLoader:
         """The shuffled loader of the data order named ``data_order`` (``None``: the site's own), made at its first use."""
@@ -258,10 +281,18 @@ class Site:
         the global-RNG stream of the work and the call's rank in it), and a
         site whose privacy budget is spent trains no more (returns ``None``).
 
+        Each step's loss is computed under the run's precision
+        (``fabric.autocast``) and kept on the device; no step waits for it.
+        The plan's losses are read once, at its end.
+
         Returns:
             Mean training loss over the steps, or ``None`` if nothing was
             trained (a part without parameters, e.g. the shared part of an
             all-personal logistic regression).
+
+        Raises:
+            FloatingPointError: a step's loss was not finite (read at the
+                plan's end; the error names the site and the first such step).
         """
         module, optimizer = self.slot(slot).module, self.slot(slot).optimizer
         others = [self.slot(name).optimizer for name in also_steps]
@@ -274,8 +305,6 @@ class Site:
         if privacy is not None and privacy.spent:
             privacy.note_spent()
             return None
-        loader = self._loader(data_order)
-        remaining = steps
         module.set_trainable(part)
         module.train()
         stepped = [module, *(self.slot(name).module for name in also_steps)]
@@ -284,46 +313,38 @@ class Site:
         parameters = [p for m in stepped for p in m.parameters() if p.requires_grad]
         noise = None if privacy is None else privacy.noise_generator(self.fabric.device, *self._rng_stream, self._train_calls)
         hooked = [] if privacy is None else privacy.attach(stepped)
-        total = 0.0
-        steps = 0
+        device = self.fabric.device
+        losses = torch.empty(steps, dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)  # read at the end
+        done = 0
         self.plan_key = compute
         half, auxiliary = self.strategy, auxiliary or {}
         for name in auxiliary:  # differentiable leaves while the plan runs
             setattr(half, name, getattr(half, name).detach().requires_grad_(True))
         try:
-            while remaining > 0:
-                # A fresh pass: whole when the steps cover it (run to its end, as a plain epoch loop
-                # does: the sampler draws from the generator once more when it is exhausted),
-                # otherwise only its first `remaining` batches, and the rest of it is dropped.
-                whole = remaining >= self.batches_per_epoch
-                for batch in loader if whole else itertools.islice(loader, remaining):
-                    batch = self.fabric.to_device(batch)
-                    if privacy is not None and privacy.spent:
-                        privacy.note_spent()
-                        remaining = 0
-                        break
-                    optimizer.zero_grad(set_to_none=True)
-                    for other in others:
-                        other.zero_grad(set_to_none=True)
+            for batch in self.batches(steps, data_order):
+                if privacy is not None and privacy.spent:  # host-side accounting: no wait for the device
+                    privacy.note_spent()
+                    break
+                optimizer.zero_grad(set_to_none=True)
+                for other in others:
+                    other.zero_grad(set_to_none=True)
+                with self.fabric.autocast():
                     loss = step_loss(batch)
-                    if not torch.isfinite(loss):
-                        raise FloatingPointError(f"{self.name}: training loss became {loss.item()} (learning rate too high?)")
-                    self.fabric.backward(loss)
-                    if privacy is not None:
-                        privacy.privatise(parameters, noise)
-                    if compute is not None and data_pass:
-                        self.passes.add(compute, data_pass * batch_samples(batch))
-                    optimizer.step()
-                    for other in others:
-                        other.step()
-                        other.zero_grad(set_to_none=True)
-                    for name, rule in auxiliary.items():
-                        value = getattr(half, name)
-                        if value.grad is not None:
-                            setattr(half, name, rule.step(value, value.grad).requires_grad_(True))
-                    total += loss.item()
-                    remaining -= 1
-                    steps += 1
+                self.fabric.backward(loss)
+                if privacy is not None:
+                    privacy.privatise(parameters, noise)
+                if compute is not None and data_pass:
+                    self.passes.add(compute, data_pass * batch_samples(batch))
+                optimizer.step()
+                for other in others:
+                    other.step()
+                    other.zero_grad(set_to_none=True)
+                for name, rule in auxiliary.items():
+                    value = getattr(half, name)
+                    if value.grad is not None:
+                        setattr(half, name, rule.step(value, value.grad).requires_grad_(True))
+                losses[done] = loss.detach()
+                done += 1
         finally:
             self.plan_key = None
             for name in auxiliary:
@@ -332,17 +353,38 @@ class Site:
                 privacy.detach(hooked)
         optimizer.zero_grad(set_to_none=True)
         module.set_trainable("all")
-        return total / steps if steps else None
+        return self._mean_loss(losses[:done]) if done else None
+
+    def _mean_loss(self, losses: torch.Tensor) -> float:
+        """The mean of a plan's step losses ``(steps,)`` float64, read from the device at once.
+
+        Summed in step order in float64, as a running sum of each step's
+        ``loss.item()`` would be.
+
+        Raises:
+            FloatingPointError: a loss is not finite (naming the site and the first such step).
+        """
+        values = losses.tolist()
+        for step, value in enumerate(values, start=1):
+            if not math.isfinite(value):
+                raise FloatingPointError(
+                    f"{self.name}: training loss became {value} at step {step} of {len(values)} (learning rate too high?)"
+                )
+        total = 0.0
+        for value in values:  # a running sum (not sum(): Python 3.12's compensates), as the steps' losses came
+            total += value
+        return total / len(values)
 
     @torch.no_grad()
     def evaluate(self, loader: DataLoader | None = None) -> dict[str, float]:
-        """The evaluated slot's metrics over the whole test split (or over ``loader``).
+        """The evaluated slot's metrics over the whole test split (or over ``loader``), in the run's precision.
 
         The round's evaluation (no ``loader``) is counted as ``evaluation`` passes.
         """
         self.module.eval()
         for batch_index, batch in enumerate(self.test_loader if loader is None else loader):
-            self.module.test_step(self.fabric.to_device(batch), batch_index)
+            with self.fabric.autocast():
+                self.module.test_step(self.fabric.to_device(batch), batch_index)
             if loader is None:
                 self.passes.add(EVALUATION, batch_samples(batch))
         return self.module.test_results()
@@ -371,6 +413,26 @@ class Site:
         self.strategy.load_state_dict(state_on_device(state["strategy"], self.fabric.device))
         if self.privacy is not None:
             self.privacy.load_state_dict(state["privacy"])
+
+
+def resident_tensors(train: Any, device: torch.device) -> tuple[torch.Tensor, ...] | None:
+    """The tensors of a training split kept on ``device`` for the run, or None where its DataLoader serves it.
+
+    A split of plain tensors (a ``TensorDataset`` without its own sampler) is
+    kept: on the CPU as it is (no copy), on a CUDA device when it takes at
+    most :data:`RESIDENT_SHARE` of the device's free memory. A split that
+    draws fresh samples (random crops bring their own sampler), any other
+    dataset and any other device keep the DataLoader.
+    """
+    if not isinstance(train, TensorDataset) or hasattr(train, "sampler"):
+        return None
+    if device.type == "cpu":
+        return tuple(train.tensors)
+    if device.type != "cuda":
+        return None
+    size = sum(tensor.numel() * tensor.element_size() for tensor in train.tensors)
+    free, _ = torch.cuda.mem_get_info(device)
+    return tuple(tensor.to(device) for tensor in train.tensors) if size <= RESIDENT_SHARE * free else None
 
 
 class View(SiteView):
