@@ -773,5 +773,7 @@ def serve(grid: Grid, settings: RunSettings, resumed: dict[str, Any] | None, run
         config=config,
         executor={"name": "sequential"},  # every SuperNode trains its own site
     )
+    # each SuperNode resolves trainer.device for itself: the configured value, not a device the server saw
+    results["execution"] = {"device": run.trainer.device, "precision": run.trainer.precision, "compile": run.trainer.compile}
     write_json_atomic(output_dir / "results.json", results)
     print(f"medfed: wrote {output_dir / 'results.json'}", flush=True)
