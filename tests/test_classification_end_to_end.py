@@ -48,7 +48,7 @@ output_dir: {output}
 # what experiment.run writes for every task (the BraTS end-to-end test checks the same run)
 RESULT_KEYS = {
     "medfed_version", "engine", "strategy", "seed", "num_threads", "federation", "sites", "mean", "failures", "excluded", "communication",
-    "compute", "timing", "executor", "config", "history",
+    "compute", "timing", "executor", "execution", "config", "history",
 }
 METRICS = ["accuracy", "balanced_accuracy", "auroc"]
 
@@ -78,6 +78,7 @@ def test_cli_run_writes_results_like_brats(task, strategy, data_dir, tmp_path):
 
     assert set(results) == RESULT_KEYS and results["strategy"] == strategy and results["seed"] == 0
     assert results["executor"] == {"name": "sequential"}  # trainer.executor: auto, on the CPU
+    assert results["execution"] == {"device": "cpu", "precision": "32", "compile": False}
     assert results["federation"]["task"] == task and results["federation"]["generated"] is generated
     assert [row["site"] for row in results["sites"]] == ["site0", "site1", "site2"]
     for row, site in zip(results["sites"], results["federation"]["sites"]):
