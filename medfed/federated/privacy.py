@@ -139,6 +139,15 @@ def steps_within(
     return low
 
 
+def accounted_epsilon(accountant: Any, noise_multiplier: float, delta: float) -> float:
+    """The epsilon at ``delta`` an Opacus accountant gives for what it has recorded: 0 before any step, inf without noise."""
+    if not accountant.history:
+        return 0.0
+    if noise_multiplier == 0:
+        return math.inf
+    return float(accountant.get_epsilon(delta))
+
+
 @dataclass
 class SiteDP:
     """DP-SGD of one site: the mechanism's parameters, its accountant and its noise generators.
@@ -263,11 +272,7 @@ class SiteDP:
     # ------------------------------------------------------------------ accounting and state
     def epsilon(self) -> float:
         """The site's epsilon at ``delta`` after the steps so far (0 before any)."""
-        if not self.accountant.history:
-            return 0.0
-        if self.noise_multiplier == 0:
-            return math.inf
-        return float(self.accountant.get_epsilon(self.config.delta))
+        return accounted_epsilon(self.accountant, self.noise_multiplier, self.config.delta)
 
     def record(self) -> dict[str, Any]:
         """What a round's record says of the site's privacy."""
@@ -473,11 +478,7 @@ class ClientDP:
 
     def epsilon(self) -> float:
         """epsilon at ``delta`` after the releases so far (0 before any, inf without noise)."""
-        if not self.accountant.history:
-            return 0.0
-        if self.noise_multiplier == 0:
-            return math.inf
-        return float(self.accountant.get_epsilon(self.config.delta))
+        return accounted_epsilon(self.accountant, self.noise_multiplier, self.config.delta)
 
     def round_record(self) -> dict[str, Any]:
         """What a round's record says of client-level DP: epsilon so far, and the round's last release (then forgotten)."""
