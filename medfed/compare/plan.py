@@ -159,7 +159,8 @@ def _inspect(output_dir: Path, config: dict[str, Any], threads: int, defaults: d
     (or results of fewer rounds) is there, with the thread count the run
     started with, which ``--resume`` needs; else ``new``. A key the saved
     config lacks (a run made before medfed had it) counts as equal where
-    ``config`` holds its default (``defaults``, :func:`~medfed.components.default_config`).
+    ``config`` holds its default (``defaults``, :func:`~medfed.components.default_config`),
+    and the options of strategies other than the run's (``strategy.<other>.*``) are not compared.
 
     Raises:
         ConfigError: the folder holds a run of another config, or of more rounds.
@@ -173,7 +174,9 @@ def _inspect(output_dir: Path, config: dict[str, Any], threads: int, defaults: d
     if not isinstance(saved.get("trainer"), dict) or not isinstance(saved["trainer"].get("rounds"), int):
         raise DataError(f"{source}: holds no run config with trainer.rounds; the file is damaged: delete the run folder {output_dir} to run it again")
     changed = [
-        key for key in config_differences(saved, config) if key not in NOT_COMPARED and not _added_at_default(key, saved, config, defaults)
+        key
+        for key in config_differences(saved, config)
+        if key not in NOT_COMPARED and not _another_strategys(key, config) and not _added_at_default(key, saved, config, defaults)
     ]
     rounds, saved_rounds = config["trainer"]["rounds"], saved["trainer"]["rounds"]
     if saved_rounds > rounds:
@@ -187,6 +190,12 @@ def _inspect(output_dir: Path, config: dict[str, Any], threads: int, defaults: d
     if source == results and saved_rounds == rounds:
         return "done", saved_threads
     return "resume", saved_threads
+
+
+def _another_strategys(key: str, config: dict[str, Any]) -> bool:
+    """Whether dotted ``key`` is an option of a strategy other than the run's (``strategy.<other>.*``), which the run never reads."""
+    group, _, rest = key.partition(".")
+    return group == "strategy" and rest.split(".", 1)[0] not in ("name", config["strategy"]["name"])
 
 
 def _added_at_default(key: str, saved: dict[str, Any], config: dict[str, Any], defaults: dict[str, Any]) -> bool:
