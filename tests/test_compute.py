@@ -60,7 +60,7 @@ def test_sites_that_skip_a_round_count_only_their_evaluation():
 
 
 def test_pfednets_two_half_epoch_phases_count_the_batches_they_pass():
-    loop = _loop("pfednet")
+    loop = _loop("pfednet", {"schedule": "alternating"})
     loop.fit(2)
     for name, n in _sizes(loop).items():
         b = _batches(n)
