@@ -39,7 +39,7 @@ def test_one_local_step_by_hand(alpha_lr, alpha):
     assert plan.slot == "global"
 
     x, y = federation.sites[0].train.tensors
-    assert train_plans(site, RoundContext(1, "fit"), (plan,), 1.0, {}, "train/fit")  # one step (half an epoch of one batch)
+    assert train_plans(site, RoundContext(1, "fit"), (plan,), 1.0, "train/fit")  # one step (half an epoch of one batch)
     assert site.passes.take(site.n_train) == {"train/fit/global": 2.0}  # two passes of the split: w's and v_bar's
 
     mixed = alpha * v + (1 - alpha) * w

@@ -69,7 +69,7 @@ def test_one_local_step_follows_eqs_5_to_7():
     assert plan.slot == "core" and half.plan(RoundContext(1, "select")) == ()
 
     x, y = federation.sites[0].train.tensors
-    assert train_plans(site, RoundContext(1, "fit"), (plan,), 1.0, {}, "train/fit")  # one step, the loop's: w^(c) and p_i
+    assert train_plans(site, RoundContext(1, "fit"), (plan,), 1.0, "train/fit")  # one step, the loop's: w^(c) and p_i
 
     personalised = (dr @ cores).requires_grad_(True)  # independent forward pass of w^(p)
     logits = x @ personalised[:8].reshape(2, 4).T + personalised[8:]

@@ -212,6 +212,26 @@ def test_a_folder_holding_a_run_of_another_config_is_refused_before_any_run(comp
     assert "holds a run of another config (it differs at model.lr)" in error and error.count("\n") == 1
 
 
+def test_a_finished_run_counts_as_done_whatever_its_device_and_the_options_of_strategies_it_does_not_use(compared, tmp_path, capsys):
+    grid, out, _ = compared
+    copy = shutil.copytree(out, tmp_path / "out")
+    finished = copy / "tiny_clinical" / "fedavg" / "seed0" / "results.json"
+    mtime = finished.stat().st_mtime_ns
+    arguments = ["compare", "--grid", str(grid), "--output", str(copy), "--quiet"]
+    assert main([*arguments, "strategy.pfednet.lam=0.5", "strategy.ditto.lam=2"]) == 0  # neither local nor fedavg reads them
+    assert "4 runs, 4 already finished, 0 to resume" in capsys.readouterr().err
+    assert finished.stat().st_mtime_ns == mtime
+    config = results_of(copy, "fedavg", 0)["config"]
+    config["trainer"]["device"] = "cuda"  # run on a GPU machine: where a run ran is not what it ran
+    finished.write_text(json.dumps({**results_of(copy, "fedavg", 0), "config": config}))
+    assert main(arguments) == 0
+    assert "4 runs, 4 already finished, 0 to resume" in capsys.readouterr().err
+    config["strategy"]["fedavg"] = {"unknown": 1}  # the run's own strategy's options are compared
+    finished.write_text(json.dumps({**results_of(copy, "fedavg", 0), "config": config}))
+    assert main(arguments) == 2
+    assert "holds a run of another config (it differs at strategy.fedavg.unknown)" in capsys.readouterr().err
+
+
 def test_bundled_grids_are_found_by_name_and_list_every_strategy():
     from medfed.federated.strategies import STRATEGIES as REGISTERED
 

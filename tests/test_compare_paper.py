@@ -61,11 +61,11 @@ def test_sgd_with_momentum_steps_as_its_definition_and_momentum_needs_sgd():
 
 def test_the_pfednet_ablation_grid_puts_each_variant_of_brats_lack0_in_a_column_of_its_own():
     grid = read_grid(REPOSITORY / "configs" / "ablation" / "pfednet_brats.yaml")
-    assert grid.configs == ["shipped", "joint", "lam0", "joint-lam0", "lam1", "model-graph", "feature-graph", "60-rounds"]
+    assert grid.configs == ["alternating", "joint", "lam0", "joint-lam0", "lam1", "model-graph", "feature-graph", "60-rounds"]
     runs = plan_runs(replace(grid, seeds=[0]))
     assert len(runs) == 8 * 2
     expected = {
-        "shipped": ("alternating", 0.1, "data", 30), "joint": ("joint", 0.1, "data", 30), "lam0": ("alternating", 0.0, "data", 30),
+        "alternating": ("alternating", 0.1, "data", 30), "joint": ("joint", 0.1, "data", 30), "lam0": ("alternating", 0.0, "data", 30),
         "joint-lam0": ("joint", 0.0, "data", 30), "lam1": ("alternating", 1.0, "data", 30),
         "model-graph": ("alternating", 0.1, "model", 30), "feature-graph": ("alternating", 0.1, "feature", 30),
         "60-rounds": ("alternating", 0.1, "data", 60),

@@ -60,7 +60,7 @@ def test_sites_that_skip_a_round_count_only_their_evaluation():
 
 
 def test_pfednets_two_half_epoch_phases_count_the_batches_they_pass():
-    loop = _loop("pfednet")
+    loop = _loop("pfednet", {"schedule": "alternating"})
     loop.fit(2)
     for name, n in _sizes(loop).items():
         b = _batches(n)
@@ -73,17 +73,18 @@ def test_pfednets_two_half_epoch_phases_count_the_batches_they_pass():
             }
 
 
-def _half(n):
-    """Steps of half an epoch's budget at the start of a round: [B / 2], [x] = floor(x + 1/2)."""
-    return math.floor(_batches(n) * 0.5 + 0.5)
+def _half(n, k=1):
+    """Steps of the k-th half epoch of a site's budget axis: [k B / 2] - [(k - 1) B / 2], [x] = floor(x + 1/2)."""
+    return math.floor(_batches(n) * 0.5 * k + 0.5) - math.floor(_batches(n) * 0.5 * (k - 1) + 0.5)
 
 
 def test_dittos_global_and_personal_plans_are_counted_apart():
     loop = _loop("ditto", {"personal_steps": 3})
-    loop.fit(2)
+    loop.fit(4)
+    assert any(_batches(n) % 2 for n in _sizes(loop).values())  # an odd B: its half epochs alternate [B / 2] + 1 and [B / 2] steps
     for name, n in _sizes(loop).items():
-        global_ = _fresh_pass(n, _half(n)) / n  # the global plan: half the budget, the first steps of a fresh pass
-        for record in loop.history:
+        for k, record in enumerate(loop.history, start=1):
+            global_ = _fresh_pass(n, _half(n, k)) / n  # the global plan: the k-th half epoch, the first steps of a fresh pass
             assert record["compute"][name] == {
                 "train/fit/global": global_, "train/fit/personal": 3 * BATCH / n, "evaluation": N_TEST / n,
             }
@@ -139,14 +140,16 @@ def test_the_results_summary_adds_up_the_rounds_and_the_loggers_see_each_count()
     for name, n in sizes.items():
         assert [entry["round"] for entry in summary["per_round"][name]] == [1, 2, 3]  # evaluated every round
         totals = summary["totals"][name]
-        global_ = _fresh_pass(n, _half(n)) / n
-        assert totals["train/fit/global"] == pytest.approx(rounds_in[name] * global_)
+        global_ = sum(_fresh_pass(n, _half(n, k)) for k in range(1, rounds_in[name] + 1)) / n  # the axis moves when it trains
+        assert totals["train/fit/global"] == pytest.approx(global_)
         assert totals["train/fit/personal"] == pytest.approx(rounds_in[name] * 3 * BATCH / n)
         assert totals["evaluation"] == pytest.approx(3 * N_TEST / n)
-        assert summary["training_epochs"][name] == pytest.approx(rounds_in[name] * (global_ + 3 * BATCH / n))
+        assert summary["training_epochs"][name] == pytest.approx(global_ + rounds_in[name] * 3 * BATCH / n)
         assert summary["training_rounds"][name] == rounds_in[name]
         assert summary["auxiliary_epochs"][name] == 0.0
-    assert summary["per_plan"]["train/fit/global"] == pytest.approx(sum(rounds_in[m] * _fresh_pass(n, _half(n)) / n for m, n in sizes.items()) / 3)
+    assert summary["per_plan"]["train/fit/global"] == pytest.approx(
+        sum(_fresh_pass(n, _half(n, k)) / n for m, n in sizes.items() for k in range(1, rounds_in[m] + 1)) / 3
+    )
     # per (site, round) a site trained in: the skipped rounds do not dilute it
     assert summary["mean_training_epochs_per_round"] == pytest.approx(sum(summary["training_epochs"].values()) / sum(rounds_in.values()))
     flat = _flatten_for_logging(loop.history[-1])
@@ -154,3 +157,17 @@ def test_the_results_summary_adds_up_the_rounds_and_the_loggers_see_each_count()
         assert flat[f"{name}/compute/training_epochs"] == training_epochs(counts)
         for key, epochs in counts.items():
             assert flat[f"{name}/compute/{key}"] == epochs
+
+
+def test_a_half_epoch_plan_at_an_odd_number_of_batches_takes_half_an_epoch_on_average_over_the_rounds():
+    # APFL: each step passes its batch twice, so it takes half the budget's steps; with B = 5 full batches a round
+    # cannot take 2.5 steps: the site's budget axis runs over the rounds, 3, 2, 3, 2 steps, FedAvg's epochs on average
+    federation = two_group_federation(n_sites=3, n_train=40, n_test=N_TEST)
+    apfl = build_loop("apfl", federation, seeded(LinearClassifier, 4, 2), batch_size=BATCH)
+    apfl.fit(4)
+    assert [_batches(n) for n in _sizes(apfl).values()] == [5, 6, 7]  # full batches (40, 48 and 56 samples)
+    for name, n in _sizes(apfl).items():
+        per_round = [record["compute"][name]["train/fit/global"] for record in apfl.history]
+        assert per_round == pytest.approx([2 * _half(n, k) * BATCH / n for k in range(1, 5)])  # B = 5: 1.2, 0.8, 1.2, 0.8
+        assert compute_summary(apfl.history, apfl.site_names)["training_epochs"][name] == pytest.approx(4.0)
+        assert apfl.sites[apfl.site_names.index(name)].budget_epochs == pytest.approx(4 * 0.5)

@@ -24,9 +24,13 @@ from toy_federation import (
     [({}, 0.5), ({"preset": "published"}, 1)],  # the global plan's budget: half of it, or all of it (the paper's)
 )
 def test_the_global_model_is_fedavgs_bit_for_bit_whatever_lambda(options, fedavg_epochs):
-    federation = two_group_federation(n_sites=4)
-    ditto = build_loop("ditto", federation, seeded(BatchNormClassifier, 4, 2), {"lam": 0.5, **options}, participation=0.75)
-    fedavg = build_loop("fedavg", federation, seeded(BatchNormClassifier, 4, 2), participation=0.75, local_epochs=fedavg_epochs)
+    # 64 + 8 s samples in batches of 4: an even number of batches B at every site, so that half an epoch is B / 2
+    # steps every round for FedAvg too (at an odd B its half epochs alternate [B / 2] + 1 and [B / 2] steps)
+    federation = two_group_federation(n_sites=4, n_train=64)
+    ditto = build_loop("ditto", federation, seeded(BatchNormClassifier, 4, 2), {"lam": 0.5, **options}, participation=0.75, batch_size=4)
+    fedavg = build_loop(
+        "fedavg", federation, seeded(BatchNormClassifier, 4, 2), participation=0.75, local_epochs=fedavg_epochs, batch_size=4
+    )
     for round_index in range(1, 4):
         ditto.fit(round_index)
         fedavg.fit(round_index)

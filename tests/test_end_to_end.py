@@ -95,7 +95,7 @@ def test_interrupted_or_stopped_run_resumes_to_the_same_metrics(tiny_run_config,
     capsys.readouterr()
     assert main([*fit, "federation.on_site_failure=stop", f"output_dir={stopped}"]) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert error.startswith("medfed: error: site site1 failed in round 2 (shared phase): RuntimeError: scanner archive unreachable; ")
+    assert error.startswith("medfed: error: site site1 failed in round 2 (joint phase): RuntimeError: scanner archive unreachable; ")
     assert error.endswith("federation.on_site_failure=stop output_dir=" + str(stopped) + " --resume")
     assert [path.name for path in checkpoints(stopped / "checkpoints")] == ["round-1.ckpt"]  # the last good round
     monkeypatch.undo()

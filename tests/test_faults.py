@@ -20,13 +20,14 @@ OPTIONS = {
     "pfedme": {"lam": 1.0},  # eta lam < 1 with the toy SGD step 0.5 (lam = 15 overshoots w)
     "superfed": {"start_round": 2},  # mix from round 2: the draws of lambda are part of the runs compared
 }
+ALTERNATING = {"schedule": "alternating"}  # pFedNet's two phases (the default is one joint phase)
 RAISES, SENDS_NAN, SENDS_HUGE = 1, 2, 3  # the faulty sites of a 6-site federation; 0, 4 and 5 stay healthy
 FAULT_ROUND = 2
 
 
-def _loop(name, n_sites=6, **kwargs):
+def _loop(name, n_sites=6, options=None, **kwargs):
     model = with_a_body(name, LinearClassifier)
-    return build_loop(name, two_group_federation(n_sites=n_sites), seeded(model, 4, 2), OPTIONS.get(name), **kwargs)
+    return build_loop(name, two_group_federation(n_sites=n_sites), seeded(model, 4, 2), options or OPTIONS.get(name), **kwargs)
 
 
 def _model_keys(loop):
@@ -179,7 +180,7 @@ def test_a_site_that_raises_sends_nan_or_sends_huge_weights_is_left_out_of_that_
 
 
 def test_a_pfednet_site_failing_in_the_personal_phase_counts_in_the_shared_one_and_is_delivered_the_new_shared_part():
-    loop = _loop("pfednet")
+    loop = _loop("pfednet", options=ALTERNATING)
     site = loop.sites[RAISES]
     train = site.train
 

@@ -227,7 +227,7 @@ def test_phases_share_a_rounds_local_steps_unless_each_gets_a_full_epoch(full_ep
     # site s has 48 + 8 s training samples: with batches of 16, site 1 has B = 4 batches, site 3 B = 5 and site 5 B = 6
     federation = two_group_federation(n_sites=6)
     loop = build_loop(
-        "pfednet", federation, seeded(LinearClassifier, 4, 2), {"full_epoch_per_phase": full_epoch_per_phase}, batch_size=16
+        "pfednet", federation, seeded(LinearClassifier, 4, 2), {"schedule": "alternating", "full_epoch_per_phase": full_epoch_per_phase}, batch_size=16
     )
     steps = {}
     for site in loop.sites:
@@ -287,6 +287,16 @@ def test_joint_schedule_at_lambda_zero_is_fedper_and_alternating_is_not():
     biases = [model[bias] for model in _site_models(fused)]
     assert all(torch.allclose(b, biases[0], atol=1e-4) for b in biases)  # lam = 1 on a connected graph: z fused to its mean
     assert not all(torch.allclose(a[bias], b[bias], atol=1e-3) for a, b in zip(_site_models(fused), _site_models(fedper_one)))
+
+
+def test_the_schedule_is_joint_at_the_equal_budget_and_alternating_in_the_published_protocol():
+    assert (PFedNet.Options().schedule, PFedNet.Options().full_epoch_per_phase) == ("joint", False)
+    published = PFedNet.Options(preset="published")
+    assert (published.schedule, published.full_epoch_per_phase) == ("alternating", True)
+    assert PFedNet.Options(full_epoch_per_phase=True).schedule == "alternating"  # a full epoch per phase needs phases
+    assert (PFedNet.Options(schedule="alternating").full_epoch_per_phase, PFedNet.Options(schedule="joint", preset="published").schedule) == (
+        False, "joint",
+    )
 
 
 def test_joint_schedule_refuses_a_full_epoch_per_phase():

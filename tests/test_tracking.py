@@ -63,17 +63,17 @@ def test_an_interrupted_and_resumed_brats_run_is_one_wandb_run_with_images_losse
     assert not [w for w in recwarn if "Previous log files" in str(w.message)]  # Lightning's warning of lost CSV logs
     for row, record in zip(rows, history):
         assert float(row["site1/label_iou"]) == pytest.approx(record["metrics"]["site1"]["label_iou"])
-        assert float(row["site1/train_loss/shared"]) == pytest.approx(record["train_loss"]["site1"]["shared"])
+        assert float(row["site1/train_loss"]) == pytest.approx(record["train_loss"]["site1"]["joint"])
 
     first, second = offline_runs(run_dir)
     assert first.run_id == second.run_id == (run_dir / RUN_ID_FILE).read_text().strip()
     assert first.run.run_group == "brats/tiny" and second.run.display_name == "pfednet seed 0"
     assert {"brats", "pfednet", "seed=0", "generated data"} <= set(second.run.tags)
     assert [r.exit.exit_code for r in first.records + second.records if r.HasField("exit")] == [1, 0]
-    rounds = [row["trainer/global_step"] for segment in (first, second) for row in segment.rows_with("site0/train_loss/personal")]
+    rounds = [row["trainer/global_step"] for segment in (first, second) for row in segment.rows_with("site0/train_loss")]
     assert rounds == [1, 2, 3]  # the history continues in the same run
-    losses = [row["site2/train_loss/personal"] for segment in (first, second) for row in segment.rows_with("site2/train_loss/personal")]
-    assert losses == pytest.approx([record["train_loss"]["site2"]["personal"] for record in history])
+    losses = [row["site2/train_loss"] for segment in (first, second) for row in segment.rows_with("site2/train_loss")]
+    assert losses == pytest.approx([record["train_loss"]["site2"]["joint"] for record in history])
 
     full_config = json.loads((run_dir / "config.json").read_text())
     assert full_config == results["config"]

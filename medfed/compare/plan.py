@@ -26,8 +26,10 @@ from medfed.errors import ConfigError, DataError
 
 VALIDATION_SPLIT = "federation.validation_fraction=0.2"
 """The override compare adds to the runs of a config without a validation split (their rounds are chosen on it)."""
-NOT_COMPARED = ("trainer.num_threads",)
-"""Config keys a finished run may differ in and still count as the grid's run (besides the resumable ones)."""
+NOT_COMPARED = ("trainer.num_threads", "trainer.device")
+"""Config keys a finished run may differ in and still count as the grid's run (besides the resumable ones): where
+and on how many threads it ran, not what it ran (a grid started on a GPU machine may be finished on a CPU; each
+run's results.json names its device under ``execution``)."""
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,8 @@ def _inspect(output_dir: Path, config: dict[str, Any], threads: int, defaults: d
     (or results of fewer rounds) is there, with the thread count the run
     started with, which ``--resume`` needs; else ``new``. A key the saved
     config lacks (a run made before medfed had it) counts as equal where
-    ``config`` holds its default (``defaults``, :func:`~medfed.components.default_config`).
+    ``config`` holds its default (``defaults``, :func:`~medfed.components.default_config`),
+    and the options of strategies other than the run's (``strategy.<other>.*``) are not compared.
 
     Raises:
         ConfigError: the folder holds a run of another config, or of more rounds.
@@ -173,7 +176,9 @@ def _inspect(output_dir: Path, config: dict[str, Any], threads: int, defaults: d
     if not isinstance(saved.get("trainer"), dict) or not isinstance(saved["trainer"].get("rounds"), int):
         raise DataError(f"{source}: holds no run config with trainer.rounds; the file is damaged: delete the run folder {output_dir} to run it again")
     changed = [
-        key for key in config_differences(saved, config) if key not in NOT_COMPARED and not _added_at_default(key, saved, config, defaults)
+        key
+        for key in config_differences(saved, config)
+        if key not in NOT_COMPARED and not _another_strategys(key, config) and not _added_at_default(key, saved, config, defaults)
     ]
     rounds, saved_rounds = config["trainer"]["rounds"], saved["trainer"]["rounds"]
     if saved_rounds > rounds:
@@ -187,6 +192,12 @@ def _inspect(output_dir: Path, config: dict[str, Any], threads: int, defaults: d
     if source == results and saved_rounds == rounds:
         return "done", saved_threads
     return "resume", saved_threads
+
+
+def _another_strategys(key: str, config: dict[str, Any]) -> bool:
+    """Whether dotted ``key`` is an option of a strategy other than the run's (``strategy.<other>.*``), which the run never reads."""
+    group, _, rest = key.partition(".")
+    return group == "strategy" and rest.split(".", 1)[0] not in ("name", config["strategy"]["name"])
 
 
 def _added_at_default(key: str, saved: dict[str, Any], config: dict[str, Any], defaults: dict[str, Any]) -> bool:

@@ -192,13 +192,11 @@ class SiteWorker:
     def _train(self, request: dict[str, Any], wire: dict[str, Wire]) -> tuple[dict[str, Any], Payload | None]:
         """Receive the server's message, train the phase; the reply's fields and its payload (None: the work raised)."""
         work = PhaseWork(request["round"], request["phase_index"], request["phase"], request["local_epochs"])
-        if work.phase_index == 0:
-            self.state["epochs_before"] = {}
         message = self.link.decode("down", wire)
         self.state["link_before_reply"] = copy.deepcopy(self.link.state_dict())
         timing: dict[str, float] = {}
         try:
-            losses, reply, compute = site_phase(self.site, work, message, self.state["epochs_before"], timing)
+            losses, reply, compute = site_phase(self.site, work, message, timing)
         except Exception as error:  # whatever it is, it happened at the site: the site fails
             return {"error": f"{type(error).__name__}: {error}"}, None
         fields = {

@@ -40,8 +40,6 @@ from medfed.federated.strategies.base import Payload, TrainingPlan
 from medfed.models.dropout import keyed, step_keys
 
 
-#: the key of a site's round budget taken so far in ``epochs_before`` (:func:`train_plans`)
-ROUND_BUDGET = "round"
 
 #: the stream of :meth:`~medfed.federated.site.Site.global_rng` round r's adapt step runs in: (r, ADAPT_STREAM),
 #: apart from the phases' (r, phase index)
@@ -231,7 +229,6 @@ class InProcessSites:
         self._round_start: RoundStartStates | None = None
         self._waiting: dict[int, Payload] = {}
         self._before_reply: dict[int, dict[str, Any]] = {}  # link states before this phase's replies were sent
-        self._epochs_before: dict[int, dict[str, float]] = {}
 
     def setup(self) -> tuple[dict[int, Payload], dict[int, str]]:
         received, refused = {}, {}
@@ -264,15 +261,13 @@ class InProcessSites:
     def work(self, work: PhaseWork, messages: dict[int, Payload], timing: dict[str, float]) -> dict[int, SiteResult]:
         self._before_reply = {}
         received = {index: self.links[index].send("down", payload) for index, payload in messages.items()}
-        if work.phase_index == 0:
-            self._epochs_before.update({index: {} for index in received})
         if self.executor == "batched":
             return self._work_batched(work, received, timing)
         results = {}
         for index in list(received):
             site, message = self.sites[index], received.pop(index)
             try:
-                losses, reply, compute = site_phase(site, work, message, self._epochs_before[index], timing)
+                losses, reply, compute = site_phase(site, work, message, timing)
             except Exception as error:  # whatever it is, it happened at the site: the site fails
                 results[index] = SiteResult(error=f"{type(error).__name__}: {error}")
                 continue
@@ -305,7 +300,7 @@ class InProcessSites:
                 if index in errors or position >= len(phase.plans):
                     continue
                 try:
-                    plan, steps = plan_length(phase.site, phase.plans[position], work.local_epochs, self._epochs_before[index])
+                    plan, steps = plan_length(phase.site, phase.plans[position], work.local_epochs)
                     key = batched.group_key(phase.site, ctx, plan)
                 except Exception as error:
                     errors[index] = f"{type(error).__name__}: {error}"
@@ -464,7 +459,6 @@ def site_phase(
     site: Site,
     work: PhaseWork,
     message: Payload,
-    epochs_before: dict[str, float],
     timing: dict[str, float],
 ) -> tuple[dict[str | None, float], Payload, dict[str, float]]:
     """A site's part of a phase, its global generators seeded from (round, phase): receive, train its plans, reply.
@@ -476,9 +470,6 @@ def site_phase(
         site: the site (holding its half of the strategy).
         work: the phase.
         message: the server's message as the site decoded it.
-        epochs_before: ``{ROUND_BUDGET: the epochs the site's earlier plans
-            of the round took}``, whatever data order they drew from (empty at
-            the round's first phase); this phase's plans add theirs.
         timing: ``timing["train_s"]`` gets the training time added.
 
     Returns:
@@ -492,7 +483,7 @@ def site_phase(
     with site.global_rng(*stream):
         plans = _receive(site, ctx, message, None)
         tic = time.perf_counter()
-        losses = train_plans(site, ctx, plans, work.local_epochs, epochs_before, f"{TRAIN}/{work.phase}", stream)
+        losses = train_plans(site, ctx, plans, work.local_epochs, f"{TRAIN}/{work.phase}", stream)
         timing["train_s"] = timing.get("train_s", 0.0) + time.perf_counter() - tic
         reply = half.reply(view, ctx)
         return losses, reply, site.passes.take(site.n_train)
@@ -575,7 +566,7 @@ def site_adapt(site: Site, round_index: int) -> tuple[dict[str | None, float], s
         return {}, f"{type(error).__name__}: {error}"
     try:
         with site.global_rng(round_index, ADAPT_STREAM):
-            return train_plans(site, ctx, plans, 0.0, {}, ADAPT, (round_index, ADAPT_STREAM)), None
+            return train_plans(site, ctx, plans, 0.0, ADAPT, (round_index, ADAPT_STREAM)), None
     except Exception as error:  # whatever it is, it happened at the site: the site fails, unadapted
         _restore_slots(site, saved)
         return {}, f"{type(error).__name__}: {error}"
@@ -586,7 +577,6 @@ def train_plans(
     ctx: RoundContext,
     plans: tuple[TrainingPlan, ...],
     local_epochs: float,
-    epochs_before: dict[str, float],
     key: str,
     stream: tuple[int, ...] = (),
 ) -> dict[str | None, float]:
@@ -594,14 +584,13 @@ def train_plans(
 
     Args:
         local_epochs: the trainer's, which a plan's ``share`` is of.
-        epochs_before: ``{ROUND_BUDGET: the epochs earlier plans of the round took}``; the plans add theirs.
         key: their passes are counted as ``<key>/<plan label>``.
         stream: the global-RNG stream of the work (the plans' dropout keys are seeded from it: :func:`dropout_keys`;
             the executors name it, ``()`` outside any).
     """
     losses = {}
     for position, plan in enumerate(plans):
-        plan, steps = plan_length(site, plan, local_epochs, epochs_before)
+        plan, steps = plan_length(site, plan, local_epochs)
         loss = train_plan(site, ctx, plan, steps, key, stream, position)
         if loss is not None:
             losses[phase_label(plans, plan)] = loss
@@ -634,23 +623,31 @@ def dropout_keys(site: Site, stream: tuple[int, ...], position: int, steps: int)
     return step_keys([site.seed, site.index, *stream, position], steps, site.fabric.device)
 
 
-def plan_length(site: Site, plan: TrainingPlan, local_epochs: float, epochs_before: dict[str, float]) -> tuple[TrainingPlan, int]:
-    """The optimiser steps ``plan`` takes at ``site`` this round (and the plan, told its pass budget where it counts passes).
+def plan_length(site: Site, plan: TrainingPlan, local_epochs: float) -> tuple[TrainingPlan, int]:
+    """The optimiser steps ``plan`` takes at ``site`` now (and the plan, told its pass budget where it counts passes).
 
-    A plan given in epochs (or a share of ``local_epochs``) continues where the round's earlier plans stopped,
-    on one axis for the round whatever data order a plan draws from: plans that split the budget take together
-    the mini-batches one plan with all of it would. ``epochs_before`` (``{ROUND_BUDGET: epochs}``) gets its epochs.
+    A plan given in epochs (or a share of ``local_epochs``) takes the next ``epochs`` of the site's budget
+    axis, ``site.budget_epochs`` (the epochs its plans took before: this round's earlier plans, whatever data
+    order they drew from, and earlier rounds'), cut at whole steps (:meth:`Site.steps`), and advances it.
+    So plans that split a round's budget take together the mini-batches one plan with all of it would, and
+    a plan of a fraction of an epoch takes that fraction on average over the rounds (B = 5 batches, half
+    an epoch a round: 3, 2, 3, 2, ... steps, not 3 every round).
     """
+    plan, steps, epochs = _length_at(site, plan, local_epochs, site.budget_epochs)
+    site.budget_epochs += epochs
+    return plan, steps
+
+
+def _length_at(site: Site, plan: TrainingPlan, local_epochs: float, before: float) -> tuple[TrainingPlan, int, float]:
+    """``(plan, its steps, its epochs on the budget axis)`` for ``plan`` starting ``before`` epochs along the axis."""
     epochs = plan.epochs_of(local_epochs)
     if epochs is None:
-        return plan, plan.steps
-    before = epochs_before.get(ROUND_BUDGET, 0.0)
-    epochs_before[ROUND_BUDGET] = before + epochs
+        return plan, plan.steps, 0.0
     steps = site.steps(epochs, before)
     if plan.passes_per_step > 1:  # the length counts passes; the loss is told how many samples (pFedMe)
         plan = dataclasses.replace(plan, pass_budget=round(epochs * site.n_train))
         steps = math.ceil(steps / plan.passes_per_step)
-    return plan, steps
+    return plan, steps, epochs
 
 
 def _saved_slots(site: Site, plans: tuple[TrainingPlan, ...]) -> dict[str, Any]:
@@ -707,11 +704,12 @@ def planned_steps(site: Site, phases: tuple[str, ...], rounds: int, local_epochs
     Counted as the run counts them (:func:`medfed.federated.executor.train_plans`);
     a strategy whose plans change from round to round is planned by its first.
     """
-    per_round = 0
-    epochs_before: dict[str, float] = {}  # the round's budget axis, kept across its phases as the executor keeps it
-    for phase in phases:
-        for plan in site.strategy.plan(RoundContext(1, phase)):
-            per_round += plan_length(site, plan, local_epochs, epochs_before)[1]
+    plans = [plan for phase in phases for plan in site.strategy.plan(RoundContext(1, phase))]
+    total, before = 0, 0.0  # the site's budget axis over the run, as the executors keep it (plan_length)
+    for _ in range(rounds):
+        for plan in plans:
+            _, steps, epochs = _length_at(site, plan, local_epochs, before)
+            total, before = total + steps, before + epochs
     for plan in site.strategy.adapt(RoundContext(1, ADAPT)):
-        per_round += plan.steps if plan.steps is not None else site.steps(plan.epochs)
-    return rounds * per_round
+        total += rounds * (plan.steps if plan.steps is not None else site.steps(plan.epochs))
+    return total

@@ -105,6 +105,9 @@ class Site:
         self.train_loader = self._shuffled_loader(self.generator)
         #: the data orders training plans name (``TrainingPlan.data_order``): {name: (generator, loader)}
         self.data_orders: dict[str, tuple[torch.Generator, DataLoader]] = {}
+        #: the epochs of the run's training budget this site's plans have taken so far (its *budget axis*, which
+        #: :func:`~medfed.federated.executor.plan_length` cuts at whole steps and advances)
+        self.budget_epochs = 0.0
         self.test_loader = DataLoader(data.test, batch_size=batch_size * 4, shuffle=False)
         #: samples passed since the executor last took the count (:mod:`medfed.federated.compute`)
         self.passes = PassCounter()
@@ -191,16 +194,16 @@ class Site:
         return len(self.train_loader)
 
     def steps(self, epochs: float, after: float = 0.0) -> int:
-        """Optimiser steps of ``epochs`` epochs that follow ``after`` epochs of the same round.
+        """Optimiser steps of ``epochs`` epochs that follow ``after`` epochs of the site's budget axis.
 
-        A round's schedule is cut at whole steps::
+        The axis (the run's training budget, :attr:`budget_epochs`) is cut at whole steps::
 
             steps = max(1, [B (after + epochs)] - [B after]),   [x] = floor(x + 1/2)
 
-        so phases that split a round's epochs between them take together the
-        steps one phase with all of them would take (B = 7, two half epochs:
-        4 + 3 steps, not 4 + 4), and a whole number of epochs is that many full
-        passes.
+        so plans that split a round's epochs between them take together the
+        steps one plan with all of them would take (B = 7, two half epochs:
+        4 + 3 steps, not 4 + 4), a whole number of epochs is that many full
+        passes, and half an epoch a round at B = 5 is 3, 2, 3, 2, ... steps.
         """
         if epochs <= 0 or after < 0:
             raise ValueError(f"epochs must be > 0 and after >= 0, got epochs={epochs}, after={after}")
@@ -395,6 +398,7 @@ class Site:
             "slots": {name: {"module": s.module.state_dict(), "optimizer": s.optimizer.state_dict()} for name, s in self.slots.items()},
             "generator": self.generator.get_state(),
             "data_orders": {name: generator.get_state() for name, (generator, _) in self.data_orders.items()},
+            "budget_epochs": self.budget_epochs,
             "strategy": self.strategy.state_dict(),
             **({"privacy": self.privacy.state_dict()} if self.privacy is not None else {}),
         }
@@ -410,6 +414,7 @@ class Site:
         for name, generator_state in state["data_orders"].items():
             self._loader(name)
             self.data_orders[name][0].set_state(generator_state)
+        self.budget_epochs = float(state.get("budget_epochs", 0.0))  # absent in checkpoints of medfed before the run-long axis
         self.strategy.load_state_dict(state_on_device(state["strategy"], self.fabric.device))
         if self.privacy is not None:
             self.privacy.load_state_dict(state["privacy"])

@@ -388,14 +388,16 @@ class PFedNetOptions:
     admm_max_iter: int = 500
     admm_abs_tol: float = 1e-6
     admm_rel_tol: float = 1e-5
-    schedule: str = "alternating"
-    """"alternating": a shared phase, then a personal phase (each trains its part only); "joint": one
-    phase whose one plan trains shared and personal parts together for all of trainer.local_epochs,
-    after which the server averages x and solves the network lasso on z from the same replies (the
-    paper's Algorithm 2 with local steps)."""
+    schedule: str | None = None
+    """"joint": one phase whose one plan trains shared and personal parts together for all of
+    trainer.local_epochs, after which the server averages x and solves the network lasso on z from the
+    same replies (the paper's Algorithm 2 with local steps); "alternating": a shared phase, then a
+    personal phase (each trains its part only); null: the preset's (equal: joint, the better of the
+    two at equal budget on brats_lack0, docs/pfednet.md; published: alternating), alternating where
+    full_epoch_per_phase is true."""
     preset: str = "equal"
-    """"equal": the two phases share trainer.local_epochs; "published": each phase trains all of it
-    (with schedule joint the one plan trains trainer.local_epochs either way)."""
+    """"equal": joint, or the two alternating phases share trainer.local_epochs; "published": alternating,
+    each phase trains all of it (with schedule joint the one plan trains trainer.local_epochs either way)."""
     full_epoch_per_phase: bool | None = None
     """True: each phase trains all of trainer.local_epochs (the paper's setting: twice a
     one-phase baseline's local steps per round); False: each phase takes half of them (all of
@@ -404,7 +406,9 @@ class PFedNetOptions:
 
     def __post_init__(self) -> None:
         check_preset(self.preset)
-        require(self.schedule in SCHEDULES, "schedule", self.schedule, f"one of {', '.join(SCHEDULES)}")
+        if self.schedule is None:
+            self.schedule = "alternating" if self.full_epoch_per_phase else by_preset(self.preset, "joint", "alternating")
+        require(self.schedule in SCHEDULES, "schedule", self.schedule, f"null or one of {', '.join(SCHEDULES)}")
         if self.schedule == "joint":
             require(
                 not self.full_epoch_per_phase, "full_epoch_per_phase", self.full_epoch_per_phase,
