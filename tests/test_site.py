@@ -26,6 +26,17 @@ def _recording_loss(site, seen):
     return step_loss
 
 
+def _loss_per_step(site, losses):
+    """The model's step loss, each step's value appended to ``losses`` (read at once: a test's own bookkeeping)."""
+
+    def step_loss(batch):
+        loss = site.module.training_step(batch, 0)
+        losses.append(loss.item())
+        return loss
+
+    return step_loss
+
+
 @pytest.mark.parametrize(
     ("n_train", "epochs", "after", "expected"),
     [
@@ -112,13 +123,7 @@ def test_a_named_data_order_draws_what_the_sites_own_would_whatever_else_trains_
 def test_train_returns_the_mean_step_loss():
     site = _site(112)
     losses = []
-
-    def step_loss(batch):
-        loss = site.module.training_step(batch, 0)
-        losses.append(loss.item())
-        return loss
-
-    assert site.train(site.steps(0.5), "model", "all", step_loss) == pytest.approx(sum(losses) / 4)
+    assert site.train(site.steps(0.5), "model", "all", _loss_per_step(site, losses)) == pytest.approx(sum(losses) / 4)
     assert len(losses) == 4
 
 
@@ -276,13 +281,7 @@ def test_a_plan_reads_its_losses_from_the_device_once_not_at_every_step(monkeypa
     monkeypatch.undo()
     twin = _site(112)
     losses = []
-
-    def step_loss(batch):
-        loss = twin.module.training_step(batch, 0)
-        losses.append(loss.item())
-        return loss
-
-    twin.train(twin.steps(2.0), "model", "all", step_loss)
+    twin.train(twin.steps(2.0), "model", "all", _loss_per_step(twin, losses))
     total = 0.0
     for loss in losses:  # the running float64 sum a per-step loss.item() gave
         total += loss
