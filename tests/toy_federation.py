@@ -38,6 +38,7 @@ from torchmetrics.regression import MeanSquaredError
 
 from medfed.assembly import RunAssembly
 from medfed.data.federation import Federation, SiteData
+from medfed.models.padding import padded, sample_mean
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.strategies import strategy_from_config
 from medfed.federated.strategies.base import Payload
@@ -63,6 +64,7 @@ class LinearClassifier(FederatedModule):
 
     metric_names = ("accuracy",)
     default_personal_patterns = (r"^linear\.bias$",)
+    pads = True
 
     def __init__(self, in_features: int, num_classes: int, options: LinearOptions | None = None) -> None:
         super().__init__()
@@ -77,6 +79,8 @@ class LinearClassifier(FederatedModule):
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
+        if padded():  # a padded batch's real samples (medfed.models.padding)
+            return sample_mean(nn.functional.cross_entropy(self(x), y, reduction="none"))
         return nn.functional.cross_entropy(self(x), y)
 
     def test_step(self, batch, batch_idx: int) -> None:

@@ -35,6 +35,9 @@ class FederatedModule(PersonalizationSplit, L.LightningModule):
     """
 
     metric_names: ClassVar[tuple[str, ...]] = ()
+    #: whether ``training_step`` computes its loss as a mean of per-sample terms through
+    #: :func:`medfed.models.padding.sample_mean`, so that a padded batch's padded samples change nothing
+    pads: ClassVar[bool] = False
     options: ModelOptions
 
     def prepare_for_site(self, data: SiteData) -> None:

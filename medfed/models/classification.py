@@ -42,6 +42,7 @@ from torchmetrics.classification import BinaryAUROC, BinaryConfusionMatrix
 from medfed.errors import DataError
 from medfed.models.base import FederatedModule
 from medfed.models.dropout import use_keyed_dropout
+from medfed.models.padding import padded, sample_mean
 from medfed.options.models import ClassifierOptions, DenseNetOptions
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ class BinaryClassifier(FederatedModule):
 
     metric_names = ("accuracy", "balanced_accuracy", "auroc")
     options: ClassifierOptions
+    pads = True
 
     def __init__(self, num_classes: int) -> None:
         super().__init__()
@@ -105,6 +107,8 @@ class BinaryClassifier(FederatedModule):
             if self.class_weights is None:
                 raise RuntimeError(f"class_weight={self.options.class_weight!r}: call prepare_for_site before training")
             weight = torch.tensor(self.class_weights, dtype=log_odds.dtype, device=log_odds.device)[y]
+        if padded():  # the mean over the real samples of a padded batch (medfed.models.padding)
+            return sample_mean(F.binary_cross_entropy_with_logits(log_odds, y.to(log_odds.dtype), weight=weight, reduction="none"))
         return F.binary_cross_entropy_with_logits(log_odds, y.to(log_odds.dtype), weight=weight)
 
     def positive_probability(self, x: torch.Tensor) -> torch.Tensor:

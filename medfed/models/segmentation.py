@@ -33,6 +33,7 @@ from torchmetrics.classification import MulticlassJaccardIndex, MultilabelJaccar
 from medfed.data.brats import REGIONS
 from medfed.models.base import FederatedModule, log_odds_shift
 from medfed.models.dropout import use_keyed_dropout
+from medfed.models.padding import padded, sample_mean
 from medfed.options.models import UNetOptions
 
 if TYPE_CHECKING:
@@ -53,11 +54,21 @@ class DiceCrossEntropy(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.dice = DiceLoss(softmax=True)
+        self.dice_per_sample = DiceLoss(softmax=True, reduction="none")
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.dice(logits, self._one_hot(logits, labels)) + torch.nn.functional.cross_entropy(logits, labels.long())
+
+    def per_sample(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Each sample's loss ``(B,)``: its Dice (mean over classes) + its cross-entropy (mean over pixels); their
+        mean over the batch is :meth:`forward`."""
+        dice = self.dice_per_sample(logits, self._one_hot(logits, labels)).flatten(1).mean(dim=1)
+        return dice + torch.nn.functional.cross_entropy(logits, labels.long(), reduction="none").flatten(1).mean(dim=1)
+
+    @staticmethod
+    def _one_hot(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         classes = torch.arange(logits.shape[1], device=labels.device).reshape(1, -1, *([1] * (labels.ndim - 1)))
-        one_hot = (labels.unsqueeze(1) == classes).to(logits.dtype)
-        return self.dice(logits, one_hot) + torch.nn.functional.cross_entropy(logits, labels.long())
+        return (labels.unsqueeze(1) == classes).to(logits.dtype)
 
 
 class RegionLoss(torch.nn.Module):
@@ -66,10 +77,17 @@ class RegionLoss(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.dice = DiceLoss(sigmoid=True)
+        self.dice_per_sample = DiceLoss(sigmoid=True, reduction="none")
         self.cross_entropy = torch.nn.BCEWithLogitsLoss()
 
     def forward(self, logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
         return self.dice(logits, masks) + self.cross_entropy(logits, masks)
+
+    def per_sample(self, logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+        """Each sample's loss ``(B,)`` (Dice and cross-entropy each averaged over the sample's regions and pixels);
+        their mean over the batch is :meth:`forward`."""
+        dice = self.dice_per_sample(logits, masks).flatten(1).mean(dim=1)
+        return dice + torch.nn.functional.binary_cross_entropy_with_logits(logits, masks, reduction="none").flatten(1).mean(dim=1)
 
 
 class UNetSegmenter(FederatedModule):
@@ -79,6 +97,7 @@ class UNetSegmenter(FederatedModule):
 
     metric_names = ("iou", "label_iou")
     default_personal_patterns = (UNET_DECODER_PATTERN,)
+    pads = True
 
     def __init__(self, in_channels: int, num_classes: int, options: Options | None = None) -> None:
         super().__init__()
@@ -129,8 +148,12 @@ class UNetSegmenter(FederatedModule):
         return self._like_parameters(log_odds_shift(positives, masks[:, 0].numel()).reshape(-1, 1, 1))
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        """The loss of the batch (of its real samples in a padded one: :mod:`medfed.models.padding`)."""
         x, y = batch
-        return self.loss(self(x), y if self.target == "wt" else y.float())
+        target = y if self.target == "wt" else y.float()
+        if padded():
+            return sample_mean(self.loss.per_sample(self(x), target))
+        return self.loss(self(x), target)
 
     def test_step(self, batch, batch_idx: int) -> None:
         x, y = batch
