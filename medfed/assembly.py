@@ -50,8 +50,16 @@ FABRIC_PRECISION = {"32": "32-true", "bf16-mixed": "bf16-mixed"}
 
 
 def make_fabric(trainer: TrainerConfig, **kwargs: Any) -> Fabric:
-    """The run's Fabric: one ``trainer.device`` in ``trainer.precision`` (``kwargs``: its loggers, callbacks)."""
-    return Fabric(accelerator=trainer.device, devices=1, precision=FABRIC_PRECISION[trainer.precision], **kwargs)
+    """The run's Fabric: one ``trainer.device`` in ``trainer.precision`` (``kwargs``: its loggers, callbacks).
+
+    On CUDA at precision ``32``, float32 matrix products and convolutions may use TensorFloat-32 (Ampere and later:
+    10-bit mantissas inside, float32 in and out; ``torch.set_float32_matmul_precision("high")``, cuDNN's TF32).
+    """
+    fabric = Fabric(accelerator=trainer.device, devices=1, precision=FABRIC_PRECISION[trainer.precision], **kwargs)
+    if fabric.device.type == "cuda" and trainer.precision == "32":
+        torch.set_float32_matmul_precision("high")
+        torch.backends.cudnn.allow_tf32 = True
+    return fabric
 
 
 def seeded_prototype(resolved: ResolvedRun, input_shape: tuple[int, ...] | list[int], num_classes: int) -> FederatedModule:

@@ -223,7 +223,9 @@ class TrainerConfig:
     parameters and optimiser state), through Lightning Fabric; recorded in results.json (``execution``)."""
     compile: bool = False
     """torch.compile each model slot's forward (``nn.Module.compile``: the module, its parameters and checkpoints stay
-    as they are); the first steps pay the compilation. Recorded in results.json (``execution``)."""
+    as they are) and, under the batched executor, each stacked step as one unit (forward, backward and optimiser
+    update of every site, on static shapes; on cuda captured as a CUDA graph: :mod:`medfed.federated.stacked`);
+    the first steps pay the compilation. Recorded in results.json (``execution``)."""
     executor: str = "auto"
     """How the simulator trains the sites: ``sequential`` (one after another), ``batched`` (the sites of a training plan
     stacked and trained by one vmapped step each, :mod:`medfed.federated.batched`), or ``auto`` (batched on cuda,

@@ -101,7 +101,7 @@ def _run(
     initial = assembly.initial_values(fabric.device)
     links = [assembly.link(initial, fabric.device, site.name) for site in sites]
     write_checkpoint = round_checkpoints(output_dir, config, trainer.keep_checkpoints)
-    executor = InProcessSites(sites, links, executor_for(trainer.executor, fabric.device, dp.enabled))
+    executor = InProcessSites(sites, links, executor_for(trainer.executor, fabric.device, dp.enabled), compile=trainer.compile)
 
     def save_checkpoint(state: dict[str, Any]) -> None:
         bar.set_description_str(f"{strategy.name} rounds (writing checkpoint)")

@@ -70,7 +70,9 @@ from medfed.federated.site import Site
 from medfed.federated.site_view import RoundContext
 from medfed.federated.strategies.base import Auxiliary, TrainingPlan
 from medfed.federated.strategies.live_parameters import unwrap
+from medfed.federated.stacked import StackedStep, calls
 from medfed.models.dropout import keyed
+from medfed.models.padding import can_pad
 
 #: the optimisers the batched step reproduces, and the ``param_groups`` options they must leave at these values
 SUPPORTED_OPTIMIZERS: dict[type, dict[str, Any]] = {
@@ -324,16 +326,19 @@ def group_key(site: Site, ctx: RoundContext, plan: TrainingPlan) -> tuple[Any, .
 class _Slots(nn.Module):
     """The template site's slot modules under one root, so one ``functional_call`` swaps every slot's tensors.
 
-    ``forward(batch)`` is the template half's loss of one step of ``plan``.
+    ``forward(batch)`` is the template half's loss of one step of the plan ``ctx`` and ``plan`` name (set
+    before each plan: a compiled step keeps its wrapper from plan to plan).
     """
 
     def __init__(self, site: Site, ctx: RoundContext, plan: TrainingPlan) -> None:
         super().__init__()
         self.slots = nn.ModuleDict({name: unwrap(slot.module) for name, slot in site.slots.items()})
-        self._loss = lambda batch: site.strategy.loss(site.view, ctx, plan, batch)
+        self.site = site
+        self.ctx = ctx
+        self.plan = plan
 
     def forward(self, batch: Any) -> torch.Tensor:
-        return self._loss(batch)
+        return self.site.strategy.loss(self.site.view, self.ctx, self.plan, batch)
 
 
 @contextmanager
@@ -369,6 +374,7 @@ def train_group(
     steps: list[int],
     keys: list[torch.Tensor],
     compute: str | None,
+    compiled: dict[Any, tuple[_Slots, StackedStep]] | None = None,
 ) -> list[float]:
     """Train ``plan`` at every one of ``sites`` (equal :func:`group_key`), ``steps[i]`` steps at site i, stacked.
 
@@ -379,6 +385,9 @@ def train_group(
         steps: each site's optimiser steps (>= 1).
         keys: each site's dropout keys, ``(steps[i],)`` int64 (:func:`medfed.models.dropout.step_keys`).
         compute: the key the steps' passes are counted under (None: not counted).
+        compiled: train by the compiled static-shape step (:mod:`medfed.federated.stacked`), kept in this cache
+            from plan to plan (a new one is a new compilation); None: the eager step, one call per batch shape
+            and subset of sites.
 
     Returns:
         Each site's mean loss over its steps (possibly non-finite: the caller's to refuse).
@@ -410,57 +419,27 @@ def train_group(
     loss_state = {name: torch.stack([getattr(site.strategy, name) for site in sites]) for name in state_names}
     aux = {name: torch.stack([getattr(site.strategy, name).detach() for site in sites]) for name in auxiliary}
 
-    wrapper = _Slots(template, ctx, plan)
-
-    def site_loss(theta, fixed, buffer, state, extra, batch, key):
-        with _attributes(half, {**state, **extra}), keyed(key), template.fabric.autocast():  # the forward in the run's precision
-            return torch.func.functional_call(wrapper, {**fixed, **buffer, **theta}, (batch,), strict=True)
-
-    prefixed = lambda tensors: {f"slots.{name}": t for name, t in tensors.items()}  # noqa: E731
-    step = torch.func.vmap(torch.func.grad_and_value(site_loss, argnums=(0, 4)), randomness="error")
     totals = torch.zeros(count, dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)  # summed as Site.train sums
     streams = [site.batches(n, plan.data_order) for site, n in zip(sites, steps)]
     key_matrix = torch.nn.utils.rnn.pad_sequence([k.to(device) for k in keys], batch_first=True)  # (S, max steps)
-    everyone = torch.arange(count, device=device)
-    row_tensors: dict[tuple[int, ...], torch.Tensor] = {}  # the rows of each subset of the sites that stepped alone
     for site in sites:
         site.plan_key = compute
     try:
-        for t in range(max(steps)):
-            by_shape: dict[tuple[Any, ...], list[tuple[int, Any]]] = {}
-            for i in (i for i in range(count) if t < steps[i]):
-                batch = next(streams[i])
-                if compute is not None:
-                    sites[i].passes.add(compute, plan.data_pass * batch_samples(batch))
-                by_shape.setdefault(_signature(batch), []).append((i, batch))
-            for members in by_shape.values():
-                # the sites of one batch shape: all of them (the tensors themselves), or some (their rows, put back after)
-                members_rows = tuple(i for i, _ in members)
-                if len(members) == count:
-                    rows = None
-                elif members_rows in row_tensors:
-                    rows = row_tensors[members_rows]
-                else:  # made once per plan and subset: a copy from the host waits for the device
-                    rows = row_tensors[members_rows] = torch.tensor(members_rows, device=device)
-                take = (lambda d: d) if rows is None else (lambda d: {name: v[rows] for name, v in d.items()})  # noqa: E731
-                theta = {name: view for group in groups for name, view in group.views(group.flat if rows is None else group.flat[rows]).items()}
-                buffer, extra = take(stacked_buffers), take(aux)
-                (grads, aux_grads), loss = step(
-                    prefixed(theta), prefixed(take(frozen)), prefixed(buffer), take(loss_state), extra,
-                    _stack_batches([b for _, b in members]), key_matrix[slice(None) if rows is None else rows, t],
-                )
-                totals.index_add_(0, everyone if rows is None else rows, loss.detach().to(totals.dtype))
-                for group in groups:
-                    group.step(rows, {name: grads[f"slots.{name}"] for name in group.names})
-                for name, rule in auxiliary.items():  # after the optimisers, as Site.train steps them
-                    new = torch.func.vmap(rule.step)(extra[name], aux_grads[name])
-                    if rows is None:
-                        aux[name] = new
-                    else:
-                        aux[name][rows] = new
-                if rows is not None:
-                    for name, value in buffer.items():  # BatchNorm statistics the step updated in the rows' copies
-                        stacked_buffers[name][rows] = value
+        if compiled is not None:
+            pads = all(can_pad(module) for module in modules[0].values())
+            cache_key = (tuple(id(site) for site in sites), group_key(template, ctx, plan), pads)
+            if cache_key not in compiled:
+                wrapper = _Slots(template, ctx, plan)
+                loss = _functional_loss(wrapper, template, half)
+                compiled[cache_key] = wrapper, StackedStep(loss, auxiliary, pads, template.batch_size, True, device)
+            wrapper, stacked = compiled[cache_key]
+            wrapper.ctx, wrapper.plan = ctx, plan
+            _train_static(stacked, sites, plan, steps, streams, key_matrix, compute, groups, frozen, stacked_buffers, loss_state, aux, totals)
+        else:
+            _train_eager(
+                _functional_loss(_Slots(template, ctx, plan), template, half), auxiliary, sites, plan, steps, streams, key_matrix,
+                compute, groups, frozen, stacked_buffers, loss_state, aux, totals,
+            )
         for stream in streams:
             next(stream, None)  # run out: a whole last pass ends as Site.train's loop ends it (Site.batches)
     finally:
@@ -478,3 +457,91 @@ def train_group(
             for slot in stepped:
                 site.slot(slot).optimizer.zero_grad(set_to_none=True)
     return (totals / torch.tensor(steps, dtype=totals.dtype, device=device)).tolist()  # the plan's one host read
+
+
+def _functional_loss(wrapper: _Slots, template: Site, half: Any) -> Callable[..., torch.Tensor]:
+    """One site's loss of one step as a function of its tensors (names without the wrapper's ``slots.``)::
+
+        loss(theta, frozen, buffers, state, aux, batch, key)
+
+    the template half's loss through ``functional_call`` with the site's tensors swapped in, its declared loss
+    state and auxiliary attributes set to the site's for the call, its dropout keyed by ``key``, in the run's precision.
+    """
+
+    def loss(theta, fixed, buffer, state, extra, batch, key):
+        tensors = {f"slots.{name}": t for part in (fixed, buffer, theta) for name, t in part.items()}
+        with _attributes(half, {**state, **extra}), keyed(key), template.fabric.autocast():
+            return torch.func.functional_call(wrapper, tensors, (batch,), strict=True)
+
+    return loss
+
+
+def _train_static(
+    stacked: StackedStep, sites: list[Site], plan: TrainingPlan, steps: list[int], streams: list[Iterator[Any]],
+    key_matrix: torch.Tensor, compute: str | None, groups: list[_FlatGroup], frozen: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor], loss_state: dict[str, torch.Tensor], aux: dict[str, torch.Tensor], totals: torch.Tensor,
+) -> None:
+    """The plan's steps by the static-shape step: every site in every call, one call a step (or one per batch
+    shape, where the models cannot be padded: :mod:`medfed.federated.stacked`)."""
+    count = len(sites)
+    last: list[Any] = [None] * count  # each site's latest batch (padded), what it runs on while it takes no step
+    masks: list[torch.Tensor | None] = [None] * count
+    for t in range(max(steps)):
+        drawn: list[Any] = [None] * count
+        for i in (i for i in range(count) if t < steps[i]):
+            batch = next(streams[i])
+            if compute is not None:
+                sites[i].passes.add(compute, plan.data_pass * batch_samples(batch))
+            last[i], masks[i] = stacked.padded(batch) if stacked.pads else (batch, None)
+            drawn[i] = last[i]
+        for rows, active in calls(drawn, last, stacked.pads, _signature):
+            mask = torch.stack(masks) if stacked.pads else None
+            stacked.run(groups, frozen, buffers, loss_state, aux, _stack_batches(rows), mask, stacked.active(tuple(active)), key_matrix[:, t], totals)
+
+
+def _train_eager(
+    loss: Callable[..., torch.Tensor], auxiliary: dict[str, Auxiliary], sites: list[Site], plan: TrainingPlan, steps: list[int],
+    streams: list[Iterator[Any]], key_matrix: torch.Tensor, compute: str | None, groups: list[_FlatGroup], frozen: dict[str, torch.Tensor],
+    stacked_buffers: dict[str, torch.Tensor], loss_state: dict[str, torch.Tensor], aux: dict[str, torch.Tensor], totals: torch.Tensor,
+) -> None:
+    """The plan's steps by one vmapped call per step, batch shape and subset of the sites that take the step."""
+    count = len(sites)
+    device = totals.device
+    step = torch.func.vmap(torch.func.grad_and_value(loss, argnums=(0, 4)), randomness="error")
+    everyone = torch.arange(count, device=device)
+    row_tensors: dict[tuple[int, ...], torch.Tensor] = {}  # the rows of each subset of the sites that stepped alone
+    for t in range(max(steps)):
+        by_shape: dict[tuple[Any, ...], list[tuple[int, Any]]] = {}
+        for i in (i for i in range(count) if t < steps[i]):
+            batch = next(streams[i])
+            if compute is not None:
+                sites[i].passes.add(compute, plan.data_pass * batch_samples(batch))
+            by_shape.setdefault(_signature(batch), []).append((i, batch))
+        for members in by_shape.values():
+            # the sites of one batch shape: all of them (the tensors themselves), or some (their rows, put back after)
+            members_rows = tuple(i for i, _ in members)
+            if len(members) == count:
+                rows = None
+            elif members_rows in row_tensors:
+                rows = row_tensors[members_rows]
+            else:  # made once per plan and subset: a copy from the host waits for the device
+                rows = row_tensors[members_rows] = torch.tensor(members_rows, device=device)
+            take = (lambda d: d) if rows is None else (lambda d: {name: v[rows] for name, v in d.items()})  # noqa: E731
+            theta = {name: view for group in groups for name, view in group.views(group.flat if rows is None else group.flat[rows]).items()}
+            buffer, extra = take(stacked_buffers), take(aux)
+            (grads, aux_grads), losses = step(
+                theta, take(frozen), buffer, take(loss_state), extra,
+                _stack_batches([b for _, b in members]), key_matrix[slice(None) if rows is None else rows, t],
+            )
+            totals.index_add_(0, everyone if rows is None else rows, losses.detach().to(totals.dtype))
+            for group in groups:
+                group.step(rows, {name: grads[name] for name in group.names})
+            for name, rule in auxiliary.items():  # after the optimisers, as Site.train steps them
+                new = torch.func.vmap(rule.step)(extra[name], aux_grads[name])
+                if rows is None:
+                    aux[name] = new
+                else:
+                    aux[name][rows] = new
+            if rows is not None:
+                for name, value in buffer.items():  # BatchNorm statistics the step updated in the rows' copies
+                    stacked_buffers[name][rows] = value

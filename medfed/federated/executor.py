@@ -214,12 +214,16 @@ class InProcessSites:
         sites: the sites, index order, each holding its half of the strategy.
         links: one link per site (both ends in one object).
         executor: ``"sequential"`` or ``"batched"`` (``trainer.executor`` resolved for the run's device).
+        compile: batched, train each group by the compiled static-shape step (``trainer.compile``,
+            :mod:`medfed.federated.stacked`); sequentially trained plans run the slots' own (compiled) forwards.
     """
 
-    def __init__(self, sites: list[Site], links: list[Link], executor: str = "sequential") -> None:
+    def __init__(self, sites: list[Site], links: list[Link], executor: str = "sequential", compile: bool = False) -> None:
         if executor not in ("sequential", "batched"):
             raise ValueError(f"executor must be 'sequential' or 'batched', got {executor!r}")
         self.executor = executor
+        #: batched, with ``compile``: the compiled static-shape steps, kept from round to round (:mod:`medfed.federated.stacked`)
+        self._compiled: dict[Any, Any] | None = {} if compile else None
         #: why plans trained one site at a time under the batched executor, ``{"<phase>/<plan label>": reason}``
         self.sequential_plans: dict[str, str] = {}
         self.sites = sites
@@ -363,7 +367,7 @@ class InProcessSites:
         saved = [_saved_data_orders(site) for site in sites]
         try:
             keys = [dropout_keys(site, stream, position, steps) for site, (_, _, steps) in zip(sites, group)]
-            means = batched.train_group(sites, ctx, plan, [steps for _, _, steps in group], keys, f"{compute}/{plan.label}")
+            means = batched.train_group(sites, ctx, plan, [steps for _, _, steps in group], keys, f"{compute}/{plan.label}", self._compiled)
         except Exception as error:  # put the group back, train its sites one at a time: a site's fault fails it alone
             self._note(f"{work.phase}/{plan.label}", f"the stacked step raised ({type(error).__name__}: {error})")
             outcomes: dict[int, float | str | None] = {}

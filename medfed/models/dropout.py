@@ -25,6 +25,7 @@ layer changes and no draw is made.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -45,8 +46,9 @@ DROPOUT_STREAM = 0xD120
 class _Keys:
     """The key of the step in progress (an int64 scalar tensor, or None) and the dropout calls made in it."""
 
-    key: torch.Tensor | None = None
-    calls: int = 0
+    def __init__(self) -> None:  # instance attributes from the start: a compiled step guards on them
+        self.key: torch.Tensor | None = None
+        self.calls = 0
 
 
 _current = _Keys()
@@ -79,7 +81,7 @@ def _logical_shift(z: torch.Tensor, bits: int) -> torch.Tensor:
 
 def uniform_from_key(key: torch.Tensor, call: int, shape: torch.Size, device: torch.device) -> torch.Tensor:
     """Uniform numbers on [0, 1), float32 of ``shape``: splitmix64 of (key, call, element index) (module docstring)."""
-    index = torch.arange(int(np.prod(shape, dtype=np.int64)), dtype=torch.int64, device=device).reshape(shape)
+    index = torch.arange(math.prod(shape), dtype=torch.int64, device=device).reshape(shape)  # math: torch.compile traces it
     offset = (call * _CALL + (1 << 63)) % (1 << 64) - (1 << 63)  # c * K2 wrapped to int64
     z = key * _GOLDEN + offset + index
     z = (z ^ _logical_shift(z, 30)) * _MIX1

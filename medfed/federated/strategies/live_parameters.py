@@ -107,7 +107,9 @@ def training_loss_with(module: nn.Module, parameters: dict[str, torch.Tensor], b
         The scalar loss of ``training_step(batch, 0)``.
     """
     wrapper = _TrainingStep(unwrap(module))
-    return torch.func.functional_call(wrapper, {f"module.{name}": t for name, t in parameters.items()}, (batch,))
+    # tie_weights=False: medfed's models tie no parameters, and looking for ties reads the module's own tensors,
+    # which torch.compile cannot trace inside a stacked step's own functional_call (medfed.federated.stacked)
+    return torch.func.functional_call(wrapper, {f"module.{name}": t for name, t in parameters.items()}, (batch,), tie_weights=False)
 
 
 def gradient_only(term: torch.Tensor) -> torch.Tensor:
