@@ -1,14 +1,21 @@
-"""Training throughput: samples/s over all sites, sites in turn vs stacked vs one centralised model (issue 21).
+"""Training throughput: samples/s over all sites, sites in turn vs stacked vs one centralised model, eager and compiled.
 
 In one process, for each device (the CPU always, CUDA where present), model
-and number of sites N, three columns measured side by side:
+and number of sites N, these columns measured side by side:
 
 * ``sequential``: ``trainer.executor=sequential``, the sites of a FedAvg
   round training one after another (:class:`~medfed.federated.executor.InProcessSites`);
 * ``batched``: ``trainer.executor=batched``, the sites stacked and trained by
   one vmapped step (measured where this medfed has the option; ``-`` otherwise);
+  with ``--compile`` the compiled static-shape step (:mod:`medfed.federated.stacked`,
+  graph-captured on CUDA);
 * ``central``: the centralised reference, one model of the same kind
-  trained on the pooled samples of all N sites at batch 16 x N.
+  trained on the pooled samples of all N sites at batch 16 x N;
+* ``central compiled``: the same reference compiled (``torch.compile`` of
+  the model; on CUDA ``mode="reduce-overhead"``: its forward and backward
+  captured as CUDA graphs and replayed; the model's Adam fused). What a
+  single well-tuned training of the same total batch reaches (``--no-compiled-central``
+  leaves it out: on a CPU each of its compilations takes minutes).
 
 Every column trains the same model with the same loss, optimiser (the
 model's Adam), ``trainer.precision`` and ``trainer.compile``, built as
@@ -19,8 +26,8 @@ training time the executor reports for the round's phase
 (``timing["train_s"]``: all the sites' training plans, one after another or
 stacked; not the messages, the sites' receive and reply, the server step or
 the evaluation), its samples those the sites report having trained
-(:mod:`medfed.federated.compute`). The central column's time is its epochs'
-training loop (:meth:`Site.train`), its samples the pooled set's. The first
+(:mod:`medfed.federated.compute`). The central columns' time is their epochs'
+training loops, their samples the pooled set's. The first
 ``--warmup`` rounds (epochs) are not measured (allocation, compilation);
 then ``--rounds`` are, and more until their training took ``--min-seconds``.
 With ``--repeats k`` a row's columns are measured k times in turn and each
@@ -30,11 +37,13 @@ The data are GENERATED (seeded Gaussian noise, labels at random): they
 cost what real data of the same shapes cost, and nothing here measures
 learning. ``clinical`` is the clinical task's model (logistic regression on
 30 features, the breast-cancer table's width), ``unet`` the BraTS task's
-default U-Net on 4 x P x P patches (``--patch``, 32 by default on a CPU).
+default U-Net on 4 x P x P patches (``--patch``, 32 by default on a CPU),
+``densenet`` the LUNA16 task's nodule classifier (MONAI DenseNet, BatchNorm)
+on 1 x 32 x 32 patches.
 
 Run from the repository root (nice'd on a shared machine):
 
-    PYTHONPATH=$PWD nice python benchmarks/throughput.py [--quick] [--sites 5 20 50] [--models clinical unet] [--patch 32]
+    PYTHONPATH=$PWD nice python benchmarks/throughput.py [--quick] [--sites 5 20 50] [--models clinical unet densenet] [--patch 32]
         [--samples-per-site 64] [--rounds 2] [--warmup 1] [--min-seconds 1] [--repeats 1] [--precision 32] [--compile] [--threads 1]
 
 ``--quick``: a CI-sized run (2 and 3 sites, a small U-Net on 16 x 16 patches, one measured round).
@@ -61,16 +70,21 @@ from medfed.federated.executor import InProcessSites
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.strategies import strategy_from_config
 from medfed.models.base import FederatedModule
+from medfed.models.classification import NoduleClassifier
 from medfed.models.segmentation import UNetSegmenter
 from medfed.models.tabular import LogisticRegression
-from medfed.options.models import LogisticRegressionOptions, UNetOptions
+from medfed.options.models import DenseNetOptions, LogisticRegressionOptions, UNetOptions
 
-MODELS = ("clinical", "unet")
+MODELS = ("clinical", "unet", "densenet")
 CLINICAL_FEATURES = 30
 UNET_CHANNELS = 4
+DENSENET_PATCH = 32
+"""The LUNA16 task's patch side."""
 BATCH = 16
 """The sites' batch size; the centralised reference's is BATCH x N."""
 EXECUTORS = ("sequential", "batched")
+CENTRAL = ("central", "central compiled")
+COLUMNS = (*EXECUTORS, *CENTRAL)
 
 
 def executors_here() -> tuple[str, ...]:
@@ -83,7 +97,7 @@ class Setting:
     """What one row measures, besides N.
 
     Attributes:
-        model: ``clinical`` or ``unet``.
+        model: ``clinical``, ``unet`` or ``densenet``.
         device: ``cpu`` or ``cuda``.
         samples_per_site: training samples of every site.
         patch: P, the U-Net's patch side.
@@ -113,23 +127,31 @@ class Setting:
             torch.manual_seed(0)
             if self.model == "clinical":
                 return LogisticRegression(CLINICAL_FEATURES, 2, LogisticRegressionOptions())
+            if self.model == "densenet":
+                return NoduleClassifier(1, 2, DenseNetOptions())
             options = UNetOptions() if self.unet_channels is None else UNetOptions(channels=list(self.unet_channels), strides=[2] * (len(self.unet_channels) - 1))
             return UNetSegmenter(UNET_CHANNELS, 2, options)
 
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """One sample's shape."""
+        return {"clinical": (CLINICAL_FEATURES,), "unet": (UNET_CHANNELS, self.patch, self.patch), "densenet": (1, DENSENET_PATCH, DENSENET_PATCH)}[self.model]
+
     def samples(self, n: int, generator: torch.Generator) -> TensorDataset:
-        """``n`` GENERATED samples: clinical ``(n, 30)`` features and 0/1 labels; unet ``(n, 4, P, P)`` patches and 0/1 masks."""
+        """``n`` GENERATED samples: clinical ``(n, 30)`` features and 0/1 labels; unet ``(n, 4, P, P)`` patches and
+        0/1 masks; densenet ``(n, 1, 32, 32)`` patches and 0/1 labels."""
         if self.model == "clinical":
             x = torch.rand(n, CLINICAL_FEATURES, generator=generator) * 2 - 1
             return TensorDataset(x, torch.randint(0, 2, (n,), generator=generator))
-        x = torch.randn(n, UNET_CHANNELS, self.patch, self.patch, generator=generator)
-        return TensorDataset(x, torch.randint(0, 2, (n, self.patch, self.patch), generator=generator))
+        x = torch.randn(n, *self.input_shape, generator=generator)
+        labels = (n,) if self.model == "densenet" else (n, self.patch, self.patch)
+        return TensorDataset(x, torch.randint(0, 2, labels, generator=generator))
 
     def federation(self, n_sites: int) -> Federation:
         """``n_sites`` sites of ``samples_per_site`` GENERATED training samples (and a few test samples) each."""
         generator = torch.Generator().manual_seed(n_sites)
         sites = [SiteData(f"site{i}", self.samples(self.samples_per_site, generator), self.samples(4, generator)) for i in range(n_sites)]
-        shape = (CLINICAL_FEATURES,) if self.model == "clinical" else (UNET_CHANNELS, self.patch, self.patch)
-        return Federation(self.model, sites, shape, 2, "GENERATED noise (benchmarks/throughput.py)", generated=True)
+        return Federation(self.model, sites, self.input_shape, 2, "GENERATED noise (benchmarks/throughput.py)", generated=True)
 
 
 @dataclass(frozen=True)
@@ -170,7 +192,8 @@ def federated(setting: Setting, n_sites: int, executor: str) -> Measurement:
     sites = assembly.sites(fabric, federation)
     initial = assembly.initial_values(fabric.device)
     links = [assembly.link(initial, fabric.device, site.name) for site in sites]
-    sites_part = InProcessSites(sites, links, executor) if executor != "sequential" else InProcessSites(sites, links)
+    options = {"compile": setting.compile} if "compile" in inspect.signature(InProcessSites).parameters else {}
+    sites_part = InProcessSites(sites, links, executor, **options) if executor != "sequential" else InProcessSites(sites, links)
     measured: list[Measurement] = []
     work = sites_part.work
 
@@ -222,6 +245,46 @@ def central(setting: Setting, n_sites: int) -> Measurement:
     return Measurement(samples, seconds)
 
 
+def central_compiled(setting: Setting, n_sites: int) -> Measurement:
+    """The central reference compiled: the model under ``torch.compile`` (on CUDA ``mode="reduce-overhead"``: forward
+    and backward captured as CUDA graphs), the model's Adam (fused on CUDA), the pooled samples resident on the device
+    in shuffled batches of BATCH x N (equal sizes: 64 samples a site); samples over its epochs' training time."""
+    federation = setting.federation(n_sites)
+    fabric = make_fabric(setting.trainer(), loggers=[], callbacks=[])
+    device = fabric.device
+    x, y = (torch.cat(parts).to(device) for parts in zip(*(site.train.tensors for site in federation.sites)))
+    model = setting.prototype().to(device)
+    lr = model.configure_optimizers().defaults["lr"]
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr, **({"fused": True} if device.type == "cuda" else {}))
+    model.compile(mode="reduce-overhead" if device.type == "cuda" else None)  # training_step's self(x) runs it
+    batch = BATCH * n_sites
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def epoch() -> int:
+        order = torch.randperm(len(x), device=device, generator=generator)
+        steps = len(x) // batch  # whole batches: one shape, one graph
+        for step in range(steps):
+            index = order[step * batch : (step + 1) * batch]
+            optimizer.zero_grad(set_to_none=True)
+            with fabric.autocast():
+                loss = model.training_step((x[index], y[index]), 0)
+            loss.backward()
+            optimizer.step()
+        return steps * batch
+
+    model.train()
+    samples, seconds, done = 0, 0.0, 0
+    while done < setting.warmup + setting.rounds or seconds < setting.min_seconds:
+        _synchronised(device)
+        tic = time.perf_counter()
+        trained = epoch()
+        _synchronised(device)
+        if done >= setting.warmup:
+            samples, seconds = samples + trained, seconds + time.perf_counter() - tic
+        done += 1
+    return Measurement(samples, seconds)
+
+
 @dataclass
 class Row:
     setting: Setting
@@ -233,17 +296,27 @@ class Row:
         return None if top is None or bottom is None else top.rate / bottom.rate
 
 
-def measure(setting: Setting, n_sites: int, executors: tuple[str, ...], repeats: int = 1, say: Callable[[str], None] = print) -> Row:
-    """One row: every executor here and the central reference, one after another in this process, ``repeats`` times
-    in turn; each column keeps its fastest measurement (on a shared machine the others' load only slows a column down)."""
-    columns: dict[str, Measurement | None] = {name: None for name in (*EXECUTORS, "central")}
+def measure(
+    setting: Setting, n_sites: int, columns: tuple[str, ...], repeats: int = 1, say: Callable[[str], None] = print
+) -> Row:
+    """One row: ``columns`` (executors here, the central references), one after another in this process, ``repeats``
+    times in turn; each keeps its fastest measurement (on a shared machine the others' load only slows a column down)."""
+    kept: dict[str, Measurement | None] = dict.fromkeys(COLUMNS)
+    run = {"central": central, "central compiled": central_compiled}
     for _ in range(repeats):
-        for name in (*executors, "central"):
-            measured = central(setting, n_sites) if name == "central" else federated(setting, n_sites, name)
+        for name in columns:
+            measured = run[name](setting, n_sites) if name in run else federated(setting, n_sites, name)
             say(f"  {setting.device} {setting.model} N={n_sites} {name}: {measured.rate:,.0f} samples/s")
-            if columns[name] is None or measured.rate > columns[name].rate:
-                columns[name] = measured
-    return Row(setting, n_sites, columns)
+            if kept[name] is None or measured.rate > kept[name].rate:
+                kept[name] = measured
+    return Row(setting, n_sites, kept)
+
+
+RATIOS = (
+    ("batched", "sequential"), ("sequential", "central"), ("batched", "central"), ("batched", "central compiled"),
+    ("central compiled", "central"),
+)
+"""The table's ratios, each measured side by side in one row."""
 
 
 def _number(value: float | None, digits: int = 0) -> str:
@@ -253,12 +326,12 @@ def _number(value: float | None, digits: int = 0) -> str:
 def table(rows: list[Row]) -> str:
     """The rows as a Markdown table: samples/s per column and the ratios measured side by side."""
     lines = [
-        "| device | model | N | sequential | batched | central | batched / sequential | sequential / central | batched / central |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| device | model | N | {' | '.join(COLUMNS)} | {' | '.join(f'{a} / {b}' for a, b in RATIOS)} |",
+        "|---|---|---:|" + "---:|" * (len(COLUMNS) + len(RATIOS)),
     ]
     for row in rows:
-        rates = [_number(None if row.columns[name] is None else row.columns[name].rate) for name in (*EXECUTORS, "central")]
-        ratios = [_number(row.ratio(a, b), 2) for a, b in (("batched", "sequential"), ("sequential", "central"), ("batched", "central"))]
+        rates = [_number(None if row.columns[name] is None else row.columns[name].rate) for name in COLUMNS]
+        ratios = [_number(row.ratio(a, b), 2) for a, b in RATIOS]
         lines.append(f"| {row.setting.device} | {row.setting.model} | {row.n_sites} | {' | '.join(rates)} | {' | '.join(ratios)} |")
     return "\n".join(lines)
 
@@ -285,7 +358,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--min-seconds", type=float, default=1.0, help="measure more rounds until their training took this long")
     parser.add_argument("--repeats", type=int, default=1, help="measure the row's columns this many times in turn, keep each one's fastest")
     parser.add_argument("--precision", choices=("32", "bf16-mixed"), default="32")
-    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="trainer.compile in the federated columns (batched: the compiled static-shape step)")
+    parser.add_argument("--no-compiled-central", action="store_true", help="leave out the compiled central reference (minutes of compilation on a CPU)")
     parser.add_argument("--threads", type=int, default=1, help="torch's CPU threads")
     args = parser.parse_args(argv)
     if args.quick:
@@ -293,6 +367,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     torch.set_num_threads(args.threads)
     devices = args.devices or ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
     executors = executors_here()
+    columns = (*executors, *(CENTRAL if not args.no_compiled_central else CENTRAL[:1]))
     print(f"# {machine()}")
     if "batched" not in executors:
         print("# this medfed has no trainer.executor=batched: its column is '-'")
@@ -305,11 +380,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
                 args.precision, args.compile, args.rounds, args.warmup, args.min_seconds,
             )
             for n_sites in args.sites:
-                rows.append(measure(setting, n_sites, executors, args.repeats))
+                rows.append(measure(setting, n_sites, columns, args.repeats))
+    patches = sorted({f"{r.setting.patch}x{r.setting.patch} ({r.setting.device})" for r in rows if r.setting.model == "unet"})
     print(f"\nsamples/s of training over all sites; batch {BATCH} per site, {BATCH} x N central; precision {args.precision}, "
-          f"compile {args.compile}; U-Net patches {', '.join(sorted({f'{r.setting.patch}x{r.setting.patch} ({r.setting.device})' for r in rows if r.setting.model == 'unet'})) or '-'}; "
-          f"{args.samples_per_site} samples per site, >= {args.rounds} measured round(s) (>= {args.min_seconds} s) after {args.warmup}; "
-          f"the fastest of {args.repeats} measurement(s) in turn per column; one seed")
+          f"compile {args.compile} (federated columns); U-Net patches {', '.join(patches) or '-'}; DenseNet patches "
+          f"{DENSENET_PATCH}x{DENSENET_PATCH}; {args.samples_per_site} samples per site, >= {args.rounds} measured round(s) "
+          f"(>= {args.min_seconds} s) after {args.warmup}; the fastest of {args.repeats} measurement(s) in turn per column; one seed")
     print(table(rows))
     print(f"# {machine()}")
     return rows

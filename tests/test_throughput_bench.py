@@ -46,14 +46,28 @@ def test_the_central_column_trains_the_pooled_samples_at_batch_16_n(seen):
 
 
 def test_the_table_sets_the_ratios_side_by_side():
-    rows = [throughput.Row(_setting(), 5, {"sequential": throughput.Measurement(100, 1.0), "batched": None, "central": throughput.Measurement(400, 2.0)})]
-    line = throughput.table(rows).splitlines()[-1]
-    assert line == "| cpu | clinical | 5 | 100 | - | 200 | - | 0.50 | - |"
+    columns = {"sequential": throughput.Measurement(100, 1.0), "batched": None, "central": throughput.Measurement(400, 2.0),
+               "central compiled": throughput.Measurement(800, 2.0)}
+    header, _, line = throughput.table([throughput.Row(_setting(), 5, columns)]).splitlines()
+    assert header.startswith("| device | model | N | sequential | batched | central | central compiled | batched / sequential |")
+    assert line == "| cpu | clinical | 5 | 100 | - | 200 | 400 | - | 0.50 | - | - | 2.00 |"
+
+
+def test_the_compiled_central_column_trains_whole_batches_of_16_n(seen):
+    measured = throughput.central_compiled(_setting(rounds=2, warmup=1), 3)
+    assert seen == [48] * 3  # 60 pooled samples: one whole batch of 48 an epoch (one shape), 1 + 2 epochs
+    assert measured.samples == 2 * 48 and measured.seconds > 0
+
+
+def test_the_densenet_row_trains_nodule_patches(seen):
+    setting = throughput.Setting("densenet", "cpu", 20, 16, None, "32", False, 1, 0, min_seconds=0.0)
+    assert setting.prototype().__class__.__name__ == "NoduleClassifier"
+    assert throughput.federated(setting, 2, "sequential").samples == 2 * 20
 
 
 def test_a_row_measured_in_turn_keeps_each_columns_fastest_measurement(seen):
     said = []
-    row = throughput.measure(_setting(rounds=1, warmup=0), 2, ("sequential",), repeats=2, say=said.append)
+    row = throughput.measure(_setting(rounds=1, warmup=0), 2, ("sequential", "central"), repeats=2, say=said.append)
     parts = [line.split() for line in said]  # "cpu clinical N=2 sequential: 1,234 samples/s"
     assert [p[3] for p in parts] == ["sequential:", "central:"] * 2  # in turn
     assert row.columns["batched"] is None
