@@ -20,10 +20,13 @@ earlier checkpoint is intact and how to continue from it.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import re
 import shutil
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -73,6 +76,61 @@ def save_checkpoint(folder: Path, state: dict[str, Any], keep: int) -> Path:
 def round_checkpoints(output_dir: Path, config: dict[str, Any], keep: int) -> Callable[[dict[str, Any]], Path]:
     """The loop's ``save_checkpoint``: each round's state with ``config`` into ``output_dir``'s checkpoints' folder, the newest ``keep`` kept."""
     return lambda state: save_checkpoint(output_dir / FOLDER, {**state, "config": config}, keep)
+
+
+class BackgroundCheckpoints:
+    """The loop's ``save_checkpoint`` off the training path: each round's state copied, then written by a thread.
+
+    Calling it copies the state (every tensor cloned: the loop goes on
+    changing its own in place) and returns; a writer thread streams the copy
+    to ``round-<n>.ckpt`` exactly as :func:`save_checkpoint` does (atomically,
+    checksummed, the newest ``keep`` kept) while the next round trains. One
+    write is in flight at a time: the next call, and :meth:`wait`, wait for
+    it and raise the error it met (a full disk: :class:`~medfed.errors.DataError`).
+    Every checkpoint on disk is complete, so an interruption at any moment
+    (``kill -9`` during a write included) leaves the rounds written so far,
+    and ``--resume`` continues exactly from the newest of them; :meth:`wait`
+    before results.json and on the way out of an interrupted run puts the
+    last finished round's on disk too.
+
+    Args:
+        output_dir: the run folder (checkpoints go into its ``checkpoints/``).
+        config: the run's resolved config, saved in every checkpoint.
+        keep: how many of the newest checkpoints are kept.
+    """
+
+    def __init__(self, output_dir: Path, config: dict[str, Any], keep: int) -> None:
+        self.folder = output_dir / FOLDER
+        self.config = config
+        self.keep = keep
+        #: seconds the writer thread spent writing (beside the training, not on its path)
+        self.write_s = 0.0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def __call__(self, state: dict[str, Any]) -> None:
+        self.wait()
+        snapshot = copy.deepcopy({**state, "config": self.config})
+        self._thread = threading.Thread(target=self._write, args=(snapshot,), name="medfed-checkpoint")
+        self._thread.start()
+
+    def _write(self, snapshot: dict[str, Any]) -> None:
+        tic = time.perf_counter()
+        try:
+            save_checkpoint(self.folder, snapshot, self.keep)
+        except BaseException as error:  # raised in the training thread, at the next call or wait()
+            self._error = error
+        finally:
+            self.write_s += time.perf_counter() - tic
+
+    def wait(self) -> None:
+        """Wait for the write in flight; raise the error it met, if any."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 def checkpoints(folder: Path) -> list[Path]:

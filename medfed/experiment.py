@@ -16,6 +16,7 @@ any data is read (:mod:`medfed.output_dir`).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections import defaultdict
@@ -29,7 +30,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm  # text bars: tqdm.auto warns in a notebook without ipywidgets
 
 from medfed.assembly import RunAssembly, make_fabric
-from medfed.checkpoint import FOLDER, resume_state, round_checkpoints
+from medfed.checkpoint import FOLDER, BackgroundCheckpoints, resume_state
 from medfed.components import ResolvedRun, resolve
 from medfed.config import RunConfig, check_wandb_key
 from medfed.errors import RunFailed, SiteFailure, warn
@@ -100,14 +101,17 @@ def _run(
             site.use_dp(SiteDP(dp, site.name, site.n_train, trainer.batch_size, planned, trainer.seed, site.index))
     initial = assembly.initial_values(fabric.device)
     links = [assembly.link(initial, fabric.device, site.name) for site in sites]
-    write_checkpoint = round_checkpoints(output_dir, config, trainer.keep_checkpoints)
+    write_checkpoint = BackgroundCheckpoints(output_dir, config, trainer.keep_checkpoints)
     executor = InProcessSites(sites, links, executor_for(trainer.executor, fabric.device, dp.enabled), compile=trainer.compile)
 
     def save_checkpoint(state: dict[str, Any]) -> None:
-        bar.set_description_str(f"{strategy.name} rounds (writing checkpoint)")
-        with _timed(seconds, "checkpoint_s"):
+        with _timed(seconds, "checkpoint_s"):  # the copy of the state (and a wait for the write before): the rest is the writer's
             write_checkpoint(state)
-        bar.set_description_str(f"{strategy.name} rounds")
+
+    def checkpoints_written() -> None:
+        with _timed(seconds, "checkpoint_s"):
+            write_checkpoint.wait()
+        seconds["checkpoint_write_s"] = write_checkpoint.write_s
 
     loop = FederatedLoop(
         fabric,
@@ -153,7 +157,10 @@ def _run(
     bar = tqdm(total=trainer.rounds, initial=loop.round, desc=f"{strategy.name} rounds", unit="round", disable=not progress)
     try:
         loop.fit(trainer.rounds, progress=lambda record: (bar.set_postfix(record["mean"]), bar.update()))
+        checkpoints_written()
     except BaseException as error:  # Ctrl-C included: the W&B run ends marked as failed, resumable
+        with contextlib.suppress(Exception):  # the rounds finished so far on disk (a write's own error: the earlier ones)
+            write_checkpoint.wait()
         tracker.finish(step=loop.round, exit_code=1)
         if isinstance(error, PrivacyBudgetSpent):  # the rounds so far are the run's results
             write_json_atomic(output_dir / "results.json", results_so_far())

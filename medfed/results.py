@@ -107,7 +107,8 @@ def timing_summary(
         wall_s: seconds since the run (this part of a resumed run) started.
         device: where the loop's tensors live.
         steps: the steps outside the rounds that the engine timed: ``data_s`` (building the federation),
-            ``checkpoint_s``, ``figures_s``.
+            ``checkpoint_s`` (on the training path: copying each round's state, waiting for a write),
+            ``checkpoint_write_s`` (the background writer's, beside the training), ``figures_s``.
         tracker_s: the loggers' own time (starting and finishing them, W&B images).
     """
     steps = steps or {}
@@ -121,6 +122,7 @@ def timing_summary(
         "volume_eval_s": sum(r["timing"].get("volume_eval_s", 0.0) for r in history),
         "round_start_s": sum(r["timing"].get("round_start_s", 0.0) for r in history),
         "checkpoint_s": steps.get("checkpoint_s", 0.0),
+        "checkpoint_write_s": steps.get("checkpoint_write_s", 0.0),
         "logging_s": tracker_s,
         "figures_s": steps.get("figures_s", 0.0),
         "wall_s": wall_s,

@@ -194,3 +194,45 @@ def test_resuming_from_a_checkpoint_lacking_the_loops_state_is_one_line_naming_t
     assert main(["fit", "--config", str(tiny_run_config), "--quiet", "--resume"]) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"checkpoint {newest} lacks the key 'server'" in error and "Traceback" not in error
+
+
+def test_a_background_checkpoint_holds_the_state_of_its_round_while_training_goes_on(tmp_path, monkeypatch):
+    writes = []
+    original = checkpoint_module.save_checkpoint
+
+    def slow_save(folder, state, keep):  # the writer is still at it when the loop changes its tensors
+        writes.append(state["round"])
+        release.wait(10)
+        return original(folder, state, keep)
+
+    import threading
+
+    release = threading.Event()
+    monkeypatch.setattr(checkpoint_module, "save_checkpoint", slow_save)
+    writer = checkpoint_module.BackgroundCheckpoints(tmp_path, {"trainer": {"rounds": 9}}, keep=2)
+    state = _state(1)
+    weight = state["sites"][0]["slots"]["model"]["module"]["weight"]
+    writer({key: value for key, value in state.items() if key != "config"})  # returns at once: the copy is taken
+    weight.add_(100.0)  # the next round trains in place
+    release.set()
+    writer.wait()
+    saved = read_checkpoint(tmp_path / FOLDER / "round-1.ckpt")
+    assert torch.equal(saved["sites"][0]["slots"]["model"]["module"]["weight"], torch.arange(4.0))  # round 1's values
+    assert saved["config"] == {"trainer": {"rounds": 9}} and writes == [1] and writer.write_s > 0
+
+
+def test_a_background_write_that_fails_raises_at_the_next_checkpoint_and_the_earlier_ones_stay(tmp_path, monkeypatch):
+    writer = checkpoint_module.BackgroundCheckpoints(tmp_path, {}, keep=2)
+    writer({"round": 1, "sites": [], "links": []})
+    writer.wait()
+
+    def failing_save(state, file):
+        file.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", failing_save)
+    writer({"round": 2, "sites": [], "links": []})  # the training thread goes on
+    with pytest.raises(DataError, match="round-2.ckpt could not be written.*No space left"):
+        writer({"round": 3, "sites": [], "links": []})
+    assert [path.name for path in checkpoints(tmp_path / FOLDER)] == ["round-1.ckpt"]
+    writer.wait()  # the error was raised once
