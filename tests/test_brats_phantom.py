@@ -257,3 +257,16 @@ def test_scanner_bias_noise_and_blur_act_as_documented():
         return np.abs(ndimage.laplace(image[T1])[brain]).mean()
 
     assert roughness(scan(blur_sigma_mm=3.0)) < 0.8 * roughness(reference)
+
+
+def test_cases_made_on_worker_processes_are_the_cases_made_in_turn(tmp_path, monkeypatch):
+    settings = dict(n_sites=2, cases_per_site=2, seed=3, resolution_mm=8.0, progress=False)
+    in_turn = generate_brats_phantoms(tmp_path / "in_turn", **settings)
+    monkeypatch.setattr("medfed.data.phantoms.workers.PARALLEL_WORK", 0.0)  # workers even for a tiny data set
+    monkeypatch.setattr("medfed.data.phantoms.workers.available_cores", lambda: 2)
+    spread = generate_brats_phantoms(tmp_path / "spread", **settings)
+    first, second = read_arrays(in_turn), read_arrays(spread)
+    assert first.keys() == second.keys() and len(first) == 20
+    for name in first:
+        np.testing.assert_array_equal(first[name], second[name])
+    assert json.loads((in_turn / "GENERATED.json").read_text()) == json.loads((spread / "GENERATED.json").read_text())

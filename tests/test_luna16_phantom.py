@@ -162,3 +162,14 @@ def test_refuses_to_overwrite_other_data(tmp_path):
 def test_bad_parameters_are_named(tmp_path, change, name):
     with pytest.raises(ValueError, match=name):
         generate_luna16_phantoms(tmp_path / "data", **{**TINY, **change})
+
+
+def test_series_made_on_worker_processes_are_the_series_made_in_turn(tmp_path, tiny, monkeypatch):
+    root, _ = tiny
+    monkeypatch.setattr("medfed.data.phantoms.workers.PARALLEL_WORK", 0.0)  # workers even for a tiny data set
+    monkeypatch.setattr("medfed.data.phantoms.workers.available_cores", lambda: 2)
+    spread = generate_luna16_phantoms(tmp_path / "spread", seed=5, **TINY)
+    first_files, second_files = all_files(root), all_files(spread)
+    assert first_files.keys() == second_files.keys()
+    for name in first_files:
+        assert first_files[name].read_bytes() == second_files[name].read_bytes(), name

@@ -39,11 +39,11 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 from scipy import ndimage
-from tqdm import tqdm
 
 from medfed.data.brats import MODALITIES
 from medfed.data.partition_csv import write_partition_csv
 from medfed.data.phantoms.store import hold, write_marker
+from medfed.data.phantoms.workers import map_cases
 
 GENERATOR = "medfed.data.phantoms.brats"
 GENERATOR_VERSION = 1
@@ -317,18 +317,9 @@ def _write_data_set(folder: Path, parameters: dict, progress: bool) -> None:
     anatomy = load_anatomy(parameters["resolution_mm"])
     sites = [draw_site_acquisition(parameters["seed"], site) for site in range(1, parameters["n_sites"] + 1)]
     plan = _case_plan(parameters)
-    files = []
-    for case_id, site, index, grade in tqdm(plan, desc="BraTS phantoms", unit="case", disable=not progress):
-        rng = np.random.default_rng([parameters["seed"], 2, site, index])
-        case = simulate_case(anatomy, sites[site - 1], grade=grade, rng=rng)
-        case_folder = folder / grade / case_id
-        case_folder.mkdir(parents=True)
-        for kind, volume in [*zip(MODALITIES, case.image), ("seg", case.seg)]:
-            path = case_folder / f"{case_id}_{kind}.nii.gz"
-            image = nib.Nifti1Image(volume, case.affine)
-            image.header.set_xyzt_units("mm")
-            nib.save(image, path)
-            files.append(path.relative_to(folder).as_posix())
+    cases = [(folder, parameters["seed"], sites[site - 1], case_id, index, grade) for case_id, site, index, grade in plan]
+    work = len(plan) * (2.0 / parameters["resolution_mm"]) ** 3  # in cases of the default 2 mm grid
+    files = [name for written in map_cases(_write_case, cases, anatomy, work, "BraTS phantoms", progress) for name in written]
     write_partition_csv(folder / PARTITION_FILE, {case_id: site for case_id, site, _, _ in plan})
     n_lgg = sum(grade == "LGG" for *_, grade in plan)
     write_marker(
@@ -355,6 +346,23 @@ def _write_data_set(folder: Path, parameters: dict, progress: bool) -> None:
         cases=[{"case_id": case_id, "site": site, "grade": grade} for case_id, site, _, grade in plan],
         files=[*files, PARTITION_FILE],
     )
+
+
+def _write_case(anatomy: Anatomy, case: tuple[Path, int, SiteAcquisition, str, int, str]) -> list[str]:
+    """Simulate one case (its own stream: seed, 2, site, index) and write its five NIfTI files; their names under the folder."""
+    folder, seed, acquisition, case_id, index, grade = case
+    rng = np.random.default_rng([seed, 2, acquisition.site, index])
+    simulated = simulate_case(anatomy, acquisition, grade=grade, rng=rng)
+    case_folder = folder / grade / case_id
+    case_folder.mkdir(parents=True)
+    files = []
+    for kind, volume in [*zip(MODALITIES, simulated.image), ("seg", simulated.seg)]:
+        path = case_folder / f"{case_id}_{kind}.nii.gz"
+        image = nib.Nifti1Image(volume, simulated.affine)
+        image.header.set_xyzt_units("mm")
+        nib.save(image, path)
+        files.append(path.relative_to(folder).as_posix())
+    return files
 
 
 # --- simulation steps ---------------------------------------------------------

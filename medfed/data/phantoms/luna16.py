@@ -62,11 +62,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy import ndimage
-from tqdm import tqdm
 
 from medfed.data.luna16 import ANNOTATIONS_HEADER, CANDIDATES_HEADER
 from medfed.data.partition_csv import write_partition_csv
 from medfed.data.phantoms.store import hold, write_marker
+from medfed.data.phantoms.workers import map_cases
 
 if TYPE_CHECKING:  # SimpleITK is imported where series are written: the other tasks run without it
     import SimpleITK as sitk
@@ -310,31 +310,20 @@ def _check_parameters(p: dict) -> None:
 
 
 def _write_dataset(out: Path, p: dict, progress: bool) -> None:
-    import SimpleITK as sitk
-
     acquisitions = _site_acquisitions(p["n_sites"], np.random.default_rng([p["seed"], 0]))
     candidate_rows, annotation_rows, partition = [], [], {}
     site_summaries = [dict(asdict(a), n_series=0, n_nodules=0, n_candidates=0) for a in acquisitions]
     jobs = [(a, j) for j in range(p["series_per_site"]) for a in acquisitions]  # interleave sites over subsets
-    for number, (acquisition, index) in enumerate(
-        tqdm(jobs, desc="LUNA16 phantoms", unit="series", disable=not progress)
-    ):
-        rng = np.random.default_rng([p["seed"], 1, acquisition.site, index])
-        uid = _series_uid(rng)
-        series = _generate_series(rng, acquisition, p)
-        subset = out / f"subset{number % N_SUBSETS}"
-        subset.mkdir(exist_ok=True)
-        sitk.WriteImage(series.image, str(subset / f"{uid}.mhd"))
-
-        for world, label in zip(series.candidates_world_mm, series.candidate_labels):
-            candidate_rows.append([uid, *map(repr, world.tolist()), str(label)])
-        for world, diameter in zip(series.nodules_world_mm, series.nodule_diameters_mm):
-            annotation_rows.append([uid, *map(repr, world.tolist()), repr(diameter)])
+    work = len(jobs) * (p["matrix_size"] / 192) ** 2 * p["z_extent_mm"] / 80.0  # in series of the default size
+    written = map_cases(_write_series, [(out, acquisition, index, number) for number, (acquisition, index) in enumerate(jobs)], p, work, "LUNA16 phantoms", progress)
+    for (acquisition, _), (uid, candidates, annotations) in zip(jobs, written):
+        candidate_rows += candidates
+        annotation_rows += annotations
         partition[uid] = acquisition.site
         summary = site_summaries[acquisition.site - 1]
         summary["n_series"] += 1
-        summary["n_nodules"] += len(series.nodule_diameters_mm)
-        summary["n_candidates"] += len(series.candidate_labels)
+        summary["n_nodules"] += len(annotations)
+        summary["n_candidates"] += len(candidates)
 
     _write_csv(out / "candidates_V2.csv", CANDIDATES_HEADER, candidate_rows)
     _write_csv(out / "annotations.csv", ANNOTATIONS_HEADER, annotation_rows)
@@ -354,6 +343,23 @@ def _write_dataset(out: Path, p: dict, progress: bool) -> None:
         tissue_hu=TISSUE_HU,
         sites=site_summaries,
     )
+
+
+def _write_series(p: dict, job: tuple[Path, SiteAcquisition, int, int]) -> tuple[str, list[list[str]], list[list[str]]]:
+    """Generate one series (its own stream: seed, 1, site, index) into subset ``number % N_SUBSETS``; its UID and
+    its candidates' and nodules' CSV rows."""
+    import SimpleITK as sitk
+
+    out, acquisition, index, number = job
+    rng = np.random.default_rng([p["seed"], 1, acquisition.site, index])
+    uid = _series_uid(rng)
+    series = _generate_series(rng, acquisition, p)
+    subset = out / f"subset{number % N_SUBSETS}"
+    subset.mkdir(exist_ok=True)
+    sitk.WriteImage(series.image, str(subset / f"{uid}.mhd"))
+    candidates = [[uid, *map(repr, world.tolist()), str(label)] for world, label in zip(series.candidates_world_mm, series.candidate_labels)]
+    annotations = [[uid, *map(repr, world.tolist()), repr(diameter)] for world, diameter in zip(series.nodules_world_mm, series.nodule_diameters_mm)]
+    return uid, candidates, annotations
 
 
 def _write_csv(path: Path, header: tuple[str, ...], rows: list[list[str]]) -> None:
