@@ -35,6 +35,7 @@ from medfed.components import ResolvedRun, resolve
 from medfed.config import RunConfig, check_wandb_key
 from medfed.errors import RunFailed, SiteFailure, warn
 from medfed.evaluation.rounds import ValidationEvaluation, VolumeEvaluation
+from medfed.federated import fused
 from medfed.federated.executor import InProcessSites, executor_for, planned_steps
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.privacy import ClientDP, PrivacyBudgetSpent, PrivacyRecord, SiteDP, privacy_summary
@@ -102,7 +103,9 @@ def _run(
     initial = assembly.initial_values(fabric.device)
     links = [assembly.link(initial, fabric.device, site.name) for site in sites]
     write_checkpoint = BackgroundCheckpoints(output_dir, config, trainer.keep_checkpoints)
-    executor = InProcessSites(sites, links, executor_for(trainer.executor, fabric.device, dp.enabled), compile=trainer.compile)
+    coordinator = fused.current()  # a run fused with others (medfed.compare's fused runs): its groups stack with theirs
+    chosen = executor_for("batched" if coordinator is not None else trainer.executor, fabric.device, dp.enabled)
+    executor = InProcessSites(sites, links, chosen, compile=trainer.compile, fused=coordinator if chosen == "batched" else None)
 
     def save_checkpoint(state: dict[str, Any]) -> None:
         with _timed(seconds, "checkpoint_s"):  # the copy of the state (and a wait for the write before): the rest is the writer's
@@ -179,17 +182,19 @@ def _run(
         title += "; POOLED training data (centralised reference)"
     if federation.holdout != "test":
         title += f"; metrics on the {federation.holdout} split"
-    if progress:
-        _status("drawing the figures")
-    with _timed(seconds, "figures_s"):
-        figures = {"learning_curves": plot_learning_curves(loop.history, title), **strategy.server.figures()}
-        examples = plot_segmentation_examples(sites, title, channel_names=tracker.channel_names)
-        if examples is not None:
-            figures["examples"] = examples
-        if isinstance(prototype, BinaryClassifier):  # ROC curves and confusion matrices, not one number
-            figures.update(classification_figures(sites, title, tracker.class_labels))
-        for name, figure in figures.items():
-            save_figure(add_source(figure, federation.description), output_dir / f"{name}.png")
+    figures = {}
+    if run_cfg.logger.figures:
+        if progress:
+            _status("drawing the figures")
+        with _timed(seconds, "figures_s"):
+            figures = {"learning_curves": plot_learning_curves(loop.history, title), **strategy.server.figures()}
+            examples = plot_segmentation_examples(sites, title, channel_names=tracker.channel_names)
+            if examples is not None:
+                figures["examples"] = examples
+            if isinstance(prototype, BinaryClassifier):  # ROC curves and confusion matrices, not one number
+                figures.update(classification_figures(sites, title, tracker.class_labels))
+            for name, figure in figures.items():
+                save_figure(add_source(figure, federation.description), output_dir / f"{name}.png")
     tracker.finish([output_dir / f"{name}.png" for name in figures], step=loop.round, exit_code=0 if failed is None else 1)
     results["timing"].update(timing_summary(loop.history, time.perf_counter() - started, fabric.device, seconds, tracker.seconds))
     write_json_atomic(output_dir / "results.json", results)  # again, with the figures' and the tracker's time

@@ -33,6 +33,7 @@ from medfed.errors import MessageError, warn
 from medfed.federated import batched
 from medfed.federated.compute import TRAIN
 from medfed.federated.faults import RoundStartStates, non_finite_keys
+from medfed.federated.fused import FusedTraining, Request
 from medfed.federated.link import Link
 from medfed.federated.site import Site
 from medfed.federated.site_view import ADAPT, DELIVER, SETUP, RoundContext
@@ -216,12 +217,20 @@ class InProcessSites:
         executor: ``"sequential"`` or ``"batched"`` (``trainer.executor`` resolved for the run's device).
         compile: batched, train each group by the compiled static-shape step (``trainer.compile``,
             :mod:`medfed.federated.stacked`); sequentially trained plans run the slots' own (compiled) forwards.
+        fused: batched, hand each stacked group to this coordinator of fused runs, which trains it with the
+            other runs' groups of the same key as one (:mod:`medfed.federated.fused`); the training time counted
+            is this run's share.
     """
 
-    def __init__(self, sites: list[Site], links: list[Link], executor: str = "sequential", compile: bool = False) -> None:
+    def __init__(
+        self, sites: list[Site], links: list[Link], executor: str = "sequential", compile: bool = False, fused: FusedTraining | None = None
+    ) -> None:
         if executor not in ("sequential", "batched"):
             raise ValueError(f"executor must be 'sequential' or 'batched', got {executor!r}")
         self.executor = executor
+        #: batched: the coordinator of the runs fused with this one (:mod:`medfed.federated.fused`), or None
+        self.fused = fused
+        self._waited = 0.0
         #: batched, with ``compile``: the compiled static-shape steps, kept from round to round (:mod:`medfed.federated.stacked`)
         self._compiled: dict[Any, Any] | None = {} if compile else None
         #: why plans trained one site at a time under the batched executor, ``{"<phase>/<plan label>": reason}``
@@ -280,8 +289,14 @@ class InProcessSites:
         return results
 
     def record(self) -> dict[str, Any]:
-        """What results.json keeps of the executor: which ran and, batched, each plan trained one site at a time and why."""
-        return {"name": self.executor, **({"sequential_plans": dict(self.sequential_plans)} if self.executor == "batched" else {})}
+        """What results.json keeps of the executor: which ran and, batched, each plan trained one site at a time and
+        why, and whether the run was fused with others."""
+        record: dict[str, Any] = {"name": self.executor}
+        if self.executor == "batched":
+            record["sequential_plans"] = dict(self.sequential_plans)
+        if self.fused is not None:
+            record["fused"] = {"runs": self.fused.runs}
+        return record
 
     def _work_batched(self, work: PhaseWork, received: dict[int, Payload], timing: dict[str, float]) -> dict[int, SiteResult]:
         """:meth:`work` with the participants' plans trained together where they can (class docstring)."""
@@ -297,6 +312,7 @@ class InProcessSites:
             except Exception as error:
                 errors[index] = f"{type(error).__name__}: {error}"
         tic = time.perf_counter()
+        self._waited = 0.0  # fused: the time spent waiting for the other runs, less this run's share of the training
         for position in range(max((len(p.plans) for i, p in phases.items() if i not in errors), default=0)):
             groups: dict[Any, list[tuple[int, TrainingPlan, int]]] = {}
             alone: list[tuple[int, TrainingPlan, int]] = []
@@ -317,7 +333,7 @@ class InProcessSites:
                 else:
                     groups.setdefault(key, []).append((index, plan, steps))
             for group in groups.values():
-                if len(group) == 1:
+                if len(group) == 1 and self.fused is None:  # fused, it may stack with the other runs' sites
                     alone.extend(group)
                     continue
                 for index, outcome in self._train_together(work, ctx, position, group, phases).items():
@@ -335,7 +351,7 @@ class InProcessSites:
                     continue
                 if loss is not None:
                     phase.losses[phase_label(phase.plans, plan)] = loss
-        timing["train_s"] = timing.get("train_s", 0.0) + time.perf_counter() - tic
+        timing["train_s"] = timing.get("train_s", 0.0) + time.perf_counter() - tic - self._waited
         results = {}
         for index, phase in phases.items():
             site = phase.site
@@ -355,11 +371,40 @@ class InProcessSites:
     def _train_together(
         self, work: PhaseWork, ctx: RoundContext, position: int, group: list[tuple[int, TrainingPlan, int]], phases: dict[int, _OpenPhase]
     ) -> dict[int, float | str | None]:
-        """One plan at a group of sites, stacked; where the stacked step raises, one site at a time.
+        """One plan at a group of sites, stacked (fused: with the other runs' groups of its key); where the stacked
+        step raises, one site at a time.
 
         Returns each site's mean loss (None: nothing trained), or its error (``"<ExceptionType>: <message>"``; a
         non-finite loss is one, naming the site and the round).
         """
+        if self.fused is None:
+            return self._train_stacked(work, ctx, position, group, phases)
+        stream = (work.round_index, work.phase_index)
+        sites = [phases[index].site for index, _, _ in group]
+        plan = group[0][1]
+        half = sites[0].strategy
+        request = Request(
+            key=(batched.group_key(sites[0], ctx, plan), ctx, repr(getattr(half, "options", None))),
+            sites=sites,
+            ctx=ctx,
+            plan=plan,
+            steps=[steps for _, _, steps in group],
+            keys=[dropout_keys(site, stream, position, steps) for site, (_, _, steps) in zip(sites, group)],
+            compute=f"{TRAIN}/{work.phase}/{plan.label}",
+            indices=[index for index, _, _ in group],
+            compile=self._compiled is not None,
+            alone=lambda: self._train_stacked(work, ctx, position, group, phases),
+            outcome=lambda site, mean: _outcome(site, work.round_index, mean),
+        )
+        tic = time.perf_counter()
+        self.fused.train(request)
+        self._waited += time.perf_counter() - tic - request.seconds
+        return request.outcomes
+
+    def _train_stacked(
+        self, work: PhaseWork, ctx: RoundContext, position: int, group: list[tuple[int, TrainingPlan, int]], phases: dict[int, _OpenPhase]
+    ) -> dict[int, float | str | None]:
+        """:meth:`_train_together` for this run's group alone."""
         stream = (work.round_index, work.phase_index)
         sites = [phases[index].site for index, _, _ in group]
         plan = group[0][1]
@@ -379,12 +424,7 @@ class InProcessSites:
                 except Exception as site_error:
                     outcomes[index] = f"{type(site_error).__name__}: {site_error}"
             return outcomes
-        return {
-            index: mean
-            if math.isfinite(mean)
-            else f"FloatingPointError: {site.name}: training loss became {mean} in round {work.round_index} (learning rate too high?)"
-            for site, (index, _, _), mean in zip(sites, group, means)
-        }
+        return {index: _outcome(site, work.round_index, mean) for site, (index, _, _), mean in zip(sites, group, means)}
 
     def _note(self, plan: str, reason: str) -> None:
         """Record, and say once per run, why ``plan`` trains one site at a time under the batched executor."""
@@ -427,6 +467,13 @@ class InProcessSites:
     def load_state_dict(self, state: list[dict[str, Any]]) -> None:
         for site, site_state in zip(self.sites, state, strict=True):
             site.load_state_dict(site_state)
+
+
+def _outcome(site: Site, round_index: int, mean: float) -> float | str:
+    """A site's outcome of a stacked plan: its mean loss, or where that is not finite its error."""
+    if math.isfinite(mean):
+        return mean
+    return f"FloatingPointError: {site.name}: training loss became {mean} in round {round_index} (learning rate too high?)"
 
 
 def executor_for(option: str, device: torch.device, dp_sgd: bool) -> str:
