@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --tune: the values tried for a key (model.<option> or strategy.<name>.<option>; x<f> = f times the config's "
         "value), e.g. strategy.fedprox.mu=0.01,0.1,1 (repeatable)",
     )
+    compare.add_argument(
+        "--fuse", choices=("auto", "on", "off"), default="auto",
+        help="run the runs that share a strategy and a model shape in one process and one stacked step (auto: on cuda, "
+        "and for the clinical model on a CPU; off: one process per run)",
+    )
     compare.add_argument("--tune-rounds", type=int, metavar="R", help="with --tune: the tuning runs' trainer.rounds (default: the grid's)")
     compare.add_argument("--tune-seeds", nargs="+", type=int, metavar="S", help="with --tune: the tuning runs' seeds (default: the grid's first)")
     compare.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for every run, after the grid's (anywhere on the line)")
@@ -170,7 +175,7 @@ def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError("--tune-space, --tune-rounds and --tune-seeds shape the tuning: add --tune")
     try:
         failed = compare(grid, overrides, jobs=args.jobs, source=source, progress=not args.quiet, reference=args.reference,
-                         allow_unequal_compute=args.allow_unequal_compute, budgets=args.budgets, tune=tune)
+                         allow_unequal_compute=args.allow_unequal_compute, budgets=args.budgets, tune=tune, fuse=args.fuse)
     except KeyboardInterrupt:
         print("medfed: interrupted; run the same command again: finished runs are kept, interrupted ones resume", file=sys.stderr)
         return INTERRUPTED

@@ -20,7 +20,8 @@ given on the command line (:mod:`medfed.compare.grid`). :func:`compare`
 2. runs each (config, strategy, seed) (:mod:`medfed.compare.runner`) as ``medfed fit`` in a process of its
    own (forked from a run server that imported torch once) with its own ``output_dir``, ``<output>/<config>/<strategy>/seed<k>``,
    ``jobs`` at a time, each with ``trainer.num_threads`` = cores // jobs
-   (a resumed run keeps the count it started with); a run whose
+   (a resumed run keeps the count it started with); runs that share a strategy and a model shape are fused:
+   one process, each run a thread of it, their sites stacked in one step (:mod:`medfed.compare.fused`, ``--fuse``); a run whose
    ``results.json`` holds the same config is not run again, one with a
    checkpoint but no results (interrupted, or asked for more rounds) is
    continued with ``--resume``; a failing run is reported with the end of
@@ -61,6 +62,7 @@ from typing import Any
 
 from medfed.atomic import atomic_write
 from medfed.compare.frontier import frontier_rows, plan_budgets
+from medfed.compare.fused import FUSE_OPTIONS
 from medfed.compare.grid import Grid, check_overrides, setting_of
 from medfed.compare.plan import Run, default_jobs, plan_runs
 from medfed.compare.runner import execute
@@ -83,6 +85,7 @@ def compare(
     allow_unequal_compute: bool = False,
     budgets: list[float] | None = None,
     tune: TuneSpec | None = None,
+    fuse: str = "auto",
 ) -> dict[str, str]:
     """Plan and check the whole grid, run what is not done, write comparison.csv, comparison.md and comparison.png.
 
@@ -101,6 +104,8 @@ def compare(
             in ``<output>``. None: one comparison at the configs' own budget.
         tune: choose every method's hyperparameters on the validation split first (:mod:`medfed.compare.tune`);
             None: the configs' own values.
+        fuse: ``auto``, ``on`` or ``off``: run the runs that share a strategy and model shape fused, in one
+            process and one stacked step (:mod:`medfed.compare.fused`; ``auto``: where stacking pays).
 
     Returns:
         ``{run name: the end of its log}`` of the failed runs (empty: all finished).
@@ -114,19 +119,21 @@ def compare(
     jobs = default_jobs() if jobs is None else jobs
     if jobs < 1:
         raise ConfigError(f"--jobs {jobs}: expected an integer >= 1 (runs at once; leave it out for one per core)")
+    if fuse not in FUSE_OPTIONS:
+        raise ConfigError(f"--fuse {fuse}: expected one of {', '.join(FUSE_OPTIONS)}")
     check_overrides(overrides)
     reference = resolve_reference(reference, grid.strategies)
     if tune is not None:
         check_tune(tune, grid.strategies, [*grid.overrides, *overrides], budgets)
-        return _tune_and_compare(grid, overrides, tune, jobs, source, progress, reference, allow_unequal_compute)
+        return _tune_and_compare(grid, overrides, tune, jobs, source, progress, reference, allow_unequal_compute, fuse)
     if budgets is None:
-        return _run_and_tabulate(grid, overrides, plan_runs(grid, overrides, jobs), jobs, source, progress, reference, allow_unequal_compute)[0]
+        return _run_and_tabulate(grid, overrides, plan_runs(grid, overrides, jobs), jobs, source, progress, reference, allow_unequal_compute, fuse=fuse)[0]
     failed: dict[str, str] = {}
     per_budget = []
     for budget, one, budget_overrides, runs in plan_budgets(grid, overrides, budgets, jobs):  # every budget checked first
         print(f"medfed: compare: budget {budget:g} ({budget_overrides[-1]})", file=sys.stderr)
         failed_here, finished, rows, metrics = _run_and_tabulate(
-            one, budget_overrides, runs, jobs, f"{source}, {budget_overrides[-1]}", progress, reference, allow_unequal_compute
+            one, budget_overrides, runs, jobs, f"{source}, {budget_overrides[-1]}", progress, reference, allow_unequal_compute, fuse=fuse
         )
         failed.update({f"budget-{budget:g}/{name}": tail for name, tail in failed_here.items()})
         per_budget.append((budget, finished, rows, metrics))
@@ -143,6 +150,7 @@ def _tune_and_compare(
     progress: bool,
     reference: str,
     allow_unequal_compute: bool,
+    fuse: str,
 ) -> dict[str, str]:
     """``compare --tune``: the tuning runs (validation split only), the choice, then the grid with the chosen values."""
     found, tuning_runs = plan_tuning(grid, overrides, tune, jobs)  # every configuration resolved before any run starts
@@ -152,7 +160,7 @@ def _tune_and_compare(
         f"{sum(run.action == 'done' for run in tuning_runs)} already finished, in {grid.output / 'tuning'}",
         file=sys.stderr,
     )
-    failed = {f"tuning/{name}": tail for name, tail in execute(tuning_runs, jobs, progress).items()}
+    failed = {f"tuning/{name}": tail for name, tail in execute(tuning_runs, jobs, progress, fuse).items()}
     finished = collect(tuning_runs)
     metric = (grid.metrics or reported_metrics(finished) or [None])[0]
     if metric is None:
@@ -172,7 +180,7 @@ def _tune_and_compare(
     rounds = ", ".join(str(value) for value in sorted({item.results["config"]["trainer"]["rounds"] for item in finished}))
     section = tuning_section(trials, chosen, settings, grid.strategies, metric, tune, seeds, rounds)
     cells = {key: (trial.candidate.values if trial is not None else "config's values") for key, trial in chosen.items()}
-    failed.update(_run_and_tabulate(grid, overrides, runs, jobs, source, progress, reference, allow_unequal_compute, (section, cells))[0])
+    failed.update(_run_and_tabulate(grid, overrides, runs, jobs, source, progress, reference, allow_unequal_compute, (section, cells), fuse)[0])
     return failed
 
 
@@ -186,6 +194,7 @@ def _run_and_tabulate(
     reference: str,
     allow_unequal_compute: bool,
     tuning: tuple[list[str], dict[tuple[str, str], str]] | None = None,
+    fuse: str = "auto",
 ) -> tuple[dict[str, str], list[Finished], list[dict[str, Any]], list[str]]:
     """Run the planned ``runs`` of ``grid`` and write its tables: ``(failed runs, finished runs, comparison rows, metrics)``.
 
@@ -199,7 +208,7 @@ def _run_and_tabulate(
         f"{jobs} at a time in {grid.output}",
         file=sys.stderr,
     )
-    failed = execute(runs, jobs, progress)
+    failed = execute(runs, jobs, progress, fuse)
     finished = collect(runs)
     unequal = unequal_compute(finished, reference)
     if unequal and not allow_unequal_compute:

@@ -20,6 +20,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from medfed.compare.fused import fit_group, fused_groups
 from medfed.compare.plan import Run
 from medfed.console import one_line_errors, show_warnings
 from medfed.errors import INTERRUPTED
@@ -32,8 +33,9 @@ RUN_SERVER_PRELOAD = ("medfed.compare.run_server", "medfed.compare.runner", "med
 (the first makes the server die with compare)."""
 
 
-def execute(runs: list[Run], jobs: int, progress: bool = True) -> dict[str, str]:
-    """Run every run not ``done``, ``jobs`` at a time, each ``medfed fit`` in its own process.
+def execute(runs: list[Run], jobs: int, progress: bool = True, fuse: str = "auto") -> dict[str, str]:
+    """Run every run not ``done``, ``jobs`` processes at a time, each ``medfed fit`` in its own process or, fused
+    (``fuse``: :mod:`medfed.compare.fused`), in threads of a process shared with the runs of its group.
 
     Each run is a process forked from a *run server* (``multiprocessing``'s
     forkserver) that imported medfed, torch, Lightning and MONAI once: the
@@ -55,6 +57,7 @@ def execute(runs: list[Run], jobs: int, progress: bool = True) -> dict[str, str]
         ``{run name: the last lines of its log}`` of the runs that failed.
     """
     todo = [run for run in runs if run.action != "done"]
+    groups = fused_groups(todo, fuse)
     failed: dict[str, str] = {}
     running: dict[str, multiprocessing.process.BaseProcess] = {}
     lock = threading.Lock()
@@ -66,16 +69,15 @@ def execute(runs: list[Run], jobs: int, progress: bool = True) -> dict[str, str]
     alive, alive_writer = context.Pipe(duplex=False)  # the writer stays in this process only: the runs see EOF once it ends
     bar = tqdm(total=len(todo), desc="runs", unit="run", disable=not progress)
     pool = ThreadPoolExecutor(max_workers=jobs)
-    futures = {pool.submit(_fit, context, run, alive, running, lock, stopping): run for run in todo}
+    futures = [pool.submit(_fit, context, group, alive, running, lock, stopping) for group in groups]
     try:
         for future in as_completed(futures):
-            run = futures[future]
-            code, tail = future.result()
-            if code != 0:
-                failed[run.name] = tail
-                tqdm.write(f"medfed: run {run.name} failed (exit status {code}): {tail}", file=sys.stderr)
-            bar.update()
-            bar.set_postfix(failed=len(failed))
+            for run, code, tail in future.result():
+                if code != 0:
+                    failed[run.name] = tail
+                    tqdm.write(f"medfed: run {run.name} failed (exit status {code}): {tail}", file=sys.stderr)
+                bar.update()
+                bar.set_postfix(failed=len(failed))
     except KeyboardInterrupt:
         stopping.set()
         with lock:
@@ -108,30 +110,60 @@ def _start_run_server(threads: int) -> None:
 
 
 def _fit(
-    context: Any, run: Run, alive: Any, running: dict[str, Any], lock: threading.Lock, stopping: threading.Event
-) -> tuple[int, str]:
-    """One run as a ``fit`` process forked from the run server; ``(exit status, last lines of its log)``."""
-    run.log.parent.mkdir(parents=True, exist_ok=True)
+    context: Any, group: list[Run], alive: Any, running: dict[str, Any], lock: threading.Lock, stopping: threading.Event
+) -> list[tuple[Run, int, str]]:
+    """One process forked from the run server fitting ``group`` (one run, or runs fused); ``(run, exit status, last
+    lines of its log)`` of each."""
+    name = group[0].name if len(group) == 1 else f"{group[0].name} and {len(group) - 1} fused"
+    for run in group:
+        run.log.parent.mkdir(parents=True, exist_ok=True)
     with lock:
         if stopping.is_set():
-            return INTERRUPTED, "not started (interrupted)"
+            return [(run, INTERRUPTED, "not started (interrupted)") for run in group]
         status_reader, status_writer = context.Pipe(duplex=False)
-        process = context.Process(target=_fit_in_run_server_child, args=(run, alive, status_writer), name=run.name)
+        target = _fit_in_run_server_child if len(group) == 1 else _fit_group_in_run_server_child
+        process = context.Process(target=target, args=(group[0] if len(group) == 1 else group, alive, status_writer), name=name)
         process.start()
         status_writer.close()
-        running[run.name] = process
+        running[name] = process
     process.join()
     with lock:
-        del running[run.name]
-    # fit's exit status as the run reported it: the forkserver's own report can be lost (Python 3.11 gave 255 for a run that ended with 0)
+        del running[name]
+    # fit's exit statuses as the process reported them: the forkserver's own report can be lost (Python 3.11 gave 255 for a run that ended with 0)
     try:
-        code = status_reader.recv()
+        codes = status_reader.recv()
     except EOFError:  # it ended before fit returned (a crash, a signal): the process's own status
-        code = process.exitcode
+        codes = process.exitcode
     status_reader.close()
-    code = 1 if code is None else 128 - code if code < 0 else code  # killed by signal n: 128 + n, as a shell reports it
-    lines = [line for line in run.log.read_text(errors="replace").splitlines() if line.strip()]
-    return code, " | ".join(lines[-TAIL_LINES:])
+    codes = codes if isinstance(codes, list) else [codes] * len(group)
+    outcomes = []
+    for run, code in zip(group, codes):
+        code = 1 if code is None else 128 - code if code < 0 else code  # killed by signal n: 128 + n, as a shell reports it
+        lines = [line for line in run.log.read_text(errors="replace").splitlines() if line.strip()] if run.log.is_file() else []
+        outcomes.append((run, code, " | ".join(lines[-TAIL_LINES:])))
+    return outcomes
+
+
+def _fit_group_in_run_server_child(runs: list[Run], alive: Any, status: Any) -> None:
+    """A fused group's process: each run's output to its own log (the process's own to the first run's log folder's
+    ``fused-<first seed>.log``), the runs fused (:func:`medfed.compare.fused.fit_group`); their exit statuses go to
+    ``status`` as a list. It ends at once when compare ends (``alive``: :func:`_die_with_compare`)."""
+    _die_with_compare(alive)
+    descriptor = os.open(runs[0].log.with_name(f"fused-{runs[0].log.stem}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(descriptor, 1)
+    os.dup2(descriptor, 2)
+    os.close(descriptor)
+    try:
+        codes = fit_group(runs)
+    except KeyboardInterrupt:
+        codes = [INTERRUPTED] * len(runs)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    status.send(codes)
+    sys.exit(0)
 
 
 def _fit_in_run_server_child(run: Run, alive: Any, status: Any) -> None:
