@@ -39,8 +39,9 @@ from medfed.errors import ConfigError, DataError
 FOLDER = "checkpoints"
 """The checkpoints' folder inside ``output_dir``."""
 
-RESUMABLE_KEYS = ("output_dir", "trainer.rounds", "trainer.keep_checkpoints")
-"""Config keys a resumed run may change: the run folder may have moved, run longer, keep more or fewer checkpoints."""
+RESUMABLE_KEYS = ("output_dir", "trainer.rounds", "trainer.keep_checkpoints", "logger.figures")
+"""Config keys a resumed run may change: the run folder may have moved, run longer, keep more or fewer checkpoints,
+draw its PNGs or not."""
 
 _NAME = re.compile(r"round-(\d+)\.ckpt")
 _TRAILER_START = b"\nmedfed checkpoint sha256 "

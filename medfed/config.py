@@ -276,6 +276,10 @@ class LoggerConfig:
     """W&B tags beside the task, the strategy, ``seed=<seed>`` and ``generated data``."""
     image_every: int = 5
     """W&B gets segmentation overlays after every ``image_every``-th round and after the last (0: after the last only)."""
+    figures: bool = True
+    """Draw the run's PNGs (learning curves, examples, ROC curves, confusion matrices, the strategy's own) into
+    ``output_dir`` at the end; about a second or two of a CPU a run, so a grid of hundreds of runs turns them off
+    (``logger.figures=false``: its comparison.png stays). Results are the same either way."""
 
     def __post_init__(self) -> None:
         require(self.wandb in ("offline", "online", "disabled"), "logger.wandb", self.wandb, "offline, online or disabled")

@@ -26,10 +26,10 @@ from medfed.errors import ConfigError, DataError
 
 VALIDATION_SPLIT = "federation.validation_fraction=0.2"
 """The override compare adds to the runs of a config without a validation split (their rounds are chosen on it)."""
-NOT_COMPARED = ("trainer.num_threads", "trainer.device")
+NOT_COMPARED = ("trainer.num_threads", "trainer.device", "logger.figures")
 """Config keys a finished run may differ in and still count as the grid's run (besides the resumable ones): where
-and on how many threads it ran, not what it ran (a grid started on a GPU machine may be finished on a CPU; each
-run's results.json names its device under ``execution``)."""
+and on how many threads it ran, and whether it drew its PNGs, not what it ran (a grid started on a GPU machine may
+be finished on a CPU; each run's results.json names its device under ``execution``)."""
 
 
 @dataclass(frozen=True)
