@@ -104,12 +104,19 @@ class GridTiming:
         """Seconds of each of :data:`PARTS` (slot-seconds: ``jobs x wall`` in all; module docstring)."""
         timings = [result["timing"] for result in self.results]
         parts = {name: sum(t.get(key, 0.0) for t in timings for key in keys) for name, keys in RUN_PARTS.items()}
-        runs_wall = sum(t.get("wall_s", 0.0) for t in timings)
+        # a fused run's clock runs beside its group's other runs' (one process): its share is its wall time / the runs
+        runs_wall = sum(result["timing"].get("wall_s", 0.0) / _fused_runs(result) for result in self.results)
         parts["other in runs"] = max(0.0, runs_wall - sum(parts.values()))
         parts["tables"] = max(0.0, self.wall_s - self.last_result_s)
         parts["start"] = max(0.0, self.jobs * self.wall_s - runs_wall - parts["tables"])
         parts["start_compare"] = self.timeline.first("medfed: compare:") or 0.0
         return parts
+
+
+def _fused_runs(results: dict) -> int:
+    """How many runs shared the run's process (1: it ran alone)."""
+    fused = results.get("executor", {}).get("fused")
+    return fused["runs"] if isinstance(fused, dict) else 1
 
 
 def run_compare(arguments: list[str], jobs: int, output: Path, environment: dict[str, str]) -> GridTiming:
@@ -140,15 +147,25 @@ def run_compare(arguments: list[str], jobs: int, output: Path, environment: dict
     return GridTiming(wall, jobs, results, timeline, code, command, last or wall)
 
 
-def table(timing: GridTiming) -> str:
-    """The split as a Markdown table: seconds and share of the slot-seconds."""
+def table(timing: GridTiming, baseline: GridTiming | None = None) -> str:
+    """The split as a Markdown table: seconds and share of the slot-seconds (with ``baseline``: its split beside,
+    and baseline / this)."""
     parts = timing.parts()
     slots = timing.jobs * timing.wall_s
-    lines = ["| part | seconds | share |", "|---|---:|---:|"]
+    if baseline is None:
+        lines = ["| part | seconds | share |", "|---|---:|---:|"]
+        for name in PARTS:
+            note = f" (compare's own: {parts['start_compare']:.1f} s)" if name == "start" else ""
+            lines.append(f"| {name}{note} | {parts[name]:.1f} | {parts[name] / slots:.0%} |")
+        lines.append(f"| **wall, end to end** | **{timing.wall_s:.1f}** | {timing.jobs} slot(s) |")
+        return "\n".join(lines)
+    before = baseline.parts()
+    before_slots = baseline.jobs * baseline.wall_s
+    lines = ["| part | baseline s | share | this s | share | baseline / this |", "|---|---:|---:|---:|---:|---:|"]
     for name in PARTS:
-        note = f" (compare's own: {parts['start_compare']:.1f} s)" if name == "start" else ""
-        lines.append(f"| {name}{note} | {parts[name]:.1f} | {parts[name] / slots:.0%} |")
-    lines.append(f"| **wall, end to end** | **{timing.wall_s:.1f}** | {timing.jobs} slot(s) |")
+        ratio = f"{before[name] / parts[name]:.1f}" if parts[name] > 0.05 else "-"
+        lines.append(f"| {name} | {before[name]:.1f} | {before[name] / before_slots:.0%} | {parts[name]:.1f} | {parts[name] / slots:.0%} | {ratio} |")
+    lines.append(f"| **wall, end to end** | **{baseline.wall_s:.1f}** | | **{timing.wall_s:.1f}** | | **{baseline.wall_s / timing.wall_s:.2f}** |")
     return "\n".join(lines)
 
 
@@ -192,6 +209,13 @@ def compare_arguments(args: argparse.Namespace) -> list[str]:
     return [*arguments, *args.overrides, *args.compare_args]
 
 
+def _environment(checkout: Path) -> dict[str, str]:
+    """This process's environment with ``checkout`` first on the Python path (and W&B off unless set)."""
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    environment.setdefault("WANDB_MODE", "disabled")
+    return environment
+
+
 def _cuda() -> bool:
     try:
         import torch
@@ -217,30 +241,39 @@ def main(argv: list[str] | None = None) -> GridTiming:
     parser.add_argument("--output", type=Path, help="the comparison folder (default: a fresh temporary one, removed after)")
     parser.add_argument("--compare-args", action="append", default=[], help="one more argument for compare, as it is (repeatable)")
     parser.add_argument("--json", type=Path, help="also write the split and the run's conditions to this JSON file")
+    parser.add_argument(
+        "--baseline", type=Path,
+        help="another checkout (e.g. main's): the same grid run with it first, in the same sitting, its split beside this one's "
+        "(--compare-args go to this checkout only)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     if not (args.quick or args.grid or args.config):
         parser.error("give --grid, --config or --quick")
     jobs = args.jobs or len(os.sched_getaffinity(0))
     arguments = compare_arguments(args)
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPOSITORY), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    environment.setdefault("WANDB_MODE", "disabled")
     print(f"# {machine()} (start)")
     print(f"# medfed compare {shlex.join(arguments)} --jobs {jobs}")
+    baseline = None
     with tempfile.TemporaryDirectory(prefix="grid_speed-") as scratch:
+        if args.baseline is not None:
+            plain = [argument for argument in arguments if argument not in args.compare_args]
+            baseline = run_compare(plain, jobs, Path(scratch) / "baseline", _environment(args.baseline.resolve()))
+            print(f"# baseline {args.baseline}: {len(baseline.results)} runs in {baseline.wall_s:.1f} s; {machine()}")
         output = args.output or Path(scratch) / "grid"
         output.parent.mkdir(parents=True, exist_ok=True)
-        timing = run_compare(arguments, jobs, output, environment)
+        timing = run_compare(arguments, jobs, output, _environment(REPOSITORY))
     print(f"# {machine()} (end)")
     if timing.returncode != 0:
         print(f"# compare exited {timing.returncode}: the split covers the runs that finished", file=sys.stderr)
     runs = len(timing.results)
     print(f"\n{runs} runs finished in {timing.wall_s:.1f} s end to end ({timing.wall_s / max(runs, 1):.2f} s a run), {jobs} job(s)\n")
-    print(table(timing))
+    print(table(timing, baseline))
     if args.json:
         args.json.write_text(json.dumps({
             "machine": machine(), "command": timing.command, "wall_s": timing.wall_s, "jobs": jobs, "runs": runs,
             "returncode": timing.returncode, "parts": timing.parts(),
+            **({"baseline": {"checkout": str(args.baseline), "wall_s": baseline.wall_s, "runs": len(baseline.results), "parts": baseline.parts()}} if baseline else {}),
         }, indent=2) + "\n")
     return timing
 
