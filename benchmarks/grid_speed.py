@@ -34,9 +34,11 @@ Run from the repository root (on a shared machine, nice'd, in a slot)::
 
 ``--quick``: a CI-sized grid (clinical_delta1, FedAvg and FedProx, 2 seeds,
 3 rounds, 2-point tuning of FedProx's learning rate), on ``--device``
-(default: cuda where present, else cpu). Extra ``key=value`` arguments and
-``--compare-args`` go to compare unchanged (e.g. ``--compare-args=--fused=off``
-where this medfed has the option), so two settings can be timed one after the other.
+(default: cuda where present, else cpu). Extra ``key=value`` arguments go to compare
+unchanged, ``--compare-args`` to this checkout's only. ``--baseline CHECKOUT`` runs
+the same grid with another checkout first (its own ``--baseline-args``), and the
+table sets the two splits side by side: main against this branch, or this checkout
+against itself, ``--baseline $PWD --baseline-args=--fuse=off``.
 """
 
 from __future__ import annotations
@@ -246,6 +248,7 @@ def main(argv: list[str] | None = None) -> GridTiming:
         help="another checkout (e.g. main's): the same grid run with it first, in the same sitting, its split beside this one's "
         "(--compare-args go to this checkout only)",
     )
+    parser.add_argument("--baseline-args", action="append", default=[], help="one more argument for the baseline's compare only (repeatable)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     if not (args.quick or args.grid or args.config):
@@ -257,7 +260,7 @@ def main(argv: list[str] | None = None) -> GridTiming:
     baseline = None
     with tempfile.TemporaryDirectory(prefix="grid_speed-") as scratch:
         if args.baseline is not None:
-            plain = [argument for argument in arguments if argument not in args.compare_args]
+            plain = [argument for argument in arguments if argument not in args.compare_args] + args.baseline_args
             baseline = run_compare(plain, jobs, Path(scratch) / "baseline", _environment(args.baseline.resolve()))
             print(f"# baseline {args.baseline}: {len(baseline.results)} runs in {baseline.wall_s:.1f} s; {machine()}")
         output = args.output or Path(scratch) / "grid"
