@@ -113,3 +113,21 @@ def test_a_fused_run_alone_is_a_run_alone():
     coordinator, errors = _fused(loops, 1)
     assert errors == [None] and coordinator.stats["merged_groups"] == 0
     _assert_alike(_alone(GRID[0], 1), loops[0])
+
+
+def test_a_merged_step_that_raises_trains_each_run_as_it_would_alone():
+    from test_batched import RandomLoss  # its loss draws from the global generator: no stacked step can run it
+
+    def loop(seed):
+        return build_loop(RandomLoss, two_group_federation(n_sites=4, n_train=44, seed=seed), seeded(AdamClassifier, 4, 2, LinearOptions(lr=0.05), seed=seed), seed=seed)
+
+    fused = [loop(0), loop(1)]
+    coordinator, errors = _fused(fused)
+    assert errors == [None, None] and coordinator.stats["merged_groups"] == 0 and coordinator.stats["alone_groups"] == 4
+    for seed, run in enumerate(fused):
+        (reason,) = run.executor.sequential_plans.values()
+        assert "stacked step raised" in reason  # each run's own fallback: its sites one at a time
+        alone = loop(seed)
+        alone.fit(2)
+        for a, b in zip(alone.sites, run.sites):
+            assert torch.equal(a.module.get_vector("all"), b.module.get_vector("all"))

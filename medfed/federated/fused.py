@@ -19,9 +19,10 @@ One run's thread runs at a time (a baton passed only while a run waits), so
 nothing a run draws from the global generators, inside its sites' seeded
 streams, can be interleaved with another's: each run computes what it would
 alone, the stacked steps to float tolerance (as the batched executor alone).
-A merged group whose step raises is put back and each run's group trains as
-it would alone (its own fallback to one site at a time included); a run whose
-code raises ends its thread, and the others go on without it.
+A group no other run's shares, and a merged group whose step raises (put back
+first), trains in its own run's thread as it would alone (its own fallback to
+one site at a time included); a run whose code raises ends its thread, and the
+others go on without it.
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ class FusedTraining:
         return errors
 
     def train(self, request: Request) -> Request:
-        """Hand a run's group to the coordinator (from that run's thread) and wait until it is trained."""
+        """Hand a run's group to the coordinator (from that run's thread) and wait until it is trained: merged with
+        other runs' groups, or, where none shares its key (or the merged step raised), by the run itself, alone."""
         with self._state:
             self._pending.append(request)
             ready = len(self._pending) == self._alive
@@ -121,6 +123,11 @@ class FusedTraining:
         self._baton.release()
         request.done.wait()
         self._baton.acquire()
+        if request.outcomes is None:  # in the run's own thread: what it says goes to its own log
+            tic = time.perf_counter()
+            request.outcomes = request.alone()
+            request.seconds = time.perf_counter() - tic
+            self.stats["alone_groups"] += 1
         return request
 
     def _leave(self) -> None:
@@ -132,21 +139,19 @@ class FusedTraining:
         self._baton.release()
 
     def _fire(self) -> None:
-        """Train every waiting group (merged where their keys agree) and wake their runs."""
+        """Train the waiting groups that share a key as one, and wake every waiting run (the others train alone)."""
         with self._state:
             pending, self._pending = self._pending, []
-        by_key: dict[Any, list[Request]] = {}
-        for request in pending:
-            by_key.setdefault(request.key, []).append(request)
-        for requests in by_key.values():
-            if len(requests) == 1 or not self._train_merged(requests):
-                for request in requests:
-                    tic = time.perf_counter()
-                    request.outcomes = request.alone()
-                    request.seconds = time.perf_counter() - tic
-                    self.stats["alone_groups"] += 1
-        for request in pending:
-            request.done.set()
+        try:
+            by_key: dict[Any, list[Request]] = {}
+            for request in pending:
+                by_key.setdefault(request.key, []).append(request)
+            for requests in by_key.values():
+                if len(requests) > 1:
+                    self._train_merged(requests)
+        finally:  # whatever happened, no run waits for ever
+            for request in pending:
+                request.done.set()
 
     def _train_merged(self, requests: list[Request]) -> bool:
         """Train the requests' groups as one; False (their sites as they were) where the merged step raised."""
