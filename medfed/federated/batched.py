@@ -30,6 +30,11 @@ does, per site:
 * its own dropout masks (:mod:`medfed.models.dropout`, keyed per site and step);
 * its passes counted as ``Site.train`` counts them.
 
+Under ``trainer.compile`` the steps are instead the static-shape step of
+:mod:`medfed.federated.stacked`, compiled once and kept from round to round:
+every site in every call, ragged last batches padded and masked, the sites
+without a step at t running on and throwing their update away.
+
 The losses stay on the device; the group's mean losses are read once, at the
 end of the plan (the caller turns a non-finite one into that site's failure).
 Everything is read from the sites before the first step and written back
