@@ -15,9 +15,10 @@ dropout keys and number of steps) train as one stacked group, rows = runs x
 sites (:func:`~medfed.federated.batched.train_group`); the others as they
 would alone. Each run then goes on with its own results.
 
-One run's thread runs at a time (a baton passed only while a run waits), so
-nothing a run draws from the global generators, inside its sites' seeded
-streams, can be interleaved with another's: each run computes what it would
+One run's thread runs at a time (a baton passed only while a run waits, and
+the merged groups trained while every run waits), so nothing a run draws from
+the global generators, inside its sites' seeded streams, can be interleaved
+with another's: each run computes what it would
 alone, the stacked steps to float tolerance (as the batched executor alone).
 A group no other run's shares, and a merged group whose step raises (put back
 first), trains in its own run's thread as it would alone (its own fallback to
@@ -77,7 +78,7 @@ class FusedTraining:
 
     def __init__(self) -> None:
         self._baton = threading.Lock()  # held by the run thread that runs
-        self._state = threading.Lock()
+        self._changed = threading.Condition()  # a run waits, or ends
         self._alive = 0
         self._pending: list[Request] = []
         self._compiled: dict[Any, Any] = {}  # merged groups' compiled steps, kept from round to round
@@ -89,7 +90,9 @@ class FusedTraining:
     def run_all(self, bodies: list[Callable[[], Any]]) -> list[BaseException | None]:
         """Run every body (a run's whole fit) in a thread of its own, fused; each one's exception, or None.
 
-        Every run is registered before any starts, so the first groups already wait for all of them.
+        Every run is registered before any starts, so the first groups already wait for all of them. This
+        thread trains the merged groups whenever every live run waits (one thread: on CUDA its captured graphs
+        are replayed, never recorded again by another thread).
         """
         errors: list[BaseException | None] = [None] * len(bodies)
         self._alive = self.runs = len(bodies)
@@ -103,11 +106,21 @@ class FusedTraining:
                 errors[index] = error
             finally:
                 _local.coordinator = None
-                self._leave()
+                with self._changed:
+                    self._alive -= 1
+                    self._changed.notify()
+                self._baton.release()
 
         threads = [threading.Thread(target=thread, args=(index,), name=f"medfed-fused-run-{index}", daemon=True) for index in range(len(bodies))]
         for started in threads:
             started.start()
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._alive == 0 or len(self._pending) == self._alive)
+                if self._alive == 0:
+                    break
+                pending, self._pending = self._pending, []
+            self._fire(pending)
         for started in threads:
             started.join()
         return errors
@@ -115,11 +128,9 @@ class FusedTraining:
     def train(self, request: Request) -> Request:
         """Hand a run's group to the coordinator (from that run's thread) and wait until it is trained: merged with
         other runs' groups, or, where none shares its key (or the merged step raised), by the run itself, alone."""
-        with self._state:
+        with self._changed:
             self._pending.append(request)
-            ready = len(self._pending) == self._alive
-        if ready:
-            self._fire()
+            self._changed.notify()
         self._baton.release()
         request.done.wait()
         self._baton.acquire()
@@ -130,18 +141,8 @@ class FusedTraining:
             self.stats["alone_groups"] += 1
         return request
 
-    def _leave(self) -> None:
-        with self._state:
-            self._alive -= 1
-            ready = self._alive > 0 and len(self._pending) == self._alive
-        if ready:  # the others wait for a group each: this run was the last one running
-            self._fire()
-        self._baton.release()
-
-    def _fire(self) -> None:
+    def _fire(self, pending: list[Request]) -> None:
         """Train the waiting groups that share a key as one, and wake every waiting run (the others train alone)."""
-        with self._state:
-            pending, self._pending = self._pending, []
         try:
             by_key: dict[Any, list[Request]] = {}
             for request in pending:
