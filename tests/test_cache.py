@@ -184,3 +184,17 @@ def test_an_entry_with_a_valid_checksum_but_invalid_samples_is_rebuilt_with_a_wa
     assert rebuilt.cache["hit"] is False and len(reads) == 9
     assert_same_tensors(first, rebuilt)
     assert build(tiny_brats_root, tmp_path / "cache").cache["hit"] is True
+
+
+def test_an_entry_read_once_in_a_process_is_not_read_again_and_each_caller_gets_its_own_federation(tiny_brats_root, tmp_path, monkeypatch):
+    import medfed.data.cache as cache
+
+    first = build(tiny_brats_root, tmp_path / "cache")  # built and written
+    loads = []
+    original = cache.load_with_digest
+    monkeypatch.setattr(cache, "load_with_digest", lambda *args: loads.append(args) or original(*args))
+    second, third = build(tiny_brats_root, tmp_path / "cache"), build(tiny_brats_root, tmp_path / "cache")
+    assert second.cache["hit"] and third.cache["hit"] and len(loads) == 1  # read and checked once (fused runs of one seed)
+    assert_same_tensors(first, third)
+    assert third is not second and third.sites[0] is not second.sites[0]  # the tensors shared, the federations each its own
+    assert third.sites[0].train.tensors[0] is second.sites[0].train.tensors[0]

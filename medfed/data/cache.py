@@ -38,6 +38,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -143,14 +144,32 @@ def load_or_build(
     return federation
 
 
+MEMORY_ENTRIES = 4
+"""Checked entries kept in this process (fused runs of one data set, e.g. tuning points of one seed, read theirs once)."""
+_memory: OrderedDict[tuple[str, int, int], dict[str, Any]] = OrderedDict()
+
+
 def _read(path: Path, key: str, task: str) -> Federation | None:
-    """The federation in ``path``, or None (with a warning) when the file is damaged, invalid or not ``task``'s entry for ``key``."""
+    """The federation in ``path``, or None (with a warning) when the file is damaged, invalid or not ``task``'s entry for ``key``.
+
+    An entry read and checked before in this process (the same file, size and modification time) is not read
+    again: its tensors are shared (training never writes to them), each caller gets its own Federation of them.
+    """
+    source = f"preprocessed-data cache entry {path}"
     try:
+        stat = path.stat()
+        remembered = (str(path), stat.st_size, stat.st_mtime_ns)
+        if remembered in _memory:
+            _memory.move_to_end(remembered)
+            return _decode(_memory[remembered], source)
         entry = load_with_digest(path, "preprocessed-data cache entry")
         if not isinstance(entry, dict) or entry.get("format") != FORMAT or entry.get("key") != key:
             raise DataError(f"preprocessed-data cache entry {path} was written in another format or for another key")
-        federation = _decode(entry["federation"], f"preprocessed-data cache entry {path}")
-        check_federation(federation, task, f"preprocessed-data cache entry {path}")
+        federation = _decode(entry["federation"], source)
+        check_federation(federation, task, source)
+        _memory[remembered] = entry["federation"]
+        while len(_memory) > MEMORY_ENTRIES:
+            _memory.popitem(last=False)
         return federation
     except DataError as error:
         warn(f"{error}; rebuilding it")
