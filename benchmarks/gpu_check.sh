@@ -7,8 +7,8 @@
 # (no argument: both). OUT: where the results go (default a temporary folder). Extends /work/shared/tools/gpu-check.sh.
 # Every part is time-boxed and appends to at most six files under $OUT: parts.txt (one line per part: exit status,
 # seconds), throughput.txt, profile.txt, main.txt, grid.txt and tests.txt. The parts, most important first:
-#   1. throughput, U-Net 64 x 64, batch 16 a site, N = 5 20 50: sequential, batched, compiled batched (CUDA graphs),
-#      central eager, central compiled (CUDA graphs) in one process: the issue's table and its ratios;
+#   1. throughput, U-Net 64 x 64, batch 16 a site, N = 5 20 50: sequential, batched, batched compiled (CUDA graphs),
+#      central eager, central compiled (CUDA graphs) in one process: the issue's table and its ratios; DenseNet eager;
 #   2. the step profile at N = 5: kernels per step, GPU busy time, dispatch against compute, per executor;
 #   3. the main job (brats_lack0) on cuda, cold and warm, eager batched and compiled: timing splits from results.json;
 #   4. benchmarks/grid_speed.py --quick on cuda (fused, compiled: --compare-args);
@@ -28,8 +28,8 @@ splits() { for r in "$@"; do python3 -c "import json,sys; d=json.load(open(sys.a
 
 WHICH=${1:-all}
 if [ "$WHICH" = throughput ] || [ "$WHICH" = all ]; then
-  part throughput_compiled throughput.txt 300 python3 benchmarks/throughput.py --devices cuda --models unet --sites 5 20 50 --compile --min-seconds 0.5
-  part throughput_eager throughput.txt 60 python3 benchmarks/throughput.py --devices cuda --models unet densenet --sites 5 20 50 --no-compiled-central --min-seconds 0.5
+  part throughput_unet throughput.txt 300 python3 benchmarks/throughput.py --devices cuda --models unet --sites 5 20 50 --min-seconds 0.5
+  part throughput_densenet throughput.txt 60 python3 benchmarks/throughput.py --devices cuda --models densenet --sites 5 20 50 --columns sequential batched central --min-seconds 0.5
 fi
 if [ "$WHICH" = rest ] || [ "$WHICH" = all ]; then
   part profile profile.txt 120 python3 benchmarks/step_profile.py --device cuda --model unet --sites 5

@@ -7,18 +7,20 @@ and number of sites N, these columns measured side by side:
   round training one after another (:class:`~medfed.federated.executor.InProcessSites`);
 * ``batched``: ``trainer.executor=batched``, the sites stacked and trained by
   one vmapped step (measured where this medfed has the option; ``-`` otherwise);
-  with ``--compile`` the compiled static-shape step (:mod:`medfed.federated.stacked`,
-  graph-captured on CUDA);
+* ``batched compiled``: the same with ``trainer.compile``: the compiled
+  static-shape step (:mod:`medfed.federated.stacked`; graph-captured on CUDA);
 * ``central``: the centralised reference, one model of the same kind
   trained on the pooled samples of all N sites at batch 16 x N;
 * ``central compiled``: the same reference compiled (``torch.compile`` of
   the model; on CUDA ``mode="reduce-overhead"``: its forward and backward
   captured as CUDA graphs and replayed; the model's Adam fused). What a
-  single well-tuned training of the same total batch reaches (``--no-compiled-central``
-  leaves it out: on a CPU each of its compilations takes minutes).
+  single well-tuned training of the same total batch reaches.
+
+``--columns`` chooses among them (default: all; on a CPU each compiled
+column's compilations take minutes).
 
 Every column trains the same model with the same loss, optimiser (the
-model's Adam), ``trainer.precision`` and ``trainer.compile``, built as
+model's Adam) and ``trainer.precision``, built as
 ``medfed fit`` builds it (:class:`~medfed.assembly.RunAssembly`,
 :func:`~medfed.assembly.make_fabric`). In a federated column every site
 trains one local epoch at batch 16 per FedAvg round; its time is the
@@ -44,7 +46,8 @@ on 1 x 32 x 32 patches.
 Run from the repository root (nice'd on a shared machine):
 
     PYTHONPATH=$PWD nice python benchmarks/throughput.py [--quick] [--sites 5 20 50] [--models clinical unet densenet] [--patch 32]
-        [--samples-per-site 64] [--rounds 2] [--warmup 1] [--min-seconds 1] [--repeats 1] [--precision 32] [--compile] [--threads 1]
+        [--samples-per-site 64] [--rounds 2] [--warmup 1] [--min-seconds 1] [--repeats 1] [--precision 32] [--threads 1]
+        [--columns sequential batched "batched compiled" central "central compiled"]
 
 ``--quick``: a CI-sized run (2 and 3 sites, a small U-Net on 16 x 16 patches, one measured round).
 """
@@ -83,8 +86,7 @@ DENSENET_PATCH = 32
 BATCH = 16
 """The sites' batch size; the centralised reference's is BATCH x N."""
 EXECUTORS = ("sequential", "batched")
-CENTRAL = ("central", "central compiled")
-COLUMNS = (*EXECUTORS, *CENTRAL)
+COLUMNS = ("sequential", "batched", "batched compiled", "central", "central compiled")
 
 
 def executors_here() -> tuple[str, ...]:
@@ -102,7 +104,7 @@ class Setting:
         samples_per_site: training samples of every site.
         patch: P, the U-Net's patch side.
         unet_channels: the U-Net's channels per level (None: the BraTS default).
-        precision, compile: ``trainer.precision``, ``trainer.compile``.
+        precision, compile: ``trainer.precision``, ``trainer.compile`` (the federated columns set their own).
         rounds, warmup: measured and unmeasured rounds (epochs, for the central column).
         min_seconds: more rounds are measured until their training took this long (short ones are noisy).
     """
@@ -181,18 +183,19 @@ def trained_samples(executor: InProcessSites, results: dict) -> int:
     return round(total)
 
 
-def federated(setting: Setting, n_sites: int, executor: str) -> Measurement:
-    """FedAvg rounds of ``n_sites`` sites under ``executor``: the sites' samples over the wall time of their part."""
+def federated(setting: Setting, n_sites: int, executor: str, compile: bool = False) -> Measurement:
+    """FedAvg rounds of ``n_sites`` sites under ``executor`` (``compile``: ``trainer.compile``): the sites' samples over
+    the wall time of their part."""
     federation = setting.federation(n_sites)
     prototype = setting.prototype()
     strategy_cls, options = strategy_from_config({"name": "fedavg"})
     strategy = strategy_cls(options, prototype.parameter_split, n_sites, 0)
-    assembly = RunAssembly(prototype, strategy, {"name": "dense"}, {"name": "dense"}, BATCH, 0, compile=setting.compile)
+    assembly = RunAssembly(prototype, strategy, {"name": "dense"}, {"name": "dense"}, BATCH, 0, compile=compile)
     fabric = make_fabric(setting.trainer(), loggers=[], callbacks=[])
     sites = assembly.sites(fabric, federation)
     initial = assembly.initial_values(fabric.device)
     links = [assembly.link(initial, fabric.device, site.name) for site in sites]
-    options = {"compile": setting.compile} if "compile" in inspect.signature(InProcessSites).parameters else {}
+    options = {"compile": compile} if "compile" in inspect.signature(InProcessSites).parameters else {}
     sites_part = InProcessSites(sites, links, executor, **options) if executor != "sequential" else InProcessSites(sites, links)
     measured: list[Measurement] = []
     work = sites_part.work
@@ -222,7 +225,7 @@ def central(setting: Setting, n_sites: int) -> Measurement:
     prototype = setting.prototype()
     strategy_cls, options = strategy_from_config({"name": "local"})
     strategy = strategy_cls(options, prototype.parameter_split, 1, 0)
-    assembly = RunAssembly(prototype, strategy, {"name": "dense"}, {"name": "dense"}, BATCH * n_sites, 0, compile=setting.compile)
+    assembly = RunAssembly(prototype, strategy, {"name": "dense"}, {"name": "dense"}, BATCH * n_sites, 0)
     fabric = make_fabric(setting.trainer(), loggers=[], callbacks=[])
     site = assembly.site(fabric, 0, SiteData("pooled", pooled, federation.sites[0].test))
     slot = site.evaluated_slot
@@ -302,10 +305,16 @@ def measure(
     """One row: ``columns`` (executors here, the central references), one after another in this process, ``repeats``
     times in turn; each keeps its fastest measurement (on a shared machine the others' load only slows a column down)."""
     kept: dict[str, Measurement | None] = dict.fromkeys(COLUMNS)
-    run = {"central": central, "central compiled": central_compiled}
+    run = {
+        "sequential": lambda: federated(setting, n_sites, "sequential"),
+        "batched": lambda: federated(setting, n_sites, "batched"),
+        "batched compiled": lambda: federated(setting, n_sites, "batched", compile=True),
+        "central": lambda: central(setting, n_sites),
+        "central compiled": lambda: central_compiled(setting, n_sites),
+    }
     for _ in range(repeats):
         for name in columns:
-            measured = run[name](setting, n_sites) if name in run else federated(setting, n_sites, name)
+            measured = run[name]()
             say(f"  {setting.device} {setting.model} N={n_sites} {name}: {measured.rate:,.0f} samples/s")
             if kept[name] is None or measured.rate > kept[name].rate:
                 kept[name] = measured
@@ -313,7 +322,7 @@ def measure(
 
 
 RATIOS = (
-    ("batched", "sequential"), ("sequential", "central"), ("batched", "central"), ("batched", "central compiled"),
+    ("batched", "sequential"), ("batched compiled", "batched"), ("batched", "central"), ("batched compiled", "central compiled"),
     ("central compiled", "central"),
 )
 """The table's ratios, each measured side by side in one row."""
@@ -358,8 +367,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--min-seconds", type=float, default=1.0, help="measure more rounds until their training took this long")
     parser.add_argument("--repeats", type=int, default=1, help="measure the row's columns this many times in turn, keep each one's fastest")
     parser.add_argument("--precision", choices=("32", "bf16-mixed"), default="32")
-    parser.add_argument("--compile", action="store_true", help="trainer.compile in the federated columns (batched: the compiled static-shape step)")
-    parser.add_argument("--no-compiled-central", action="store_true", help="leave out the compiled central reference (minutes of compilation on a CPU)")
+    parser.add_argument("--columns", nargs="+", choices=COLUMNS, default=list(COLUMNS), help="the columns measured (default: all)")
     parser.add_argument("--threads", type=int, default=1, help="torch's CPU threads")
     args = parser.parse_args(argv)
     if args.quick:
@@ -367,7 +375,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     torch.set_num_threads(args.threads)
     devices = args.devices or ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
     executors = executors_here()
-    columns = (*executors, *(CENTRAL if not args.no_compiled_central else CENTRAL[:1]))
+    columns = tuple(name for name in args.columns if name.split()[0] != "batched" or "batched" in executors)
     print(f"# {machine()}")
     if "batched" not in executors:
         print("# this medfed has no trainer.executor=batched: its column is '-'")
@@ -377,13 +385,13 @@ def main(argv: list[str] | None = None) -> list[Row]:
             patch = args.patch or (16 if args.quick else 32 if device == "cpu" else 64)
             setting = Setting(
                 model, device, args.samples_per_site, patch, (4, 8, 16) if args.quick else None,
-                args.precision, args.compile, args.rounds, args.warmup, args.min_seconds,
+                args.precision, False, args.rounds, args.warmup, args.min_seconds,
             )
             for n_sites in args.sites:
                 rows.append(measure(setting, n_sites, columns, args.repeats))
     patches = sorted({f"{r.setting.patch}x{r.setting.patch} ({r.setting.device})" for r in rows if r.setting.model == "unet"})
     print(f"\nsamples/s of training over all sites; batch {BATCH} per site, {BATCH} x N central; precision {args.precision}, "
-          f"compile {args.compile} (federated columns); U-Net patches {', '.join(patches) or '-'}; DenseNet patches "
+          f"columns {', '.join(columns)}; U-Net patches {', '.join(patches) or '-'}; DenseNet patches "
           f"{DENSENET_PATCH}x{DENSENET_PATCH}; {args.samples_per_site} samples per site, >= {args.rounds} measured round(s) "
           f"(>= {args.min_seconds} s) after {args.warmup}; the fastest of {args.repeats} measurement(s) in turn per column; one seed")
     print(table(rows))

@@ -46,11 +46,11 @@ def test_the_central_column_trains_the_pooled_samples_at_batch_16_n(seen):
 
 
 def test_the_table_sets_the_ratios_side_by_side():
-    columns = {"sequential": throughput.Measurement(100, 1.0), "batched": None, "central": throughput.Measurement(400, 2.0),
-               "central compiled": throughput.Measurement(800, 2.0)}
+    columns = {"sequential": throughput.Measurement(100, 1.0), "batched": throughput.Measurement(300, 1.0), "batched compiled": None,
+               "central": throughput.Measurement(400, 2.0), "central compiled": throughput.Measurement(800, 2.0)}
     header, _, line = throughput.table([throughput.Row(_setting(), 5, columns)]).splitlines()
-    assert header.startswith("| device | model | N | sequential | batched | central | central compiled | batched / sequential |")
-    assert line == "| cpu | clinical | 5 | 100 | - | 200 | 400 | - | 0.50 | - | - | 2.00 |"
+    assert header.startswith("| device | model | N | sequential | batched | batched compiled | central | central compiled | batched / sequential |")
+    assert line == "| cpu | clinical | 5 | 100 | 300 | - | 200 | 400 | 3.00 | - | 1.50 | - | 2.00 |"
 
 
 def test_the_compiled_central_column_trains_whole_batches_of_16_n(seen):
