@@ -348,3 +348,30 @@ def test_a_cli_run_records_its_executor_and_both_give_its_numbers(tmp_path):
         _assert_close_states(a["train_loss"], b["train_loss"], f"round {a['round']} train_loss")
         assert a["compute"] == b["compute"]
         assert set(a["timing"]) == set(b["timing"])
+
+
+def test_stacked_evaluation_gives_each_site_its_own_metrics_over_ragged_test_splits():
+    from torch.utils.data import TensorDataset
+
+    from medfed.data.federation import Federation, SiteData
+    from medfed.federated.batched import evaluate_group
+    from medfed.models.segmentation import UNetSegmenter
+    from medfed.options.models import UNetOptions
+
+    generator = torch.Generator().manual_seed(0)
+
+    def split(n):
+        return TensorDataset(torch.randn(n, 4, 16, 16, generator=generator), torch.randint(0, 2, (n, 16, 16), generator=generator))
+
+    federation = Federation("brats", [SiteData(f"site{i}", split(8), split(n)) for i, n in enumerate((5, 9, 13))], (4, 16, 16), 2, "GENERATED", generated=True)
+    loop = build_loop("local", federation, seeded(UNetSegmenter, 4, 2, UNetOptions(channels=[4, 8], strides=[2], num_res_units=1)), batch_size=2)
+    loop.fit(1)  # every site its own model (local training)
+    counted = []
+    stacked = evaluate_group(loop.sites, lambda site, batch: counted.append((site.name, len(batch[0]))))
+    assert sorted(counted) == sorted([("site0", 5), ("site1", 8), ("site1", 1), ("site2", 8), ("site2", 5)])  # eval batch 2 x 4
+    for site, metrics in zip(loop.sites, stacked):
+        alone = site.evaluate()
+        assert metrics.keys() == alone.keys()
+        for name, value in alone.items():
+            assert math.isclose(metrics[name], value, rel_tol=1e-6, abs_tol=1e-7), (site.name, name)
+    assert stacked[0] != stacked[1]  # each its own model and split

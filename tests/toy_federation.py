@@ -83,9 +83,8 @@ class LinearClassifier(FederatedModule):
             return sample_mean(nn.functional.cross_entropy(self(x), y, reduction="none"))
         return nn.functional.cross_entropy(self(x), y)
 
-    def test_step(self, batch, batch_idx: int) -> None:
-        x, y = batch
-        self.test_metrics.update(self(x).argmax(dim=1), y)
+    def update_test_metrics(self, outputs: torch.Tensor, y: torch.Tensor) -> None:
+        self.test_metrics.update(outputs.argmax(dim=1), y)
 
     def compute_test_metrics(self) -> dict[str, torch.Tensor]:
         return {"accuracy": self.test_metrics.compute()}
@@ -191,9 +190,8 @@ class LinearRegressor(FederatedModule):
         x, y = batch
         return 0.5 * (self(x) - y).square().mean()
 
-    def test_step(self, batch, batch_idx: int) -> None:
-        x, y = batch
-        self.test_metrics.update(self(x), y)
+    def update_test_metrics(self, outputs: torch.Tensor, y: torch.Tensor) -> None:
+        self.test_metrics.update(outputs, y)
 
     def compute_test_metrics(self) -> dict[str, torch.Tensor]:
         return {"mse": self.test_metrics.compute()}

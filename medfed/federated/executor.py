@@ -31,7 +31,7 @@ import torch
 
 from medfed.errors import MessageError, warn
 from medfed.federated import batched
-from medfed.federated.compute import TRAIN
+from medfed.federated.compute import EVALUATION, TRAIN, batch_samples
 from medfed.federated.faults import RoundStartStates, non_finite_keys
 from medfed.federated.fused import FusedTraining, Request
 from medfed.federated.link import Link
@@ -456,10 +456,35 @@ class InProcessSites:
         if not evaluate:
             return {}
         tic = time.perf_counter()
-        evaluations = {site.name: site_evaluation(site, round_index) for site in self.sites}
+        if self.executor == "batched":
+            evaluations = self._evaluate_batched(round_index)
+        else:
+            evaluations = {site.name: site_evaluation(site, round_index) for site in self.sites}
         if timing is not None:
             timing["eval_s"] = time.perf_counter() - tic
         return evaluations
+
+    def _evaluate_batched(self, round_index: int) -> dict[str, SiteEvaluation]:
+        """:func:`site_evaluation` of every site, the adapt steps one site at a time, the evaluations' forward passes
+        stacked over the sites of equal evaluation key (:func:`~medfed.federated.batched.evaluate_group`)."""
+        adapted = {}
+        for site in self.sites:
+            site.passes.take(site.n_train)
+            adapted[site.index] = site_adapt(site, round_index)
+        groups: dict[Any, list[Site]] = {}
+        for site in self.sites:
+            groups.setdefault(batched.evaluation_key(site), []).append(site)
+        metrics = {}
+        for group in groups.values():
+            if len(group) == 1:
+                metrics[group[0].index] = group[0].evaluate()
+                continue
+            counted = lambda site, batch: site.passes.add(EVALUATION, batch_samples(batch))  # noqa: E731
+            for site, values in zip(group, batched.evaluate_group(group, counted)):
+                metrics[site.index] = values
+        return {
+            site.name: SiteEvaluation(metrics[site.index], site.passes.take(site.n_train), *adapted[site.index]) for site in self.sites
+        }
 
     def state_dict(self) -> list[dict[str, Any]]:
         return [site.state_dict() for site in self.sites]

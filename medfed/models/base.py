@@ -30,8 +30,9 @@ class FederatedModule(PersonalizationSplit, L.LightningModule):
     Subclasses must set ``metric_names`` (the keys :meth:`test_results`
     returns, in display order), create ``self.test_metrics`` (torchmetrics
     objects that accumulate over batches), define
-    ``compute_test_metrics() -> dict[str, Tensor]`` from them, and call
-    ``configure_split``.
+    :meth:`update_test_metrics` (and :meth:`test_outputs` where the metrics
+    take more than ``self(x)``) and ``compute_test_metrics() -> dict[str, Tensor]``
+    from them, and call ``configure_split``.
     """
 
     metric_names: ClassVar[tuple[str, ...]] = ()
@@ -85,6 +86,20 @@ class FederatedModule(PersonalizationSplit, L.LightningModule):
         if self.options.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=self.options.lr, momentum=self.options.momentum, weight_decay=self.options.weight_decay)
         return torch.optim.Adam(self.parameters(), lr=self.options.lr, weight_decay=self.options.weight_decay)
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        """Add one test batch to the metrics: :meth:`update_test_metrics` of :meth:`test_outputs`."""
+        x, y = batch
+        self.update_test_metrics(self.test_outputs(x), y)
+
+    def test_outputs(self, x: torch.Tensor) -> torch.Tensor:
+        """What the test metrics are computed from, for inputs ``x``; a function of the parameters and buffers only
+        (the batched executor evaluates a group of sites at once through it, :func:`~medfed.federated.batched.evaluate_group`)."""
+        return self(x)
+
+    def update_test_metrics(self, outputs: torch.Tensor, y: torch.Tensor) -> None:
+        """Add ``outputs`` (:meth:`test_outputs` of a batch) and its targets ``y`` to the test metrics."""
+        raise NotImplementedError
 
     def test_results(self) -> dict[str, float]:
         """Metrics over every test batch seen since the last call; resets the accumulators."""

@@ -116,9 +116,11 @@ class BinaryClassifier(FederatedModule):
         # float64 keeps p(positive) below 1 up to log-odds ~36, so AUROC does not see false ties
         return torch.sigmoid(self.log_odds(x).to(torch.float64))
 
-    def test_step(self, batch, batch_idx: int) -> None:
-        x, y = batch
-        self.test_metrics.update(self.positive_probability(x), y)
+    def test_outputs(self, x: torch.Tensor) -> torch.Tensor:
+        return self.positive_probability(x)
+
+    def update_test_metrics(self, outputs: torch.Tensor, y: torch.Tensor) -> None:
+        self.test_metrics.update(outputs, y)
 
     def compute_test_metrics(self) -> dict[str, torch.Tensor]:
         results = self.test_metrics.compute()

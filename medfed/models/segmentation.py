@@ -155,12 +155,11 @@ class UNetSegmenter(FederatedModule):
             return sample_mean(self.loss.per_sample(self(x), target))
         return self.loss(self(x), target)
 
-    def test_step(self, batch, batch_idx: int) -> None:
-        x, y = batch
+    def update_test_metrics(self, outputs: torch.Tensor, y: torch.Tensor) -> None:
         if self.target == "wt":
-            self.test_metrics.update(self(x).argmax(dim=1), y)
+            self.test_metrics.update(outputs.argmax(dim=1), y)
         else:
-            self.test_metrics.update(self.region_masks(self(x)).long(), y.long())
+            self.test_metrics.update(self.region_masks(outputs).long(), y.long())
 
     def compute_test_metrics(self) -> dict[str, torch.Tensor]:
         per_class = self.test_metrics.compute()
