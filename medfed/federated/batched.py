@@ -75,7 +75,7 @@ from medfed.federated.site import Site
 from medfed.federated.site_view import RoundContext
 from medfed.federated.strategies.base import Auxiliary, TrainingPlan
 from medfed.federated.strategies.live_parameters import unwrap
-from medfed.federated.stacked import StackedStep, calls
+from medfed.federated.stacked import Layout, StackedStep, calls
 from medfed.models.dropout import keyed
 from medfed.models.padding import can_pad
 
@@ -432,11 +432,12 @@ def train_group(
     try:
         if compiled is not None:
             pads = all(can_pad(module) for module in modules[0].values())
-            cache_key = (tuple(id(site) for site in sites), group_key(template, ctx, plan), pads)
+            layouts = tuple(Layout(tuple(g.names), tuple(g.shapes[name] for name in g.names), g.step_fn) for g in groups)
+            cache_key = (tuple(id(site) for site in sites), group_key(template, ctx, plan), pads, layouts)
             if cache_key not in compiled:
                 wrapper = _Slots(template, ctx, plan)
                 loss = _functional_loss(wrapper, template, half)
-                compiled[cache_key] = wrapper, StackedStep(loss, auxiliary, pads, template.batch_size, True, device)
+                compiled[cache_key] = wrapper, StackedStep(loss, auxiliary, layouts, pads, template.batch_size, True, device)
             wrapper, stacked = compiled[cache_key]
             wrapper.ctx, wrapper.plan = ctx, plan
             _train_static(stacked, sites, plan, steps, streams, key_matrix, compute, groups, frozen, stacked_buffers, loss_state, aux, totals)

@@ -29,12 +29,13 @@ The step (forward, backward, optimiser update of every row, the per-row loss
 accumulation) is one function of tensors, :meth:`StackedStep.step`, compiled
 as one unit where ``compile`` is set. The functional loss is the template
 half's, as in :mod:`medfed.federated.batched`. A :class:`StackedStep` is
-kept from round to round by its caller (a new one is a new compilation) and
-:meth:`StackedStep.load` puts a plan's stacked tensors into it.
+kept from round to round by its caller (a new one is a new compilation): it
+holds no tensor of a plan, only the layout of the flat parameters it steps.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -75,34 +76,42 @@ def _where(active: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.
     return torch.where(active.reshape(-1, *([1] * (new.ndim - 1))), new, old)
 
 
-@dataclass
-class FlatState:
-    """One optimiser group's stacked parameters and state as :class:`StackedStep` holds them.
+@dataclass(frozen=True)
+class Layout:
+    """Where one optimiser group's parameters lie in its flat ``(R, D)`` tensor, and its stacked step (static).
 
     Attributes:
-        flat: ``(R, D)`` the group's parameters, one row each.
-        state: the optimiser state (``(R, D)`` moments, ``(R,)`` step counts or flags).
-        hyper: ``{option: (R,) float64}``, each row's options.
-        step_fn: the stacked step (:func:`~medfed.federated.batched.adam_step` or ``sgd_step``).
-        views: maps a ``(R, D)`` tensor to ``{parameter: (R, *shape)}`` views of it.
-        names: the parameters, in flat order.
+        names: the parameters, in flat order (``"<slot>.<parameter name>"``).
+        shapes: each one's shape.
+        step_fn: the stacked optimiser step (:func:`~medfed.federated.batched.adam_step` or ``sgd_step``).
     """
 
-    flat: torch.Tensor
-    state: Tensors
-    hyper: Tensors
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
     step_fn: StepFn
-    views: Callable[[torch.Tensor], Tensors]
-    names: list[str]
+
+    def views(self, flat: torch.Tensor) -> Tensors:
+        """Each parameter's ``(R, *shape)`` view of ``flat`` ``(R, D)``."""
+        views, start = {}, 0
+        for name, shape in zip(self.names, self.shapes):
+            size = math.prod(shape)
+            views[name] = flat[:, start : start + size].reshape(flat.shape[0], *shape)
+            start += size
+        return views
 
 
 class StackedStep:
     """A plan's step over R stacked rows, every step the same shapes (module docstring); compiled with ``compile``.
 
+    :meth:`step` is a pure function of tensors (it writes to none of its inputs, so a CUDA graph of it replays
+    with no input to keep at a fixed address); :meth:`run` calls it, compiled where asked, and copies what it
+    returns into the plan's tensors.
+
     Args:
         loss: ``loss(theta, frozen, buffers, state, aux, batch, key) -> scalar``, one row's loss (the template
             half's, through ``functional_call``); vmapped over the rows.
         auxiliary: the half's auxiliary parameters and their rules (stepped after the optimisers).
+        layouts: the trained parameters' optimiser groups (:class:`Layout`), as the plan's flat tensors hold them.
         pads: pad ragged batches (every model the loss runs can be padded: :func:`~medfed.models.padding.can_pad`).
         batch_size: B, the plan's batch size.
         compile: compile :meth:`step` (``torch.compile``; on CUDA with CUDA graphs, ``mode="reduce-overhead"``).
@@ -112,6 +121,7 @@ class StackedStep:
         self,
         loss: Callable[..., torch.Tensor],
         auxiliary: dict[str, Auxiliary],
+        layouts: tuple[Layout, ...],
         pads: bool,
         batch_size: int,
         compile: bool,
@@ -119,6 +129,7 @@ class StackedStep:
     ) -> None:
         self.loss = loss
         self.auxiliary = auxiliary
+        self.layouts = layouts
         self.pads = pads
         self.batch_size = batch_size
         self.device = device
@@ -143,7 +154,9 @@ class StackedStep:
 
     def step(
         self,
-        groups: list[FlatState],
+        flats: list[torch.Tensor],
+        states: list[Tensors],
+        hypers: list[Tensors],
         frozen: Tensors,
         buffers: Tensors,
         state: Tensors,
@@ -152,50 +165,62 @@ class StackedStep:
         mask: torch.Tensor | None,
         active: torch.Tensor,
         keys: torch.Tensor,
-        totals: torch.Tensor,
-    ) -> None:
-        """One step of every row ``active`` marks, in place: parameters, optimiser states, buffers, auxiliary
-        parameters, and ``totals`` ``(R,)`` += each active row's loss.
+    ) -> tuple[list[torch.Tensor], list[Tensors], Tensors, Tensors, torch.Tensor]:
+        """One step of every row ``active`` marks: the new flat parameters and optimiser states (one per layout),
+        buffers and auxiliary parameters, and each row's loss (0 in the inactive rows).
 
         Args:
+            flats, states, hypers: per layout, ``(R, D)`` parameters, their optimiser state and options.
             batch: ``(R, B, ...)`` leaves, one batch a row (an inactive row's is any batch of the shape).
             mask: ``(R, B)`` bool, the real samples (None: every sample is real).
             active: ``(R,)`` bool, the rows that take this step.
             keys: ``(R,)`` int64, each row's dropout key of the step.
         """
-        theta = {name: view for group in groups for name, view in group.views(group.flat).items()}
-        before = {name: value.clone() for name, value in buffers.items()}  # BatchNorm statistics the step moves
-        (grads, aux_grads), loss = self._gradient(theta, frozen, buffers, state, aux, batch, keys, mask)
+        moved = {name: value.clone() for name, value in buffers.items()}  # the step's own copies for BatchNorm to move
+        theta = {name: view for layout, flat in zip(self.layouts, flats) for name, view in layout.views(flat).items()}
+        (grads, aux_grads), loss = self._gradient(theta, frozen, moved, state, aux, batch, keys, mask)
+        new_flats, new_states = [], []
+        for layout, flat, optimiser_state, hyper in zip(self.layouts, flats, states, hypers):
+            grad = torch.cat([grads[name].reshape(grads[name].shape[0], -1) for name in layout.names], dim=1)
+            new, new_state = masked(layout.step_fn)(flat.detach(), grad, optimiser_state, hyper, active)
+            new_flats.append(new)
+            new_states.append(new_state)
+        new_aux = {  # after the optimisers, as Site.train steps them
+            name: _where(active, torch.func.vmap(rule.step)(aux[name], aux_grads[name]), aux[name]) for name, rule in self.auxiliary.items()
+        }
+        new_buffers = {name: _where(active, moved[name], value) for name, value in buffers.items()}
+        return new_flats, new_states, new_buffers, new_aux, torch.where(active, loss.detach().to(torch.float64), torch.zeros_like(loss, dtype=torch.float64))
+
+    def run(self, groups: list[Any], frozen: Tensors, buffers: Tensors, state: Tensors, aux: Tensors, batch: Any,
+            mask: torch.Tensor | None, active: torch.Tensor, keys: torch.Tensor, totals: torch.Tensor) -> None:
+        """:meth:`step` (compiled where asked) on the plan's tensors, its results copied into them.
+
+        ``groups``: the plan's optimiser groups in :attr:`layouts` order, each with its ``flat``, ``state`` and
+        ``hyper``; ``totals`` ``(R,)`` += each active row's loss. A step torch.compile cannot capture (a graph break
+        it cannot trace through) runs eagerly from then on, said once (:attr:`not_compiled`).
+        """
+        arguments = ([g.flat for g in groups], [g.state for g in groups], [g.hyper for g in groups], frozen, buffers, state, aux, batch, mask, active, keys)
+        if self._compiled is None:
+            out = self.step(*arguments)
+        else:
+            try:
+                out = self._compiled(*arguments)
+            except Exception as error:  # the eager step raises again if the loss itself is at fault
+                self._compiled = None
+                self.not_compiled = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+                warn(f"trainer.compile: a stacked step could not be compiled ({self.not_compiled}); it runs eagerly")
+                out = self.step(*arguments)
+        new_flats, new_states, new_buffers, new_aux, losses = out
         with torch.no_grad():
-            for group in groups:
-                grad = torch.cat([grads[name].reshape(grads[name].shape[0], -1) for name in group.names], dim=1)
-                new, new_state = masked(group.step_fn)(group.flat, grad, group.state, group.hyper, active)
-                group.flat.copy_(new)
+            for group, flat, new_state in zip(groups, new_flats, new_states):
+                group.flat.copy_(flat)
                 for key, value in new_state.items():
                     group.state[key].copy_(value)
-            for name, rule in self.auxiliary.items():  # after the optimisers, as Site.train steps them
-                aux[name].copy_(_where(active, torch.func.vmap(rule.step)(aux[name], aux_grads[name]), aux[name]))
-            for name, value in buffers.items():
-                value.copy_(_where(active, value, before[name]))
-            totals.add_(torch.where(active, loss.detach().to(totals.dtype), torch.zeros_like(totals)))
-
-    def run(self, *args: Any) -> None:
-        """:meth:`step`, compiled where asked.
-
-        A step torch.compile cannot capture (a graph break it cannot trace through, e.g. a loss that calls
-        ``functional_call`` inside the stacked one) runs eagerly from then on, said once (:attr:`not_compiled`);
-        the compiled call raises before it changes any tensor.
-        """
-        if self._compiled is None:
-            self.step(*args)
-            return
-        try:
-            self._compiled(*args)
-        except Exception as error:  # the eager step raises again if the loss itself is at fault
-            self._compiled = None
-            self.not_compiled = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-            warn(f"trainer.compile: a stacked step could not be compiled ({self.not_compiled}); it runs eagerly")
-            self.step(*args)
+            for name, value in new_buffers.items():
+                buffers[name].copy_(value)
+            for name, value in new_aux.items():
+                aux[name].copy_(value)
+            totals.add_(losses.to(totals.dtype))
 
     # ------------------------------------------------------------------------------------------- batches
     def mask(self, real: int) -> torch.Tensor:
