@@ -43,6 +43,21 @@ if TYPE_CHECKING:
 #: an up-sampling (decoder) block. Everything else — down blocks and the bottom — is the encoder.
 UNET_DECODER_PATTERN = r"^unet\.model\.(1\.submodule\.)*2\."
 
+def soft_dice(probabilities: torch.Tensor, targets: torch.Tensor, smooth: float = 1e-5) -> torch.Tensor:
+    """MONAI's ``DiceLoss`` of each sample and channel before its reduction, ``(B, C)``, of ``(B, C, *spatial)`` probabilities
+    and targets::
+
+        1 - (2 sum(t p) + smooth) / (sum(t) + sum(p) + smooth)     sums over the spatial axes
+
+    MONAI's own finds its axes through ``Tensor.tolist()``, which ``torch.compile`` cannot trace inside a stacked
+    step (:mod:`medfed.federated.stacked`); the padded loss (:meth:`DiceCrossEntropy.per_sample`) uses this one.
+    """
+    spatial = tuple(range(2, probabilities.ndim))
+    intersection = torch.sum(targets * probabilities, dim=spatial)
+    denominator = torch.sum(targets, dim=spatial) + torch.sum(probabilities, dim=spatial)
+    return 1.0 - (2.0 * intersection + smooth) / (denominator + smooth)
+
+
 class DiceCrossEntropy(torch.nn.Module):
     """Dice (of softmax outputs) + cross-entropy of ``(B, K, H, W)`` logits against ``(B, H, W)`` class indices.
 
@@ -54,7 +69,6 @@ class DiceCrossEntropy(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.dice = DiceLoss(softmax=True)
-        self.dice_per_sample = DiceLoss(softmax=True, reduction="none")
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.dice(logits, self._one_hot(logits, labels)) + torch.nn.functional.cross_entropy(logits, labels.long())
@@ -62,7 +76,7 @@ class DiceCrossEntropy(torch.nn.Module):
     def per_sample(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Each sample's loss ``(B,)``: its Dice (mean over classes) + its cross-entropy (mean over pixels); their
         mean over the batch is :meth:`forward`."""
-        dice = self.dice_per_sample(logits, self._one_hot(logits, labels)).flatten(1).mean(dim=1)
+        dice = soft_dice(torch.softmax(logits, 1), self._one_hot(logits, labels)).mean(dim=1)
         return dice + torch.nn.functional.cross_entropy(logits, labels.long(), reduction="none").flatten(1).mean(dim=1)
 
     @staticmethod
@@ -77,7 +91,6 @@ class RegionLoss(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.dice = DiceLoss(sigmoid=True)
-        self.dice_per_sample = DiceLoss(sigmoid=True, reduction="none")
         self.cross_entropy = torch.nn.BCEWithLogitsLoss()
 
     def forward(self, logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
@@ -86,7 +99,7 @@ class RegionLoss(torch.nn.Module):
     def per_sample(self, logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
         """Each sample's loss ``(B,)`` (Dice and cross-entropy each averaged over the sample's regions and pixels);
         their mean over the batch is :meth:`forward`."""
-        dice = self.dice_per_sample(logits, masks).flatten(1).mean(dim=1)
+        dice = soft_dice(torch.sigmoid(logits), masks).mean(dim=1)
         return dice + torch.nn.functional.binary_cross_entropy_with_logits(logits, masks, reduction="none").flatten(1).mean(dim=1)
 
 
