@@ -182,3 +182,27 @@ def test_a_step_that_cannot_be_compiled_runs_eagerly_alike(monkeypatch, caplog):
     assert step.not_compiled == "RuntimeError: a graph break inside the vmap" and compiled.executor.sequential_plans == {}
     assert sum("could not be compiled" in record.getMessage() for record in caplog.records) == 1  # said once
     _assert_alike(_run("fedavg", "sequential"), compiled)
+
+
+def test_the_unet_step_is_captured_whole_without_a_graph_break(traced):
+    from torch.utils.data import TensorDataset
+
+    from medfed.data.federation import Federation, SiteData
+    from medfed.models.segmentation import UNetSegmenter
+    from medfed.options.models import UNetOptions
+
+    generator = torch.Generator().manual_seed(0)
+
+    def split(n):
+        return TensorDataset(torch.randn(n, 4, 16, 16, generator=generator), torch.randint(0, 2, (n, 16, 16), generator=generator))
+
+    federation = Federation("brats", [SiteData(f"site{i}", split(n), split(4)) for i, n in enumerate((12, 10))], (4, 16, 16), 2, "GENERATED", generated=True)
+    model = seeded(UNetSegmenter, 4, 2, UNetOptions(channels=[4, 8], strides=[2], num_res_units=1))
+    torch._dynamo.utils.counters.clear()
+    loop = build_loop("fedprox", federation, model, batch_size=4)  # 3 steps of 4, and 2 of 4 then 2: a ragged last batch
+    loop.executor = InProcessSites(loop.sites, loop.links, "batched", compile=True)
+    loop.fit(1)
+    assert dict(torch._dynamo.utils.counters["graph_break"]) == {}  # e.g. MONAI's DiceLoss: Tensor.tolist() inside the vmap
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    (step,) = _compiled_steps(loop)
+    assert step.pads and step.not_compiled is None
