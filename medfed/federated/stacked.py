@@ -203,6 +203,8 @@ class StackedStep:
         if self._compiled is None:
             out = self.step(*arguments)
         else:
+            if self.device.type == "cuda":  # the last replay's outputs were copied out: its graph's memory may be reused
+                torch.compiler.cudagraph_mark_step_begin()
             try:
                 out = self._compiled(*arguments)
             except Exception as error:  # the eager step raises again if the loss itself is at fault
