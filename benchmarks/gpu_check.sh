@@ -9,7 +9,8 @@
 # seconds), throughput.txt, profile.txt, main.txt, grid.txt and tests.txt. The parts, most important first:
 #   1. throughput, U-Net 64 x 64, batch 16 a site, N = 5 20 50: sequential, batched, batched compiled (CUDA graphs),
 #      central eager, central compiled (CUDA graphs) in one process: the table and its ratios; DenseNet eager;
-#   2. the step profile at N = 5: kernels per step, GPU busy time, dispatch against compute, per executor;
+#   2. the step profile at N = 5: kernels per step, GPU busy time, dispatch against compute, per executor; a stacked
+#      convolution vmapped against grouped (HFTA) and in turn;
 #   3. the main job (brats_lack0) on cuda, cold and warm, eager batched and compiled: timing splits from results.json;
 #   4. benchmarks/grid_speed.py --quick on cuda (fused, compiled: --compare-args);
 #   5. the GPU tests of the compiled step and a dense strategy.
@@ -33,6 +34,7 @@ if [ "$WHICH" = throughput ] || [ "$WHICH" = all ]; then
 fi
 if [ "$WHICH" = rest ] || [ "$WHICH" = all ]; then
   part profile profile.txt 120 python3 benchmarks/step_profile.py --device cuda --model unet --sites 5
+  part stacked_conv profile.txt 30 python3 benchmarks/stacked_conv.py --device cuda --side 64
   main=(python3 -m medfed fit --config configs/brats_lack0.yaml --quiet trainer.device=cuda logger.wandb=disabled)
   part main_cold main.txt 80 "${main[@]}" output_dir=/tmp/medfed-gpu/cold
   part main_warm main.txt 50 "${main[@]}" output_dir=/tmp/medfed-gpu/warm
