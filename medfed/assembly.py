@@ -37,10 +37,10 @@ from medfed.components import ResolvedRun
 from medfed.config import TrainerConfig
 from medfed.data.federation import Federation, SiteData
 from medfed.data.pooling import pool_training_data
-from medfed.federated.link import Link
 from medfed.federated import privacy
+from medfed.federated.link import Link
+from medfed.federated.protocol import Payload, StrategyProtocol
 from medfed.federated.site import Site, Slot
-from medfed.federated.strategies.base import Payload, Strategy
 from medfed.models.base import FederatedModule
 from medfed.models.split import PARTS
 
@@ -77,7 +77,7 @@ class RunAssembly:
     """
 
     prototype: FederatedModule
-    strategy: Strategy
+    strategy: StrategyProtocol
     codec_up: dict[str, Any]
     codec_down: dict[str, Any]
     batch_size: int

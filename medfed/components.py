@@ -41,7 +41,7 @@ from medfed.options.strategies import parse_strategy_group
 from medfed.options.tasks import task_spec
 
 if TYPE_CHECKING:
-    from medfed.federated.strategies.base import Strategy
+    from medfed.federated.protocol import StrategyProtocol
     from medfed.models.base import FederatedModule
     from medfed.tasks import Task
 
@@ -237,7 +237,7 @@ class ResolvedRun:
         return model_class(self.model_name)
 
     @property
-    def strategy_cls(self) -> type[Strategy]:
+    def strategy_cls(self) -> type[StrategyProtocol]:
         """The ``strategy.name`` class (imports torch)."""
         from medfed.federated.strategies import STRATEGIES
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from medfed.federated.executor import train_plans
-from medfed.federated.strategies.base import RoundContext
+from medfed.federated.protocol import RoundContext
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import BatchNormClassifier, LinearClassifier, LinearOptions, build_loop, seeded, two_group_federation
 

@@ -14,7 +14,8 @@ from medfed.errors import ConfigError
 from medfed.federated.batched import adam_step, hyper_parameters, sgd_step
 from medfed.federated.executor import InProcessSites, executor_for
 from medfed.federated.strategies import STRATEGIES
-from medfed.federated.strategies.base import SiteHalf, Strategy, TrainingPlan
+from medfed.federated.protocol import TrainingPlan
+from medfed.federated.strategies.base import SiteHalf, Strategy
 from medfed.models.dropout import dropout
 from test_classification_end_to_end import TINY_CLINICAL
 from test_strategy_lifecycle import OPTIONS

@@ -17,7 +17,7 @@ from medfed.cli import main
 from medfed.config import ClientDPConfig
 from medfed.data.federation import Federation, SiteData
 from medfed.federated.privacy import ClientDP, clip_update
-from medfed.federated.site_view import RoundContext
+from medfed.federated.protocol import RoundContext
 from toy_federation import BodyHeadClassifier, LinearClassifier, build_loop, seeded, two_group_federation, with_a_body
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -44,7 +44,7 @@ import torch
 
 from medfed.federated.executor import InProcessSites, SummedReplies
 from medfed.federated.strategies import STRATEGIES
-from medfed.federated.strategies.base import SUMMED
+from medfed.federated.protocol import SUMMED
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import BatchNormClassifier, build_loop, seeded, two_group_federation, with_a_body
 

@@ -10,7 +10,7 @@ from medfed.federated.faults import (
     RoundStartStates, non_finite_keys, refused_replies, reply_key_fault, sample_count_fault, update_norms, update_outliers,
 )
 from medfed.federated.strategies import STRATEGIES
-from medfed.federated.strategies.base import RoundContext
+from medfed.federated.protocol import RoundContext
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation, with_a_body
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from medfed.errors import ConfigError
-from medfed.federated.strategies.base import RoundContext
+from medfed.federated.protocol import RoundContext
 from medfed.federated.strategies.fedamp import FedAMP, exponential_attention, heuristic_attention
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, LinearOptions, build_loop, seeded, two_group_federation

@@ -7,7 +7,7 @@ import torch
 
 from medfed.errors import SiteFailure
 from medfed.federated.strategies.fedbabu import head_names
-from medfed.federated.strategies.live_parameters import unwrap
+from medfed.models.base import unwrap
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import BatchNormClassifier, BodyHeadClassifier, LinearClassifier, build_loop, seeded, two_group_federation
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from medfed.errors import ConfigError
-from medfed.federated.strategies.base import RoundContext
+from medfed.federated.protocol import RoundContext
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import (
     BatchNormClassifier,

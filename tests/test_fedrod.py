@@ -7,9 +7,9 @@ from monai.losses import DiceCELoss
 from torch.utils.data import TensorDataset
 
 from medfed.data.federation import Federation, SiteData
-from medfed.federated.strategies.base import RoundContext
+from medfed.federated.protocol import RoundContext
 from medfed.federated.strategies.fedrod import FedRoD
-from medfed.federated.strategies.live_parameters import unwrap
+from medfed.models.base import unwrap
 from medfed.models.additive_head import generic_output
 from medfed.models.segmentation import RegionLoss, UNetSegmenter
 from medfed.models.tabular import LogisticRegression

@@ -31,9 +31,10 @@ import torch
 from torch import nn
 
 from medfed.federated.strategies import STRATEGIES
-from medfed.federated.strategies.base import RoundContext, SiteHalf, TrainingPlan
+from medfed.federated.protocol import RoundContext, TrainingPlan
+from medfed.federated.strategies.base import SiteHalf
 from medfed.federated.strategies.fedprox import FedProx, FedProxSite
-from medfed.federated.strategies.live_parameters import unwrap
+from medfed.models.base import unwrap
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import BodyHeadClassifier, build_loop, seeded, two_group_federation
 
@@ -289,7 +290,7 @@ def test_a_strategy_that_is_not_batchable_says_why_in_one_line(name):
 
 
 def test_the_auxiliary_step_is_projected_gradient_descent():
-    from medfed.federated.strategies.base import Auxiliary
+    from medfed.federated.protocol import Auxiliary
 
     value, gradient = torch.tensor([0.2, 0.9, 0.5]), torch.tensor([1.0, -1.0, 0.5])
     torch.testing.assert_close(Auxiliary(0.5).step(value, gradient), torch.tensor([-0.3, 1.4, 0.25]))

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from medfed.federated.strategies.base import SiteHalf, Strategy, TrainingPlan
+from medfed.federated.protocol import TrainingPlan
+from medfed.federated.strategies.base import SiteHalf, Strategy
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation
 

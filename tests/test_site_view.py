@@ -7,8 +7,8 @@ import torch
 
 import medfed
 from medfed.federated.site import Site, View
-from medfed.federated.site_view import RoundContext
-from medfed.federated.strategies.base import SiteHalf, Strategy, TrainingPlan
+from medfed.federated.protocol import RoundContext, TrainingPlan
+from medfed.federated.strategies.base import SiteHalf, Strategy
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation
 
@@ -108,10 +108,10 @@ def _imports(module_path):
     return found
 
 
-def test_the_strategies_never_import_the_site_and_the_view_imports_neither_side():
+def test_the_strategies_never_import_the_site_and_the_contract_imports_neither_side():
     root = Path(medfed.__file__).parent / "federated"
-    for path in [root / "site_view.py", *sorted((root / "strategies").glob("*.py"))]:
+    for path in [root / "protocol.py", *sorted((root / "strategies").glob("*.py"))]:
         imported = _imports(path)
         assert "medfed.federated.site" not in imported, path.name
-        if path.name == "site_view.py":
+        if path.name == "protocol.py":
             assert not any(name.startswith("medfed.federated.strategies") for name in imported)

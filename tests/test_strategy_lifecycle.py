@@ -9,7 +9,7 @@ import torch
 from medfed.checkpoint import read_checkpoint, save_checkpoint
 from medfed.data.pooling import POOL_SITE
 from medfed.federated.strategies import STRATEGIES
-from medfed.federated.strategies.base import DeclaredState, RoundContext
+from medfed.federated.protocol import DeclaredState, RoundContext
 from medfed.models.split import PARTS
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import DropoutClassifier, LinearClassifier, build_loop, seeded, two_group_federation, with_a_body
@@ -135,7 +135,7 @@ def test_a_phase_codes_its_messages_before_and_after_all_local_training():
 
 
 def test_a_resumed_state_has_its_floats_on_the_runs_device_and_its_counters_and_generator_states_on_the_cpu():
-    from medfed.federated.strategies.base import state_on_device
+    from medfed.checkpoint import state_on_device
 
     state = {
         "models": torch.zeros(3, 4),

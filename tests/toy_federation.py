@@ -40,7 +40,7 @@ from medfed.assembly import RunAssembly
 from medfed.data.federation import Federation, SiteData
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.strategies import strategy_from_config
-from medfed.federated.strategies.base import Payload
+from medfed.federated.protocol import Payload
 from medfed.models.base import FederatedModule
 
 

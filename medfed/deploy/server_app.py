@@ -100,7 +100,7 @@ from medfed.errors import ConfigError, DataError, MessageError, SiteFailure, war
 from medfed.federated.executor import PhaseWork, SiteEvaluation, SiteResult, SummedReplies
 from medfed.federated.link import Link, Wire
 from medfed.federated.loop import FederatedLoop
-from medfed.federated.strategies.base import Payload, SecureSum
+from medfed.federated.protocol import Payload, SecureSum
 from medfed.output_dir import hold_output_dir
 from medfed.results import run_results, timing_summary, write_json_atomic
 from medfed.tasks.label_imbalance import refuse_label_ratio

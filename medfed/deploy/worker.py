@@ -65,7 +65,7 @@ from medfed.errors import DataError
 from medfed.federated.executor import PhaseWork, site_evaluation, site_phase, site_receive_delivery, site_setup
 from medfed.federated.faults import non_finite_keys
 from medfed.federated.link import Wire
-from medfed.federated.strategies.base import Payload
+from medfed.federated.protocol import Payload
 
 STATE_FILE = "site-state.pt"
 SNAPSHOTS = "rounds"

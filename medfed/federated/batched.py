@@ -21,7 +21,7 @@ does, per site:
   counts and hyper-parameters read from each site's own ``param_groups``);
   only ``plan.part`` of the plan's slot and every parameter of ``also_steps``
   are differentiated, and the half's declared auxiliary parameters, stepped
-  after the optimisers (:meth:`~medfed.federated.strategies.base.Auxiliary.step`);
+  after the optimisers (:meth:`~medfed.federated.protocol.Auxiliary.step`);
 * its own batches, drawn from its own loader in the order ``Site.train``
   draws them (:meth:`~medfed.federated.site.Site.batches`), as many steps as its plan gives it: at step t the sites that
   still have steps are grouped by their batch's shape (the last batch of a
@@ -66,10 +66,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from medfed.federated.compute import batch_samples
+from medfed.federated.protocol import Auxiliary, RoundContext, TrainingPlan
 from medfed.federated.site import Site
-from medfed.federated.site_view import RoundContext
-from medfed.federated.strategies.base import Auxiliary, TrainingPlan
-from medfed.federated.strategies.live_parameters import unwrap
+from medfed.models.base import unwrap
 from medfed.models.dropout import keyed
 
 #: the optimisers the batched step reproduces, and the ``param_groups`` options they must leave at these values

@@ -34,9 +34,8 @@ from medfed.federated import batched
 from medfed.federated.compute import TRAIN
 from medfed.federated.faults import RoundStartStates, non_finite_keys
 from medfed.federated.link import Link
+from medfed.federated.protocol import ADAPT, DELIVER, SETUP, Payload, RoundContext, TrainingPlan
 from medfed.federated.site import Site
-from medfed.federated.site_view import ADAPT, DELIVER, SETUP, RoundContext
-from medfed.federated.strategies.base import Payload, TrainingPlan
 from medfed.models.dropout import keyed, step_keys
 
 
@@ -107,8 +106,8 @@ class SummedReplies:
     """A phase's replies as the server holds them under secure aggregation: one reply standing for all of them.
 
     Attributes:
-        reply: what :meth:`~medfed.federated.strategies.base.ServerHalf.aggregate_summed` receives (the weighted
-            mean of every vector, the total weight: :class:`~medfed.federated.strategies.base.SecureSum`).
+        reply: what :meth:`~medfed.federated.protocol.ServerHalfProtocol.aggregate_summed` receives (the weighted
+            mean of every vector, the total weight: :class:`~medfed.federated.protocol.SecureSum`).
         sites: the sites whose replies are in the sum (the server knows who took part, never what each sent).
     """
 

@@ -3,7 +3,7 @@
 Lightning 2.x's documented route to a custom loop is Fabric: the loop here
 owns the sites (each with its model slots, optimisers and half of the
 strategy, kept across rounds), calls the server half's and the site halves'
-hooks by name (see :mod:`medfed.federated.strategies.base` for the life
+hooks by name (see :mod:`medfed.federated.protocol` for the life
 cycle), runs each phase's training plans, and knows nothing about any
 particular algorithm. Every payload crosses a
 :class:`~medfed.federated.link.Link`, which turns it into bytes and counts
@@ -50,6 +50,7 @@ import numpy as np
 import torch
 from lightning.fabric import Fabric
 
+from medfed.checkpoint import state_on_device
 from medfed.errors import RunFailed, SiteFailure, warn
 from medfed.federated.compute import merge, training_epochs
 from medfed.federated.executor import InProcessSites, PhaseWork, SiteEvaluation, SiteExecutor
@@ -57,8 +58,7 @@ from medfed.federated.faults import refused_replies, reply_fault
 from medfed.federated.link import Link
 from medfed.federated.privacy import ClientDP
 from medfed.federated.site import Site
-from medfed.federated.site_view import ADAPT, DELIVER, SETUP, RoundContext
-from medfed.federated.strategies.base import Payload, Strategy, state_on_device
+from medfed.federated.protocol import ADAPT, DELIVER, SETUP, Payload, RoundContext, StrategyProtocol
 
 
 class FederatedLoop:
@@ -101,7 +101,7 @@ class FederatedLoop:
         self,
         fabric: Fabric,
         sites: list[Site],
-        strategy: Strategy,
+        strategy: StrategyProtocol,
         links: list[Link],
         initial: Payload,
         local_epochs: int,

@@ -19,7 +19,7 @@ crops) goes through its DataLoader. A training step never waits for the
 device: the plan's losses are kept on it and read once, at the plan's end.
 
 A site's strategy half sees it only through :attr:`Site.view`, a
-:class:`~medfed.federated.site_view.SiteView`; the site counts the samples
+:class:`~medfed.federated.protocol.SiteView`; the site counts the samples
 it passes, per training plan, auxiliary pass and evaluation
 (:mod:`medfed.federated.compute`).
 """
@@ -37,13 +37,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from lightning.fabric import Fabric
-from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
 
+from medfed.checkpoint import state_on_device
 from medfed.data.federation import SiteData
 from medfed.federated.compute import AUX, EVALUATION, FORWARD, PassCounter, batch_samples
 from medfed.federated.privacy import SiteDP
-from medfed.federated.site_view import SiteView, split_of
-from medfed.federated.strategies.base import Auxiliary, SiteHalf, state_on_device
+from medfed.federated.protocol import Auxiliary, SiteHalfProtocol, SiteView
 from medfed.models.base import FederatedModule
 
 #: a training split is kept on a CUDA device when it takes at most this share of the device's free memory
@@ -80,7 +80,7 @@ class Site:
         data: SiteData,
         slots: dict[str, Slot],
         evaluated_slot: str,
-        strategy: SiteHalf,
+        strategy: SiteHalfProtocol,
         fabric: Fabric,
         batch_size: int,
         seed: int,
@@ -441,7 +441,7 @@ def resident_tensors(train: Any, device: torch.device) -> tuple[torch.Tensor, ..
 
 
 class View(SiteView):
-    """The :class:`~medfed.federated.site_view.SiteView` of a :class:`Site`: all its strategy half sees of it."""
+    """The :class:`~medfed.federated.protocol.SiteView` of a :class:`Site`: all its strategy half sees of it."""
 
     def __init__(self, site: Site) -> None:
         self._site = site
@@ -511,3 +511,10 @@ class View(SiteView):
 
     def global_rng(self, *stream: int) -> Any:
         return self._site.global_rng(*stream)
+
+
+def split_of(data: SiteData, split: str) -> Dataset:
+    """``data``'s split named ``split`` (``"train"``, ``"test"`` or ``"validation"``)."""
+    if split not in ("train", "test", "validation") or getattr(data, split) is None:
+        raise ValueError(f"{data.name} has no {split!r} split")
+    return getattr(data, split)

@@ -81,7 +81,7 @@ from __future__ import annotations
 
 import torch
 
-from medfed.federated.strategies.base import DELIVER, Auxiliary, Payload, RoundContext, SiteView, TrainingPlan
+from medfed.federated.protocol import DELIVER, Auxiliary, Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
 from medfed.federated.strategies.live_parameters import gradient_only, live_parameters, training_loss_with
 from medfed.options.strategies import APFLOptions

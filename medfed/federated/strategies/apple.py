@@ -77,9 +77,10 @@ import math
 
 import torch
 
-from medfed.federated.strategies.base import (
-    DELIVER, NUM_SAMPLES, SETUP, Auxiliary, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+from medfed.federated.protocol import (
+    DELIVER, NUM_SAMPLES, SETUP, Auxiliary, Payload, RoundContext, SiteView, TrainingPlan, num_samples,
 )
+from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
 from medfed.federated.strategies.live_parameters import live_parameters, training_loss_with
 from medfed.options.strategies import APPLEOptions
 

@@ -60,7 +60,7 @@ part of the loss, so any optimiser descends h_k.
 
 from __future__ import annotations
 
-from medfed.federated.strategies.base import DELIVER, Payload, RoundContext, SiteView, TrainingPlan
+from medfed.federated.protocol import DELIVER, Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
 from medfed.federated.strategies.proximal import Proximal, ProximalSite
 from medfed.options.strategies import DittoOptions

@@ -39,7 +39,8 @@ from __future__ import annotations
 import torch
 
 from medfed.errors import ConfigError
-from medfed.federated.strategies.base import DELIVER, MODEL, SETUP, Payload, RoundContext, ServerHalf, SiteView, Strategy, TrainingPlan
+from medfed.federated.protocol import DELIVER, MODEL, SETUP, Payload, RoundContext, SiteView, TrainingPlan
+from medfed.federated.strategies.base import ServerHalf, Strategy
 from medfed.federated.strategies.proximal import Proximal, ProximalSite
 from medfed.options.strategies import FedAMPOptions
 

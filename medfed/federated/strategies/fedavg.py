@@ -30,9 +30,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.strategies.base import (
-    DELIVER, MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, SecureSum, ServerHalf, SiteHalf, SiteView, Strategy, num_samples,
+from medfed.federated.protocol import (
+    DELIVER, MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, SecureSum, SiteView, num_samples,
 )
+from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
 
 
 class FedAvgServer(ServerHalf):

@@ -9,7 +9,7 @@ bodies (FedAvg: sample-weighted, the floating-point buffers too) and
 delivers the average. Personalisation is fine-tuning: before every
 evaluation each site starts from the delivered global model and fine-tunes
 it on its own training data (the loop's *adapt* step,
-:meth:`~medfed.federated.strategies.base.SiteHalf.adapt`), then is
+:meth:`~medfed.federated.protocol.SiteHalfProtocol.adapt`), then is
 evaluated with it::
 
     round t, site i:   body_i <- local steps on F_i(body, head_0) from body^t   (head frozen at head_0)
@@ -52,7 +52,7 @@ import re
 
 import torch
 
-from medfed.federated.strategies.base import DELIVER, Payload, RoundContext, SiteView, TrainingPlan, num_samples
+from medfed.federated.protocol import DELIVER, Payload, RoundContext, SiteView, TrainingPlan, num_samples
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgServer, FedAvgSite
 from medfed.options.strategies import FedBABUOptions
 from medfed.models.base import FederatedModule

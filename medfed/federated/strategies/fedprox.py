@@ -34,7 +34,7 @@ With mu = 0 no term is added at all: FedProx is then FedAvg, bit for bit.
 
 from __future__ import annotations
 
-from medfed.federated.strategies.base import DELIVER, Payload, RoundContext, SiteView, TrainingPlan
+from medfed.federated.protocol import DELIVER, Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
 from medfed.federated.strategies.proximal import Proximal, ProximalSite
 from medfed.options.strategies import FedProxOptions

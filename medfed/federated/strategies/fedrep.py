@@ -52,7 +52,7 @@ Defaults and readings where the paper is silent:
 
 from __future__ import annotations
 
-from medfed.federated.strategies.base import RoundContext, TrainingPlan
+from medfed.federated.protocol import RoundContext, TrainingPlan
 from medfed.federated.strategies.fedper import FedPer, FedPerSite
 from medfed.options.presets import EQUAL
 from medfed.options.strategies import FedRepOptions

@@ -82,9 +82,10 @@ from __future__ import annotations
 
 import torch
 
-from medfed.federated.strategies.base import Payload, RoundContext, SiteView, TrainingPlan
+from medfed.federated.protocol import Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
-from medfed.federated.strategies.live_parameters import training_loss_with, unwrap
+from medfed.federated.strategies.live_parameters import training_loss_with
+from medfed.models.base import unwrap
 from medfed.options.strategies import FedRoDOptions
 from medfed.models.additive_head import attach_additive_head, generic_output
 from medfed.models.base import FederatedModule

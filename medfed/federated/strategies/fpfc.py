@@ -83,9 +83,10 @@ import torch
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.strategies.solvers.concave_penalty import fusion_prox
 from medfed.federated.strategies.solvers.graph import connected_components, incidence_matrix
-from medfed.federated.strategies.base import (
-    DELIVER, MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteView, Strategy, TrainingPlan, num_samples,
+from medfed.federated.protocol import (
+    DELIVER, MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, SiteView, TrainingPlan, num_samples,
 )
+from medfed.federated.strategies.base import ServerHalf, Strategy
 from medfed.federated.strategies.proximal import Proximal, ProximalSite
 from medfed.options.strategies import FPFCOptions
 

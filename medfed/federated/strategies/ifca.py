@@ -80,9 +80,8 @@ import numpy as np
 import torch
 
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.strategies.base import (
-    DELIVER, MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, num_samples,
-)
+from medfed.federated.protocol import DELIVER, MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, SiteView, num_samples
+from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
 from medfed.options.strategies import IFCAOptions
 from medfed.models.split import ParameterSplit
 
@@ -244,7 +243,7 @@ def training_loss(site: SiteView) -> torch.Tensor:
 
     The split is read in order (a random-crop split gives its fixed
     reference patches), in batches of the evaluation's size, by
-    :meth:`~medfed.federated.site_view.SiteView.full_pass` (neither the
+    :meth:`~medfed.federated.protocol.SiteView.full_pass` (neither the
     site's data order nor the global generators move; counted as
     ``forward/cluster_choice``). Each batch's mean loss is weighted by the
     batch's size. Returns a 0-d tensor on the module's device.

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import torch
 
-from medfed.federated.strategies.base import Payload, RoundContext, SiteView, TrainingPlan
+from medfed.federated.protocol import Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgServer, FedAvgSite
 from medfed.options.strategies import L2GDOptions
 

@@ -59,7 +59,7 @@ only when beta is given on the command line.
 **Cost and budget.** Each mini-batch takes K forward and backward passes
 (the outer step needs no forward pass): K times a FedAvg step. The plan
 declares it (``data_pass=False``: its own step passes no sample) and each
-inner step goes through :meth:`~medfed.federated.site_view.SiteView.step`,
+inner step goes through :meth:`~medfed.federated.protocol.SiteView.step`,
 so the run's compute counts K passes per mini-batch. By default (``preset:
 equal``) those passes are the round's budget E = ``trainer.local_epochs``
 (:mod:`medfed.federated.strategies.base`): the plan's length counts passes
@@ -93,9 +93,10 @@ import torch
 
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.compute import batch_samples
-from medfed.federated.strategies.base import (
-    DELIVER, NUM_SAMPLES, SETUP, Payload, RoundContext, SecureSum, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+from medfed.federated.protocol import (
+    DELIVER, NUM_SAMPLES, SETUP, Payload, RoundContext, SecureSum, SiteView, TrainingPlan, num_samples,
 )
+from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
 from medfed.federated.strategies.live_parameters import live_parameters, proximal_term
 from medfed.options.presets import by_preset
 from medfed.options.strategies import PFedMeOptions

@@ -126,9 +126,10 @@ from medfed.federated.strategies.solvers.graph import (
 )
 from medfed.federated.strategies.solvers.network_lasso import AdmmState, solve_network_lasso
 from medfed.federated.strategies.solvers.sketch import check_sketch_size, data_sketch, feature_sketch
-from medfed.federated.strategies.base import (
-    MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+from medfed.federated.protocol import (
+    MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, SiteView, TrainingPlan, num_samples,
 )
+from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
 from medfed.options.strategies import PFedNetOptions, P_NORMS
 
 JOINT = "joint"

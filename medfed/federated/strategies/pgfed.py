@@ -76,9 +76,10 @@ from __future__ import annotations
 import torch
 
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.strategies.base import (
-    DELIVER, MODEL, NUM_SAMPLES, SETUP, Auxiliary, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+from medfed.federated.protocol import (
+    DELIVER, MODEL, NUM_SAMPLES, SETUP, Auxiliary, Payload, RoundContext, SiteView, TrainingPlan, num_samples,
 )
+from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
 from medfed.federated.strategies.live_parameters import gradient_only, live_parameters, live_vector
 from medfed.options.strategies import PGFedMoOptions, PGFedOptions
 
@@ -88,7 +89,7 @@ def training_risk(site: SiteView) -> tuple[float, torch.Tensor]:
 
     f is the sample-weighted mean of ``training_step`` over batches (the
     training batch size, in a fixed order that leaves the site's shuffling
-    generator untouched: :meth:`~medfed.federated.site_view.SiteView.full_pass`,
+    generator untouched: :meth:`~medfed.federated.protocol.SiteView.full_pass`,
     counted as ``aux/gradient_estimate``), grad f the same mean of the batch
     gradients (zero for a parameter the loss does not use).
 

@@ -25,7 +25,8 @@ A round in which the pool site does not take part (``federation.participation``
 from __future__ import annotations
 
 from medfed.data.pooling import POOL_SITE
-from medfed.federated.strategies.base import Payload, RoundContext, SiteView, Strategy, TrainingPlan
+from medfed.federated.protocol import Payload, RoundContext, SiteView, TrainingPlan
+from medfed.federated.strategies.base import Strategy
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgServer, FedAvgSite
 
 

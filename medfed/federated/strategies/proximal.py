@@ -6,7 +6,7 @@ model), FPFC (rho, the personal part around the ADMM centre) and SuPerFed
 (2 mu, around the received global model) add this term to their sites' loss.
 A :class:`ProximalSite` names, per training plan, the slot, part and weight
 and the centre: a tensor of the half's declared loss state
-(:attr:`~medfed.federated.strategies.base.SiteHalf.loss_state`), set when the
+(:attr:`~medfed.federated.protocol.SiteHalfProtocol.loss_state`), set when the
 server's message arrives and cleared after the reply; the term itself is
 :func:`~medfed.federated.strategies.live_parameters.proximal_term` on the live
 parameters, so its gradient weight (w - centre) reaches the optimiser.
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from medfed.federated.strategies.base import RoundContext, SiteHalf, SiteView, TrainingPlan
+from medfed.federated.protocol import RoundContext, SiteView, TrainingPlan
+from medfed.federated.strategies.base import SiteHalf
 from medfed.federated.strategies.live_parameters import proximal_term
 
 

@@ -82,11 +82,15 @@ from __future__ import annotations
 
 import torch
 
-from medfed.federated.strategies.base import (
-    DELIVER, NUM_SAMPLES, Payload, RoundContext, SecureSum, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+from medfed.federated.protocol import (
+    DELIVER, NUM_SAMPLES, Payload, RoundContext, SecureSum, SiteView, TrainingPlan, num_samples,
 )
+from medfed.federated.strategies.base import SiteHalf, Strategy
 from medfed.federated.strategies.fedavg import FedAvgServer
-from medfed.federated.strategies.live_parameters import live_parameters, live_vector, proximal_term, proximal_term_of, training_loss_with, unwrap
+from medfed.federated.strategies.live_parameters import (
+    live_parameters, live_vector, proximal_term, proximal_term_of, training_loss_with,
+)
+from medfed.models.base import unwrap
 from medfed.options.strategies import SuPerFedOptions
 
 FEDERATED, LOCAL, PERSONALISED = "federated", "local", "personalised"
