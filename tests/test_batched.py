@@ -13,14 +13,16 @@ from medfed.config import TrainerConfig
 from medfed.errors import ConfigError
 from medfed.federated.batched import adam_step, hyper_parameters, sgd_step
 from medfed.federated.executor import InProcessSites, executor_for
-from medfed.federated.strategies import STRATEGIES
+from medfed.federated.strategies import registered
 from medfed.federated.protocol import TrainingPlan
 from medfed.federated.strategies.base import SiteHalf, Strategy
 from medfed.models.dropout import dropout
+from medfed.options.strategies import strategy_spec
 from test_classification_end_to_end import TINY_CLINICAL
-from test_strategy_lifecycle import OPTIONS
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import NEEDS_A_BODY, BatchNormClassifier, BodyHeadClassifier, LinearClassifier, build_loop, seeded, two_group_federation
+
+STRATEGIES = registered()
 
 #: at least this many registered strategies train stacked (issue 21's acceptance)
 MIN_BATCHABLE = 15
@@ -138,7 +140,7 @@ def _run(name: str, executor: str, rounds: int = 2, participation: float = 1.0):
     of 12 or 4), dropout on, under ``executor``."""
     model = KeyedDropoutBodyHeadClassifier if name in NEEDS_A_BODY else KeyedDropoutClassifier
     federation = two_group_federation(n_sites=4, n_train=44)
-    loop = build_loop(name, federation, seeded(model, 4, 2), OPTIONS.get(name), participation=participation)
+    loop = build_loop(name, federation, seeded(model, 4, 2), strategy_spec(name).smoke, participation=participation)
     loop.executor = InProcessSites(loop.sites, loop.links, executor)
     loop.fit(rounds)
     return loop

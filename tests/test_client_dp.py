@@ -131,9 +131,9 @@ def test_no_noise_and_no_clipping_reproduce_fedavg_bit_for_bit():
 
 @pytest.mark.parametrize("strategy", ["fedavg", "fedprox", "fedper", "fedrep", "fedbabu", "ditto", "apfl", "fedbn", "fedrod", "pfedme", "superfed"])
 def test_every_strategy_that_declares_client_dp_gives_the_server_only_the_noised_average(strategy, monkeypatch):
-    from medfed.federated.strategies import STRATEGIES
+    from medfed.federated.strategies import registered
 
-    assert STRATEGIES[strategy].client_dp_refusal is None
+    assert registered()[strategy].client_dp_refusal is None
     model = seeded(with_a_body(strategy, BodyHeadClassifier), 4, 2)
     loop = build_loop(strategy, two_group_federation(n_sites=4), model, update_norm_limit=None, client_dp=_client_dp(0.5, 1.0))
     seen = []
@@ -148,9 +148,9 @@ def test_every_strategy_that_declares_client_dp_gives_the_server_only_the_noised
 
 def test_the_declarations_cover_every_strategy():
     """The parametrisation above is every registered strategy that declares client-level DP."""
-    from medfed.federated.strategies import REGISTERED
+    from medfed.federated.strategies import registered
 
-    declared = {cls.name for cls in REGISTERED if cls.client_dp_refusal is None}
+    declared = {cls.name for cls in registered().values() if cls.client_dp_refusal is None}
     assert declared == {"fedavg", "fedprox", "fedper", "fedrep", "fedbabu", "ditto", "apfl", "fedbn", "fedrod", "pfedme", "superfed"}
 
 

@@ -43,10 +43,12 @@ import pytest
 import torch
 
 from medfed.federated.executor import InProcessSites, SummedReplies
-from medfed.federated.strategies import STRATEGIES
+from medfed.federated.strategies import registered
 from medfed.federated.protocol import SUMMED
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import BatchNormClassifier, build_loop, seeded, two_group_federation, with_a_body
+
+STRATEGIES = registered()
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "clinical_delta1.yaml"

@@ -9,17 +9,14 @@ from medfed.errors import RunFailed, SiteFailure
 from medfed.federated.faults import (
     RoundStartStates, non_finite_keys, refused_replies, reply_key_fault, sample_count_fault, update_norms, update_outliers,
 )
-from medfed.federated.strategies import STRATEGIES
+from medfed.federated.strategies import registered
 from medfed.federated.protocol import RoundContext
+from medfed.options.strategies import strategy_spec
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation, with_a_body
 
-OPTIONS = {
-    "fedamp": {"lam": 0.01, "alpha": 0.2, "sigma": 5.0},
-    "apple": {"download_budget": 2, "scheduler_rounds": 2},
-    "pfedme": {"lam": 1.0},  # eta lam < 1 with the toy SGD step 0.5 (lam = 15 overshoots w)
-    "superfed": {"start_round": 2},  # mix from round 2: the draws of lambda are part of the runs compared
-}
+STRATEGIES = registered()
+
 ALTERNATING = {"schedule": "alternating"}  # pFedNet's two phases (the default is one joint phase)
 RAISES, SENDS_NAN, SENDS_HUGE = 1, 2, 3  # the faulty sites of a 6-site federation; 0, 4 and 5 stay healthy
 FAULT_ROUND = 2
@@ -27,7 +24,7 @@ FAULT_ROUND = 2
 
 def _loop(name, n_sites=6, options=None, **kwargs):
     model = with_a_body(name, LinearClassifier)
-    return build_loop(name, two_group_federation(n_sites=n_sites), seeded(model, 4, 2), options or OPTIONS.get(name), **kwargs)
+    return build_loop(name, two_group_federation(n_sites=n_sites), seeded(model, 4, 2), options or strategy_spec(name).smoke, **kwargs)
 
 
 def _model_keys(loop):

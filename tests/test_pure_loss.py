@@ -30,20 +30,17 @@ import pytest
 import torch
 from torch import nn
 
-from medfed.federated.strategies import STRATEGIES
+from medfed.federated.strategies import registered
 from medfed.federated.protocol import RoundContext, TrainingPlan
 from medfed.federated.strategies.base import SiteHalf
 from medfed.federated.strategies.fedprox import FedProx, FedProxSite
 from medfed.models.base import unwrap
+from medfed.options.strategies import strategy_spec
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import BodyHeadClassifier, build_loop, seeded, two_group_federation
 
-#: options under which the strategy's loss reads all its state on the toy federation
-OPTIONS = {
-    "fedamp": {"lam": 0.01, "alpha": 0.5, "sigma": 5.0},
-    "apple": {"download_budget": 1, "scheduler_rounds": 4},
-    "fedprox": {"mu": 0.5},
-}
+STRATEGIES = registered()
+
 BATCH = 8  # samples of every site's batch (vmap needs one shape)
 
 
@@ -237,12 +234,12 @@ def _loop(strategy, options=None):
 
 @pytest.mark.parametrize("name", _batchable())
 def test_the_loss_is_a_function_of_declared_state(name):
-    check_pure_loss(_loop(name, OPTIONS.get(name)))
+    check_pure_loss(_loop(name, strategy_spec(name).smoke))
 
 
 def test_the_declared_state_differs_between_sites_where_a_strategy_declares_any():
     # the nudge makes the check sensitive to every declared tensor; this checks the runs reach state worth stacking
-    loop = _loop("apple", OPTIONS["apple"])
+    loop = _loop("apple", strategy_spec("apple").smoke)
     ctx, sites = _round_two_training_phase(loop)
     halves = [loop.sites[i].strategy for i in sites]
     for name in ("own", "dr", "cores"):

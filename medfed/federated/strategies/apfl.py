@@ -84,7 +84,6 @@ import torch
 from medfed.federated.protocol import DELIVER, Auxiliary, Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
 from medfed.federated.strategies.live_parameters import gradient_only, live_parameters, training_loss_with
-from medfed.options.strategies import APFLOptions
 
 GLOBAL, LOCAL, MIXED = "global", "local", "mixed"
 
@@ -145,13 +144,8 @@ class APFLSite(FedAvgSite):
 
 
 class APFL(FedAvg):
-    name = "apfl"
     dp_sgd_refusal = "its loss runs the local model with mixed parameter tensors (functional_call), which Opacus's per-sample hooks attribute to the wrong parameters, and steps its mixing weight outside the clipping"
-    summary = "each site evaluates alpha v + (1 - alpha) w, its own model mixed with the FedAvg one, alpha learned"
-    reference = "Deng, Kamani, Mahdavi, Adaptive personalized federated learning, arXiv 2003.13461 (2020)"
     slots = (GLOBAL, LOCAL, MIXED)
     evaluated_slot = MIXED
     delivered_slot = GLOBAL  # the evaluated mixture is rebuilt from the delivered global model
     Site = APFLSite
-
-    Options = APFLOptions

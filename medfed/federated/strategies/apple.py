@@ -82,7 +82,6 @@ from medfed.federated.protocol import (
 )
 from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
 from medfed.federated.strategies.live_parameters import live_parameters, training_loss_with
-from medfed.options.strategies import APPLEOptions
 
 
 def loss_scheduler(kind: str, completed_rounds: int, last_round: int, eps: float) -> float:
@@ -279,17 +278,12 @@ class APPLESite(SiteHalf):
 
 
 class APPLE(Strategy):
-    name = "apple"
     dp_sgd_refusal = "its loss runs the core model with mixed parameter tensors (functional_call), and its directed relationships are stepped outside the clipping"
     client_dp_refusal = "its server step needs each site's own vector: every site downloads the others' core models"
     secure_aggregation_refusal = "its server step needs each site's own vector: every site downloads the others' core models"
-    summary = "each site mixes every site's core model with directed relationships it learns"
-    reference = "Luo and Wu, Adapt to adaptation: learning personalization for cross-silo federated learning, IJCAI 2022"
     phases = ("select", "fit")
     coded_keys = {"core": "all"}
     slots = (CORE, PERSONALISED)
     evaluated_slot = PERSONALISED
     Server = APPLEServer
     Site = APPLESite
-
-    Options = APPLEOptions

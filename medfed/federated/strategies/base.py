@@ -22,7 +22,7 @@ from medfed.federated.protocol import (
     SiteView, StrategyProtocol, TrainingPlan,
 )
 from medfed.models.split import ParameterSplit
-from medfed.options.strategies import NoOptions
+from medfed.options.strategies import NoOptions, StrategySpec, spec_at
 
 if TYPE_CHECKING:
     from medfed.models.base import FederatedModule
@@ -138,10 +138,14 @@ class SiteHalf(DeclaredState, SiteHalfProtocol):
 
 
 class Strategy(StrategyProtocol):
-    """A registered algorithm: its name, options, round shape and halves.
+    """A registered algorithm: its round shape, wire, slots and halves.
 
     Subclasses set the class attributes; an instance wires the halves for
-    one run (``strategy.server`` and ``strategy.site_half(i)``).
+    one run (``strategy.server`` and ``strategy.site_half(i)``). A class's
+    identity is its registration line (:class:`~medfed.options.strategies.StrategySpec`,
+    found by the path the class is defined at): ``name``, ``spec`` and
+    ``Options`` are set from it when the class is defined; a subclass that is
+    not registered keeps its parent's.
 
     Args:
         options: the validated ``Options`` instance.
@@ -150,11 +154,11 @@ class Strategy(StrategyProtocol):
         seed: the run's seed.
     """
 
+    #: the registration line (name, summary, reference, options, smoke preset)
+    spec: ClassVar[StrategySpec]
     name: ClassVar[str]
-    #: one line for ``python -m medfed strategies`` and the README's list
-    summary: ClassVar[str]
-    #: the paper the implementation follows
-    reference: ClassVar[str] = ""
+    #: the ``strategy.<name>`` group's dataclass, declared in the torch-free :mod:`medfed.options.strategies`
+    Options: ClassVar[type] = NoOptions
     phases: ClassVar[tuple[str, ...]] = ("fit",)
     #: payload keys carrying model-sized vectors, the only ones a codec compresses, mapped to the
     #: initial vector their first message is coded against ("zeros" for gradients); "key/..."
@@ -190,8 +194,11 @@ class Strategy(StrategyProtocol):
     Server: ClassVar[type[ServerHalf]] = ServerHalf
     Site: ClassVar[type[SiteHalf]] = SiteHalf
 
-    #: the ``strategy.<name>`` group's dataclass, declared in the torch-free :mod:`medfed.options.strategies`
-    Options: ClassVar[type] = NoOptions
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        spec = spec_at(f"{cls.__module__}:{cls.__qualname__}")
+        if spec is not None:
+            cls.spec, cls.name, cls.Options = spec, spec.name, spec.options
 
     def __init__(self, options: Any, split: ParameterSplit, n_sites: int, seed: int) -> None:
         self.options = options

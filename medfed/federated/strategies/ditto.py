@@ -63,7 +63,6 @@ from __future__ import annotations
 from medfed.federated.protocol import DELIVER, Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
 from medfed.federated.strategies.proximal import Proximal, ProximalSite
-from medfed.options.strategies import DittoOptions
 
 GLOBAL, PERSONAL = "global", "personal"
 
@@ -100,12 +99,7 @@ class DittoSite(ProximalSite, FedAvgSite):
 
 
 class Ditto(FedAvg):
-    name = "ditto"
-    summary = "a FedAvg global model, and a personal model per site trained near it (lambda/2 ||v - w||^2)"
-    reference = "Li, Hu, Beirami, Smith, Ditto: fair and robust federated learning through personalization, ICML 2021"
     slots = (GLOBAL, PERSONAL)
     evaluated_slot = PERSONAL
     delivered = None  # the delivery sets the global slot; the evaluated personal model never leaves the site
     Site = DittoSite
-
-    Options = DittoOptions

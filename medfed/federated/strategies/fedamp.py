@@ -42,7 +42,6 @@ from medfed.errors import ConfigError
 from medfed.federated.protocol import DELIVER, MODEL, SETUP, Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.base import ServerHalf, Strategy
 from medfed.federated.strategies.proximal import Proximal, ProximalSite
-from medfed.options.strategies import FedAMPOptions
 
 
 def gram_matrix(models: torch.Tensor) -> torch.Tensor:
@@ -159,15 +158,11 @@ class FedAMPSite(ProximalSite):
 
 
 class FedAMP(Strategy):
-    name = "fedamp"
     client_dp_refusal = "its server step needs each site's own vector: attention weights between pairs of sites"
     secure_aggregation_refusal = "its server step needs each site's own vector: attention weights between pairs of sites"
-    summary = "attentive message passing: each site trains near a cloud model of similar sites' models"
-    reference = "Huang et al., Personalized cross-silo federated learning on non-IID data, AAAI 2021"
     Server = FedAMPServer
     Site = FedAMPSite
 
-    Options = FedAMPOptions
 
     def __init__(self, options, split, n_sites: int, seed: int) -> None:
         super().__init__(options, split, n_sites, seed)

@@ -89,12 +89,9 @@ class FedAvgSite(SiteHalf):
 
 
 class FedAvg(Strategy):
-    name = "fedavg"
     client_dp_refusal = None  # the server step is a sample-weighted sum (also for every subclass that keeps it)
     secure_aggregation_refusal = None
     secure_sums = {"fit": SecureSum(NUM_SAMPLES)}  # every vector of the fit reply, weighted by the sample count
-    summary = "one global model, sample-weighted averaging of parameters and buffers"
-    reference = "McMahan et al., Communication-efficient learning of deep networks from decentralized data, AISTATS 2017"
     coded_keys = {"all": "all"}
     delivered = "all"
     Server = FedAvgServer

@@ -54,7 +54,6 @@ import torch
 
 from medfed.federated.protocol import DELIVER, Payload, RoundContext, SiteView, TrainingPlan, num_samples
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgServer, FedAvgSite
-from medfed.options.strategies import FedBABUOptions
 from medfed.models.base import FederatedModule
 from medfed.models.split import ParameterSplit
 
@@ -109,9 +108,6 @@ class FedBABUSite(FedAvgSite):
 
 
 class FedBABU(FedAvg):
-    name = "fedbabu"
-    summary = "body trained and averaged with the head (last layer) frozen at its initialisation; the head fine-tuned at each site to evaluate"
-    reference = "Oh, Kim and Yun, FedBABU: Towards enhanced representation for federated image classification, ICLR 2022"
     #: the body, coded against the initial body (its own initial vector); its update is measured against the trained
     #: slot's "shared" part, which the re-split module makes the body
     coded_keys = {BODY: "shared"}
@@ -122,7 +118,6 @@ class FedBABU(FedAvg):
     Server = FedBABUServer
     Site = FedBABUSite
 
-    Options = FedBABUOptions
 
     def __init__(self, options, split: ParameterSplit, n_sites: int, seed: int) -> None:
         super().__init__(options, split, n_sites, seed)

@@ -27,10 +27,7 @@ class FedBNSite(FedAvgSite):
 
 
 class FedBN(FedAvg):
-    name = "fedbn"
-    summary = "FedAvg with every BatchNorm layer (affine and running statistics) kept at its site"
     dp_sgd_refusal = "DP-SGD replaces BatchNorm by GroupNorm, which leaves FedBN nothing to keep at the site: it would be FedAvg"
-    reference = "Li et al., FedBN: Federated learning on non-IID features via local batch normalization, ICLR 2021"
     coded_keys = {"all_except_batchnorm": "all_except_batchnorm"}
     delivered = "all_except_batchnorm"
     Server = FedBNServer

@@ -53,9 +53,6 @@ class FedPerSite(FedAvgSite):
 
 
 class FedPer(FedAvg):
-    name = "fedper"
-    summary = "shared base layers averaged (FedAvg), personalisation layers (the split's personal part) never leave the site"
-    reference = "Arivazhagan, Aggarwal, Singh, Choudhary, Federated learning with personalization layers, arXiv:1912.00818, 2019"
     coded_keys = {"shared": "shared"}
     delivered = "shared"
     Server = FedPerServer

@@ -37,7 +37,6 @@ from __future__ import annotations
 from medfed.federated.protocol import DELIVER, Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
 from medfed.federated.strategies.proximal import Proximal, ProximalSite
-from medfed.options.strategies import FedProxOptions
 
 
 class FedProxSite(ProximalSite, FedAvgSite):
@@ -63,9 +62,4 @@ class FedProxSite(ProximalSite, FedAvgSite):
 
 
 class FedProx(FedAvg):
-    name = "fedprox"
-    summary = "FedAvg whose local objective adds mu/2 ||w - w_global||^2"
-    reference = "Li, Sahu, Zaheer, Sanjabi, Talwalkar, Smith, Federated optimization in heterogeneous networks, MLSys 2020"
     Site = FedProxSite
-
-    Options = FedProxOptions

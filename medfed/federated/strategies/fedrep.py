@@ -55,7 +55,6 @@ from __future__ import annotations
 from medfed.federated.protocol import RoundContext, TrainingPlan
 from medfed.federated.strategies.fedper import FedPer, FedPerSite
 from medfed.options.presets import EQUAL
-from medfed.options.strategies import FedRepOptions
 
 
 class FedRepSite(FedPerSite):
@@ -77,11 +76,4 @@ class FedRepSite(FedPerSite):
 
 
 class FedRep(FedPer):
-    name = "fedrep"
-    summary = "each round trains the personal head (body frozen), then the shared body (head frozen); bodies averaged"
-    reference = (
-        "Collins, Hassani, Mokhtari, Shakkottai, Exploiting shared representations for personalized federated learning, ICML 2021"
-    )
     Site = FedRepSite
-
-    Options = FedRepOptions

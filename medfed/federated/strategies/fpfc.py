@@ -88,7 +88,6 @@ from medfed.federated.protocol import (
 )
 from medfed.federated.strategies.base import ServerHalf, Strategy
 from medfed.federated.strategies.proximal import Proximal, ProximalSite
-from medfed.options.strategies import FPFCOptions
 
 
 class FPFCServer(ServerHalf):
@@ -185,14 +184,9 @@ class FPFCSite(ProximalSite):
 
 
 class FPFC(Strategy):
-    name = "fpfc"
     client_dp_refusal = "its server step needs each site's own vector: pairwise fusion variables"
     secure_aggregation_refusal = "its server step needs each site's own vector: pairwise fusion variables"
-    summary = "personalised models fused into clusters by a concave (SCAD/MCP) pairwise penalty, ADMM with the pair variables on the server"
-    reference = "Yu, Liu, Wang and Sun, Clustered federated learning based on nonconvex pairwise fusion, arXiv 2211.04218"
     coded_keys = {"shared": "shared", "personal": "personal"}
     delivered = "shared"
     Server = FPFCServer
     Site = FPFCSite
-
-    Options = FPFCOptions

@@ -82,7 +82,6 @@ import torch
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.protocol import DELIVER, MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, SiteView, num_samples
 from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
-from medfed.options.strategies import IFCAOptions
 from medfed.models.split import ParameterSplit
 
 CLUSTER, CLUSTER_BUFFERS, CLUSTER_ID = "cluster", "cluster_buffers", "cluster_id"
@@ -259,21 +258,14 @@ def training_loss(site: SiteView) -> torch.Tensor:
 
 
 class IFCA(Strategy):
-    name = "ifca"
     dp_sgd_refusal = "its cluster choice, sent to the server, is the lowest loss over the site's training data, computed outside DP-SGD"
     client_dp_refusal = "its server step needs each site's own vector: grouped by its cluster choice"
     secure_aggregation_refusal = "its server step needs each site's own vector: grouped by its cluster choice"
-    summary = "k cluster models: each site trains, and is evaluated with, the one with the lowest loss on its data"
-    reference = (
-        "Ghosh, Chung, Yin and Ramchandran, An efficient framework for clustered federated learning, "
-        "NeurIPS 2020 / IEEE Trans. Inf. Theory 2022"
-    )
     coded_keys = {CLUSTER: "all", "all": "all"}
     delivered = "all"
     Server = IFCAServer
     Site = IFCASite
 
-    Options = IFCAOptions
 
     def initial_values(self, model: Payload) -> Payload:
         """The model's parts and the k seeded initial cluster models as "cluster/j"."""

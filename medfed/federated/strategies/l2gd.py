@@ -62,7 +62,6 @@ import torch
 
 from medfed.federated.protocol import Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgServer, FedAvgSite
-from medfed.options.strategies import L2GDOptions
 
 FIT, MIX = "fit", "mix"
 
@@ -104,13 +103,8 @@ class L2GDSite(FedAvgSite):
 
 
 class L2GD(FedAvg):
-    name = "l2gd"
     client_dp_refusal = "each site trains its own model and moves it towards the mean: the server never sent what a site trains from, so it has no update to clip"
-    summary = "local models trained alone, then each moved part of the way (theta) towards their mean every round"
-    reference = "Hanzely and Richtarik, Federated learning of a mixture of global and local models, arXiv 2002.05516 (2020)"
     phases = (FIT, MIX)
     delivered = None
     Server = L2GDServer
     Site = L2GDSite
-
-    Options = L2GDOptions

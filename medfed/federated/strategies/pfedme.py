@@ -99,7 +99,6 @@ from medfed.federated.protocol import (
 from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
 from medfed.federated.strategies.live_parameters import live_parameters, proximal_term
 from medfed.options.presets import by_preset
-from medfed.options.strategies import PFedMeOptions
 
 LOCAL, PERSONAL = "local", "personal"
 
@@ -214,17 +213,12 @@ def _gradient_norm(parameters: list[torch.nn.Parameter]) -> float:
 
 
 class PFedMe(Strategy):
-    name = "pfedme"
     dp_sgd_refusal = "its K inner steps reuse each sampled batch (SiteView.step); accounting for several noised steps per batch is not built"
     client_dp_refusal = None  # the server averages the sites' local models (sample-weighted), then moves towards the mean
     secure_aggregation_refusal = None
     secure_sums = {"fit": SecureSum(NUM_SAMPLES)}  # every vector of the fit reply, weighted by the sample count
-    summary = "personalised models as proximal points of each site's loss (Moreau envelopes) around a global model"
-    reference = "Dinh, Tran and Nguyen, Personalized federated learning with Moreau envelopes, NeurIPS 2020"
     coded_keys = {"all": "all"}
     slots = (LOCAL, PERSONAL)
     evaluated_slot = PERSONAL
     Server = PFedMeServer
     Site = PFedMeSite
-
-    Options = PFedMeOptions

@@ -130,7 +130,7 @@ from medfed.federated.protocol import (
     MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, SiteView, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
-from medfed.options.strategies import PFedNetOptions, P_NORMS
+from medfed.options.strategies import P_NORMS
 
 JOINT = "joint"
 """The one phase of ``schedule: joint``."""
@@ -342,7 +342,6 @@ class PFedNetSite(SiteHalf):
 
 
 class PFedNet(Strategy):
-    name = "pfednet"
     phases = ("shared", "personal")
     client_dp_refusal = "its server step needs each site's own vector: the network lasso fuses the personal parts pair by pair"
     secure_aggregation_refusal = "its server step needs each site's own vector: the network lasso fuses the personal parts pair by pair"
@@ -353,9 +352,6 @@ class PFedNet(Strategy):
         """Model space sends no sketch: every data-dependent payload then comes out of DP-SGD steps."""
         return None if options.graph_space == "model" else f"with graph_space={options.graph_space!r} {cls.dp_sgd_refusal.split(': ', 1)[1]} (use graph_space=model)"
 
-    Options = PFedNetOptions
-    summary = "graph-coupled personalisation: shared part averaged, personal parts fused over a site similarity network"
-    reference = "Zhao, Liu, Liu, He, Medical federated model with mixture of personalized and sharing components"
     delivered = "all"
     Server = PFedNetServer
     Site = PFedNetSite

@@ -81,7 +81,6 @@ from medfed.federated.protocol import (
 )
 from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
 from medfed.federated.strategies.live_parameters import gradient_only, live_parameters, live_vector
-from medfed.options.strategies import PGFedMoOptions, PGFedOptions
 
 
 def training_risk(site: SiteView) -> tuple[float, torch.Tensor]:
@@ -272,17 +271,12 @@ class PGFedSite(SiteHalf):
 class PGFed(Strategy):
     """PGFed: momentum beta = 0 (see the module docstring)."""
 
-    name = "pgfed"
     dp_sgd_refusal = "its auxiliary gradient, sent to the server, is a full pass over the site's training data outside DP-SGD"
     client_dp_refusal = "its server step needs each site's own vector: each site's gradient estimate, weighted per pair"
     secure_aggregation_refusal = "its server step needs each site's own vector: each site's gradient estimate, weighted per pair"
-    summary = "each site adds a first-order estimate of the other sites' risks, weighted by learned a_ij"
-    reference = "Luo, Chen, Wu, Zhang, PGFed: personalize each client's global objective for federated learning, ICCV 2023"
     coded_keys = {"all": "all", "gradient": "zeros", "aux_gradient": "zeros", "mean_gradient": "zeros"}
     Server = PGFedServer
     Site = PGFedSite
-
-    Options = PGFedOptions
 
 
 class PGFedMoSite(PGFedSite):
@@ -294,8 +288,4 @@ class PGFedMoSite(PGFedSite):
 class PGFedMo(PGFed):
     """PGFedMo: PGFed with momentum ``beta`` on each site's auxiliary gradient (eq. 15)."""
 
-    name = "pgfedmo"
-    summary = "PGFed with momentum on each site's auxiliary gradient"
     Site = PGFedMoSite
-
-    Options = PGFedMoOptions

@@ -91,7 +91,6 @@ from medfed.federated.strategies.live_parameters import (
     live_parameters, live_vector, proximal_term, proximal_term_of, training_loss_with,
 )
 from medfed.models.base import unwrap
-from medfed.options.strategies import SuPerFedOptions
 
 FEDERATED, LOCAL, PERSONALISED = "federated", "local", "personalised"
 #: the stream of :meth:`~medfed.federated.site.Site.global_rng` the local model is drawn under (rounds use (round, phase))
@@ -196,17 +195,12 @@ class SuPerFedSite(SiteHalf):
 
 
 class SuPerFed(Strategy):
-    name = "superfed"
     dp_sgd_refusal = "its loss runs the model with mixed parameter tensors (functional_call), which Opacus's per-sample hooks attribute to the wrong parameters"
     client_dp_refusal = None  # the federated models are averaged (sample-weighted)
     secure_aggregation_refusal = None
     secure_sums = {"fit": SecureSum(NUM_SAMPLES)}  # every vector of the fit reply, weighted by the sample count
-    summary = "federated and local models trained as the ends of a low-loss line (random mixtures, orthogonality, proximal term)"
-    reference = "Hahn, Jeong and Lee, Connecting low-loss subspace for personalized federated learning, KDD 2022"
     coded_keys = {"all": "all"}
     slots = (FEDERATED, LOCAL, PERSONALISED)
     evaluated_slot = PERSONALISED
     Server = SuPerFedServer
     Site = SuPerFedSite
-
-    Options = SuPerFedOptions
