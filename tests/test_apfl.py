@@ -35,6 +35,7 @@ def test_one_local_step_by_hand(alpha_lr, alpha):
     w, v = torch.randn(10, generator=generator), torch.randn(10, generator=generator)
     global_slot.module.set_vector("all", w)
     local_slot.module.set_vector("all", v)
+    half.receive(site.view, RoundContext(1, "fit"), {})  # FedAvg's round message: empty (eta_alpha is read here)
     (plan,) = half.plan(RoundContext(1, "fit"))
     assert plan.slot == "global"
 

@@ -316,7 +316,6 @@ class TwoModelSite(SiteHalf):
 
 class TwoModels(Strategy):
     name = "two_models"
-    summary = "a test strategy: a model trained through a sum with another slot's"
     slots = ("model", "extra")
     Site = TwoModelSite
 

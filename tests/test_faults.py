@@ -10,6 +10,7 @@ from medfed.federated.faults import (
     RoundStartStates, non_finite_keys, refused_replies, reply_key_fault, sample_count_fault, update_norms, update_outliers,
 )
 from medfed.federated.strategies import registered
+from medfed.federated.strategies.fedavg import Averaged
 from medfed.federated.protocol import RoundContext
 from medfed.options.strategies import strategy_spec
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
@@ -101,7 +102,7 @@ def test_refused_replies_check_the_keys_and_counts_first_and_measure_the_rest_fo
     replies[3]["all"] = torch.full((4,), 1e30)  # small claimed norms are never asked for: measured here
     del replies[4]["num_samples"]  # FedAvg's aggregate would meet a KeyError
     server, ctx = STRATEGIES["fedavg"].Server(None, None, 6, 0), RoundContext(1, "fit")
-    server.buffers_part = None  # replies of "all" and "num_samples"
+    server.averaged = Averaged("all", None)  # replies of "all" and "num_samples"
     reasons = refused_replies(replies, dict.fromkeys(replies, message), server, ctx, [5] * 6, {"all": "all"}, 10.0)
     assert sorted(reasons) == [1, 3, 4]
     assert reasons[1].startswith("reply 'num_samples' = 1e+09 is not a whole number from 0 to the 5 training samples")

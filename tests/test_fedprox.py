@@ -50,7 +50,7 @@ def test_proximal_term_and_its_gradient():
     half = site.strategy
     anchor = site.module.get_vector("all")
     half.receive(site.view, RoundContext(1, "fit"), {})
-    assert torch.equal(half.anchor, anchor)  # w^t: the model the round starts from
+    assert torch.equal(half.centre, anchor)  # w^t: the model the round starts from
     w = anchor + torch.linspace(-1.0, 1.0, 10)
     site.module.set_vector("all", w)
     site.module.zero_grad()

@@ -18,8 +18,8 @@ sites share one: a loss reading an undeclared one then disagrees):
   changed in place, no container changed).
 
 Two deliberately broken halves show that the check fails where it must: a
-FedProx half that reads its anchor without declaring it (vmap then gives
-every site the template's anchor), and one whose loss counts its calls.
+FedProx half that reads its centre without declaring it (vmap then gives
+every site the template's centre), and one whose loss counts its calls.
 """
 
 from __future__ import annotations
@@ -246,13 +246,13 @@ def test_the_declared_state_differs_between_sites_where_a_strategy_declares_any(
         assert not torch.equal(getattr(halves[0], name), getattr(halves[1], name)), name
 
 
-class _UndeclaredAnchorSite(FedProxSite):
-    loss_state = ()  # reads self.anchor all the same
+class _UndeclaredCentreSite(FedProxSite):
+    loss_state = ()  # reads self.centre all the same
 
 
-class _UndeclaredAnchor(FedProx):
-    name = "undeclared_anchor"
-    Site = _UndeclaredAnchorSite
+class _UndeclaredCentre(FedProx):
+    name = "undeclared_centre"
+    Site = _UndeclaredCentreSite
 
 
 class _CountingSite(FedProxSite):
@@ -271,8 +271,8 @@ class _Counting(FedProx):
 
 
 def test_the_check_fails_for_a_loss_reading_undeclared_state():
-    with pytest.raises(AssertionError, match="slots.model"):  # vmap gave every site the template's anchor
-        check_pure_loss(_loop(_UndeclaredAnchor, {"mu": 0.5}))
+    with pytest.raises(AssertionError, match="slots.model"):  # vmap gave every site the template's centre
+        check_pure_loss(_loop(_UndeclaredCentre, {"mu": 0.5}))
 
 
 def test_the_check_fails_for_a_loss_that_changes_the_half():

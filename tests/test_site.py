@@ -158,7 +158,6 @@ class _TwoSlots(Strategy):
     """Trains slot "a" for 3 steps, then slot "b" for 2 epochs of its own; evaluates "b"; exchanges nothing."""
 
     name = "two_slots"
-    summary = "test strategy"
     slots = ("a", "b")
     evaluated_slot = "b"
 

@@ -17,7 +17,6 @@ class _Recording(Strategy):
     """Two phases, one step each; its site halves record every hook's context and what they were given."""
 
     name = "recording"
-    summary = "test strategy"
     phases = ("first", "second")
     calls: list = []
 
@@ -31,6 +30,9 @@ class _Recording(Strategy):
 
         def receive(self, site, ctx, payload):
             self._record("receive", site, ctx)
+
+        def deliver(self, site, ctx, payload):
+            self._record("deliver", site, ctx)
 
         def plan(self, ctx):
             self._record("plan", None, ctx)
@@ -50,11 +52,11 @@ def test_every_site_hook_gets_the_sites_view_and_the_round_and_phase_it_runs_in(
     loop = build_loop(_Recording, two_group_federation(n_sites=2), seeded(LinearClassifier, 4, 2))
     loop.fit(2)
     site0 = [(hook, ctx) for index, hook, ctx, _ in _Recording.calls if index == 0]
-    expected = [("setup", RoundContext(0, "setup")), ("receive", RoundContext(0, "deliver"))]
+    expected = [("setup", RoundContext(0, "setup")), ("deliver", RoundContext(0, "deliver"))]
     for r in (1, 2):
         for phase in ("first", "second"):
             expected += [(hook, RoundContext(r, phase)) for hook in ("receive", "plan", "loss", "reply")]
-        expected.append(("receive", RoundContext(r, "deliver")))
+        expected.append(("deliver", RoundContext(r, "deliver")))
     assert site0 == expected
     views = {site for index, _, _, site in _Recording.calls if index == 0 and site is not None}
     assert views == {loop.sites[0].view} and isinstance(loop.sites[0].view, View)

@@ -443,7 +443,7 @@ def site_setup(site: Site) -> Payload:
 
 def site_receive_delivery(site: Site, round_index: int, payload: Payload) -> None:
     """The site half receives the end of round ``round_index``'s delivery (0: the first, before round 1)."""
-    site.strategy.receive(site.view, RoundContext(round_index, DELIVER), payload)
+    site.strategy.deliver(site.view, RoundContext(round_index, DELIVER), payload)
 
 
 def site_evaluation(site: Site, round_index: int) -> SiteEvaluation:

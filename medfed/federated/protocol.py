@@ -35,7 +35,7 @@ One run, as :class:`~medfed.federated.loop.FederatedLoop` drives it::
                 replies[i] = site_i.reply(view_i, ctx)
             server.aggregate(ctx, replies)                    # not called when no reply came through
         deliver = RoundContext(round, "deliver")
-        for every site i: site_i.receive(view_i, deliver, server.deliver(deliver, i))
+        for every site i: site_i.deliver(view_i, deliver, server.deliver(deliver, i))
         for every site i: for plan in site_i.adapt((round, "adapt")): train ...   # e.g. fine-tune a head
         every site evaluates its model slot ``evaluated_slot`` on its own test split
 
@@ -532,7 +532,13 @@ class SiteHalfProtocol(Protocol):
         ...
 
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
-        """Load what the server sent into the site's slots (``ctx.phase`` ``"deliver"`` included)."""
+        """Take the server's message of ``ctx.phase`` (a participant, before it plans and trains): load it into
+        the site's slots, set the loss state it carries."""
+        ...
+
+    def deliver(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        """Take the server's delivery at the end of round ``ctx.round`` (0: before round 1; ``ctx.phase``
+        ``"deliver"``), participant or not: what the site is evaluated with (and adapts, and trains from next)."""
         ...
 
     def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:

@@ -78,7 +78,7 @@ import math
 import torch
 
 from medfed.federated.protocol import (
-    DELIVER, NUM_SAMPLES, SETUP, Auxiliary, Payload, RoundContext, SiteView, TrainingPlan, num_samples,
+    NUM_SAMPLES, SETUP, Auxiliary, Payload, RoundContext, SiteView, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
 from medfed.federated.strategies.live_parameters import live_parameters, training_loss_with
@@ -205,12 +205,12 @@ class APPLESite(SiteHalf):
     def setup(self, site: SiteView, ctx: RoundContext) -> Payload:
         return {"num_samples": num_samples(site)}
 
+    def deliver(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        if "prior" in payload:
+            self._initialise(site, payload["prior"])
+        self._load_personalised_model(site)
+
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
-        if ctx.phase == DELIVER:
-            if "prior" in payload:
-                self._initialise(site, payload["prior"])
-            self._load_personalised_model(site)
-            return
         if ctx.phase == "select":
             self.completed_rounds = int(payload["completed_rounds"])
             self._set_loss_constants()

@@ -114,6 +114,9 @@ class SiteHalf(DeclaredState, SiteHalfProtocol):
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
         """Default: nothing loaded."""
 
+    def deliver(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        """Default: nothing loaded."""
+
     def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
         """Default: the site's one model, all of it, for the round's whole budget."""
         return (TrainingPlan(),)
@@ -169,12 +172,6 @@ class Strategy(StrategyProtocol):
     slots: ClassVar[tuple[str, ...]] = (MODEL,)
     #: the slot each site is evaluated with
     evaluated_slot: ClassVar[str] = MODEL
-    #: the part of the model in ``delivered_slot`` the server's delivery sets at the end of every round
-    #: (None: the delivery never replaces any part of the evaluated model, so a site that skips a round keeps it)
-    delivered: ClassVar[str | None] = None
-    #: the slot the delivery sets (None: the evaluated slot); another one where the evaluated model is
-    #: derived from the delivered one (APFL evaluates a mixture of its own model and the delivered global one)
-    delivered_slot: ClassVar[str | None] = None
     #: the pooled (centralised) reference only: the run gives site ``medfed.data.pooling.POOL_SITE`` the
     #: union of every site's training data, deliberately breaking the rule that data stay at their site
     pools_data: ClassVar[bool] = False
@@ -205,7 +202,7 @@ class Strategy(StrategyProtocol):
         self.split = split
         self.n_sites = n_sites
         self.seed = seed
-        self.server = self.Server(options, split, n_sites, seed)
+        self.server = self.server_half()
 
     @classmethod
     def prepare_slot(cls, slot: str, module: FederatedModule) -> None:
@@ -221,6 +218,10 @@ class Strategy(StrategyProtocol):
     def dp_sgd_refused(cls, options: Any) -> str | None:
         """Why DP-SGD cannot run with ``options`` (None: it can); default: :attr:`dp_sgd_refusal`."""
         return cls.dp_sgd_refusal
+
+    def server_half(self) -> ServerHalf:
+        """The server's half of the run (``strategy.server``)."""
+        return self.Server(self.options, self.split, self.n_sites, self.seed)
 
     def site_half(self, index: int) -> SiteHalf:
         """The half that runs at site ``index``."""

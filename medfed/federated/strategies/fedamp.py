@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from medfed.errors import ConfigError
-from medfed.federated.protocol import DELIVER, MODEL, SETUP, Payload, RoundContext, SiteView, TrainingPlan
+from medfed.federated.protocol import MODEL, SETUP, Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.base import ServerHalf, Strategy
 from medfed.federated.strategies.proximal import Proximal, ProximalSite
 
@@ -139,21 +139,18 @@ class FedAMPServer(ServerHalf):
 class FedAMPSite(ProximalSite):
     """Trains w_i from its cloud model u_i on F_i(w) + lam / (2 alpha) ||w - u_i||^2."""
 
-    #: u_i, ``(size("all"),)``: the cloud model of the round's message, None outside the round's training
-    loss_state = ("cloud",)
+    centre_key = "all"  # u_i, the cloud model of the round's message
 
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
-        if ctx.phase == DELIVER:
-            return
-        self.cloud = payload["all"]
-        site.set(MODEL, "all", self.cloud)
+        site.set(MODEL, "all", payload["all"])  # w_i starts from u_i
+        super().receive(site, ctx, payload)
 
     def proximal(self, ctx: RoundContext, plan: TrainingPlan) -> Proximal:
         """lam / (2 alpha) * ||w - u_i||^2 on the whole model (gradient (lam / alpha)(w - u_i))."""
-        return Proximal(MODEL, "all", self.options.lam / self.options.alpha, self.cloud)
+        return Proximal(MODEL, "all", self.options.lam / self.options.alpha)
 
     def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
-        self.cloud = None  # only needed while training
+        super().reply(site, ctx)
         return {"all": site.get(MODEL, "all")}
 
 

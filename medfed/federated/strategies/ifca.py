@@ -80,7 +80,7 @@ import numpy as np
 import torch
 
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.protocol import DELIVER, MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, SiteView, num_samples
+from medfed.federated.protocol import MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, SiteView, num_samples
 from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
 from medfed.models.split import ParameterSplit
 
@@ -190,11 +190,11 @@ class IFCASite(SiteHalf):
         buffers = site.get(MODEL, "buffers")
         return {CLUSTER_ID: _cluster_id(choose_cluster(site, ((m, buffers) for m in models)))}
 
+    def deliver(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        for part, vector in payload.items():
+            site.set(MODEL, part, vector)
+
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
-        if ctx.phase == DELIVER:
-            for part, vector in payload.items():
-                site.set(MODEL, part, vector)
-            return
         candidates = ((payload[f"{CLUSTER}/{j}"], payload[f"{CLUSTER_BUFFERS}/{j}"]) for j in range(self.options.clusters))
         self.cluster = choose_cluster(site, candidates)
 
@@ -262,7 +262,6 @@ class IFCA(Strategy):
     client_dp_refusal = "its server step needs each site's own vector: grouped by its cluster choice"
     secure_aggregation_refusal = "its server step needs each site's own vector: grouped by its cluster choice"
     coded_keys = {CLUSTER: "all", "all": "all"}
-    delivered = "all"
     Server = IFCAServer
     Site = IFCASite
 

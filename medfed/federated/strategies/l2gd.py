@@ -71,7 +71,7 @@ class L2GDServer(FedAvgServer):
 
     def message(self, ctx: RoundContext, site_index: int) -> Payload:
         if ctx.phase == MIX:
-            return {self.parameters_part: self.global_model, self.buffers_part: self.global_buffers}
+            return self.global_payload()
         return {}
 
     def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
@@ -105,6 +105,5 @@ class L2GDSite(FedAvgSite):
 class L2GD(FedAvg):
     client_dp_refusal = "each site trains its own model and moves it towards the mean: the server never sent what a site trains from, so it has no update to clip"
     phases = (FIT, MIX)
-    delivered = None
     Server = L2GDServer
     Site = L2GDSite

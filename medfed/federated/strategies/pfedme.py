@@ -94,7 +94,7 @@ import torch
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.compute import batch_samples
 from medfed.federated.protocol import (
-    DELIVER, NUM_SAMPLES, SETUP, Payload, RoundContext, SecureSum, SiteView, TrainingPlan, num_samples,
+    NUM_SAMPLES, SETUP, Payload, RoundContext, SecureSum, SiteView, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
 from medfed.federated.strategies.live_parameters import live_parameters, proximal_term
@@ -138,8 +138,6 @@ class PFedMeSite(SiteHalf):
 
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
         """w_{i,0} = theta = w^t (with its buffers); the delivery carries nothing."""
-        if ctx.phase == DELIVER:
-            return
         self.samples_passed = 0
         for slot in (LOCAL, PERSONAL):
             site.set(slot, "all", payload["all"])

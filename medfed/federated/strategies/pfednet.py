@@ -316,9 +316,12 @@ class PFedNetSite(SiteHalf):
         return {"sketch": sketch}
 
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        """The parts the message holds (x_t in the shared phase, z_{t,n} in the personal one) into the model."""
         for part in ("shared", "personal"):
             if part in payload:
                 site.set(MODEL, part, payload[part])
+
+    deliver = receive  # the delivery's parts (M x_{t+1} + N z_{t+1,n}) load the same way
 
     def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
         """Joint phase: the whole model (x and z together) for the round's budget. Alternating: the phase's
@@ -352,7 +355,6 @@ class PFedNet(Strategy):
         """Model space sends no sketch: every data-dependent payload then comes out of DP-SGD steps."""
         return None if options.graph_space == "model" else f"with graph_space={options.graph_space!r} {cls.dp_sgd_refusal.split(': ', 1)[1]} (use graph_space=model)"
 
-    delivered = "all"
     Server = PFedNetServer
     Site = PFedNetSite
 

@@ -77,7 +77,7 @@ import torch
 
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.protocol import (
-    DELIVER, MODEL, NUM_SAMPLES, SETUP, Auxiliary, Payload, RoundContext, SiteView, TrainingPlan, num_samples,
+    MODEL, NUM_SAMPLES, SETUP, Auxiliary, Payload, RoundContext, SiteView, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
 from medfed.federated.strategies.live_parameters import gradient_only, live_parameters, live_vector
@@ -195,8 +195,6 @@ class PGFedSite(SiteHalf):
         return 0.0
 
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
-        if ctx.phase == DELIVER:
-            return
         site.set(MODEL, "all", payload["all"])  # theta_i <- theta_glob^{t-1}
         if "aux_gradient" not in payload:  # round 1: FedAvg-style local training
             return

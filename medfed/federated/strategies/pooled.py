@@ -62,7 +62,6 @@ class Pooled(Strategy):
     client_dp_refusal = "not federated: the raw data are pooled"
     secure_aggregation_refusal = "not federated: the raw data are pooled"
     coded_keys = FedAvg.coded_keys
-    delivered = FedAvg.delivered
     pools_data = True
     Server = PooledServer
     Site = PooledSite

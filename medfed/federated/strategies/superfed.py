@@ -83,7 +83,7 @@ from __future__ import annotations
 import torch
 
 from medfed.federated.protocol import (
-    DELIVER, NUM_SAMPLES, Payload, RoundContext, SecureSum, SiteView, TrainingPlan, num_samples,
+    NUM_SAMPLES, Payload, RoundContext, SecureSum, SiteView, TrainingPlan, num_samples,
 )
 from medfed.federated.strategies.base import SiteHalf, Strategy
 from medfed.federated.strategies.fedavg import FedAvgServer
@@ -141,10 +141,10 @@ class SuPerFedSite(SiteHalf):
                     layer.reset_parameters()
         return {}
 
+    def deliver(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        self._load_personalised_model(site)
+
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
-        if ctx.phase == DELIVER:
-            self._load_personalised_model(site)
-            return
         site.set(FEDERATED, "all", payload["all"])
         site.set(FEDERATED, "buffers", payload["buffers"])
         self.global_model = payload["all"]  # w^g, the proximal centre (until the reply)
