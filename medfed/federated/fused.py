@@ -1,29 +1,30 @@
-"""Runs fused into one process: each run's loop in a thread of its own, their stacked groups trained as one step.
+"""Runs fused into one process: each run's loop in a thread of its own, their training rows stacked as one.
 
 Runs of a grid that share a strategy and a model shape (seeds, tuning
-points, budgets) train the same kind of stacked group round after round.
+points, budgets) train the same kind of rows round after round.
 :class:`FusedTraining` runs them side by side: every run is a thread
-(:meth:`FusedTraining.run`) that runs its whole ``fit`` (data, loop, server
-steps, evaluation, checkpoints, results.json) as it would alone, and where
-its batched executor would train a stacked group
-(:meth:`~medfed.federated.executor.InProcessSites.work`) it hands the group
-to the coordinator (:meth:`FusedTraining.train`) and waits. Once every
-live run waits, the groups are merged: groups of equal key (strategy half,
-plan, round context, model shapes and modes, options; each row keeps its own
-parameters, optimiser state and learning rate, loss state, data order,
-dropout keys and number of steps) train as one stacked group, rows = runs x
-sites (:func:`~medfed.federated.batched.train_group`); the others as they
-would alone. Each run then goes on with its own results.
+(:meth:`FusedTraining.run_all`) that runs its whole ``fit`` (data, loop,
+server steps, evaluation, checkpoints, results.json) as it would alone; its
+executor is a :class:`FusedExecutor`, which hands each list of rows
+(:class:`~medfed.federated.executor.Row`) to the coordinator and waits.
+Once every live run waits, the coordinator trains all the waiting rows with
+one :class:`~medfed.federated.batched.BatchedExecutor`: rows of the same
+round context and strategy options (which the loss reads as plain numbers)
+go to it together, and it stacks those of equal group key (strategy half,
+plan, model shapes and modes), rows = runs x sites, each row keeping its
+own parameters, optimiser state and learning rate, loss state, data order,
+dropout keys and number of steps. Each run then goes on with its own rows'
+outcomes.
 
 One run's thread runs at a time (a baton passed only while a run waits, and
-the merged groups trained while every run waits), so nothing a run draws from
-the global generators, inside its sites' seeded streams, can be interleaved
-with another's: each run computes what it would
-alone, the stacked steps to float tolerance (as the batched executor alone).
-A group no other run's shares, and a merged group whose step raises (put back
-first), trains in its own run's thread as it would alone (its own fallback to
-one site at a time included); a run whose code raises ends its thread, and the
-others go on without it.
+the rows trained while every run waits), so nothing a run draws from the
+global generators, inside its sites' seeded streams, can be interleaved
+with another's: each run computes what it would alone, its stacked steps to
+float tolerance (as the batched executor alone). The rows are trained by the
+coordinator's thread, always the same one (on CUDA a captured graph is
+replayed, never recorded again by another thread); a stacked step that
+raises trains its rows one at a time (the batched executor's own fallback),
+and a run whose code raises ends its thread while the others go on.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from medfed.federated.batched import BatchedExecutor
+from medfed.federated.executor import Outcome, Row
+
 _local = threading.local()
 
 
@@ -43,32 +47,12 @@ def current() -> FusedTraining | None:
 
 
 @dataclass
-class Request:
-    """One run's stacked group, waiting to be trained.
+class _Request:
+    """One run's rows, waiting to be trained: their outcomes and the run's share of the training time, once trained."""
 
-    Attributes:
-        key: what the groups merged with it share (the executor's merge key).
-        sites, ctx, plan, steps, keys, compute: the group, as :func:`~medfed.federated.batched.train_group` takes it.
-        indices: the sites' indices in their run.
-        compile: train it by the compiled static-shape step.
-        alone: trains the group as the run alone would (with its fallbacks); its outcomes.
-        outcome: a site's outcome of its mean loss, ``outcome(site, mean)`` (a non-finite mean: its error).
-        outcomes: ``{index: outcome}``, once trained.
-        seconds: the run's share of the training time (its rows' share of a merged group's).
-    """
-
-    key: Any
-    sites: list[Any]
-    ctx: Any
-    plan: Any
-    steps: list[int]
-    keys: list[Any]
-    compute: str | None
-    indices: list[int]
+    rows: list[Row]
     compile: bool
-    alone: Callable[[], dict[int, Any]]
-    outcome: Callable[[Any, float], Any]
-    outcomes: dict[int, Any] | None = None
+    outcomes: list[Outcome] = field(default_factory=list)
     seconds: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -80,19 +64,17 @@ class FusedTraining:
         self._baton = threading.Lock()  # held by the run thread that runs
         self._changed = threading.Condition()  # a run waits, or ends
         self._alive = 0
-        self._pending: list[Request] = []
-        self._compiled: dict[Any, Any] = {}  # merged groups' compiled steps, kept from round to round
+        self._pending: list[_Request] = []
+        #: the executors that train the waiting rows, by trainer.compile (their compiled steps kept from round to round)
+        self.executors: dict[bool, BatchedExecutor] = {}
         #: the runs fused (:meth:`run_all`)
         self.runs = 0
-        #: stacked groups trained merged (and their rows) and alone: how much fused
-        self.stats = {"merged_groups": 0, "merged_rows": 0, "alone_groups": 0}
 
     def run_all(self, bodies: list[Callable[[], Any]]) -> list[BaseException | None]:
         """Run every body (a run's whole fit) in a thread of its own, fused; each one's exception, or None.
 
-        Every run is registered before any starts, so the first groups already wait for all of them. This
-        thread trains the merged groups whenever every live run waits (one thread: on CUDA its captured graphs
-        are replayed, never recorded again by another thread).
+        Every run is registered before any starts, so the first rows already wait for all of them. This thread
+        trains the waiting rows whenever every live run waits.
         """
         errors: list[BaseException | None] = [None] * len(bodies)
         self._alive = self.runs = len(bodies)
@@ -120,65 +102,78 @@ class FusedTraining:
                 if self._alive == 0:
                     break
                 pending, self._pending = self._pending, []
-            self._fire(pending)
+            self._train(pending)
         for started in threads:
             started.join()
         return errors
 
-    def train(self, request: Request) -> Request:
-        """Hand a run's group to the coordinator (from that run's thread) and wait until it is trained: merged with
-        other runs' groups, or, where none shares its key (or the merged step raised), by the run itself, alone."""
+    def train(self, rows: list[Row], compile: bool) -> tuple[list[Outcome], float]:
+        """Hand a run's rows to the coordinator (from that run's thread), wait until they are trained with every
+        waiting run's: their outcomes, and the run's share of the training time (its rows' share)."""
+        request = _Request(rows, compile)
         with self._changed:
             self._pending.append(request)
             self._changed.notify()
         self._baton.release()
         request.done.wait()
         self._baton.acquire()
-        if request.outcomes is None:  # in the run's own thread: what it says goes to its own log
-            tic = time.perf_counter()
-            request.outcomes = request.alone()
-            request.seconds = time.perf_counter() - tic
-            self.stats["alone_groups"] += 1
-        return request
+        return request.outcomes, request.seconds
 
-    def _fire(self, pending: list[Request]) -> None:
-        """Train the waiting groups that share a key as one, and wake every waiting run (the others train alone)."""
+    def _train(self, pending: list[_Request]) -> None:
+        """Train the waiting runs' rows, those of one round context, strategy options and compile flag together, and
+        wake every waiting run."""
         try:
-            by_key: dict[Any, list[Request]] = {}
+            together: dict[Any, list[tuple[_Request, int]]] = {}
             for request in pending:
-                by_key.setdefault(request.key, []).append(request)
-            for requests in by_key.values():
-                if len(requests) > 1:
-                    self._train_merged(requests)
-        finally:  # whatever happened, no run waits for ever
+                request.outcomes = [None] * len(request.rows)
+                for index, row in enumerate(request.rows):
+                    key = (request.compile, row.ctx, repr(getattr(row.site.strategy, "options", None)))
+                    together.setdefault(key, []).append((request, index))
+            for (compile, *_), members in together.items():
+                executor = self.executors.setdefault(compile, BatchedExecutor(compile))
+                tic = time.perf_counter()
+                outcomes = executor.train([request.rows[index] for request, index in members])
+                share = (time.perf_counter() - tic) / len(members)
+                for (request, index), outcome in zip(members, outcomes, strict=True):
+                    request.outcomes[index] = outcome
+                    request.seconds += share
+        except Exception as error:  # whatever happened, it fails the rows it reached, and no run waits for ever
+            for request in pending:
+                request.outcomes = [f"{type(error).__name__}: {error}" if outcome is None else outcome for outcome in request.outcomes]
+        finally:
             for request in pending:
                 request.done.set()
 
-    def _train_merged(self, requests: list[Request]) -> bool:
-        """Train the requests' groups as one; False (their sites as they were) where the merged step raised."""
-        from medfed.federated.batched import train_group
-        from medfed.federated.executor import _restore_data_orders, _saved_data_orders
+    def sequential_plans(self) -> dict[str, str]:
+        """Which plans the coordinator's executors trained one row at a time, and why."""
+        return {plan: reason for executor in self.executors.values() for plan, reason in executor.sequential_plans.items()}
 
-        first = requests[0]
-        sites = [site for request in requests for site in request.sites]
-        saved = [_saved_data_orders(site) for site in sites]
+
+class FusedExecutor:
+    """A fused run's executor (:class:`~medfed.federated.executor.Executor`): its rows trained by the coordinator.
+
+    Args:
+        coordinator: the process's :class:`FusedTraining`.
+        compile: ``trainer.compile`` (the compiled static-shape step, :mod:`medfed.federated.stacked`).
+    """
+
+    name = "batched"
+
+    def __init__(self, coordinator: FusedTraining, compile: bool = False) -> None:
+        self.coordinator = coordinator
+        self.compile = compile
+        self._waited = 0.0
+
+    def train(self, rows: list[Row]) -> list[Outcome]:
         tic = time.perf_counter()
-        try:
-            means = train_group(
-                sites, first.ctx, first.plan, [n for r in requests for n in r.steps], [k for r in requests for k in r.keys], first.compute,
-                self._compiled if first.compile else None,
-            )
-        except Exception:
-            for site, before in zip(sites, saved):
-                _restore_data_orders(site, before)
-            return False
-        seconds = time.perf_counter() - tic
-        start = 0
-        for request in requests:
-            count = len(request.sites)
-            request.outcomes = {index: request.outcome(site, mean) for index, site, mean in zip(request.indices, request.sites, means[start : start + count])}
-            request.seconds = seconds * count / len(sites)
-            start += count
-        self.stats["merged_groups"] += 1
-        self.stats["merged_rows"] += len(sites)
-        return True
+        outcomes, seconds = self.coordinator.train(rows, self.compile)
+        self._waited += time.perf_counter() - tic - seconds
+        return outcomes
+
+    def take_waited(self) -> float:
+        """Seconds spent waiting for the other runs since the last call (less this run's share of the training)."""
+        waited, self._waited = self._waited, 0.0
+        return waited
+
+    def record(self) -> dict[str, object]:
+        return {"name": self.name, "sequential_plans": self.coordinator.sequential_plans(), "fused": {"runs": self.coordinator.runs}}

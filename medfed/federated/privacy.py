@@ -59,8 +59,7 @@ from torch import nn
 
 from medfed.errors import RunFailed, warn
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.site_view import RoundContext
-from medfed.federated.strategies.base import NUM_SAMPLES, Payload
+from medfed.federated.protocol import NUM_SAMPLES, Payload, RoundContext
 
 if TYPE_CHECKING:
     from medfed.config import ClientDPConfig, DPConfig

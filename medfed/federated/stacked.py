@@ -20,15 +20,15 @@ graph and replayed, ``mode="reduce-overhead"``):
   auxiliary parameters, its loss not counted. Each row keeps its own number of
   steps.
 * **a capturable optimiser.** :func:`masked` wraps
-  :func:`~medfed.federated.batched.adam_step` / ``sgd_step``: device tensors
+  :func:`~medfed.federated.stacked_optimizers.adam_step` / ``sgd_step``: device tensors
   in, device tensors out (per-row step counts and hyper-parameters), no
   Python branch on a value, every state tensor written in place so it keeps its
   address from replay to replay.
 
 The step (forward, backward, optimiser update of every row, the per-row loss
-accumulation) is one function of tensors, :meth:`StackedStep.step`, compiled
+accumulation) is one function of tensors, :meth:`StaticStep.step`, compiled
 as one unit where ``compile`` is set. The functional loss is the template
-half's, as in :mod:`medfed.federated.batched`. A :class:`StackedStep` is
+half's, as in :mod:`medfed.federated.batched`. A :class:`StaticStep` is
 kept from round to round by its caller (a new one is a new compilation): it
 holds no tensor of a plan, only the layout of the flat parameters it steps.
 """
@@ -51,7 +51,7 @@ from medfed.models.padding import pad_to, real_samples
 Tensors = dict[str, torch.Tensor]
 #: torch.compile's backend for the step (the tests trace with ``"eager"``: the same graphs, no code generation)
 COMPILE_BACKEND = "inductor"
-#: dynamo's recompile limit while compiled steps run: each :class:`StackedStep` is an entry of its own
+#: dynamo's recompile limit while compiled steps run: each :class:`StaticStep` is an entry of its own
 RECOMPILE_LIMIT = 256
 StepFn = Callable[[torch.Tensor, torch.Tensor, Tensors, Tensors], tuple[torch.Tensor, Tensors]]
 
@@ -100,7 +100,7 @@ class Layout:
         return views
 
 
-class StackedStep:
+class StaticStep:
     """A plan's step over R stacked rows, every step the same shapes (module docstring); compiled with ``compile``.
 
     :meth:`step` is a pure function of tensors (it writes to none of its inputs, so a CUDA graph of it replays
@@ -139,7 +139,7 @@ class StackedStep:
         if compile:  # on CUDA, captured as a CUDA graph and replayed
             graphs = {"mode": "reduce-overhead"} if device.type == "cuda" and COMPILE_BACKEND == "inductor" else {}
             self._compiled = torch.compile(self.step, backend=COMPILE_BACKEND, dynamic=False, **graphs)
-            # one compiled entry per StackedStep (its guards hold the instance): room for a grid's groups
+            # one compiled entry per StaticStep (its guards hold the instance): room for a grid's groups
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         #: why the step runs eagerly although asked to compile (None: it compiled, or was not asked to)
         self.not_compiled: str | None = None
@@ -191,15 +191,14 @@ class StackedStep:
         new_buffers = {name: _where(active, moved[name], value) for name, value in buffers.items()}
         return new_flats, new_states, new_buffers, new_aux, torch.where(active, loss.detach().to(torch.float64), torch.zeros_like(loss, dtype=torch.float64))
 
-    def run(self, groups: list[Any], frozen: Tensors, buffers: Tensors, state: Tensors, aux: Tensors, batch: Any,
-            mask: torch.Tensor | None, active: torch.Tensor, keys: torch.Tensor, totals: torch.Tensor) -> None:
-        """:meth:`step` (compiled where asked) on the plan's tensors, its results copied into them.
+    def run(self, state: Any, batch: Any, mask: torch.Tensor | None, active: torch.Tensor, keys: torch.Tensor, totals: torch.Tensor) -> None:
+        """:meth:`step` (compiled where asked) on a plan's stacked tensors, its results copied into them.
 
-        ``groups``: the plan's optimiser groups in :attr:`layouts` order, each with its ``flat``, ``state`` and
-        ``hyper``; ``totals`` ``(R,)`` += each active row's loss. A step torch.compile cannot capture (a graph break
-        it cannot trace through) runs eagerly from then on, said once (:attr:`not_compiled`).
+        ``state``: the plan's :class:`~medfed.federated.batched.StackedState` (its ``flat``, ``optimizer`` and
+        ``hyper`` in :attr:`layouts` order); ``totals`` ``(R,)`` += each active row's loss. A step torch.compile
+        cannot capture (a graph break it cannot trace through) runs eagerly from then on, said once (:attr:`not_compiled`).
         """
-        arguments = ([g.flat for g in groups], [g.state for g in groups], [g.hyper for g in groups], frozen, buffers, state, aux, batch, mask, active, keys)
+        arguments = (state.flat, state.optimizer, state.hyper, state.frozen, state.buffers, state.loss_state, state.auxiliary, batch, mask, active, keys)
         if self._compiled is None:
             out = self.step(*arguments)
         else:
@@ -214,14 +213,14 @@ class StackedStep:
                 out = self.step(*arguments)
         new_flats, new_states, new_buffers, new_aux, losses = out
         with torch.no_grad():
-            for group, flat, new_state in zip(groups, new_flats, new_states):
-                group.flat.copy_(flat)
+            for flat, optimiser_state, new_flat, new_state in zip(state.flat, state.optimizer, new_flats, new_states):
+                flat.copy_(new_flat)
                 for key, value in new_state.items():
-                    group.state[key].copy_(value)
+                    optimiser_state[key].copy_(value)
             for name, value in new_buffers.items():
-                buffers[name].copy_(value)
+                state.buffers[name].copy_(value)
             for name, value in new_aux.items():
-                aux[name].copy_(value)
+                state.auxiliary[name].copy_(value)
             totals.add_(losses.to(totals.dtype))
 
     # ------------------------------------------------------------------------------------------- batches
