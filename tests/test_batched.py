@@ -369,7 +369,7 @@ def test_stacked_evaluation_gives_each_site_its_own_metrics_over_ragged_test_spl
     loop = build_loop("local", federation, seeded(UNetSegmenter, 4, 2, UNetOptions(channels=[4, 8], strides=[2], num_res_units=1)), batch_size=2)
     loop.fit(1)  # every site its own model (local training)
     counted = []
-    stacked = evaluate_group(loop.sites, lambda site, batch: counted.append((site.name, len(batch[0]))))
+    stacked = evaluate_group(list(loop.sites), lambda site, batch: counted.append((site.name, len(batch[0]))))
     assert sorted(counted) == sorted([("site0", 5), ("site1", 8), ("site1", 1), ("site2", 8), ("site2", 5)])  # eval batch 2 x 4
     for site, metrics in zip(loop.sites, stacked):
         alone = site.evaluate()

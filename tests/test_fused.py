@@ -2,13 +2,14 @@
 
 import threading
 
+import pytest
 import torch
 
-from medfed.federated.executor import InProcessSites
-from medfed.federated.fused import FusedTraining
+import medfed.federated.batched as batched
+from medfed.federated.fused import FusedExecutor, FusedTraining
 from medfed.models.dropout import dropout
+from medfed.options.strategies import strategy_spec
 from test_batched import _assert_alike
-from test_strategy_lifecycle import OPTIONS
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, LinearOptions, build_loop, seeded, two_group_federation
 
@@ -29,13 +30,27 @@ class AdamClassifier(LinearClassifier):
 def _loop(name, seed, lr):
     """One run of the grid: its own data split (the seed's), initialisation and learning rate; four ragged sites."""
     federation = two_group_federation(n_sites=4, n_train=44, seed=seed)
-    return build_loop(name, federation, seeded(AdamClassifier, 4, 2, LinearOptions(lr=lr), seed=seed), OPTIONS.get(name), seed=seed)
+    return build_loop(name, federation, seeded(AdamClassifier, 4, 2, LinearOptions(lr=lr), seed=seed), strategy_spec(name).smoke, seed=seed)
+
+
+@pytest.fixture
+def stacked(monkeypatch):
+    """The rows of every stacked group trained (``train_group``'s calls): ``[(round, plan label, rows)]``."""
+    calls = []
+    original = batched.train_group
+
+    def counting(rows, compiled=None):
+        calls.append((rows[0].ctx.round, rows[0].plan.label, len(rows)))
+        return original(rows, compiled)
+
+    monkeypatch.setattr(batched, "train_group", counting)
+    return calls
 
 
 def _fused(loops, rounds=2):
     coordinator = FusedTraining()
     for loop in loops:
-        loop.executor = InProcessSites(loop.sites, loop.links, "batched", fused=coordinator)
+        loop.sites.executor = FusedExecutor(coordinator)
     errors = coordinator.run_all([lambda loop=loop: loop.fit(rounds) for loop in loops])
     return coordinator, errors
 
@@ -46,14 +61,14 @@ def _alone(cell, rounds=2):
     return loop
 
 
-def test_fused_runs_give_every_run_the_numbers_it_gets_alone():
+def test_fused_runs_give_every_run_the_numbers_it_gets_alone(stacked):
     loops = [_loop(*cell) for cell in GRID]
     coordinator, errors = _fused(loops)
     assert errors == [None] * len(GRID)
-    # each round: one merged group of FedAvg's four runs and one of FedProx's (16 rows each), none trained alone
-    assert coordinator.stats == {"merged_groups": 4, "merged_rows": 64, "alone_groups": 0}
+    # each round: one stacked group of FedAvg's four runs and one of FedProx's, 4 runs x 4 sites each
+    assert sorted(stacked) == [(1, "model", 16), (1, "model", 16), (2, "model", 16), (2, "model", 16)]
     for cell, fused in zip(GRID, loops):
-        assert fused.executor.record() == {"name": "batched", "sequential_plans": {}, "fused": {"runs": len(GRID)}}
+        assert fused.sites.record() == {"name": "batched", "sequential_plans": {}, "fused": {"runs": len(GRID)}}
         _assert_alike(_alone(cell), fused)  # alone: the sequential executor, every site in turn
 
 
@@ -76,13 +91,13 @@ def test_a_run_that_fails_at_round_two_leaves_the_others_as_they_are_alone():
             _assert_alike(_alone(cell, rounds=3), fused)
 
 
-def test_groups_of_different_options_train_apart_in_one_process():
+def test_groups_of_different_options_train_apart_in_one_process(stacked):
     cells = [("fedprox", 0, 0.05), ("fedprox", 1, 0.05)]
-    loops = [_loop(*cells[0]), build_loop("fedprox", two_group_federation(n_sites=4, n_train=44, seed=1), seeded(AdamClassifier, 4, 2, LinearOptions(lr=0.05), seed=1), {"mu": 0.5}, seed=1)]
+    loops = [_loop(*cells[0]), build_loop("fedprox", two_group_federation(n_sites=4, n_train=44, seed=1), seeded(AdamClassifier, 4, 2, LinearOptions(lr=0.05), seed=1), {"mu": 0.05}, seed=1)]
     coordinator, errors = _fused(loops)
     assert errors == [None, None]
-    assert coordinator.stats == {"merged_groups": 0, "merged_rows": 0, "alone_groups": 4}  # mu enters the loss: not merged
-    alone = build_loop("fedprox", two_group_federation(n_sites=4, n_train=44, seed=1), seeded(AdamClassifier, 4, 2, LinearOptions(lr=0.05), seed=1), {"mu": 0.5}, seed=1)
+    assert sorted(stacked) == [(1, "model", 4)] * 2 + [(2, "model", 4)] * 2  # mu enters the loss: each run's own group
+    alone = build_loop("fedprox", two_group_federation(n_sites=4, n_train=44, seed=1), seeded(AdamClassifier, 4, 2, LinearOptions(lr=0.05), seed=1), {"mu": 0.05}, seed=1)
     alone.fit(2)
     _assert_alike(alone, loops[1])
 
@@ -108,14 +123,14 @@ def test_only_one_fused_run_runs_at_a_time():
     assert max(most) == 1
 
 
-def test_a_fused_run_alone_is_a_run_alone():
+def test_a_fused_run_alone_is_a_run_alone(stacked):
     loops = [_loop(*GRID[0])]
     coordinator, errors = _fused(loops, 1)
-    assert errors == [None] and coordinator.stats["merged_groups"] == 0
+    assert errors == [None] and stacked == [(1, "model", 4)]
     _assert_alike(_alone(GRID[0], 1), loops[0])
 
 
-def test_a_merged_step_that_raises_trains_each_run_as_it_would_alone():
+def test_a_stacked_step_that_raises_trains_every_row_as_it_would_alone():
     from test_batched import RandomLoss  # its loss draws from the global generator: no stacked step can run it
 
     def loop(seed):
@@ -123,10 +138,10 @@ def test_a_merged_step_that_raises_trains_each_run_as_it_would_alone():
 
     fused = [loop(0), loop(1)]
     coordinator, errors = _fused(fused)
-    assert errors == [None, None] and coordinator.stats["merged_groups"] == 0 and coordinator.stats["alone_groups"] == 4
+    assert errors == [None, None]
     for seed, run in enumerate(fused):
-        (reason,) = run.executor.sequential_plans.values()
-        assert "stacked step raised" in reason  # each run's own fallback: its sites one at a time
+        (reason,) = run.sites.record()["sequential_plans"].values()
+        assert "stacked step raised" in reason  # the rows one at a time, each in its site's stream
         alone = loop(seed)
         alone.fit(2)
         for a, b in zip(alone.sites, run.sites):

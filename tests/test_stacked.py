@@ -6,16 +6,16 @@ import torch
 from torch import nn
 
 import medfed.federated.stacked as stacked
-from medfed.federated.batched import adam_step, sgd_step
-from medfed.federated.executor import InProcessSites
-from medfed.federated.strategies import STRATEGIES
+from medfed.federated.sites import executor_for
+from medfed.federated.stacked_optimizers import adam_step, sgd_step
+from medfed.federated.strategies import registered
 from medfed.models.classification import NoduleClassifier
 from medfed.models.padding import can_pad, pad_to, real_samples
 from medfed.models.segmentation import UNetSegmenter
 from medfed.models.tabular import LogisticRegression
 from medfed.options.models import DenseNetOptions, LogisticRegressionOptions, UNetOptions
 from test_batched import KeyedDropoutBatchNormClassifier, KeyedDropoutBodyHeadClassifier, KeyedDropoutClassifier, Poisoned, _assert_alike, _assert_close_states, _run
-from test_strategy_lifecycle import OPTIONS
+from medfed.options.strategies import strategy_spec
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import NEEDS_A_BODY, build_loop, seeded, two_group_federation
 
@@ -101,23 +101,23 @@ def test_a_masked_step_leaves_the_inactive_rows_as_they_were(step_fn):
 def _compiled_run(name, rounds=2, model=None, strategy=None):
     """``rounds`` rounds of ``name`` on the four ragged toy sites of test_batched (44..68 samples, batch 16), compiled."""
     model = model or (KeyedDropoutBodyHeadClassifier if name in NEEDS_A_BODY else KeyedDropoutClassifier)
-    loop = build_loop(strategy or name, two_group_federation(n_sites=4, n_train=44), seeded(model, 4, 2), OPTIONS.get(name))
-    loop.executor = InProcessSites(loop.sites, loop.links, "batched", compile=True)
+    loop = build_loop(strategy or name, two_group_federation(n_sites=4, n_train=44), seeded(model, 4, 2), strategy_spec(name).smoke)
+    loop.sites.executor = executor_for("batched", torch.device("cpu"), dp_sgd=False, compile=True)
     loop.fit(rounds)
     return loop
 
 
 def _compiled_steps(loop):
-    return [step for _, step in loop.executor._compiled.values()]
+    return [step for _, step in loop.sites.executor.compiled.values()]
 
 
-BATCHABLE = sorted(name for name, strategy in STRATEGIES.items() if strategy.Site.batchable is None)
+BATCHABLE = sorted(name for name, strategy in registered().items() if strategy.Site.batchable is None)
 
 
 @pytest.mark.parametrize("name", ["fedprox", "apfl"])  # a proximal loss state; a functional_call inside the stacked one
 def test_the_compiled_step_trains_ragged_sites_as_the_sequential_executor(name, traced):
     compiled, sequential = _compiled_run(name), _run(name, "sequential")
-    assert compiled.executor.sequential_plans == {}
+    assert compiled.sites.executor.sequential_plans == {}
     steps = _compiled_steps(compiled)
     assert steps and all(step.pads and step.not_compiled is None for step in steps)  # padded, compiled: else nothing is shown
     _assert_alike(sequential, compiled)
@@ -127,7 +127,7 @@ def test_the_compiled_step_trains_ragged_sites_as_the_sequential_executor(name, 
 @pytest.mark.parametrize("name", BATCHABLE)
 def test_every_batchable_strategy_compiled_trains_as_the_sequential_executor(name, traced):
     compiled, sequential = _compiled_run(name), _run(name, "sequential")
-    assert compiled.executor.sequential_plans == {}
+    assert compiled.sites.executor.sequential_plans == {}
     assert all(step.not_compiled is None for step in _compiled_steps(compiled))
     _assert_alike(sequential, compiled)
 
@@ -179,7 +179,7 @@ def test_a_step_that_cannot_be_compiled_runs_eagerly_alike(monkeypatch, caplog):
     monkeypatch.setattr(stacked.torch, "compile", refusing)
     compiled = _compiled_run("fedavg")
     (step,) = _compiled_steps(compiled)
-    assert step.not_compiled == "RuntimeError: a graph break inside the vmap" and compiled.executor.sequential_plans == {}
+    assert step.not_compiled == "RuntimeError: a graph break inside the vmap" and compiled.sites.executor.sequential_plans == {}
     assert sum("could not be compiled" in record.getMessage() for record in caplog.records) == 1  # said once
     _assert_alike(_run("fedavg", "sequential"), compiled)
 
@@ -200,7 +200,7 @@ def test_the_unet_step_is_captured_whole_without_a_graph_break(traced):
     model = seeded(UNetSegmenter, 4, 2, UNetOptions(channels=[4, 8], strides=[2], num_res_units=1))
     torch._dynamo.utils.counters.clear()
     loop = build_loop("fedprox", federation, model, batch_size=4)  # 3 steps of 4, and 2 of 4 then 2: a ragged last batch
-    loop.executor = InProcessSites(loop.sites, loop.links, "batched", compile=True)
+    loop.sites.executor = executor_for("batched", torch.device("cpu"), dp_sgd=False, compile=True)
     loop.fit(1)
     assert dict(torch._dynamo.utils.counters["graph_break"]) == {}  # e.g. MONAI's DiceLoss: Tensor.tolist() inside the vmap
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1

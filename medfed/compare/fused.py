@@ -34,6 +34,7 @@ from typing import Any, TextIO
 from medfed.compare.plan import Run
 from medfed.components import resolve
 from medfed.config import load_config
+from medfed.options.strategies import strategy_spec
 
 FUSE_OPTIONS = ("auto", "on", "off")
 LIMIT = 64
@@ -48,15 +49,13 @@ def fusion_key(run: Run, fuse: str) -> str | None:
     """What the runs fused with ``run`` share (a JSON text of its resolved config without the rows' keys), or None:
     ``run`` runs alone (``fuse`` off, its strategy not batchable, DP, W&B on, or ``auto`` on a CPU for a model
     whose stacked step is slower there)."""
-    from medfed.federated.strategies import STRATEGIES
-
     if fuse == "off":
         return None
     config = resolve(load_config(run.config_path, list(run.overrides))).config
     strategy = config["strategy"]["name"]
     privacy = config.get("privacy", {})
     if (
-        STRATEGIES[strategy].Site.batchable is not None
+        strategy_spec(strategy).load().Site.batchable is not None
         or privacy.get("dp", {}).get("enabled")
         or privacy.get("client_dp", {}).get("enabled")
         or config["logger"]["wandb"] != "disabled"

@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_map
 
 from medfed.errors import warn
 from medfed.federated.compute import batch_samples
-from medfed.federated.strategies.base import Auxiliary
+from medfed.federated.protocol import Auxiliary
 from medfed.models.padding import pad_to, real_samples
 
 Tensors = dict[str, torch.Tensor]
