@@ -3,10 +3,12 @@
 Every generated case (a BraTS subject, a LUNA16 series) is drawn from its own
 seeded stream, so cases made in any order, by any process, are the cases one
 process makes in turn: :func:`map_cases` only changes how long it takes.
-Workers are *spawned* (a fresh interpreter: nothing of the caller's threads,
-OpenMP or BLAS pools is inherited), each given the generator's shared inputs
-once (``shared``: e.g. the anatomy maps, computed once by the caller) and then
-as many cases as it can take. A generation too small to repay the workers'
+Workers are forked where the system can (Linux: nothing is imported again,
+and a caller's script without a ``__main__`` guard is not run again in each
+worker, as a spawned one would be; a case needs only NumPy, SciPy and the
+image writers, none of the caller's torch threads), spawned elsewhere; each
+is given the generator's shared inputs once (``shared``: e.g. the anatomy
+maps, computed once by the caller) and then as many cases as it can take. A generation too small to repay the workers'
 start (``work`` below :data:`PARALLEL_WORK`) runs in this process.
 """
 
@@ -57,7 +59,7 @@ def map_cases(
                 results.append(make(shared, case))
                 bar.update()
             return results
-        context = multiprocessing.get_context("spawn")
+        context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
         with ProcessPoolExecutor(workers, mp_context=context, initializer=_receive, initargs=(shared,)) as pool:
             futures = [pool.submit(_make, make, case) for case in cases]
             for _ in as_completed(futures):
