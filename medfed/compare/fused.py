@@ -26,7 +26,7 @@ import json
 import sys
 import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
@@ -121,9 +121,9 @@ class _RunOutput(io.TextIOBase):
                 del self.files[threading.get_ident()]
 
 
-def fit_group(runs: list[Run]) -> list[int]:
+def fit_group(runs: list[Run], report: Callable[[int, int], None] | None = None) -> list[int]:
     """Fit ``runs`` fused in this process (each its own ``medfed fit --quiet``, output to its own log); their exit
-    statuses (130 for a run interrupted by Ctrl-C)."""
+    statuses (130 for a run interrupted by Ctrl-C), each also ``report(index, status)`` as its run ends."""
     from medfed.console import one_line_errors, show_warnings
     from medfed.errors import INTERRUPTED
     from medfed.federated.fused import FusedTraining
@@ -143,6 +143,8 @@ def fit_group(runs: list[Run]) -> list[int]:
                 except Exception:  # as a run process alone: the traceback in its log, exit status 1
                     traceback.print_exc()
                     codes[index] = 1
+            if report is not None:
+                report(index, codes[index])
 
         return fit_run
 

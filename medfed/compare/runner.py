@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
@@ -69,15 +70,19 @@ def execute(runs: list[Run], jobs: int, progress: bool = True, fuse: str = "auto
     alive, alive_writer = context.Pipe(duplex=False)  # the writer stays in this process only: the runs see EOF once it ends
     bar = tqdm(total=len(todo), desc="runs", unit="run", disable=not progress)
     pool = ThreadPoolExecutor(max_workers=jobs)
-    futures = [pool.submit(_fit, context, group, alive, running, lock, stopping) for group in groups]
+
+    def finished(run: Run, code: int, tail: str) -> None:  # as each run ends, fused or not (from the pool's threads)
+        with lock:
+            if code != 0:
+                failed[run.name] = tail
+                tqdm.write(f"medfed: run {run.name} failed (exit status {code}): {tail}", file=sys.stderr)
+            bar.update()
+            bar.set_postfix(failed=len(failed))
+
+    futures = [pool.submit(_fit, context, group, alive, running, lock, stopping, finished) for group in groups]
     try:
         for future in as_completed(futures):
-            for run, code, tail in future.result():
-                if code != 0:
-                    failed[run.name] = tail
-                    tqdm.write(f"medfed: run {run.name} failed (exit status {code}): {tail}", file=sys.stderr)
-                bar.update()
-                bar.set_postfix(failed=len(failed))
+            future.result()
     except KeyboardInterrupt:
         stopping.set()
         with lock:
@@ -110,44 +115,56 @@ def _start_run_server(threads: int) -> None:
 
 
 def _fit(
-    context: Any, group: list[Run], alive: Any, running: dict[str, Any], lock: threading.Lock, stopping: threading.Event
-) -> list[tuple[Run, int, str]]:
-    """One process forked from the run server fitting ``group`` (one run, or runs fused); ``(run, exit status, last
-    lines of its log)`` of each."""
+    context: Any, group: list[Run], alive: Any, running: dict[str, Any], lock: threading.Lock, stopping: threading.Event,
+    finished: Callable[[Run, int, str], None],
+) -> None:
+    """One process forked from the run server fitting ``group`` (one run, or runs fused); ``finished(run, exit status,
+    last lines of its log)`` as each run ends."""
     name = group[0].name if len(group) == 1 else f"{group[0].name} and {len(group) - 1} fused"
     for run in group:
         run.log.parent.mkdir(parents=True, exist_ok=True)
     with lock:
-        if stopping.is_set():
-            return [(run, INTERRUPTED, "not started (interrupted)") for run in group]
-        status_reader, status_writer = context.Pipe(duplex=False)
-        target = _fit_in_run_server_child if len(group) == 1 else _fit_group_in_run_server_child
-        process = context.Process(target=target, args=(group[0] if len(group) == 1 else group, alive, status_writer), name=name)
-        process.start()
-        status_writer.close()
-        running[name] = process
+        interrupted = stopping.is_set()
+        if not interrupted:
+            status_reader, status_writer = context.Pipe(duplex=False)
+            target = _fit_in_run_server_child if len(group) == 1 else _fit_group_in_run_server_child
+            process = context.Process(target=target, args=(group[0] if len(group) == 1 else group, alive, status_writer), name=name)
+            process.start()
+            status_writer.close()
+            running[name] = process
+    if interrupted:
+        for run in group:
+            finished(run, INTERRUPTED, "not started (interrupted)")
+        return
+    # fit's exit statuses as the process reports them, one run at a time (a fused group's as each of its runs ends):
+    # the forkserver's own report can be lost (Python 3.11 gave 255 for a run that ended with 0)
+    codes: dict[int, int] = {}
+    with contextlib.suppress(EOFError):
+        while len(codes) < len(group):
+            message = status_reader.recv()
+            index, code = (0, message) if isinstance(message, int) else message
+            codes[index] = code
+            finished(group[index], code, _tail(group[index]))
     process.join()
+    status_reader.close()
     with lock:
         del running[name]
-    # fit's exit statuses as the process reported them: the forkserver's own report can be lost (Python 3.11 gave 255 for a run that ended with 0)
-    try:
-        codes = status_reader.recv()
-    except EOFError:  # it ended before fit returned (a crash, a signal): the process's own status
-        codes = process.exitcode
-    status_reader.close()
-    codes = codes if isinstance(codes, list) else [codes] * len(group)
-    outcomes = []
-    for run, code in zip(group, codes):
-        code = 1 if code is None else 128 - code if code < 0 else code  # killed by signal n: 128 + n, as a shell reports it
-        lines = [line for line in run.log.read_text(errors="replace").splitlines() if line.strip()] if run.log.is_file() else []
-        outcomes.append((run, code, " | ".join(lines[-TAIL_LINES:])))
-    return outcomes
+    for index, run in enumerate(group):
+        if index not in codes:  # it ended before fit returned (a crash, a signal): the process's own status
+            code = process.exitcode
+            finished(run, 1 if code is None else 128 - code if code < 0 else code, _tail(run))  # killed by signal n: 128 + n
+
+
+def _tail(run: Run) -> str:
+    """The last :data:`TAIL_LINES` lines of ``run``'s log, joined."""
+    lines = [line for line in run.log.read_text(errors="replace").splitlines() if line.strip()] if run.log.is_file() else []
+    return " | ".join(lines[-TAIL_LINES:])
 
 
 def _fit_group_in_run_server_child(runs: list[Run], alive: Any, status: Any) -> None:
     """A fused group's process: each run's output to its own log (the process's own to the first run's log folder's
-    ``fused-<first seed>.log``), the runs fused (:func:`medfed.compare.fused.fit_group`); their exit statuses go to
-    ``status`` as a list. It ends at once when compare ends (``alive``: :func:`_die_with_compare`)."""
+    ``fused-<first seed>.log``), the runs fused (:func:`medfed.compare.fused.fit_group`); each run's ``(index, exit
+    status)`` goes to ``status`` as it ends. It ends at once when compare ends (``alive``: :func:`_die_with_compare`)."""
     _die_with_compare(alive)
     descriptor = os.open(runs[0].log.with_name(f"fused-{runs[0].log.stem}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     sys.stdout.flush()
@@ -155,15 +172,15 @@ def _fit_group_in_run_server_child(runs: list[Run], alive: Any, status: Any) -> 
     os.dup2(descriptor, 1)
     os.dup2(descriptor, 2)
     os.close(descriptor)
+    code = 0
     try:
-        codes = fit_group(runs)
+        fit_group(runs, lambda index, status_code: status.send((index, status_code)))
     except KeyboardInterrupt:
-        codes = [INTERRUPTED] * len(runs)
+        code = INTERRUPTED  # the runs not reported yet end as interrupted (the parent reads EOF, then this status)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-    status.send(codes)
-    sys.exit(0)
+    sys.exit(code)
 
 
 def _fit_in_run_server_child(run: Run, alive: Any, status: Any) -> None:
