@@ -15,7 +15,8 @@ to the same double)::
 
 The runs (``--runs``): ``clinical`` (a 3-round clinical_delta1 run of every
 registered strategy, sequential and batched executor), ``brats`` (a 2-round
-brats_lack0 run), ``brats_small`` (a 2-round brats_lack0 run of every strategy
+brats_lack0 run), ``dp`` (3 rounds of three clinical_delta1 strategies, one
+and two plans a phase, under DP-SGD), ``brats_small`` (a 2-round brats_lack0 run of every strategy
 and executor at 32x32 patches, a quarter epoch a round, no whole volumes), or
 ``all``. Exit status 0: equal; 1: some differ.
 """
@@ -46,6 +47,11 @@ def runs(which: str) -> dict[str, tuple[str, list[str]]]:
                     "clinical_delta1",
                     [f"strategy.name={name}", "trainer.rounds=3", f"trainer.executor={executor}"],
                 )
+    if which in ("dp", "all"):  # DP-SGD: its noise is seeded per training call of a phase (several plans a phase)
+        for name in ("fedavg", "fedrep", "ditto"):
+            chosen[f"clinical_delta1_dp/{name}"] = (
+                "clinical_delta1", [f"strategy.name={name}", "trainer.rounds=3", "privacy.dp.noise_multiplier=0.5"],
+            )
     if which in ("brats", "all"):
         chosen["brats_lack0/pfednet"] = ("brats_lack0", ["trainer.rounds=2"])
     if which in ("brats_small", "all"):  # a U-Net with shared and personal parts (the clinical model is all personal)
@@ -119,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     rec = commands.add_parser("record", help="run the runs, write their histories")
     rec.add_argument("output", type=Path)
-    rec.add_argument("--runs", choices=("clinical", "brats", "brats_small", "all"), default="all")
+    rec.add_argument("--runs", choices=("clinical", "dp", "brats", "brats_small", "all"), default="all")
     cmp = commands.add_parser("compare", help="compare two recorded files exactly")
     cmp.add_argument("before", type=Path)
     cmp.add_argument("after", type=Path)

@@ -34,9 +34,10 @@ from medfed.components import ResolvedRun, resolve
 from medfed.config import RunConfig, check_wandb_key
 from medfed.errors import RunFailed, SiteFailure, warn
 from medfed.evaluation.rounds import ValidationEvaluation, VolumeEvaluation
-from medfed.federated.executor import InProcessSites, executor_for, planned_steps
+from medfed.federated.executor import planned_steps
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.privacy import ClientDP, PrivacyBudgetSpent, PrivacyRecord, SiteDP, privacy_summary
+from medfed.federated.sites import InProcessSites, executor_for
 from medfed.data.federation import Federation
 from medfed.data.pooling import pooled_reference
 from medfed.models.classification import BinaryClassifier
@@ -101,7 +102,7 @@ def _run(
     initial = assembly.initial_values(fabric.device)
     links = [assembly.link(initial, fabric.device, site.name) for site in sites]
     write_checkpoint = round_checkpoints(output_dir, config, trainer.keep_checkpoints)
-    executor = InProcessSites(sites, links, executor_for(trainer.executor, fabric.device, dp.enabled))
+    in_process = InProcessSites(sites, links, executor_for(trainer.executor, fabric.device, dp.enabled))
 
     def save_checkpoint(state: dict[str, Any]) -> None:
         bar.set_description_str(f"{strategy.name} rounds (writing checkpoint)")
@@ -111,9 +112,8 @@ def _run(
 
     loop = FederatedLoop(
         fabric,
-        sites,
         strategy,
-        links,
+        in_process,
         initial,
         local_epochs=trainer.local_epochs,
         participation=run_cfg.federation.participation,
@@ -123,7 +123,6 @@ def _run(
         update_norm_limit=run_cfg.federation.update_norm_limit,
         max_consecutive_failures=run_cfg.federation.max_consecutive_failures,
         scratch_dir=output_dir / FOLDER,
-        executor=executor,
         client_dp=ClientDP(run_cfg.privacy.client_dp, trainer.seed) if run_cfg.privacy.client_dp.enabled else None,
     )
     if resumed is not None:
@@ -142,7 +141,7 @@ def _run(
             federation=federation.summary(),
             timing={**timing, "num_threads_reason": threads.reason},
             config=config,
-            executor=executor.record(),
+            executor=in_process.record(),
             pooled=pooled_reference(federation.sites) if strategy.pools_data else None,
         )
         results["execution"] = {"device": str(fabric.device), "precision": trainer.precision, "compile": trainer.compile}

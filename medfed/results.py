@@ -20,7 +20,7 @@ deployment's ServerApp (:mod:`medfed.deploy.server_app`), write one schema,
   (:func:`timing_summary`), ``executor`` (how the sites trained: ``name``,
   ``sequential`` or ``batched``, and under ``batched`` the ``sequential_plans``
   that trained one site at a time, with the reason:
-  :meth:`~medfed.federated.executor.InProcessSites.record`; a deployment's
+  :meth:`~medfed.federated.sites.InProcessSites.record`; a deployment's
   sites each train alone), ``config`` (the resolved config), ``history``
   (the loop's round records), and ``outcome`` when nothing was learned
   (:func:`learned_nothing`);

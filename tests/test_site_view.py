@@ -72,11 +72,11 @@ def test_the_view_gets_and_sets_parts_and_a_full_pass_is_in_order_counted_and_le
     vector = torch.arange(8.0)
     view.set("model", "shared", vector)
     assert torch.equal(view.get("model", "shared"), vector) and torch.equal(site.module.get_vector("shared"), vector)
-    generator, global_state = site.generator.get_state(), torch.get_rng_state()
+    generator, global_state = site.orders.generator.get_state(), torch.get_rng_state()
     batches = list(view.full_pass("train", "check", backward=False))
     assert [size for _, size in batches] == [8, 8, 8, 8, 5]
     assert torch.equal(torch.cat([x for (x, _), _ in batches]), site.data.train.tensors[0])  # the split, in order
-    assert torch.equal(site.generator.get_state(), generator) and torch.equal(torch.get_rng_state(), global_state)
+    assert torch.equal(site.orders.generator.get_state(), generator) and torch.equal(torch.get_rng_state(), global_state)
     assert site.passes.take(site.n_train) == {"forward/check": 1.0}
 
 

@@ -97,10 +97,11 @@ from medfed.deploy.client_app import run_folder
 from medfed.deploy.records import expect, from_record, to_record
 from medfed.deploy.secure_aggregation import FlowerSecAgg, refuse_secure_aggregation
 from medfed.errors import ConfigError, DataError, MessageError, SiteFailure, warn
-from medfed.federated.executor import PhaseWork, SiteEvaluation, SiteResult, SummedReplies
+from medfed.federated.site_work import PhaseWork, SiteEvaluation, SiteResult
 from medfed.federated.link import Link, Wire
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.protocol import Payload, SecureSum
+from medfed.federated.sites import SummedReplies
 from medfed.output_dir import hold_output_dir
 from medfed.results import run_results, timing_summary, write_json_atomic
 from medfed.tasks.label_imbalance import refuse_label_ratio
@@ -120,7 +121,7 @@ WORK_REPLY = {"losses": dict, "non_finite": list, "compute": dict, "train_s": fl
 
 
 class FlowerSites:
-    """The loop's site executor for a deployment: every site on its own SuperNode.
+    """A deployment's :class:`~medfed.federated.sites.Sites`: every site on its own SuperNode.
 
     Args:
         grid: the run's Grid (messages to and from the SuperNodes).
@@ -209,7 +210,7 @@ class FlowerSites:
             ],
         }
 
-    # ------------------------------------------------------------------ SiteExecutor
+    # ------------------------------------------------------------------ Sites
     def setup(self) -> tuple[dict[int, Payload], dict[int, str]]:
         """Every site's setup reply, decoded, and why each other site has none (an error, malformed, late): the loop excludes those."""
         replies = self._exchange({index: ({"kind": "setup"}, {}) for index in range(len(self.names))}, round_index=0)
@@ -743,11 +744,11 @@ def serve(grid: Grid, settings: RunSettings, resumed: dict[str, Any] | None, run
     sites.device = fabric.device
     sites.links = [assembly.link(initial, fabric.device, peer=name) for name in sites.names]
     loop = FederatedLoop(
-        fabric, [], assembly.strategy, sites.links, initial, local_epochs=trainer.local_epochs,
+        fabric, assembly.strategy, sites, initial, local_epochs=trainer.local_epochs,
         participation=run.federation.participation, seed=trainer.seed,
         save_checkpoint=round_checkpoints(output_dir, config, trainer.keep_checkpoints),
         on_site_failure=run.federation.on_site_failure, update_norm_limit=run.federation.update_norm_limit,
-        max_consecutive_failures=run.federation.max_consecutive_failures, executor=sites,
+        max_consecutive_failures=run.federation.max_consecutive_failures,
     )
     if resumed is not None:
         try:

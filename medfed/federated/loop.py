@@ -1,11 +1,11 @@
 """The federated loop: rounds of local training and server steps, on Lightning Fabric.
 
 Lightning 2.x's documented route to a custom loop is Fabric: the loop here
-owns the sites (each with its model slots, optimisers and half of the
-strategy, kept across rounds), calls the server half's and the site halves'
-hooks by name (see :mod:`medfed.federated.protocol` for the life
-cycle), runs each phase's training plans, and knows nothing about any
-particular algorithm. Every payload crosses a
+drives the sites (each with its model slots, optimisers and half of the
+strategy, kept across rounds, wherever they live: :mod:`medfed.federated.sites`),
+calls the server half's hooks and has the sites call theirs by name (see
+:mod:`medfed.federated.protocol` for the life cycle), and knows nothing
+about any particular algorithm. Every payload crosses a
 :class:`~medfed.federated.link.Link`, which turns it into bytes and counts
 them. After each round every site takes its strategy half's adapt step (e.g.
 fine-tuning a head; seeded from its own stream of the round, its losses in
@@ -53,11 +53,11 @@ from lightning.fabric import Fabric
 from medfed.checkpoint import state_on_device
 from medfed.errors import RunFailed, SiteFailure, warn
 from medfed.federated.compute import merge, training_epochs
-from medfed.federated.executor import InProcessSites, PhaseWork, SiteEvaluation, SiteExecutor
 from medfed.federated.faults import refused_replies, reply_fault
 from medfed.federated.link import Link
 from medfed.federated.privacy import ClientDP
-from medfed.federated.site import Site
+from medfed.federated.site_work import PhaseWork, SiteEvaluation
+from medfed.federated.sites import Sites
 from medfed.federated.protocol import ADAPT, DELIVER, SETUP, Payload, RoundContext, StrategyProtocol
 
 
@@ -66,9 +66,10 @@ class FederatedLoop:
 
     Args:
         fabric: device placement, loggers and callbacks (``on_round_end``).
-        sites: the sites, index order, each holding its half of ``strategy``.
         strategy: the algorithm (its server half is ``strategy.server``).
-        links: one link per site (same order).
+        sites: where the sites live and how the loop reaches them (:class:`~medfed.federated.sites.Sites`, with the
+            server's ends of their links): :class:`~medfed.federated.sites.InProcessSites` in the simulator, the
+            SuperNodes of a deployment (``medfed.deploy``).
         initial: the initial model as vectors ``{"shared", "personal", "all", ...}``
             (every site starts from it), with any vectors the strategy adds
             (``Strategy.initial_values``); the server half's setup gets them.
@@ -87,12 +88,6 @@ class FederatedLoop:
             when they do not fit the memory budget of
             :class:`~medfed.federated.faults.RoundStartStates` (``None``: the
             system's temporary directory); only with ``on_site_failure="drop"``.
-        executor: where the sites' half of the work runs
-            (:class:`~medfed.federated.executor.SiteExecutor`); ``None``:
-            :class:`~medfed.federated.executor.InProcessSites` over ``sites``
-            and ``links`` (the simulator). A deployment passes its own
-            (``medfed.deploy``) with ``sites`` empty and ``links`` the
-            server's ends of the wires.
         client_dp: client-level DP (:class:`~medfed.federated.privacy.ClientDP`): every phase's
             replies reach the server step as its one clipped, noised average; ``None``: off.
     """
@@ -100,9 +95,8 @@ class FederatedLoop:
     def __init__(
         self,
         fabric: Fabric,
-        sites: list[Site],
         strategy: StrategyProtocol,
-        links: list[Link],
+        sites: Sites,
         initial: Payload,
         local_epochs: int,
         participation: float,
@@ -112,14 +106,13 @@ class FederatedLoop:
         update_norm_limit: float | None = 10.0,
         max_consecutive_failures: int | None = 3,
         scratch_dir: Path | None = None,
-        executor: SiteExecutor | None = None,
         client_dp: ClientDP | None = None,
     ) -> None:
         self.fabric = fabric
         self.sites = sites
         self.strategy = strategy
         self.server = strategy.server
-        self.links = links
+        self.links = sites.links
         self.initial = initial
         self.local_epochs = local_epochs
         self.participation = participation
@@ -129,10 +122,9 @@ class FederatedLoop:
         self.update_norm_limit = update_norm_limit
         self.max_consecutive_failures = max_consecutive_failures
         self.scratch_dir = scratch_dir
-        self.executor = executor if executor is not None else InProcessSites(sites, links)
         self.client_dp = client_dp
         self._sent: dict[int, Payload] = {}  # with client_dp: each site's last delivery, what its updates are measured against
-        self.site_names = self.executor.names
+        self.site_names = self.sites.names
         self.round = 0
         self.history: list[dict[str, Any]] = []
         self.failure_streaks = [0] * len(self.site_names)  # rounds in a row each site has failed
@@ -154,9 +146,9 @@ class FederatedLoop:
             RunFailed: every site's setup reply was refused.
         """
         ctx = RoundContext(0, SETUP)
-        replies, refused = self.executor.setup()
+        replies, refused = self.sites.setup()
         for index, reply in replies.items():
-            reason = reply_fault(reply, self.server, ctx, index, self.executor.declared_samples[index])
+            reason = reply_fault(reply, self.server, ctx, index, self.sites.declared_samples[index])
             if reason is not None:
                 refused[index] = reason
         for index, reason in sorted(refused.items()):
@@ -176,7 +168,7 @@ class FederatedLoop:
         if self.round == 0 and not self.history:
             self.setup()
         if self.on_site_failure == "drop":
-            self.executor.open_round_starts(self.scratch_dir)
+            self.sites.open_round_starts(self.scratch_dir)
         try:
             while self.round < rounds:
                 self.round += 1
@@ -189,7 +181,7 @@ class FederatedLoop:
                 if progress is not None:
                     progress(record)
         finally:
-            self.executor.close_round_starts()
+            self.sites.close_round_starts()
         return self.history
 
     def participants(self, round_index: int) -> list[int]:
@@ -223,7 +215,7 @@ class FederatedLoop:
         compute: dict[str, dict[str, float]] = {}  # site name -> {key: epochs}
         failures: dict[int, dict[str, Any]] = {}  # site index -> {"round", "site", "phase", "reason"}
         tic = time.perf_counter()
-        self.executor.save_round_start(participants)
+        self.sites.save_round_start(participants)
         timing["round_start_s"] = time.perf_counter() - tic
 
         def fail(index: int, phase: str, reason: str) -> None:
@@ -232,14 +224,14 @@ class FederatedLoop:
                 raise SiteFailure(f"site {names[index]} failed in round {round_index} ({phase} phase): {reason}")
             warn(f"round {round_index}: site {names[index]} left out of the {phase} phase and the rest of the round: {reason}")
             failures[index] = {"round": round_index, "site": names[index], "phase": phase, "reason": reason}
-            self.executor.restore_round_start(index)
+            self.sites.restore_round_start(index)
 
         for phase_index, phase in enumerate(self.strategy.phases):
             taking_part = [index for index in participants if index not in failures]
             ctx = RoundContext(round_index, phase)
             messages = {index: self.server.message(ctx, index) for index in taking_part}
             work = PhaseWork(round_index, phase_index, phase, self.local_epochs)
-            results = self.executor.work(work, messages, timing)
+            results = self.sites.work(work, messages, timing)
             for index in taking_part:
                 result = results[index]
                 if result.error is not None:
@@ -250,11 +242,11 @@ class FederatedLoop:
                 merge(compute.setdefault(names[index], {}), result.compute)
                 if result.non_finite:
                     fail(index, phase, f"non-finite reply ({', '.join(repr(key) for key in result.non_finite)})")
-            replies, malformed = self.executor.replies([index for index in taking_part if index not in failures])
+            replies, malformed = self.sites.replies([index for index in taking_part if index not in failures])
             for index, reason in malformed.items():
                 fail(index, phase, reason)
             refused = refused_replies(
-                replies, messages, self.server, ctx, self.executor.declared_samples, self.strategy.coded_keys, self.update_norm_limit
+                replies, messages, self.server, ctx, self.sites.declared_samples, self.strategy.coded_keys, self.update_norm_limit
             )
             for index, reason in refused.items():
                 fail(index, phase, reason)
@@ -308,13 +300,13 @@ class FederatedLoop:
         }
 
     def _checked_sum(self, ctx: RoundContext, fail: Callable[[int, str, str], None]) -> Payload | None:
-        """The executor's summed replies of the phase (secure aggregation), checked as one reply of the server half's
+        """The sites' summed replies of the phase (secure aggregation), checked as one reply of the server half's
         declared keys holding at most the summed sites' declared samples; None where there is none. A sum that is
         refused fails every site in it (no site can be taken out of a sum)."""
-        summed = self.executor.summed_replies()
+        summed = self.sites.summed_replies()
         if summed is None:
             return None
-        declared = sum(self.executor.declared_samples[index] for index in summed.sites)
+        declared = sum(self.sites.declared_samples[index] for index in summed.sites)
         reason = reply_fault(summed.reply, self.server, ctx, summed.sites[0], declared)
         if reason is not None:
             for index in summed.sites:
@@ -370,7 +362,7 @@ class FederatedLoop:
         payloads = {index: self.server.deliver(ctx, index) for index in range(len(self.site_names))}
         if self.client_dp is not None:
             self._sent = payloads
-        return self.executor.deliver(self.round, payloads, evaluate, timing)
+        return self.sites.deliver(self.round, payloads, evaluate, timing)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -378,7 +370,7 @@ class FederatedLoop:
         return {
             "round": self.round,
             "history": self.history,
-            "sites": self.executor.state_dict(),
+            "sites": self.sites.state_dict(),
             "links": [link.state_dict() for link in self.links],
             "server": self.server.state_dict(),
             "failure_streaks": list(self.failure_streaks),
@@ -404,7 +396,7 @@ class FederatedLoop:
         self.history = list(state["history"])
         self.failure_streaks = list(state["failure_streaks"])
         self.excluded = dict(state["excluded"])
-        self.executor.load_state_dict(state["sites"])
+        self.sites.load_state_dict(state["sites"])
         for link, link_state in zip(self.links, state["links"], strict=True):
             link.load_state_dict(link_state)
         self.server.load_state_dict(state_on_device(state["server"], self.fabric.device))
