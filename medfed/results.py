@@ -22,10 +22,10 @@ deployment's ServerApp (:mod:`medfed.deploy.server_app`), write one schema,
   that trained one site at a time, with the reason:
   :meth:`~medfed.federated.sites.InProcessSites.record`; a deployment's
   sites each train alone), ``config`` (the resolved config), ``history``
-  (the loop's round records), and ``outcome`` when nothing was learned
-  (:func:`learned_nothing`);
-* the simulator's also ``execution``: the ``device``, ``precision`` and
-  ``compile`` its sites trained with (``trainer.precision``, ``trainer.compile``).
+  (the loop's round records), ``execution`` (the ``device`` the sites
+  trained on, as the engine saw it, and the ``precision`` and ``compile``
+  they trained with: ``trainer.precision``, ``trainer.compile``), and
+  ``outcome`` when nothing was learned (:func:`learned_nothing`).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ def run_results(
     timing: dict[str, Any],
     config: dict[str, Any],
     executor: dict[str, Any],
+    device: str,
     pooled: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """results.json of a run (module docstring), from its loop's state after the rounds it has run.
@@ -68,6 +69,8 @@ def run_results(
         timing: :func:`timing_summary` (and whatever an engine adds to it).
         config: the resolved config.
         executor: how the sites trained (module docstring).
+        device: where the sites trained (the simulator's device; a deployment: ``trainer.device``, each
+            SuperNode resolving it for itself).
         pooled: the pooled reference's account (:func:`~medfed.data.pooling.pooled_reference`), None for a federated run.
     """
     holdout = federation["holdout"]
@@ -89,6 +92,7 @@ def run_results(
         "executor": executor,
         "config": config,
         "history": loop.history,
+        "execution": {"device": device, "precision": config["trainer"]["precision"], "compile": config["trainer"]["compile"]},
     }
     failed = learned_nothing(loop.history)
     if failed is not None:

@@ -89,7 +89,7 @@ from flwr.app import Context, Message
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 
-from medfed.assembly import RunAssembly, make_fabric
+from medfed.assembly import RunAssembly, federated_loop, make_fabric
 from medfed.checkpoint import FOLDER, checkpoints, resume_state, round_checkpoints
 from medfed.components import ResolvedRun, resolve
 from medfed.config import load_config, to_yaml
@@ -99,7 +99,6 @@ from medfed.deploy.secure_aggregation import FlowerSecAgg, refuse_secure_aggrega
 from medfed.errors import ConfigError, DataError, MessageError, SiteFailure, warn
 from medfed.federated.site_work import PhaseWork, SiteEvaluation, SiteResult
 from medfed.federated.link import Link, Wire
-from medfed.federated.loop import FederatedLoop
 from medfed.federated.protocol import Payload, SecureSum
 from medfed.federated.sites import SummedReplies
 from medfed.output_dir import hold_output_dir
@@ -743,13 +742,7 @@ def serve(grid: Grid, settings: RunSettings, resumed: dict[str, Any] | None, run
     initial = assembly.initial_values(fabric.device)
     sites.device = fabric.device
     sites.links = [assembly.link(initial, fabric.device, peer=name) for name in sites.names]
-    loop = FederatedLoop(
-        fabric, assembly.strategy, sites, initial, local_epochs=trainer.local_epochs,
-        participation=run.federation.participation, seed=trainer.seed,
-        save_checkpoint=round_checkpoints(output_dir, config, trainer.keep_checkpoints),
-        on_site_failure=run.federation.on_site_failure, update_norm_limit=run.federation.update_norm_limit,
-        max_consecutive_failures=run.federation.max_consecutive_failures,
-    )
+    loop = federated_loop(run, fabric, assembly.strategy, sites, initial, round_checkpoints(output_dir, config, trainer.keep_checkpoints))
     if resumed is not None:
         try:
             loop.load_state_dict(resumed)  # every site goes back to its end of the checkpoint's round
@@ -773,8 +766,7 @@ def serve(grid: Grid, settings: RunSettings, resumed: dict[str, Any] | None, run
         },
         config=config,
         executor={"name": "sequential"},  # every SuperNode trains its own site
+        device=run.trainer.device,  # each SuperNode resolves it for itself: the configured value, not a device the server saw
     )
-    # each SuperNode resolves trainer.device for itself: the configured value, not a device the server saw
-    results["execution"] = {"device": run.trainer.device, "precision": run.trainer.precision, "compile": run.trainer.compile}
     write_json_atomic(output_dir / "results.json", results)
     print(f"medfed: wrote {output_dir / 'results.json'}", flush=True)

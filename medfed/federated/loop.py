@@ -40,9 +40,11 @@ forward in its evaluation, in epochs of its training data
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -204,97 +206,104 @@ class FederatedLoop:
 
     # ------------------------------------------------------------------ one round
     def _run_round(self, round_index: int) -> dict[str, Any]:
+        """One round: every phase, the delivery, the adapt step and evaluation; the round's record."""
         start = time.perf_counter()
-        names = self.site_names
-        if len(self.excluded) == len(names):
+        if len(self.excluded) == len(self.site_names):
             raise SiteFailure(f"every site has been excluded ({_excluded_summary(self.excluded)}); nothing is left to train")
         counters_before = [_link_counters(link) for link in self.links]
-        participants = self.participants(round_index)
-        timing = {"train_s": 0.0, "server_s": 0.0, "eval_s": 0.0, "round_start_s": 0.0}
-        train_loss: dict[str, dict[str, float]] = {}
-        compute: dict[str, dict[str, float]] = {}  # site name -> {key: epochs}
-        failures: dict[int, dict[str, Any]] = {}  # site index -> {"round", "site", "phase", "reason"}
+        round_ = _Round(round_index, self.participants(round_index))
         tic = time.perf_counter()
-        self.sites.save_round_start(participants)
-        timing["round_start_s"] = time.perf_counter() - tic
-
-        def fail(index: int, phase: str, reason: str) -> None:
-            """Leave site ``index`` out of the rest of the round (drop) or end the run (stop)."""
-            if self.on_site_failure == "stop":
-                raise SiteFailure(f"site {names[index]} failed in round {round_index} ({phase} phase): {reason}")
-            warn(f"round {round_index}: site {names[index]} left out of the {phase} phase and the rest of the round: {reason}")
-            failures[index] = {"round": round_index, "site": names[index], "phase": phase, "reason": reason}
-            self.sites.restore_round_start(index)
-
+        self.sites.save_round_start(round_.participants)
+        round_.timing["round_start_s"] = time.perf_counter() - tic
         for phase_index, phase in enumerate(self.strategy.phases):
-            taking_part = [index for index in participants if index not in failures]
-            ctx = RoundContext(round_index, phase)
-            messages = {index: self.server.message(ctx, index) for index in taking_part}
-            work = PhaseWork(round_index, phase_index, phase, self.local_epochs)
-            results = self.sites.work(work, messages, timing)
-            for index in taking_part:
-                result = results[index]
-                if result.error is not None:
-                    fail(index, phase, result.error)
-                    continue
-                for label, loss in result.losses.items():
-                    train_loss.setdefault(names[index], {})[phase if label is None else f"{phase}/{label}"] = loss
-                merge(compute.setdefault(names[index], {}), result.compute)
-                if result.non_finite:
-                    fail(index, phase, f"non-finite reply ({', '.join(repr(key) for key in result.non_finite)})")
-            replies, malformed = self.sites.replies([index for index in taking_part if index not in failures])
-            for index, reason in malformed.items():
-                fail(index, phase, reason)
-            refused = refused_replies(
-                replies, messages, self.server, ctx, self.sites.declared_samples, self.strategy.coded_keys, self.update_norm_limit
-            )
-            for index, reason in refused.items():
-                fail(index, phase, reason)
-                del replies[index]
-            summed = self._checked_sum(ctx, fail)  # secure aggregation: the replies as one sum, never one by one
-            tic = time.perf_counter()
-            if summed is not None:
-                self.server.aggregate_summed(ctx, summed)
-            elif replies:  # a phase no participant came through leaves the server as it was
-                if self.client_dp is not None:  # the server step receives only the clipped, noised average
-                    sent = {index: {**self._sent.get(index, {}), **messages.get(index, {})} for index in participants}
-                    replies = self.client_dp.release(ctx, phase_index, replies, sent, participants, self.sample_size() / len(names))
-                self.server.aggregate(ctx, replies)
-            timing["server_s"] += time.perf_counter() - tic
-        adapt_loss: dict[str, dict[str, float]] = {}
-        evaluations = self._deliver(evaluate=True, timing=timing)
-        for index, name in enumerate(names):
+            self._run_phase(round_, phase_index, phase)
+        evaluations = self._deliver(evaluate=True, timing=round_.timing)
+        for index, name in enumerate(self.site_names):
             evaluation = evaluations[name]
             if evaluation.error is not None:
-                self._delivery_failed(index, round_index, evaluation.error, failures)
+                self._delivery_failed(index, round_index, evaluation.error, round_.failures)
                 continue
-            merge(compute.setdefault(name, {}), evaluation.compute)
+            merge(round_.compute.setdefault(name, {}), evaluation.compute)
             for label, loss in evaluation.adapt_losses.items():
-                adapt_loss.setdefault(name, {})[ADAPT if label is None else f"{ADAPT}/{label}"] = loss
+                round_.adapt_loss.setdefault(name, {})[ADAPT if label is None else f"{ADAPT}/{label}"] = loss
             if evaluation.adapt_error is not None:
-                self._adapt_failed(index, round_index, evaluation.adapt_error, failures)
-        newly_excluded = self._count_failures(sorted(set(participants) | set(failures)), failures)
+                self._adapt_failed(index, round_index, evaluation.adapt_error, round_.failures)
+        newly_excluded = self._count_failures(sorted(set(round_.participants) | set(round_.failures)), round_.failures)
+        round_.timing["round_s"] = time.perf_counter() - start
+        return self._record(round_, evaluations, counters_before, newly_excluded)
+
+    def _run_phase(self, round_: _Round, phase_index: int, phase: str) -> None:
+        """One phase of a round: the server's messages, the sites' work and replies, the checks, the server step."""
+        names = self.site_names
+        taking_part = [index for index in round_.participants if index not in round_.failures]
+        ctx = RoundContext(round_.round, phase)
+        messages = {index: self.server.message(ctx, index) for index in taking_part}
+        results = self.sites.work(PhaseWork(round_.round, phase_index, phase, self.local_epochs), messages, round_.timing)
+        fail = functools.partial(self._fail, round_)
+        for index in taking_part:
+            result = results[index]
+            if result.error is not None:
+                fail(index, phase, result.error)
+                continue
+            for label, loss in result.losses.items():
+                round_.train_loss.setdefault(names[index], {})[phase if label is None else f"{phase}/{label}"] = loss
+            merge(round_.compute.setdefault(names[index], {}), result.compute)
+            if result.non_finite:
+                fail(index, phase, f"non-finite reply ({', '.join(repr(key) for key in result.non_finite)})")
+        replies, malformed = self.sites.replies([index for index in taking_part if index not in round_.failures])
+        for index, reason in malformed.items():
+            fail(index, phase, reason)
+        refused = refused_replies(
+            replies, messages, self.server, ctx, self.sites.declared_samples, self.strategy.coded_keys, self.update_norm_limit
+        )
+        for index, reason in refused.items():
+            fail(index, phase, reason)
+            del replies[index]
+        summed = self._checked_sum(ctx, fail)  # secure aggregation: the replies as one sum, never one by one
+        tic = time.perf_counter()
+        if summed is not None:
+            self.server.aggregate_summed(ctx, summed)
+        elif replies:  # a phase no participant came through leaves the server as it was
+            if self.client_dp is not None:  # the server step receives only the clipped, noised average
+                participants = round_.participants
+                sent = {index: {**self._sent.get(index, {}), **messages.get(index, {})} for index in participants}
+                replies = self.client_dp.release(ctx, phase_index, replies, sent, participants, self.sample_size() / len(names))
+            self.server.aggregate(ctx, replies)
+        round_.timing["server_s"] += time.perf_counter() - tic
+
+    def _fail(self, round_: _Round, index: int, phase: str, reason: str) -> None:
+        """Leave site ``index`` out of the rest of the round (drop) or end the run (stop)."""
+        name = self.site_names[index]
+        if self.on_site_failure == "stop":
+            raise SiteFailure(f"site {name} failed in round {round_.round} ({phase} phase): {reason}")
+        warn(f"round {round_.round}: site {name} left out of the {phase} phase and the rest of the round: {reason}")
+        round_.failures[index] = {"round": round_.round, "site": name, "phase": phase, "reason": reason}
+        self.sites.restore_round_start(index)
+
+    def _record(
+        self, round_: _Round, evaluations: dict[str, SiteEvaluation], counters_before: list[dict[str, float]], newly_excluded: list[str]
+    ) -> dict[str, Any]:
+        """The round's record (the loop's module docstring): metrics, losses, compute, bytes, timing, failures."""
+        names = self.site_names
         evaluated = {name: evaluations[name].metrics for name in names if evaluations[name].error is None}
         metric_names = list(next(iter(evaluated.values()), {}))
-        metrics = {name: evaluated.get(name, dict.fromkeys(metric_names, math.nan)) for name in names}
-        timing["round_s"] = time.perf_counter() - start
         traffic = {
             names[index]: {k: v - counters_before[index][k] for k, v in _link_counters(link).items()}
             for index, link in enumerate(self.links)
         }
-        timing["codec_s"] = sum(t.pop("codec_s") for t in traffic.values())
+        round_.timing["codec_s"] = sum(t.pop("codec_s") for t in traffic.values())
         return {
-            "round": round_index,
-            "participants": [names[index] for index in participants],
-            "metrics": metrics,
+            "round": round_.round,
+            "participants": [names[index] for index in round_.participants],
+            "metrics": {name: evaluated.get(name, dict.fromkeys(metric_names, math.nan)) for name in names},
             "mean": {name: float(np.mean([m[name] for m in evaluated.values()])) for name in metric_names},
-            "train_loss": train_loss,
-            "adapt_loss": adapt_loss,
-            "compute": {name: compute[name] for name in names if compute.get(name)},
+            "train_loss": round_.train_loss,
+            "adapt_loss": round_.adapt_loss,
+            "compute": {name: round_.compute[name] for name in names if round_.compute.get(name)},
             "bytes": traffic,
             "server": self.server.metrics(),
-            "timing": timing,
-            "failures": [failures[index] for index in sorted(failures)],
+            "timing": round_.timing,
+            "failures": [round_.failures[index] for index in sorted(round_.failures)],
             "excluded": newly_excluded,
             **({"client_dp": self.client_dp.round_record()} if self.client_dp is not None else {}),
         }
@@ -404,6 +413,19 @@ class FederatedLoop:
             self.client_dp.load_state_dict(state["client_dp"])
             ctx = RoundContext(self.round, DELIVER)
             self._sent = {index: self.server.deliver(ctx, index) for index in range(len(self.site_names))}
+
+
+@dataclass
+class _Round:
+    """A round in progress: who takes part, and what its record gathers (losses, compute, failures, timing)."""
+
+    round: int
+    participants: list[int]
+    timing: dict[str, float] = field(default_factory=lambda: {"train_s": 0.0, "server_s": 0.0, "eval_s": 0.0, "round_start_s": 0.0})
+    train_loss: dict[str, dict[str, float]] = field(default_factory=dict)
+    adapt_loss: dict[str, dict[str, float]] = field(default_factory=dict)
+    compute: dict[str, dict[str, float]] = field(default_factory=dict)  # site name -> {key: epochs}
+    failures: dict[int, dict[str, Any]] = field(default_factory=dict)  # site index -> {"round", "site", "phase", "reason"}
 
 
 def _link_counters(link: Link) -> dict[str, float]:
