@@ -506,6 +506,11 @@ STRATEGY_SPECS: tuple[StrategySpec, ...] = (
         "Arivazhagan, Aggarwal, Singh, Choudhary, Federated learning with personalization layers, arXiv:1912.00818, 2019",
     ),
     StrategySpec(
+        "lgfedavg", "medfed.federated.strategies.lgfedavg:LGFedAvg",
+        "each site keeps its local representation (the body); the global model on top (the head) is averaged",
+        "Liang et al., Think locally, act globally: federated learning with local and global representations, arXiv:2001.01523, 2020",
+    ),
+    StrategySpec(
         "fedrep", "medfed.federated.strategies.fedrep:FedRep",
         "each round trains the personal head (body frozen), then the shared body (head frozen); bodies averaged",
         "Collins, Hassani, Mokhtari, Shakkottai, Exploiting shared representations for personalized federated learning, ICML 2021",
