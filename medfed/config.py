@@ -85,6 +85,21 @@ HOLDOUTS = ("test", "validation")
 ON_SITE_FAILURE = ("drop", "stop")
 DP_ACCOUNTANTS = ("rdp", "prv")
 ON_BUDGET = ("stop_site", "stop_run")
+RDP_ORDERS = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
+"""Opacus's ``RDPAccountant.DEFAULT_ALPHAS``, the orders its RDP accountant converts at (here so that a config is checked
+without importing torch; tests/test_privacy.py checks the two agree)."""
+MAX_NOISE_MULTIPLIER = 1e6
+"""The largest noise multiplier a config may give: Opacus's own search for one (``get_noise_multiplier``) gives up
+above it, and noise of 10^6 clipping norms per step leaves nothing of the gradient."""
+
+
+def rdp_epsilon_floor(delta: float) -> float:
+    """The smallest epsilon Opacus's RDP accountant certifies at ``delta``, however much noise: its conversion of zero RDP,
+    min over the orders a of log((a - 1) / a) - (log delta + log a) / (a - 1) (``opacus.accountants.analysis.rdp.get_privacy_spent``).
+
+    About 0.103 at delta 1e-5: a smaller ``target_epsilon`` has no noise multiplier (Opacus raises "The privacy budget is too low").
+    """
+    return min(math.log((a - 1) / a) - (math.log(delta) + math.log(a)) / (a - 1) for a in RDP_ORDERS)
 
 
 @dataclass
@@ -205,6 +220,13 @@ MAX_QUANT_BITS = 16
 the same reason; the same test checks them)."""
 
 
+MAX_LOCAL_EPOCHS = 1000
+"""The most ``trainer.local_epochs`` a round may have: a round of more passes over a site's data is no longer federated
+learning, and each site plans its round's steps (batch orders, dropout keys) before it trains."""
+MAX_ROUNDS = 100_000
+"""The most ``trainer.rounds`` a run may have (each round is a record in results.json and a loop over every site)."""
+
+
 @dataclass
 class TrainerConfig:
     """The federated loop: rounds, local work per round, seed and device."""
@@ -234,8 +256,9 @@ class TrainerConfig:
     """How many of the newest round checkpoints stay in ``<output_dir>/checkpoints`` (the one before the newest in case that is damaged)."""
 
     def __post_init__(self) -> None:
-        require(self.rounds >= 1, "trainer.rounds", self.rounds, "an integer >= 1")
-        require(0 < self.local_epochs < float("inf"), "trainer.local_epochs", self.local_epochs, "a number of epochs > 0 (e.g. 0.5)")
+        require(1 <= self.rounds <= MAX_ROUNDS, "trainer.rounds", self.rounds, f"an integer from 1 to {MAX_ROUNDS}")
+        require(0 < self.local_epochs <= MAX_LOCAL_EPOCHS, "trainer.local_epochs", self.local_epochs,
+                f"a number of epochs > 0 and at most {MAX_LOCAL_EPOCHS} (e.g. 0.5)")
         require(self.batch_size >= 1, "trainer.batch_size", self.batch_size, "an integer >= 1")
         require(0 <= self.seed < 2**63, "trainer.seed", self.seed, "an integer in [0, 2^63) (torch and numpy seeds are 64-bit)")
         require(self.device in DEVICES, "trainer.device", self.device, f"one of {', '.join(DEVICES)}")
@@ -350,8 +373,8 @@ class DPConfig:
             "null when privacy.dp.noise_multiplier is given (give one of the two)",
         )
         require(
-            self.noise_multiplier is None or (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0),
-            "privacy.dp.noise_multiplier", self.noise_multiplier, "null or a finite number >= 0",
+            self.noise_multiplier is None or 0 <= self.noise_multiplier <= MAX_NOISE_MULTIPLIER,
+            "privacy.dp.noise_multiplier", self.noise_multiplier, f"null or a number from 0 to {MAX_NOISE_MULTIPLIER:g}",
         )
         require(
             self.target_epsilon is None or (math.isfinite(self.target_epsilon) and self.target_epsilon > 0),
@@ -361,6 +384,14 @@ class DPConfig:
         require(self.max_grad_norm > 0, "privacy.dp.max_grad_norm", self.max_grad_norm, "a clipping norm > 0 (.inf: no clipping)")
         require(self.accountant in DP_ACCOUNTANTS, "privacy.dp.accountant", self.accountant, f"one of {', '.join(DP_ACCOUNTANTS)}")
         require(self.on_budget in ON_BUDGET, "privacy.dp.on_budget", self.on_budget, f"one of {', '.join(ON_BUDGET)}")
+        noised = self.target_epsilon is not None or (self.noise_multiplier or 0) > 0
+        require(not noised or math.isfinite(self.max_grad_norm), "privacy.dp.max_grad_norm", self.max_grad_norm,
+                "a finite clipping norm where noise is added (its std is noise_multiplier x max_grad_norm; .inf only with noise 0)")
+        if self.target_epsilon is not None and self.accountant == "rdp":
+            floor = rdp_epsilon_floor(self.delta)
+            require(self.target_epsilon > floor, "privacy.dp.target_epsilon", self.target_epsilon,
+                    f"an epsilon above {floor:.4f}, the smallest the rdp accountant certifies at delta {self.delta:g} however much "
+                    "noise is added (raise it or privacy.dp.delta, or use privacy.dp.accountant=prv)")
 
     @property
     def enabled(self) -> bool:
@@ -384,15 +415,67 @@ class ClientDPConfig:
 
     def __post_init__(self) -> None:
         require(
-            self.noise_multiplier is None or (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0),
-            "privacy.client_dp.noise_multiplier", self.noise_multiplier, "null (off) or a finite number >= 0",
+            self.noise_multiplier is None or 0 <= self.noise_multiplier <= MAX_NOISE_MULTIPLIER,
+            "privacy.client_dp.noise_multiplier", self.noise_multiplier, f"null (off) or a number from 0 to {MAX_NOISE_MULTIPLIER:g}",
         )
         require(self.clipping_norm > 0, "privacy.client_dp.clipping_norm", self.clipping_norm, "a clipping norm > 0 (.inf: no clipping)")
         require(0 < self.delta < 1, "privacy.client_dp.delta", self.delta, "a probability in (0, 1), e.g. 1e-5")
+        require(not (self.noise_multiplier or 0) > 0 or math.isfinite(self.clipping_norm), "privacy.client_dp.clipping_norm",
+                self.clipping_norm, "a finite clipping norm where noise is added (its std is noise_multiplier x clipping_norm / m; "
+                ".inf only with noise 0)")
 
     @property
     def enabled(self) -> bool:
         return self.noise_multiplier is not None
+
+
+AGGREGATIONS = ("mean", "median", "trimmed_mean", "norm_bounded")
+"""``aggregation.name``: the rules of :mod:`medfed.federated.aggregate`."""
+
+
+@dataclass
+class AggregationConfig:
+    """How the server combines the sites' replies of the parts a strategy averages (:mod:`medfed.federated.aggregate`).
+
+    ``name``: ``mean`` (sample-weighted, the strategies' own rule), ``median`` (coordinate-wise), ``trimmed_mean``
+    (coordinate-wise, ``trim`` of the sites dropped at each end) or ``norm_bounded`` (each update scaled to L2 norm at
+    most ``norm_bound``; null: the round's median update norm). Each robust rule needs every site's own reply: refused
+    with secure aggregation and client-level DP.
+    """
+
+    name: str = "mean"
+    trim: float = 0.2
+    norm_bound: float | None = None
+
+    def __post_init__(self) -> None:
+        require(self.name in AGGREGATIONS, "aggregation.name", self.name, f"one of {', '.join(AGGREGATIONS)}")
+        require(0 <= self.trim < 0.5, "aggregation.trim", self.trim, "a fraction in [0, 0.5) of the sites dropped at each end")
+        require(self.norm_bound is None or (math.isfinite(self.norm_bound) and self.norm_bound > 0), "aggregation.norm_bound",
+                self.norm_bound, "null (the round's median update norm) or a finite L2 norm > 0")
+
+
+ATTACK_KINDS = ("scale", "sign_flip", "gaussian")
+"""``attack.kind``: what a simulated hostile site does to its update (:mod:`medfed.federated.attack`)."""
+
+
+@dataclass
+class AttackConfig:
+    """FOR EVALUATION ONLY: simulated hostile sites (:mod:`medfed.federated.attack`), to measure an ``aggregation`` rule.
+
+    The sites listed in ``sites`` (indices) send, in place of each model-vector update u (their reply minus what they
+    last received under that key), ``factor * u`` (``scale``), ``-u`` (``sign_flip``: the honest norm), or a seeded
+    Gaussian direction of u's norm (``gaussian``). The simulator only; a deployment refuses it.
+    """
+
+    sites: list[int] = field(default_factory=list)
+    kind: str = "scale"
+    factor: float = 100.0
+
+    def __post_init__(self) -> None:
+        require(all(isinstance(site, int) and site >= 0 for site in self.sites) and len(set(self.sites)) == len(self.sites),
+                "attack.sites", self.sites, "a list of distinct site indices >= 0 (empty: no attack)")
+        require(self.kind in ATTACK_KINDS, "attack.kind", self.kind, f"one of {', '.join(ATTACK_KINDS)}")
+        require(math.isfinite(self.factor) and self.factor > 0, "attack.factor", self.factor, "a finite factor > 0 (attack.kind=scale)")
 
 
 @dataclass
@@ -456,6 +539,8 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
     deploy: DeployConfig = field(default_factory=DeployConfig)
     output_dir: str = "outputs/run"
 
@@ -534,6 +619,8 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         key, _, value = override.partition("=")
         if not key.strip():
             raise ConfigError(f"override {override!r}: expected key=value, e.g. trainer.rounds=3")
+        if any(character in value for character in "\n\r\x00"):  # YAML would fold a line break into a space: another path
+            raise ConfigError(f"override {override!r}: its value holds a line break or NUL; write it YAML-quoted in the config file")
         try:
             OmegaConf.update(cli_cfg, key.strip(), _read_yaml(value, f"override {override!r}"), force_add=True)
         except OmegaConfBaseException as error:

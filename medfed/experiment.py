@@ -46,7 +46,7 @@ from medfed.federated import fused
 from medfed.federated.sites import InProcessSites, executor_for
 from medfed.models.classification import BinaryClassifier
 from medfed.output_dir import check_output_dir, finish_run, hold_output_dir, start_run
-from medfed.results import format_table, learned_nothing, run_results, timing_summary, write_json_atomic
+from medfed.results import format_table, learned_nothing, run_results, timing_summary, write_json_atomic, write_results
 from medfed.threads import ThreadChoice, choose_threads
 from medfed.tracking import Tracker, classification_figures
 from medfed.viz.plots import add_source, plot_learning_curves, plot_segmentation_examples, save_figure
@@ -199,7 +199,7 @@ def _train(run: _Run) -> None:
             isinstance(error, SiteFailure) and loop.history and len(loop.excluded) == len(run.sites)
         )
         if stopped:  # the rounds so far are the run's results
-            write_json_atomic(run.output_dir / "results.json", run.results())
+            write_results(run.output_dir / "results.json", run.results())
             raise RunFailed(f"{error}; the {len(loop.history)} rounds' results are in {run.output_dir / 'results.json'}") from None
         raise
     run.bar.close()
@@ -210,7 +210,7 @@ def _report(run: _Run, *, resume: bool, overwrite: bool) -> dict[str, Any]:
     loop, output_dir, federation = run.loop, run.output_dir, run.federation
     results = run.results()
     failed = learned_nothing(loop.history)
-    write_json_atomic(output_dir / "results.json", results)
+    write_results(output_dir / "results.json", results)
     figures = {}
     if run.resolved.run.logger.figures:
         if run.progress:
@@ -219,7 +219,7 @@ def _report(run: _Run, *, resume: bool, overwrite: bool) -> dict[str, Any]:
             figures = _figures(run)
     run.tracker.finish([output_dir / f"{name}.png" for name in figures], step=loop.round, exit_code=0 if failed is None else 1)
     results["timing"].update(timing_summary(loop.history, time.perf_counter() - run.started, run.fabric.device, run.seconds, run.tracker.seconds))
-    write_json_atomic(output_dir / "results.json", results)  # again, with the figures' and the tracker's time
+    write_results(output_dir / "results.json", results)  # again, with the figures' and the tracker's time
     if failed is not None:  # an --overwrite keeps the run it replaced
         raise RunFailed(
             f"{failed}: nothing was learned, the metrics in {output_dir / 'results.json'} are those of the initial models; "

@@ -377,3 +377,28 @@ def test_stacked_evaluation_gives_each_site_its_own_metrics_over_ragged_test_spl
         for name, value in alone.items():
             assert math.isclose(metrics[name], value, rel_tol=1e-6, abs_tol=1e-7), (site.name, name)
     assert stacked[0] != stacked[1]  # each its own model and split
+
+
+def test_a_loss_that_becomes_nan_at_step_3_names_the_step_under_the_batched_executor_too():
+    # (issue 32, item 8: the batched executor's message named the round, not the step, as the sequential one does)
+    from medfed.errors import SiteFailure
+
+    loop = build_loop("fedavg", two_group_federation(n_sites=2, n_train=96), seeded(LinearClassifier, 4, 2), on_site_failure="stop")
+    loop.sites.executor = executor_for("batched", torch.device("cpu"), dp_sgd=False)
+    half = loop.sites[0].strategy  # the template whose loss the stacked step runs
+    calls = {}
+
+    def loss(view, ctx, plan, batch, honest=half.loss):
+        calls[ctx.round] = calls.get(ctx.round, 0) + 1
+        value = honest(view, ctx, plan, batch)
+        return value * float("nan") if ctx.round == 2 and calls[ctx.round] >= 3 else value
+
+    half.loss = loss
+    loop.fit(1)
+    steps = loop.sites[0].batches_per_epoch
+    with pytest.raises(
+        SiteFailure,
+        match=rf"^site site0 failed in round 2 \(fit phase\): FloatingPointError: site0: training loss became nan at step 3 of {steps} ",
+    ):
+        loop.fit(2)
+    assert loop.sites.executor.sequential_plans == {}  # the stacked step trained it

@@ -55,7 +55,7 @@ def execute(runs: list[Run], jobs: int, progress: bool = True, fuse: str = "auto
     next ``compare`` resumes them.
 
     Returns:
-        ``{run name: the last lines of its log}`` of the runs that failed.
+        ``{run name: why it failed}`` of the runs that failed (:func:`failure_reason`).
     """
     todo = [run for run in runs if run.action != "done"]
     groups = fused_groups(todo, fuse)
@@ -156,9 +156,16 @@ def _fit(
 
 
 def _tail(run: Run) -> str:
-    """The last :data:`TAIL_LINES` lines of ``run``'s log, joined."""
-    lines = [line for line in run.log.read_text(errors="replace").splitlines() if line.strip()] if run.log.is_file() else []
-    return " | ".join(lines[-TAIL_LINES:])
+    """Why ``run`` failed, from its log (:func:`failure_reason`)."""
+    return failure_reason(run.log.read_text(errors="replace").splitlines() if run.log.is_file() else [])
+
+
+def failure_reason(lines: list[str]) -> str:
+    """Why a run failed, from its log's lines: its last ``medfed: error:`` line (what fit said went wrong; the info and
+    warning lines before it are not the reason), else (a traceback, a crash) its last :data:`TAIL_LINES` lines."""
+    lines = [line for line in lines if line.strip()]
+    errors = [line for line in lines if line.startswith("medfed: error: ")]
+    return errors[-1] if errors else " | ".join(lines[-TAIL_LINES:])
 
 
 def _fit_group_in_run_server_child(runs: list[Run], alive: Any, status: Any) -> None:

@@ -120,9 +120,9 @@ class BatchedExecutor(SequentialExecutor):
             return super().train(rows)
         return [
             mean
-            if math.isfinite(mean)
-            else f"FloatingPointError: {row.site.name}: training loss became {mean} in round {row.ctx.round} (learning rate too high?)"
-            for row, mean in zip(rows, means, strict=True)
+            if bad is None
+            else f"FloatingPointError: {row.site.name}: training loss became {mean} at step {bad} of {row.steps} (learning rate too high?)"
+            for row, (mean, bad) in zip(rows, means, strict=True)
         ]
 
     def _note(self, row: Row, reason: str) -> None:
@@ -322,7 +322,7 @@ class StackedStep:
         return dataclasses.replace(state, auxiliary={**state.auxiliary, **stepped})
 
 
-def train_group(rows: list[Row], compiled: dict[Any, tuple[_Slots, StaticStep]] | None = None) -> list[float]:
+def train_group(rows: list[Row], compiled: dict[Any, tuple[_Slots, StaticStep]] | None = None) -> list[tuple[float, int | None]]:
     """Train the rows (equal :func:`group_key`) stacked, ``rows[i].steps`` steps of row i, by the step rule.
 
     Args:
@@ -332,7 +332,8 @@ def train_group(rows: list[Row], compiled: dict[Any, tuple[_Slots, StaticStep]] 
             and subset of rows.
 
     Returns:
-        Each row's mean loss over its steps (possibly non-finite: the caller's to refuse).
+        Each row's mean loss over its steps (possibly non-finite: the caller's to refuse) and its first step whose
+        loss was not finite (None: every one was finite).
 
     Raises:
         Whatever a step raises, before anything of the sites' models changed (their data orders have moved).
@@ -342,38 +343,47 @@ def train_group(rows: list[Row], compiled: dict[Any, tuple[_Slots, StaticStep]] 
     with _stacked(rows) as (ops, state, write_back):
         ops.compute = rows[0].compute
         totals = torch.zeros(len(rows), dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)  # summed as Site.train sums
+        first_bad = torch.zeros(len(rows), dtype=totals.dtype, device=device)  # each row's first step of a non-finite loss (0: none)
         streams = [site.batches(row.steps, plan.data_order) for site, row in zip(sites, rows)]
         keys = torch.nn.utils.rnn.pad_sequence([row.keys.to(device) for row in rows], batch_first=True)  # (S, max steps)
         if compiled is not None:
-            _train_static(_static_step(rows, ops.groups, compiled), rows, state, streams, keys, totals)
-            for stream in streams:
-                next(stream, None)
-            write_back(state)
-            return (totals / torch.tensor(steps, dtype=totals.dtype, device=device)).tolist()
-        subsets: dict[tuple[int, ...], torch.Tensor] = {}  # the row index tensor of each subset of rows that stepped alone
-        for t in range(max(steps)):
-            by_shape: dict[tuple[Any, ...], list[tuple[int, Any]]] = {}
-            for i in (i for i in range(len(rows)) if t < steps[i]):
-                batch = next(streams[i])
-                by_shape.setdefault(_signature(batch), []).append((i, batch))
-            for members in by_shape.values():
-                chosen = tuple(i for i, _ in members)
-                ops.counted = [sites[i] for i in chosen]
-                batch = _stack_batches([b for _, b in members])
-                if len(members) == len(rows):  # every row: the tensors themselves
-                    loss, state = step(ops, state, batch, keys[:, t])
-                    totals += loss.detach().to(totals.dtype)
-                    continue
-                if chosen not in subsets:  # made once per plan and subset: a copy from the host waits for the device
-                    subsets[chosen] = torch.tensor(chosen, device=device)
-                index = subsets[chosen]
-                loss, stepped = step(ops, state.rows(index), batch, keys[index, t])
-                state.put(index, stepped)
-                totals.index_add_(0, index, loss.detach().to(totals.dtype))
+            _train_static(_static_step(rows, ops.groups, compiled), rows, state, streams, keys, totals, first_bad)
+        else:
+            state = _train_eager(ops, rows, state, streams, keys, totals, first_bad)
         for stream in streams:
             next(stream, None)  # run out: a whole last pass ends as Site.train's loop ends it (DataOrders.batches)
         write_back(state)
-    return (totals / torch.tensor(steps, dtype=totals.dtype, device=device)).tolist()  # the plan's one host read
+    read = torch.cat([totals / torch.tensor(steps, dtype=totals.dtype, device=device), first_bad]).tolist()  # the plan's one host read
+    return [(mean, int(step) or None) for mean, step in zip(read[:len(rows)], read[len(rows):])]
+
+
+def _train_eager(
+    ops: StackedStep, rows: list[Row], state: StackedState, streams: list[Iterator[Any]], keys: torch.Tensor, totals: torch.Tensor, first_bad: torch.Tensor
+) -> StackedState:
+    """The rows' steps by the eager stacked step, one call per batch shape and subset of rows that steps; the final state."""
+    sites, steps, device = [row.site for row in rows], [row.steps for row in rows], totals.device
+    subsets: dict[tuple[int, ...], torch.Tensor] = {}  # the row index tensor of each subset of rows that stepped alone
+    for t in range(max(steps)):
+        by_shape: dict[tuple[Any, ...], list[tuple[int, Any]]] = {}
+        for i in (i for i in range(len(rows)) if t < steps[i]):
+            batch = next(streams[i])
+            by_shape.setdefault(_signature(batch), []).append((i, batch))
+        for members in by_shape.values():
+            chosen = tuple(i for i, _ in members)
+            ops.counted = [sites[i] for i in chosen]
+            batch = _stack_batches([b for _, b in members])
+            if len(members) == len(rows):  # every row: the tensors themselves
+                loss, state = step(ops, state, batch, keys[:, t])
+                totals += loss.detach().to(totals.dtype)
+                continue
+            if chosen not in subsets:  # made once per plan and subset: a copy from the host waits for the device
+                subsets[chosen] = torch.tensor(chosen, device=device)
+            index = subsets[chosen]
+            loss, stepped = step(ops, state.rows(index), batch, keys[index, t])
+            state.put(index, stepped)
+            totals.index_add_(0, index, loss.detach().to(totals.dtype))
+        _note_first_bad(first_bad, totals, t)
+    return state
 
 
 @contextmanager
@@ -443,7 +453,9 @@ def _static_step(rows: list[Row], groups: list[FlatGroup], compiled: dict[Any, t
     return step
 
 
-def _train_static(stacked: StaticStep, rows: list[Row], state: StackedState, streams: list[Iterator[Any]], keys: torch.Tensor, totals: torch.Tensor) -> None:
+def _train_static(
+    stacked: StaticStep, rows: list[Row], state: StackedState, streams: list[Iterator[Any]], keys: torch.Tensor, totals: torch.Tensor, first_bad: torch.Tensor
+) -> None:
     """The rows' steps by the static-shape step: every row in every call, one call a step (or one per batch shape,
     where the models cannot be padded: :mod:`medfed.federated.stacked`)."""
     count, plan = len(rows), rows[0].plan
@@ -459,6 +471,13 @@ def _train_static(stacked: StaticStep, rows: list[Row], state: StackedState, str
         for members, active in calls(drawn, last, stacked.pads, _signature):
             mask = torch.stack(masks) if stacked.pads else None
             stacked.run(state, _stack_batches(members), mask, stacked.active(tuple(active)), keys[:, t], totals)
+        _note_first_bad(first_bad, totals, t)
+
+
+def _note_first_bad(first_bad: torch.Tensor, totals: torch.Tensor, t: int) -> None:
+    """Mark step ``t + 1`` in ``first_bad`` (S,) for the rows whose summed loss ``totals`` (S,) turned non-finite
+    there (a sum stays non-finite; 0: not yet), on the device."""
+    first_bad.copy_(torch.where((first_bad == 0) & ~torch.isfinite(totals), t + 1, first_bad))
 
 
 # ---------------------------------------------------------------------------------------------------- evaluation

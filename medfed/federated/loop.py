@@ -238,7 +238,8 @@ class FederatedLoop:
         taking_part = [index for index in round_.participants if index not in round_.failures]
         ctx = RoundContext(round_.round, phase)
         messages = {index: self.server.message(ctx, index) for index in taking_part}
-        results = self.sites.work(PhaseWork(round_.round, phase_index, phase, self.local_epochs), messages, round_.timing)
+        reply_keys = {index: self.server.reply_keys(ctx, index) for index in taking_part}
+        results = self.sites.work(PhaseWork(round_.round, phase_index, phase, self.local_epochs, reply_keys), messages, round_.timing)
         fail = functools.partial(self._fail, round_)
         for index in taking_part:
             result = results[index]
