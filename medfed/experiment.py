@@ -39,6 +39,7 @@ from medfed.errors import RunFailed, SiteFailure, warn
 from medfed.evaluation.rounds import ValidationEvaluation, VolumeEvaluation
 from medfed.data.federation import Federation
 from medfed.data.pooling import pooled_reference
+from medfed.federated.attack import Attack
 from medfed.federated.executor import planned_steps
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.privacy import PrivacyBudgetSpent, PrivacyRecord, SiteDP, privacy_summary
@@ -164,7 +165,8 @@ def _build(
     links = [assembly.link(initial, fabric.device, site.name) for site in sites]
     # fused with other runs (medfed.compare's fused runs: medfed.federated.fused), its rows stack with theirs
     executor = executor_for(trainer.executor, fabric.device, dp.enabled, compile=trainer.compile, fused=fused.current())
-    in_process = InProcessSites(sites, links, executor)
+    attack = Attack(run_cfg.attack, strategy.coded_keys, trainer.seed) if run_cfg.attack.sites else None  # evaluation only
+    in_process = InProcessSites(sites, links, executor, attack)
     run = _Run(
         resolved, output_dir, started, progress, threads, federation, assembly, tracker, fabric, in_process,
         BackgroundCheckpoints(output_dir, config, trainer.keep_checkpoints), seconds,
@@ -173,6 +175,8 @@ def _build(
     if resumed is not None:
         run.loop.load_state_dict(resumed)
         del resumed  # the sites hold copies now: free the checkpoint's tensors
+        if attack is not None:
+            attack.resume(strategy.server, run.loop.round)
     else:
         start_run(output_dir, overwrite)
         write_json_atomic(output_dir / "config.json", config)
