@@ -20,12 +20,14 @@ whole in ``<output_dir>.previous`` and only the new run's files in
 from __future__ import annotations
 
 import datetime
+import errno
 import fcntl
 import json
 import logging
 import os
 import shutil
 import socket
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,7 +63,8 @@ def hold_output_dir(output_dir: Path, key: str | None = None) -> Iterator[None]:
 
     Raises:
         ConfigError: another living process holds it (the message names its
-            pid, host and start time), or the folder above cannot be created.
+            pid, host and start time), the folder above cannot be created, or
+            the lock is not a regular file of this user (a link planted there).
     """
     key = key or f"config key 'output_dir' = {str(output_dir)!r}"
     path = lock_file(output_dir)
@@ -74,15 +77,32 @@ def hold_output_dir(output_dir: Path, key: str | None = None) -> Iterator[None]:
     try:
         yield
     finally:
-        os.unlink(path)  # while locked: a run waiting on this file finds it gone and locks a new one
+        try:
+            named, held = os.lstat(path), os.fstat(descriptor)
+            if (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino):  # never another entry put in its place
+                os.unlink(path)  # while locked: a run waiting on this file finds it gone and locks a new one
+        except FileNotFoundError:
+            pass
         os.close(descriptor)
 
 
 def _lock(path: Path, key: str) -> int:
-    """An open descriptor of ``path`` holding its exclusive lock, the holder written in it."""
+    """An open descriptor of ``path`` holding its exclusive lock, the holder written in it.
+
+    The lock is opened without following a link (``O_NOFOLLOW``) and used only if it is a regular
+    file of this user with no other name: a lock planted as a symbolic or hard link to another
+    file, a device or a pipe is refused, so a run never truncates or creates a file elsewhere.
+    """
     while True:
-        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        _check_lock_entry(path, key)
         try:
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            if error.errno == errno.ELOOP:  # became a link after the check
+                raise ConfigError(_NOT_A_LOCK.format(key=key, path=path, what="a symbolic link")) from None
+            raise
+        try:
+            _check_lock_file(os.fstat(descriptor), path, key)
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _holder(descriptor)
@@ -90,8 +110,12 @@ def _lock(path: Path, key: str) -> int:
             raise ConfigError(
                 f"{key} is being written by another run ({holder}); wait for it to end, or choose another output_dir"
             ) from None
+        except BaseException:
+            os.close(descriptor)
+            raise
         try:
-            current = os.stat(path).st_ino == os.fstat(descriptor).st_ino
+            named, opened = os.lstat(path), os.fstat(descriptor)
+            current = (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
         except FileNotFoundError:
             current = False
         if current:  # not a file its last holder deleted after we opened it
@@ -104,6 +128,33 @@ def _lock(path: Path, key: str) -> int:
     os.ftruncate(descriptor, 0)
     os.pwrite(descriptor, json.dumps(record).encode(), 0)
     return descriptor
+
+
+_NOT_A_LOCK = "{key}: its lock file {path} is {what}, not a lock a run wrote; nothing was written through it: delete it and run again"
+
+
+def _check_lock_entry(path: Path, key: str) -> None:
+    """``path`` does not exist, or is what :func:`_check_lock_file` accepts (checked by name, without following a link)."""
+    try:
+        entry = os.lstat(path)
+    except FileNotFoundError:
+        return
+    _check_lock_file(entry, path, key)
+
+
+def _check_lock_file(entry: os.stat_result, path: Path, key: str) -> None:
+    """Refuse a lock that is not a regular file of this user with exactly one name."""
+    if stat.S_ISLNK(entry.st_mode):
+        what = "a symbolic link"
+    elif not stat.S_ISREG(entry.st_mode):
+        what = "not a regular file"
+    elif entry.st_uid != os.geteuid():
+        what = f"owned by another user (uid {entry.st_uid})"
+    elif entry.st_nlink != 1:
+        what = f"a file with {entry.st_nlink} names (a hard link)"
+    else:
+        return
+    raise ConfigError(_NOT_A_LOCK.format(key=key, path=path, what=what))
 
 
 def _holder(descriptor: int) -> str:

@@ -77,6 +77,20 @@ def test_the_server_app_holds_its_output_dir_a_second_run_on_it_is_one_line_befo
     ), lines
 
 
+def test_the_server_app_writes_nothing_through_a_lock_planted_as_a_symlink(tmp_path, capsys):
+    # (the ServerApp opened <output-dir>.lock following links, as fit did: the link's target was truncated)
+    victim = tmp_path / "precious.txt"
+    victim.write_text("mine")
+    (tmp_path / "out.lock").symlink_to(victim)
+    _main({**RUN_CONFIG, "output-dir": str(tmp_path / "out")})
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0] == (
+        f"medfed: error: run config key 'output-dir' = {str(tmp_path / 'out')!r}: its lock file {tmp_path / 'out.lock'} "
+        "is a symbolic link, not a lock a run wrote; nothing was written through it: delete it and run again"
+    ), lines
+    assert victim.read_text() == "mine"
+
+
 @pytest.mark.parametrize(
     "arguments,message",
     [

@@ -211,3 +211,56 @@ def test_a_full_disk_while_a_run_writes_is_one_line_naming_the_file_and_how_to_r
     assert error.startswith(f"medfed: error: {tmp_path / 'run'}/") and "could not be written (No space left on device); " in error
     assert "MiB free under" in error and "--resume" in error
     assert (tmp_path / "run" / "checkpoints" / "round-1.ckpt").exists()  # what was written before stays
+
+
+# --- a lock planted as a link (issue 32, item 1) ----------------------------------------------------------
+
+
+def _plant(kind, lock, victim):
+    if kind == "symlink":
+        lock.symlink_to(victim)
+    elif kind == "dangling symlink":
+        lock.symlink_to(victim.with_name("created-by-a-run"))
+    elif kind == "hard link":
+        os.link(victim, lock)
+    else:
+        os.mkfifo(lock)
+
+
+_PLANTED = {
+    "symlink": "is a symbolic link",
+    "dangling symlink": "is a symbolic link",
+    "hard link": "is a file with 2 names (a hard link)",
+    "fifo": "is not a regular file",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_PLANTED))
+def test_a_lock_planted_as_a_link_is_refused_and_nothing_is_written_through_it(
+    tiny_run_config, tmp_path, reading_forbidden, capsys, kind
+):
+    # (fit truncated a symlinked lock's target to its 67-byte lock JSON, exited 0 and removed the link;
+    # a dangling one made it create a file at a path of someone else's choosing)
+    victim = tmp_path / "elsewhere" / "precious.txt"
+    victim.parent.mkdir()
+    victim.write_bytes(b"x" * 1221)
+    lock = tmp_path / "run.lock"
+    _plant(kind, lock, victim)
+    assert _fit(tiny_run_config) == 2
+    error = _one_line_naming_output_dir(capsys)
+    assert f"its lock file {lock} {_PLANTED[kind]}, not a lock a run wrote" in error, error
+    assert victim.read_bytes() == b"x" * 1221
+    assert sorted(p.name for p in victim.parent.iterdir()) == ["precious.txt"]  # no file created at the link's target
+    assert os.path.lexists(lock) and not (tmp_path / "run").exists()  # the planted entry left for its owner to see
+
+
+def test_a_lock_swapped_for_a_link_during_the_run_is_not_what_the_run_deletes(tmp_path):
+    from medfed.output_dir import hold_output_dir, lock_file
+
+    victim = tmp_path / "precious.txt"
+    victim.write_text("mine")
+    lock = lock_file(tmp_path / "run")
+    with hold_output_dir(tmp_path / "run"):
+        lock.unlink()
+        lock.symlink_to(victim)
+    assert lock.is_symlink() and victim.read_text() == "mine"
