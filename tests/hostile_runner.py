@@ -8,6 +8,11 @@ is altered after the real site made it, the way a broken
 or malicious hospital could: every byte the server then reads takes the
 server's real code path. ``tests/test_deploy.py`` starts it in place of one
 site's runner.
+
+With ``--secure`` first, the site's replies to securely aggregated work are
+altered instead, in the rounds of :data:`SECURE_ATTACKS`, before Flower's
+SecAgg+ mod masks them (what the site hands the mod: its vectors, its plain
+weight and the shapes it declares); ``tests/test_deploy_secagg.py`` uses it.
 """
 
 import json
@@ -18,6 +23,7 @@ import sys
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
+import medfed.deploy.client_app as client_app
 import medfed.deploy.runner as runner
 from medfed.compression.codecs import FORMAT_VERSION, MAGIC, frame_checksum
 from medfed.deploy.client_app import app as medfed_app
@@ -101,6 +107,49 @@ def hostile_app(message: Message, context) -> Message:
     return reply if attack is None else Message(attack(reply.content), reply_to=message)
 
 
+def inflated_weight(vectors: dict, weight: int) -> tuple[dict, int, None]:
+    """The vectors as trained, the plain weight 10^9 (SecAgg+ then scales the masked vector by it as well)."""
+    return vectors, 10**9, None
+
+
+def extra_entries(vectors: dict, weight: int) -> tuple[dict, int, None]:
+    """The model vector with 7 extra entries, its shape declared accordingly."""
+    import torch
+
+    return {**vectors, "all": torch.cat([vectors["all"], torch.zeros(7)])}, weight, None
+
+
+def shape_lie(vectors: dict, weight: int) -> tuple[dict, int, dict]:
+    """The model vector with 7 extra entries, its honest shape declared in plain."""
+    honest = {key: list(value.shape) for key, value in vectors.items()}
+    return extra_entries(vectors, weight)[0], weight, honest
+
+
+SECURE_ATTACKS = {1: inflated_weight, 2: extra_entries, 3: shape_lie}
+"""The attack on each round's securely aggregated work reply; other rounds are answered honestly."""
+
+
+def hostile_fit_reply(message: Message, site_index: int, fields: dict, vectors: dict, weight: int) -> Message:
+    """medfed's SecAgg+ reply (:func:`medfed.deploy.secure_aggregation.fit_reply`), altered in the rounds of :data:`SECURE_ATTACKS`."""
+    attack = SECURE_ATTACKS.get(int(message.metadata.group_id))
+    if attack is None:
+        return honest_fit_reply(message, site_index, fields, vectors, weight)
+    vectors, weight, declared = attack(vectors, weight)
+    reply = honest_fit_reply(message, site_index, fields, vectors, weight)
+    if declared is not None:
+        metrics = reply.content.config_records["fitres.metrics"]
+        plain = json.loads(metrics["json"])
+        plain["shapes"] = [declared[key] for key in plain["keys"]]
+        metrics["json"] = json.dumps(plain)
+    return reply
+
+
+honest_fit_reply = client_app.fit_reply
+
 if __name__ == "__main__":
-    runner.app = hostile_app
+    if sys.argv[1:2] == ["--secure"]:
+        del sys.argv[1]
+        client_app.fit_reply = hostile_fit_reply
+    else:
+        runner.app = hostile_app
     sys.exit(runner.main())

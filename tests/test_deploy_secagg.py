@@ -28,10 +28,17 @@
   after round 1 gives the uninterrupted secure run's sums and metrics
   exactly; with a clipping range no reply fits, every site drops out at the collect stage with its reason,
   SecAgg+ halts, the server half receives nothing and the run goes on.
+* A hostile site under SecAgg+ (``tests/hostile_runner.py --secure`` in place
+  of site 2's runner: a plain weight of 10^9, a vector with 7 extra entries
+  declared so, the same with its honest shape declared) is refused at the
+  collect stage and left out as a dropout, named in the round's failure; the
+  honest sites' round completes and the server half's sum equals their
+  weighted mean of what they handed SecAgg+ (the probe, in their processes).
 """
 
 import copy
 import json
+import math
 import os
 import re
 import subprocess
@@ -256,8 +263,14 @@ def _deploy(federation, name: str, *extra: str, resume: bool = False) -> tuple[d
     wall = time.perf_counter() - tic
     path = tmp / name / "results.json"
     assert path.is_file(), f"the run wrote no results.json; its log ends:\n{log[-3000:]}"
-    calls = [torch.load(file, weights_only=True) for file in sorted(probe.iterdir())]
+    calls = [torch.load(file, weights_only=True) for file in sorted(probe.iterdir()) if not file.name.startswith("site-")]
     return json.loads(path.read_text()), calls, wall
+
+
+def _handed_to_secagg(federation) -> dict[tuple[int, int], dict]:
+    """What each site handed SecAgg+ to mask in the last run, by (round, site): its vectors and weight (the probe's site records)."""
+    records = [torch.load(file, weights_only=True) for file in sorted(federation[3].iterdir()) if file.name.startswith("site-")]
+    return {(record["round"], record["site"]): record for record in records}
 
 
 def _weighted_mean(replies: dict) -> dict:
@@ -368,3 +381,42 @@ def test_a_secure_run_resumed_after_round_1_gives_the_uninterrupted_secure_runs_
     for key, value in secure_calls[2]["summed"].items():
         assert torch.equal(calls[0]["summed"][key], value), key
     assert [r["metrics"] for r in resumed["history"]] == [r["metrics"] for r in secure["history"]]
+
+
+@pytest.mark.deploy
+def test_a_hostile_site_under_secagg_is_dropped_at_the_collect_stage_and_named_and_the_honest_sum_goes_on(federation):
+    # (Before: a plain weight of 10^9, or a vector with 7 extra entries, failed all three sites in every round: "the
+    # securely summed reply of sites [0, 1, 2] is refused ... declared 455", "operands could not be broadcast".)
+    local = federation[0]
+    local.stop_runner(2)
+    try:
+        local.start_runner(2, [sys.executable, str(REPO / "tests" / "hostile_runner.py"), "--secure"])
+        results, calls, _ = _deploy(federation, "hostile", "deploy.secure_aggregation=true", "trainer.rounds=3",
+                                    "federation.max_consecutive_failures=null")
+        handed = _handed_to_secagg(federation)
+    finally:
+        local.stop_runner(2)
+        local.start_runner(2)
+    stage = "secure aggregation, collect masked vectors stage: "
+    reasons = {
+        1: "refused before the sum: site2: plain weight 1000000000, expected a whole number from 0 to ",
+        2: "refused before the sum: site2: vector 'all' declared of shape [38], expected [31] (the model vector's size)",
+        3: "malformed reply: message from site2: secure aggregation reply: masked arrays of shapes [[38], [0]], but it declared [[31], [0]]",
+    }
+    summed = [call["summed"] for call in calls if call["method"] == "aggregate_summed"]
+    assert [record["round"] for record in results["history"]] == [1, 2, 3] and len(summed) == 3, calls
+    for record, sum_ in zip(results["history"], summed):
+        (failure,) = record["failures"]
+        assert failure["site"] == "site2" and failure["phase"] == "fit", failure
+        assert failure["reason"].startswith(stage + reasons[record["round"]]), failure["reason"]
+        assert failure["reason"].endswith("left out of the sum as a dropout (its masks removed with its neighbours' shares)")
+        assert record["excluded"] == [] and record["participants"] == ["site0", "site1", "site2"]
+        assert all(math.isfinite(value) for site in ("site0", "site1") for value in record["metrics"][site].values())
+        honest = {site: handed[(record["round"], site)] for site in (0, 1)}
+        total = sum(float(h["weight"]) for h in honest.values())
+        assert float(sum_["num_samples"]) == total  # the honest sites' weights only
+        for key in ("all", "buffers"):
+            mean = sum(float(h["weight"]) * h["vectors"][key].double() for h in honest.values()) / total
+            assert sum_[key].shape == mean.shape
+            error = float((sum_[key].double() - mean).abs().max()) if mean.numel() else 0.0
+            assert error < 1e-4, (record["round"], key, error)  # SecAgg+'s quantisation

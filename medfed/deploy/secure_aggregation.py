@@ -41,21 +41,37 @@ Either way the round goes on if every participant still has at least
 ``reconstruction_threshold`` answering neighbours (and at least 2 sites
 sent a vector); otherwise SecAgg+ halts, nothing is aggregated and every
 participant fails the phase (the server keeps its model; the sites are put
-back to the round's start). A site whose plain fields are malformed fails
-the phase, but its vector, already in the sum, cannot be taken out.
+back to the round's start).
+
+*A hostile site is a dropout.* At the collect stage, before any vector is
+added, the server checks each reply's clear parts: its plain fields (one
+JSON text, its own site index), its plain weight (a whole number, at most
+the training-set size the site declared when it joined; 1 where the phase
+is unweighted), the vector keys it declared (one of the key sets the server
+half expects, :meth:`~medfed.federated.strategies.base.ServerHalf.reply_keys`),
+each declared shape (the flat size of the model vector the server knows
+for that key) and the shapes of the masked arrays themselves (read from
+their headers: the weight's one entry, then the declared shapes). A reply
+that fails is treated as if it had never come: the site is left out of the
+sum as a dropout, its pairwise masks are rebuilt from its neighbours'
+shares and removed, the others' round completes, and the site fails the
+phase with the reason (:meth:`FlowerSecAgg.run`'s ``screen``). (The server
+then learns the refused site's mask key, never its vector, which it drops.)
 
 What the server can no longer check (it never sees one vector): the update
-norms (``federation.update_norm_limit`` does not apply to a summed phase)
-and whether the weight inside a site's masked vector is the count it sent in
-plain; SecAgg+'s clipping bounds every weighted entry a site adds to
-[-clipping_range, clipping_range].
+norms (``federation.update_norm_limit`` does not apply to a summed phase,
+nor does a robust ``aggregation``) and whether the weight inside a site's
+masked vector is the count it sent in plain; SecAgg+'s clipping bounds every
+weighted entry a site adds to [-clipping_range, clipping_range].
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +79,8 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.common import Code, FitIns, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
-from flwr.compat.common.recorddict_compat import fitres_to_recorddict
+from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
+from flwr.compat.common.recorddict_compat import fitres_to_recorddict, recorddict_to_fitres
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.compat.grid_client_proxy import GridClientProxy
@@ -87,6 +104,11 @@ FIT_CONFIG = "fitins.config"
 """The record of a SecAgg+ work message that carries medfed's request (Flower's FitIns config)."""
 WIRE_PREFIX = "wire:"
 """The config keys of the request's codec streams: ``wire:<wire index>:<payload key>``."""
+COLLECT = STAGES.index("collect masked vectors")
+
+Screen = Callable[[int, dict[str, Any]], "str | None"]
+"""The server's own check of a site's plain reply at the collect stage (site index, :func:`_plain_reply`'s fields):
+why the site is refused, or None."""
 
 
 def refuse_secure_aggregation(resolved: ResolvedRun) -> None:
@@ -176,8 +198,8 @@ class SecureOutcome:
         plain: per site whose masked vector is in the sum, its plain reply
             (fields, the vector keys and shapes it declared, its weight) and the
             bytes it sent in SecAgg+'s records (``secagg_bytes``).
-        dropped: per site that is not in the sum, or whose plain reply is
-            malformed, why (the stage it dropped out in and the reason).
+        dropped: per site that is not in the sum, why (the stage it dropped
+            out in and the reason; a reply refused at the collect stage is a dropout).
         mean: the unmasked weighted mean of the vectors, in the sites' key
             order, or None where SecAgg+ halted (too few sites answered).
         weight: the total weight of the sum (the plain weights of the sites in it).
@@ -199,13 +221,16 @@ class _StageLog:
     where Flower's looks every 3 s: each of SecAgg+'s four stages is a round trip.
     """
 
-    def __init__(self, grid: Grid, poll_s: float) -> None:
+    def __init__(self, grid: Grid, poll_s: float, screen: Callable[[int, Message], "str | None"]) -> None:
         self.grid = grid
         self.poll_s = poll_s
+        self.screen = screen
         self.asked: list[set[int]] = []
         self.answers: list[dict[int, Message]] = []
+        self.refused: dict[int, str] = {}
 
     def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> list[Message]:
+        """The replies to ``messages``; at the collect stage only those ``screen`` passes (the others are dropouts)."""
         messages = list(messages)
         self.asked.append({message.metadata.dst_node_id for message in messages})
         waiting = set(self.grid.push_messages(messages))
@@ -219,6 +244,12 @@ class _StageLog:
                 break
             time.sleep(self.poll_s)
         self.answers.append({reply.metadata.src_node_id: reply for reply in replies})
+        if len(self.answers) - 1 == COLLECT:
+            for reply in replies:
+                reason = None if reply.has_error() else self.screen(reply.metadata.src_node_id, reply)
+                if reason is not None:
+                    self.refused[reply.metadata.src_node_id] = reason
+            replies = [reply for reply in replies if reply.metadata.src_node_id not in self.refused]
         return replies
 
     def dropout(self, node: int, timeout_s: float) -> str | None:
@@ -231,6 +262,9 @@ class _StageLog:
                 return f"secure aggregation, {STAGES[stage]} stage: no reply within reply-timeout-s = {timeout_s:g} s"
             if reply.has_error():
                 return f"secure aggregation, {STAGES[stage]} stage: {reply.error.reason}"
+            if node in self.refused and stage == COLLECT:
+                return (f"secure aggregation, {STAGES[stage]} stage: {self.refused[node]}; left out of the sum as a dropout "
+                        "(its masks removed with its neighbours' shares)")
         return None
 
     def sent_bytes(self, node: int) -> int:
@@ -288,7 +322,9 @@ class FlowerSecAgg:
     def __init__(self, grid: Grid, run_id: int, options: DeployConfig, timeout_s: float, poll_s: float) -> None:
         self.grid, self.run_id, self.options, self.timeout_s, self.poll_s = grid, run_id, options, timeout_s, poll_s
 
-    def run(self, requests: dict[int, RecordDict], node_of_site: dict[int, int], round_index: int, max_weight: int) -> SecureOutcome:
+    def run(
+        self, requests: dict[int, RecordDict], node_of_site: dict[int, int], round_index: int, max_weight: int, screen: Screen,
+    ) -> SecureOutcome:
         """Send each site its request inside SecAgg+; the plain replies, the dropouts and the weighted mean.
 
         Args:
@@ -296,8 +332,22 @@ class FlowerSecAgg:
             node_of_site: each site's Flower node.
             round_index: the round (Flower's ``group_id`` of the messages).
             max_weight: the largest weight a site may hold (the largest declared training-set size).
+            screen: the server's check of each site's plain reply at the collect stage, after this module's own
+                (:func:`_collect_fault`); a site either refuses is left out of the sum as a dropout.
         """
         site_of_node = {node_of_site[index]: index for index in requests}
+        plain: dict[int, dict[str, Any]] = {}
+
+        def screened(node: int, reply: Message) -> str | None:
+            index = site_of_node.get(node)
+            if index is None:
+                return "secure aggregation reply from a node that was not asked"
+            fields, fault = _collect_fault(reply, index)
+            fault = fault or screen(index, fields)
+            if fault is None:
+                plain[index] = fields
+            return fault
+
         fit_ins = {node_of_site[index]: FitIns(Parameters([], ""), fit_config(record)) for index, record in requests.items()}
         strategy = _PhaseStrategy(self.grid, self.run_id, fit_ins)
         state = RecordDict({MAIN_CONFIGS_RECORD: ConfigRecord({WorkflowKey.CURRENT_ROUND: round_index}), MAIN_PARAMS_RECORD: ArrayRecord()})
@@ -308,7 +358,7 @@ class FlowerSecAgg:
             clipping_range=options.clipping_range, quantization_range=options.quantization_range,
             modulus_range=options.modulus_range, timeout=self.timeout_s,
         )
-        log = _StageLog(self.grid, self.poll_s)
+        log = _StageLog(self.grid, self.poll_s, screened)
         outcome = SecureOutcome()
         try:
             workflow(log, context)
@@ -321,11 +371,7 @@ class FlowerSecAgg:
                 reason = log.dropout(node, self.timeout_s)
                 outcome.dropped[index] = reason or _halted(log, len(requests))
                 continue
-            try:
-                outcome.plain[index] = _plain_reply(in_sum[node], index)
-                outcome.plain[index]["secagg_bytes"] = log.sent_bytes(node)
-            except MessageError as error:
-                outcome.dropped[index] = f"malformed reply: {error} (its masked vector is in the sum: none can be taken out)"
+            outcome.plain[index] = {**plain[index], "secagg_bytes": log.sent_bytes(node)}
         if strategy.aggregated and in_sum:
             outcome.mean = parameters_to_ndarrays(next(iter(in_sum.values())).parameters)
             outcome.weight = float(sum(fitres.num_examples for fitres in in_sum.values()))
@@ -352,6 +398,48 @@ def _flower_count(value: float) -> int | float:
 
 PLAIN = {"site_index": int, "reply": dict, "keys": list, "shapes": list}
 """The plain fields of a site's reply to a securely aggregated phase."""
+
+
+def _collect_fault(reply: Message, index: int) -> tuple[dict[str, Any], str | None]:
+    """Site ``index``'s reply at the collect stage: its plain fields (:func:`_plain_reply`), and why it is malformed
+    (None: its plain fields are well formed and its masked arrays have the weight's one entry and the shapes it declared)."""
+    try:
+        plain = _plain_reply(recorddict_to_fitres(reply.content, keep_input=True), index)
+        masked = reply.content.config_records[RECORD_KEY_CONFIGS][SecAggKey.MASKED_PARAMETERS]
+        shapes = [_array_shape(data) for data in (masked if isinstance(masked, list) else [masked])]
+        if shapes != [[1], *plain["shapes"]]:
+            raise MessageError(f"secure aggregation reply: masked arrays of shapes {_short(shapes[1:])}, "
+                               f"but it declared {_short(plain['shapes'])}").about(f"site{index}")
+    except MessageError as error:
+        return {}, f"malformed reply: {error}"
+    except (KeyError, TypeError, ValueError) as error:  # not a SecAgg+ reply at all
+        return {}, f"malformed reply: message from site{index}: secure aggregation reply: {type(error).__name__}: {error}"[:500]
+    return plain, None
+
+
+def _array_shape(data: Any) -> list[int]:
+    """The shape in one masked array's ``.npy`` header, its length checked against the header (nothing allocated).
+
+    Raises:
+        MessageError: not ``.npy`` bytes of a plain integer array, or bytes of another length than its header declares.
+    """
+    if not isinstance(data, bytes):
+        raise MessageError("secure aggregation reply: a masked array that is not bytes")
+    stream = io.BytesIO(data)
+    try:
+        version = np.lib.format.read_magic(stream)
+        shape, _, dtype = (np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0)(stream)
+    except (ValueError, SyntaxError, TypeError) as error:
+        raise MessageError(f"secure aggregation reply: a masked array is not .npy bytes ({error})"[:300]) from None
+    if dtype.kind not in "iu" or stream.tell() + math.prod(shape) * dtype.itemsize != len(data):
+        raise MessageError(f"secure aggregation reply: a masked array of {dtype} {list(shape)} in {len(data)} bytes")
+    return list(shape)
+
+
+def _short(value: Any) -> str:
+    """``value`` as text, cut to 120 characters."""
+    text = json.dumps(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _plain_reply(fitres: FitRes, index: int) -> dict[str, Any]:

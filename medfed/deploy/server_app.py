@@ -63,7 +63,9 @@ declares in ``secure_sums`` runs as one round of Flower's SecAgg+
 each site's plain fields come back per site, its vectors only as the
 participants' weighted sum, which the loop hands to the server half's
 ``aggregate_summed`` (:meth:`FlowerSites.summed_replies`). A site that drops
-out of the protocol fails the phase with the stage named; what a site
+out of the protocol fails the phase with the stage named; one whose clear
+parts (keys, shapes, weight: :func:`summed_reply_fault`) are refused at the
+collect stage is such a dropout, so the others' sum goes on; what a site
 sent in SecAgg+'s records (keys, shares, masked vector) is its up traffic.
 
 Round trips are what a deployment waits for (a SuperNode looks for messages
@@ -271,9 +273,14 @@ class FlowerSites:
         max_weight = max(self.declared_samples[index] for index in wires)
         request = {**request, "secure": True, "max_weight": max_weight, "clipping_range": self.secure.options.clipping_range}
         records = {index: self._content(index, (request, wire))[0] for index, wire in wires.items()}
-        outcome = self.secure.run(records, self.node_of_site, work.round_index, max_weight)
-        results = {index: SiteResult(error=reason) for index, reason in outcome.dropped.items()}
         weight_key = self.secure_sums[work.phase].weight
+
+        def screen(index: int, plain: dict[str, Any]) -> str | None:
+            fault = summed_reply_fault(plain, self.links[index], work.reply_keys.get(index, ()), weight_key, self.declared_samples[index])
+            return None if fault is None else f"refused before the sum: {self.names[index]}: {fault}"
+
+        outcome = self.secure.run(records, self.node_of_site, work.round_index, max_weight, screen)
+        results = {index: SiteResult(error=reason) for index, reason in outcome.dropped.items()}
         layouts = set()
         for index, plain in outcome.plain.items():
             link = self.links[index]  # SecAgg+'s bytes (keys, shares, masked vector) are the site's up traffic; dense: float32
@@ -283,8 +290,6 @@ class FlowerSites:
                 reply = dict(plain["reply"])
                 train_s = reply.get("train_s")
                 results[index] = _work_result(reply, self.names[index])
-                if weight_key is not None and plain["weight"] > self.declared_samples[index]:
-                    raise MessageError(f"weight {plain['weight']} is over the {self.declared_samples[index]} training samples the site declared")
             except MessageError as error:
                 results[index] = SiteResult(error=f"malformed reply: {error} (its masked vector is in the sum: none can be taken out)")
                 continue
@@ -514,6 +519,40 @@ class FlowerSites:
             if isinstance(reply, str):
                 raise RuntimeError(reply if reply.startswith(self.names[index]) else f"{self.names[index]}: {reply}")
         return replies
+
+
+def summed_reply_fault(
+    plain: dict[str, Any], link: Link, reply_keys: tuple[frozenset[str], ...], weight_key: str | None, declared_samples: int,
+) -> str | None:
+    """Why one site's securely summed reply is refused before the sum, from its clear parts; None: it may be summed.
+
+    Args:
+        plain: its plain fields (``keys`` and ``shapes`` of its vectors, ``weight``).
+        link: the server's end of the site's link (the sizes of the model vectors it knows).
+        reply_keys: the key sets the server half expects of this site (``ServerHalf.reply_keys``).
+        weight_key: the phase's weight key (``SecureSum.weight``; None: every site weighs 1).
+        declared_samples: the training-set size the site declared when it joined.
+
+    Refused: vector keys that are not one of ``reply_keys`` (less the weight key), a vector
+    whose shape is not the flat size the server knows for its key (or of a key whose size it
+    cannot know), and a weight that is not a whole number from 0 to ``declared_samples`` (1
+    where unweighted): a sum cannot take a site out again, and one site's vector of another
+    shape, or weight of 10^9, would spoil every site's round.
+    """
+    keys, weight = plain["keys"], plain["weight"]
+    expected = [sorted(keys_ - {weight_key}) for keys_ in reply_keys]
+    if sorted(keys) not in expected:
+        return f"vector keys {sorted(keys)}, expected {' or '.join(map(str, expected)) or 'none'}"
+    for key, shape in zip(keys, plain["shapes"]):
+        size = link.vector_size(key)
+        if size is None:
+            return f"vector {key!r}: the server knows no size for it, which a sum needs"
+        if shape != [size]:
+            return f"vector {key!r} declared of shape {shape}, expected [{size}] (the model vector's size)"
+    allowed = range(1, 2) if weight_key is None else range(declared_samples + 1)
+    if weight not in allowed:
+        return f"plain weight {weight}, expected a whole number from {allowed.start} to {allowed.stop - 1} (the training samples it declared)"
+    return None
 
 
 def _sum_fault(mean: list[Any], weight: float, layouts: set[str]) -> str | None:

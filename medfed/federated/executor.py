@@ -56,12 +56,16 @@ class PhaseWork:
         phase: its name.
         local_epochs: the trainer's local epochs per round, which each
             training plan takes its share of.
+        reply_keys: per site, the key sets its reply may hold (the server half's
+            ``reply_keys``): a deployment checks each site's securely summed reply
+            against them before the sum, where no reply is seen alone.
     """
 
     round_index: int
     phase_index: int
     phase: str
     local_epochs: float
+    reply_keys: dict[int, tuple[frozenset[str], ...]] = field(default_factory=dict)
 
 
 @dataclass

@@ -324,6 +324,13 @@ class Link:
                 raise MessageError("the decoded change added to the known value is not finite")
         return shape, sent, data, coded_change
 
+    def vector_size(self, key: str) -> int | None:
+        """How many values a model vector under ``key`` holds at the other end: a coded key's known value's (or its
+        initial vector's), or the initial vector named ``key`` (``buffers``); None where this end cannot know it."""
+        reference_name = self._reference_name(key)
+        reference = self.initial.get(key) if reference_name is None else self._reference(key, reference_name)
+        return None if reference is None else reference.numel()
+
     def _expected(self, key: str, shape: tuple[int, ...]) -> tuple[int, str | None, torch.Tensor | None]:
         """The values a received ``shape`` under ``key`` holds, checked; with the key's reference name and K (None: none).
 

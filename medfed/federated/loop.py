@@ -238,7 +238,8 @@ class FederatedLoop:
             taking_part = [index for index in participants if index not in failures]
             ctx = RoundContext(round_index, phase)
             messages = {index: self.server.message(ctx, index) for index in taking_part}
-            work = PhaseWork(round_index, phase_index, phase, self.local_epochs)
+            work = PhaseWork(round_index, phase_index, phase, self.local_epochs,
+                             {index: self.server.reply_keys(ctx, index) for index in taking_part})
             results = self.executor.work(work, messages, timing)
             for index in taking_part:
                 result = results[index]

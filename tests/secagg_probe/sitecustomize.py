@@ -7,7 +7,10 @@ starts loads it too. With ``MEDFED_SECAGG_PROBE`` set to a folder, it wraps
 ``ServerHalf.aggregate`` and ``ServerHalf.aggregate_summed`` of every class
 of ``medfed.federated.strategies.fedavg`` and ``.base`` as they are imported:
 each call is saved to that folder (``torch.save``: the method, the keys of
-the replies it got and every tensor in them) before the half runs it.
+the replies it got and every tensor in them) before the half runs it. In a
+site's process it wraps ``medfed.deploy.secure_aggregation.fit_reply`` too:
+what each site hands SecAgg+ to mask (its vectors and weight, the round) is
+saved as ``site-*.pt``.
 """
 
 import importlib.abc
@@ -17,7 +20,8 @@ import sys
 
 FOLDER = os.environ.get("MEDFED_SECAGG_PROBE")
 TARGETS = {"medfed.federated.strategies.base": ("ServerHalf", "aggregate_summed"),
-           "medfed.federated.strategies.fedavg": ("FedAvgServer", "aggregate")}
+           "medfed.federated.strategies.fedavg": ("FedAvgServer", "aggregate"),
+           "medfed.deploy.secure_aggregation": (None, "fit_reply")}
 _calls = itertools.count()
 
 
@@ -26,6 +30,9 @@ def _wrap(module) -> None:
     import torch
 
     class_name, method = TARGETS[module.__name__]
+    if class_name is None:
+        _wrap_fit_reply(module)
+        return
     cls = getattr(module, class_name)
     original = getattr(cls, method)
 
@@ -40,6 +47,21 @@ def _wrap(module) -> None:
         return original(self, ctx, replies)
 
     setattr(cls, method, probed)
+
+
+def _wrap_fit_reply(module) -> None:
+    """Save what a site hands SecAgg+ (site, round, vectors, weight) before the reply is made."""
+    import torch
+
+    original = module.fit_reply
+
+    def probed(message, site_index, fields, vectors, weight):
+        received = {"method": "fit_reply", "site": site_index, "round": int(message.metadata.group_id), "weight": weight,
+                    "vectors": {key: value.detach().cpu().clone() for key, value in vectors.items()}}
+        torch.save(received, os.path.join(FOLDER, f"site-{os.getpid()}-{next(_calls):04d}.pt"))
+        return original(message, site_index, fields, vectors, weight)
+
+    module.fit_reply = probed
 
 
 class _Probe(importlib.abc.MetaPathFinder):
