@@ -205,6 +205,13 @@ MAX_QUANT_BITS = 16
 the same reason; the same test checks them)."""
 
 
+MAX_LOCAL_EPOCHS = 1000
+"""The most ``trainer.local_epochs`` a round may have: a round of more passes over a site's data is no longer federated
+learning, and each site plans its round's steps (batch orders, dropout keys) before it trains."""
+MAX_ROUNDS = 100_000
+"""The most ``trainer.rounds`` a run may have (each round is a record in results.json and a loop over every site)."""
+
+
 @dataclass
 class TrainerConfig:
     """The federated loop: rounds, local work per round, seed and device."""
@@ -232,8 +239,9 @@ class TrainerConfig:
     """How many of the newest round checkpoints stay in ``<output_dir>/checkpoints`` (the one before the newest in case that is damaged)."""
 
     def __post_init__(self) -> None:
-        require(self.rounds >= 1, "trainer.rounds", self.rounds, "an integer >= 1")
-        require(0 < self.local_epochs < float("inf"), "trainer.local_epochs", self.local_epochs, "a number of epochs > 0 (e.g. 0.5)")
+        require(1 <= self.rounds <= MAX_ROUNDS, "trainer.rounds", self.rounds, f"an integer from 1 to {MAX_ROUNDS}")
+        require(0 < self.local_epochs <= MAX_LOCAL_EPOCHS, "trainer.local_epochs", self.local_epochs,
+                f"a number of epochs > 0 and at most {MAX_LOCAL_EPOCHS} (e.g. 0.5)")
         require(self.batch_size >= 1, "trainer.batch_size", self.batch_size, "an integer >= 1")
         require(0 <= self.seed < 2**63, "trainer.seed", self.seed, "an integer in [0, 2^63) (torch and numpy seeds are 64-bit)")
         require(self.device in DEVICES, "trainer.device", self.device, f"one of {', '.join(DEVICES)}")

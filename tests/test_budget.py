@@ -122,3 +122,16 @@ def test_a_budget_below_one_epoch_is_a_config_value_and_a_budget_of_nothing_is_r
     for bad in (0, -1, float("inf")):
         with pytest.raises(ConfigError, match=r"^config key 'trainer\.local_epochs' = .*: expected a number of epochs > 0"):
             TrainerConfig(local_epochs=bad)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("trainer.local_epochs=1e9", "config key 'trainer.local_epochs' = 1000000000.0: expected a number of epochs > 0 and at most 1000 (e.g. 0.5)"),
+    ("trainer.rounds=1000000000", "config key 'trainer.rounds' = 1000000000: expected an integer from 1 to 100000"),
+])
+def test_a_billion_epochs_or_rounds_are_refused_by_fit_in_one_line_before_any_data_is_read(tiny_run_config, reading_forbidden, capsys, override, expected):
+    # (issue 32: trainer.local_epochs=1e9 passed the check and each site allocated 40-48 GB for its round's plan)
+    from medfed.cli import main
+
+    assert main(["fit", "--config", str(tiny_run_config), "--quiet", override]) == 2
+    error = capsys.readouterr().err
+    assert error == f"medfed: error: {expected}\n", error

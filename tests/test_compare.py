@@ -693,6 +693,8 @@ def test_budgets_plan_the_grid_once_per_budget_in_its_subfolder_with_its_local_e
         (["--budgets", "1", "0"], "--budgets 0.0: expected a finite number > 0"),
         (["--budgets", "1", "inf"], "--budgets inf: expected a finite number > 0"),
         (["--budgets", "2", "2"], "--budgets 2 2: a budget is given twice"),
+        # (issue 32: 1e9 passed the check and each site allocated 40-48 GB before training 10^9 epochs)
+        (["--budgets", "1", "1e9"], "--budgets 1000000000.0: expected a finite number > 0 and at most 1000"),
     ],
 )
 def test_a_local_epochs_override_or_a_bad_budget_beside_budgets_is_refused_in_one_line_before_any_run(tmp_path, capsys, arguments, message):

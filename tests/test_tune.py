@@ -4,7 +4,7 @@ tables, the search spaces' keys, refused spaces (one line, exit status 2)."""
 import csv
 import json
 import math
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -226,3 +226,48 @@ def test_a_bad_tuning_is_refused_in_one_line_with_exit_status_2_before_any_run(t
     error = capsys.readouterr().err
     assert error.startswith("medfed: error: ") and message in error and error.count("\n") == 1, error
     assert not (tmp_path / "out").exists()
+
+
+# --- bounded plans (issue 32, item 3) ----------------------------------------------------------------------
+
+
+def test_a_tuning_space_of_a_million_configurations_is_refused_in_one_line_before_any_config_is_resolved(tmp_path, capsys, monkeypatch):
+    # (6 keys x 10 values planned silently until killed at 180 s and 1.4 GB)
+    import medfed.compare.plan
+    import medfed.compare.tune
+
+    def no_resolving(*args, **kwargs):
+        raise AssertionError("a config was resolved")
+
+    monkeypatch.setattr(medfed.compare.plan, "resolve", no_resolving)
+    monkeypatch.setattr(medfed.compare.tune, "resolve", no_resolving)
+    config = tiny_config(tmp_path)
+    values = ",".join(str(k) for k in range(1, 11))
+    space = [f"model.{key}=x{values.replace(',', ',x')}" for key in ("lr", "momentum", "weight_decay")]
+    space += [f"strategy.fedprox.mu={values}", "model.dropout=" + ",".join(f"0.{k}" for k in range(10)), f"model.num_res_units={values}"]
+    command = ["compare", "--config", str(config), "--strategies", "fedavg", "fedprox", "--output", str(tmp_path / "out"), "--tune"]
+    for entry in space:
+        command += ["--tune-space", entry]
+    assert main(command) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1, error
+    assert error.startswith("medfed: error: compare --tune: 1100000 configurations to tune (1 settings; fedprox alone has 1000000: "
+                            "10 x 10 x 10 x 10 x 10 x 10 values of "), error
+    assert error.rstrip().endswith("more than 600; give fewer values with --tune-space")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_count_of_a_plan_is_said_before_planning_and_a_plan_over_the_bound_is_refused(tmp_path, capsys, monkeypatch):
+    from medfed.compare.bounds import MAX_RUNS, bound_plan
+
+    grid = make_grid([str(tiny_config(tmp_path))], ["fedavg", "fedprox"], list(range(10)), [], [], tmp_path / "out")
+    bound_plan(grid, None, TuneSpec({"model.lr": ("0.1", "0.01")}, seeds=(0, 1)))
+    assert capsys.readouterr().err == (  # fedavg: 2 learning rates; fedprox: 3 mu x 2 learning rates
+        "medfed: compare: planning 1 settings x 2 methods x 10 seeds = 20 runs, and 8 tuning configurations x 2 seeds = 16 "
+        "tuning runs; resolving each run's config\n"
+    )
+    many = make_grid([str(tiny_config(tmp_path))], ["fedavg", "fedprox"], list(range(MAX_RUNS // 2 + 1)), [], [], tmp_path / "out")
+    with pytest.raises(ConfigError, match=rf"^compare: the plan holds 1 settings x 2 methods x {MAX_RUNS // 2 + 1} seeds = {MAX_RUNS + 2} runs: "):
+        bound_plan(many, None, None)
+    with pytest.raises(ConfigError, match=r" x 3 budgets = "):
+        bound_plan(replace(many, seeds=list(range(MAX_RUNS // 6 + 1))), [1.0, 2.0, 4.0], None)

@@ -60,7 +60,8 @@ from dataclasses import replace
 from typing import Any
 
 from medfed.atomic import atomic_write
-from medfed.compare.frontier import frontier_rows, plan_budgets
+from medfed.compare.bounds import bound_plan
+from medfed.compare.frontier import check_budgets, frontier_rows, plan_budgets
 from medfed.compare.grid import Grid, check_overrides, setting_of
 from medfed.compare.plan import Run, default_jobs, plan_runs
 from medfed.compare.runner import execute
@@ -118,6 +119,10 @@ def compare(
     reference = resolve_reference(reference, grid.strategies)
     if tune is not None:
         check_tune(tune, grid.strategies, [*grid.overrides, *overrides], budgets)
+    if budgets is not None:
+        check_budgets(budgets, [*grid.overrides, *overrides])
+    bound_plan(grid, budgets, tune)  # counted from the grid alone, before any config is resolved
+    if tune is not None:
         return _tune_and_compare(grid, overrides, tune, jobs, source, progress, reference, allow_unequal_compute)
     if budgets is None:
         return _run_and_tabulate(grid, overrides, plan_runs(grid, overrides, jobs), jobs, source, progress, reference, allow_unequal_compute)[0]

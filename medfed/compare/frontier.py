@@ -19,7 +19,6 @@ seeds of each run's mean over sites, with its 95% t interval over seeds
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any
 
@@ -29,6 +28,7 @@ from medfed.compare.grid import Grid
 from medfed.compare.plan import Run, plan_runs
 from medfed.compare.tables import Finished, run_compute
 from medfed.compare_stats import seed_values, summarise
+from medfed.config import MAX_LOCAL_EPOCHS
 from medfed.errors import ConfigError
 
 BUDGET_KEY = "trainer.local_epochs"
@@ -38,7 +38,7 @@ FRONTIER_COLUMNS = ("config", "strategy", "metric", "budget", "epochs_per_round"
 
 
 def check_budgets(budgets: list[float], overrides: list[str] | tuple[str, ...]) -> list[float]:
-    """The budgets, checked: finite numbers > 0 without repeats, and no ``trainer.local_epochs=`` override beside them.
+    """The budgets, checked: numbers in (0, :data:`~medfed.config.MAX_LOCAL_EPOCHS`] without repeats, and no ``trainer.local_epochs=`` override beside them.
 
     Raises:
         ConfigError: one line naming the bad budget or the override.
@@ -52,8 +52,8 @@ def check_budgets(budgets: list[float], overrides: list[str] | tuple[str, ...]) 
     if not budgets:
         raise ConfigError("--budgets: expected one or more numbers > 0 (training epochs per site and round, e.g. --budgets 1 2 4)")
     for budget in budgets:
-        if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
-            raise ConfigError(f"--budgets {budget!r}: expected a finite number > 0 (training epochs per site and round)")
+        if not (isinstance(budget, (int, float)) and 0 < budget <= MAX_LOCAL_EPOCHS):
+            raise ConfigError(f"--budgets {budget!r}: expected a finite number > 0 and at most {MAX_LOCAL_EPOCHS} (training epochs per site and round)")
     if len(set(budgets)) != len(budgets):
         raise ConfigError(f"--budgets {' '.join(f'{b:g}' for b in budgets)}: a budget is given twice")
     return list(budgets)
