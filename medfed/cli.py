@@ -174,6 +174,14 @@ def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
     except KeyboardInterrupt:
         print("medfed: interrupted; run the same command again: finished runs are kept, interrupted ones resume", file=sys.stderr)
         return INTERRUPTED
+    except OSError as error:  # compare's own files (tuning.csv, the tables, figures); a run's full disk is its own one line
+        from medfed.fit import FULL_DISK, full_disk
+
+        if error.errno not in FULL_DISK:
+            raise
+        print(f"medfed: error: {full_disk(error, grid.output)}; the finished runs are kept: free some space and run the same "
+              "command again (it tabulates them without running them again)", file=sys.stderr)
+        return 2
     if failed:
         print(f"medfed: error: {len(failed)} run(s) failed: {', '.join(failed)} (their logs are in {grid.output / 'logs'})", file=sys.stderr)
         return 1

@@ -52,7 +52,7 @@ def execute(runs: list[Run], jobs: int, progress: bool = True) -> dict[str, str]
     next ``compare`` resumes them.
 
     Returns:
-        ``{run name: the last lines of its log}`` of the runs that failed.
+        ``{run name: why it failed}`` of the runs that failed (:func:`failure_reason`).
     """
     todo = [run for run in runs if run.action != "done"]
     failed: dict[str, str] = {}
@@ -110,7 +110,7 @@ def _start_run_server(threads: int) -> None:
 def _fit(
     context: Any, run: Run, alive: Any, running: dict[str, Any], lock: threading.Lock, stopping: threading.Event
 ) -> tuple[int, str]:
-    """One run as a ``fit`` process forked from the run server; ``(exit status, last lines of its log)``."""
+    """One run as a ``fit`` process forked from the run server; ``(exit status, why it failed)``."""
     run.log.parent.mkdir(parents=True, exist_ok=True)
     with lock:
         if stopping.is_set():
@@ -130,8 +130,15 @@ def _fit(
         code = process.exitcode
     status_reader.close()
     code = 1 if code is None else 128 - code if code < 0 else code  # killed by signal n: 128 + n, as a shell reports it
-    lines = [line for line in run.log.read_text(errors="replace").splitlines() if line.strip()]
-    return code, " | ".join(lines[-TAIL_LINES:])
+    return code, failure_reason(run.log.read_text(errors="replace").splitlines())
+
+
+def failure_reason(lines: list[str]) -> str:
+    """Why a run failed, from its log's lines: its last ``medfed: error:`` line (what fit said went wrong; the info and
+    warning lines before it are not the reason), else (a traceback, a crash) its last :data:`TAIL_LINES` lines."""
+    lines = [line for line in lines if line.strip()]
+    errors = [line for line in lines if line.startswith("medfed: error: ")]
+    return errors[-1] if errors else " | ".join(lines[-TAIL_LINES:])
 
 
 def _fit_in_run_server_child(run: Run, alive: Any, status: Any) -> None:

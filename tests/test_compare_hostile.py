@@ -1,0 +1,69 @@
+"""``compare`` against what it does not control (issue 32): a full disk, a failed run's reason."""
+
+import errno
+import multiprocessing
+import threading
+
+import pytest
+
+import medfed.compare
+from medfed.cli import main
+from medfed.compare.plan import Run, plan_runs
+from medfed.compare.grid import read_grid
+from test_compare import fake_comparison, write_fake_grid, write_fake_results  # noqa: F401 (fixture)
+
+
+def test_a_full_disk_while_compare_writes_its_tables_is_one_line_with_status_2_and_the_runs_are_kept(fake_comparison, capsys, monkeypatch):
+    # (compare itself ended in an OSError traceback from atomic_write of tuning.csv; the runs had failed cleanly)
+    grid, out = fake_comparison
+    before = sorted(path for path in out.rglob("results.json"))
+
+    def no_space(rows, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(medfed.compare, "write_csv", no_space)
+    assert main(["compare", "--grid", str(grid), "--quiet"]) == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error.startswith(f"medfed: error: {out / 'comparison.csv'} could not be written (No space left on device); "), error
+    assert " MiB free under " in error and error.endswith("free some space and run the same command again (it tabulates them without running them again)")
+    assert sorted(out.rglob("results.json")) == before
+
+
+class _LoggingContext:
+    """A stand-in for the run server's context: its "process" writes ``lines`` to the run's log and reports ``code``."""
+
+    def __init__(self, lines, code):
+        self.lines, self.code = lines, code
+        self.Pipe = multiprocessing.Pipe
+
+    def Process(self, target, args, name):
+        run, _, status = args
+        context = self
+
+        class Written:
+            exitcode = context.code
+            pid = None
+
+            def start(self):
+                run.log.write_text("".join(line + "\n" for line in context.lines))
+                status.send(context.code)
+
+            def join(self):
+                pass
+
+        return Written()
+
+
+@pytest.mark.parametrize("lines, reason", [
+    (["medfed: info: federation.label_ratio kept 484 of 569 records", "medfed: warning: round 1: site site2 left out",
+      "medfed: error: /out/run/results.json could not be written (No space left on device); 3 MiB free under /out"],
+     "medfed: error: /out/run/results.json could not be written (No space left on device); 3 MiB free under /out"),
+    (["medfed: info: one", "Traceback (most recent call last):", '  File "x.py", line 1', "ValueError: bad"],
+     'medfed: info: one | Traceback (most recent call last): |   File "x.py", line 1 | ValueError: bad'),
+])
+def test_a_failed_runs_reason_is_its_error_line_not_the_info_line_before_it(tmp_path, lines, reason):
+    from medfed.compare.runner import _fit
+
+    run = Run("tiny", tmp_path / "tiny.yaml", "fedavg", 0, tmp_path / "run", (), 1, tmp_path / "logs" / "seed0.log", "new")
+    reader, _ = multiprocessing.Pipe(duplex=False)
+    assert _fit(_LoggingContext(lines, 2), run, reader, {}, threading.Lock(), threading.Event()) == (2, reason)
