@@ -85,6 +85,21 @@ HOLDOUTS = ("test", "validation")
 ON_SITE_FAILURE = ("drop", "stop")
 DP_ACCOUNTANTS = ("rdp", "prv")
 ON_BUDGET = ("stop_site", "stop_run")
+RDP_ORDERS = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
+"""Opacus's ``RDPAccountant.DEFAULT_ALPHAS``, the orders its RDP accountant converts at (here so that a config is checked
+without importing torch; tests/test_privacy.py checks the two agree)."""
+MAX_NOISE_MULTIPLIER = 1e6
+"""The largest noise multiplier a config may give: Opacus's own search for one (``get_noise_multiplier``) gives up
+above it, and noise of 10^6 clipping norms per step leaves nothing of the gradient."""
+
+
+def rdp_epsilon_floor(delta: float) -> float:
+    """The smallest epsilon Opacus's RDP accountant certifies at ``delta``, however much noise: its conversion of zero RDP,
+    min over the orders a of log((a - 1) / a) - (log delta + log a) / (a - 1) (``opacus.accountants.analysis.rdp.get_privacy_spent``).
+
+    About 0.103 at delta 1e-5: a smaller ``target_epsilon`` has no noise multiplier (Opacus raises "The privacy budget is too low").
+    """
+    return min(math.log((a - 1) / a) - (math.log(delta) + math.log(a)) / (a - 1) for a in RDP_ORDERS)
 
 
 @dataclass
@@ -352,8 +367,8 @@ class DPConfig:
             "null when privacy.dp.noise_multiplier is given (give one of the two)",
         )
         require(
-            self.noise_multiplier is None or (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0),
-            "privacy.dp.noise_multiplier", self.noise_multiplier, "null or a finite number >= 0",
+            self.noise_multiplier is None or 0 <= self.noise_multiplier <= MAX_NOISE_MULTIPLIER,
+            "privacy.dp.noise_multiplier", self.noise_multiplier, f"null or a number from 0 to {MAX_NOISE_MULTIPLIER:g}",
         )
         require(
             self.target_epsilon is None or (math.isfinite(self.target_epsilon) and self.target_epsilon > 0),
@@ -363,6 +378,14 @@ class DPConfig:
         require(self.max_grad_norm > 0, "privacy.dp.max_grad_norm", self.max_grad_norm, "a clipping norm > 0 (.inf: no clipping)")
         require(self.accountant in DP_ACCOUNTANTS, "privacy.dp.accountant", self.accountant, f"one of {', '.join(DP_ACCOUNTANTS)}")
         require(self.on_budget in ON_BUDGET, "privacy.dp.on_budget", self.on_budget, f"one of {', '.join(ON_BUDGET)}")
+        noised = self.target_epsilon is not None or (self.noise_multiplier or 0) > 0
+        require(not noised or math.isfinite(self.max_grad_norm), "privacy.dp.max_grad_norm", self.max_grad_norm,
+                "a finite clipping norm where noise is added (its std is noise_multiplier x max_grad_norm; .inf only with noise 0)")
+        if self.target_epsilon is not None and self.accountant == "rdp":
+            floor = rdp_epsilon_floor(self.delta)
+            require(self.target_epsilon > floor, "privacy.dp.target_epsilon", self.target_epsilon,
+                    f"an epsilon above {floor:.4f}, the smallest the rdp accountant certifies at delta {self.delta:g} however much "
+                    "noise is added (raise it or privacy.dp.delta, or use privacy.dp.accountant=prv)")
 
     @property
     def enabled(self) -> bool:
@@ -386,11 +409,14 @@ class ClientDPConfig:
 
     def __post_init__(self) -> None:
         require(
-            self.noise_multiplier is None or (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0),
-            "privacy.client_dp.noise_multiplier", self.noise_multiplier, "null (off) or a finite number >= 0",
+            self.noise_multiplier is None or 0 <= self.noise_multiplier <= MAX_NOISE_MULTIPLIER,
+            "privacy.client_dp.noise_multiplier", self.noise_multiplier, f"null (off) or a number from 0 to {MAX_NOISE_MULTIPLIER:g}",
         )
         require(self.clipping_norm > 0, "privacy.client_dp.clipping_norm", self.clipping_norm, "a clipping norm > 0 (.inf: no clipping)")
         require(0 < self.delta < 1, "privacy.client_dp.delta", self.delta, "a probability in (0, 1), e.g. 1e-5")
+        require(not (self.noise_multiplier or 0) > 0 or math.isfinite(self.clipping_norm), "privacy.client_dp.clipping_norm",
+                self.clipping_norm, "a finite clipping norm where noise is added (its std is noise_multiplier x clipping_norm / m; "
+                ".inf only with noise 0)")
 
     @property
     def enabled(self) -> bool:

@@ -237,6 +237,64 @@ def test_a_bad_privacy_config_is_one_line_naming_the_key(tmp_path, capsys, overr
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [  # (issue 32, item 5: each was a traceback or a failure of every site after the data were read and files written)
+        (["privacy.dp.target_epsilon=0.1"],
+         "config key 'privacy.dp.target_epsilon' = 0.1: expected an epsilon above 0.1029, the smallest the rdp accountant "
+         "certifies at delta 1e-05 however much noise is added"),
+        (["privacy.dp.noise_multiplier=1", "privacy.dp.max_grad_norm=.inf"],
+         "config key 'privacy.dp.max_grad_norm' = inf: expected a finite clipping norm where noise is added"),
+        (["privacy.dp.target_epsilon=3", "privacy.dp.max_grad_norm=.inf"],
+         "config key 'privacy.dp.max_grad_norm' = inf: expected a finite clipping norm where noise is added"),
+        (["privacy.dp.noise_multiplier=1e300"], "config key 'privacy.dp.noise_multiplier' = 1e+300: expected null or a number from 0 to 1e+06"),
+        (["privacy.client_dp.noise_multiplier=1", "privacy.client_dp.clipping_norm=.inf"],
+         "config key 'privacy.client_dp.clipping_norm' = inf: expected a finite clipping norm where noise is added"),
+        (["privacy.client_dp.noise_multiplier=1e300"],
+         "config key 'privacy.client_dp.noise_multiplier' = 1e+300: expected null (off) or a number from 0 to 1e+06"),
+    ],
+)
+def test_privacy_limits_knowable_from_the_config_are_one_line_before_any_data_is_read(tmp_path, capsys, monkeypatch, overrides, expected):
+    import medfed.tasks.clinical
+
+    monkeypatch.setattr(medfed.tasks.clinical, "read_csv_rows", lambda *args: pytest.fail("the data were read"))
+    command = ["fit", "--config", str(CLINICAL), "--quiet", f"output_dir={tmp_path / 'run'}", *QUIET, "strategy.name=fedavg", *overrides]
+    assert main(command) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"medfed: error: {expected}") and error.count("\n") == 1, error
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.filterwarnings("ignore:Optimal order is the largest alpha")
+@pytest.mark.parametrize("delta", [1e-3, 1e-5, 1e-8])
+def test_the_configs_rdp_floor_is_opacus_conversion_of_zero_rdp_and_just_above_it_opacus_finds_a_noise_multiplier(delta):
+    import numpy as np
+    from opacus.accountants.analysis.rdp import get_privacy_spent
+
+    from medfed.config import RDP_ORDERS, rdp_epsilon_floor
+
+    assert list(RDP_ORDERS) == list(RDPAccountant.DEFAULT_ALPHAS)
+    floor = rdp_epsilon_floor(delta)
+    assert floor == pytest.approx(get_privacy_spent(orders=RDP_ORDERS, rdp=np.zeros(len(RDP_ORDERS)), delta=delta)[0], rel=1e-12)
+    with pytest.raises(ValueError, match="too low"):
+        get_noise_multiplier(target_epsilon=floor, target_delta=delta, sample_rate=0.2, steps=20, accountant="rdp")
+    assert get_noise_multiplier(target_epsilon=floor * 1.05, target_delta=delta, sample_rate=0.2, steps=20, accountant="rdp") > 0
+
+
+def test_a_target_no_noise_reaches_at_a_site_is_a_config_error_naming_the_key_and_the_site(monkeypatch):
+    import opacus.accountants.utils
+
+    from medfed.errors import ConfigError
+
+    def too_low(**kwargs):  # as Opacus's search ends above its largest sigma (a prv target of 1e-4 takes ~20 s to get there)
+        raise ValueError("The privacy budget is too low.")
+
+    monkeypatch.setattr(opacus.accountants.utils, "get_noise_multiplier", too_low)
+    with pytest.raises(ConfigError, match=r"^config key 'privacy\.dp\.target_epsilon' = 0\.0001: no noise multiplier up to 1e\+06 "
+                                          r"reaches it at site0 \(20 steps at sampling rate 0\.16, delta 1e-05, accountant prv; "):
+        SiteDP(DPConfig(target_epsilon=1e-4, accountant="prv"), "site0", 100, 16, 20, 0, 0)
+
+
 def test_pfednet_in_model_space_takes_dp(tmp_path):
     results = _fit(tmp_path / "pfednet", "strategy.pfednet.graph_space=model", "trainer.rounds=1", "privacy.dp.noise_multiplier=1")
     assert all(0 < record["epsilon"] < math.inf and record["steps"] > 0 for record in results["privacy"]["dp_sgd"].values())

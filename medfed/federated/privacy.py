@@ -57,7 +57,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from medfed.errors import RunFailed, warn
+from medfed.config import MAX_NOISE_MULTIPLIER
+from medfed.errors import ConfigError, RunFailed, warn
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.site_view import RoundContext
 from medfed.federated.strategies.base import NUM_SAMPLES, Payload
@@ -178,9 +179,17 @@ class SiteDP:
             planned = max(1, self.planned_steps)
             with warnings.catch_warnings():  # Opacus's search probes sigmas whose best RDP order is its largest
                 warnings.simplefilter("ignore", UserWarning)
-                self.noise_multiplier = get_noise_multiplier(
-                    target_epsilon=cfg.target_epsilon, target_delta=cfg.delta, sample_rate=self.sample_rate, steps=planned, accountant=cfg.accountant
-                )
+                try:
+                    self.noise_multiplier = get_noise_multiplier(
+                        target_epsilon=cfg.target_epsilon, target_delta=cfg.delta, sample_rate=self.sample_rate, steps=planned,
+                        accountant=cfg.accountant,
+                    )
+                except ValueError as error:  # the rdp floor is refused with the config; a prv target below what noise reaches
+                    raise ConfigError(
+                        f"config key 'privacy.dp.target_epsilon' = {cfg.target_epsilon!r}: no noise multiplier up to "
+                        f"{MAX_NOISE_MULTIPLIER:g} reaches it at {self.site} ({planned} steps at sampling rate {self.sample_rate:.3g}, "
+                        f"delta {cfg.delta:g}, accountant {cfg.accountant}; Opacus: {error}); raise it"
+                    ) from None
             self.step_budget: int | None = steps_within(
                 cfg.target_epsilon, cfg.delta, self.noise_multiplier, self.sample_rate, cfg.accountant, within=planned
             )
