@@ -56,10 +56,11 @@ def lock_file(output_dir: Path) -> Path:
 
 
 @contextmanager
-def hold_output_dir(output_dir: Path, key: str | None = None) -> Iterator[None]:
+def hold_output_dir(output_dir: Path, key: str | None = None, owner: str = "run", instead: str = "choose another output_dir") -> Iterator[None]:
     """Hold ``output_dir`` for this process while the block runs (the lock file is deleted at the end).
 
-    ``key`` names the folder in messages (default: the config's ``output_dir``; a deployment's is a run config key).
+    ``key`` names the folder in messages (default: the config's ``output_dir``; a deployment's is a run config key);
+    ``owner`` says what holds it (a ``run``, a ``compare``) and ``instead`` what else to do than wait.
 
     Raises:
         ConfigError: another living process holds it (the message names its
@@ -71,7 +72,7 @@ def hold_output_dir(output_dir: Path, key: str | None = None) -> Iterator[None]:
     _check_writable(path.parent, key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        descriptor = _lock(path, key)
+        descriptor = _lock(path, key, owner, instead)
     except OSError as error:
         raise ConfigError(f"{key}: cannot create its lock file {path} ({error.strerror})") from None
     try:
@@ -86,7 +87,7 @@ def hold_output_dir(output_dir: Path, key: str | None = None) -> Iterator[None]:
         os.close(descriptor)
 
 
-def _lock(path: Path, key: str) -> int:
+def _lock(path: Path, key: str, owner: str, instead: str) -> int:
     """An open descriptor of ``path`` holding its exclusive lock, the holder written in it.
 
     The lock is opened without following a link (``O_NOFOLLOW``) and used only if it is a regular
@@ -107,9 +108,7 @@ def _lock(path: Path, key: str) -> int:
         except BlockingIOError:
             holder = _holder(descriptor)
             os.close(descriptor)
-            raise ConfigError(
-                f"{key} is being written by another run ({holder}); wait for it to end, or choose another output_dir"
-            ) from None
+            raise ConfigError(f"{key} is being written by another {owner} ({holder}); wait for it to end, or {instead}") from None
         except BaseException:
             os.close(descriptor)
             raise

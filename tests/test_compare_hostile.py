@@ -67,3 +67,35 @@ def test_a_failed_runs_reason_is_its_error_line_not_the_info_line_before_it(tmp_
     run = Run("tiny", tmp_path / "tiny.yaml", "fedavg", 0, tmp_path / "run", (), 1, tmp_path / "logs" / "seed0.log", "new")
     reader, _ = multiprocessing.Pipe(duplex=False)
     assert _fit(_LoggingContext(lines, 2), run, reader, {}, threading.Lock(), threading.Event()) == (2, reason)
+
+
+@pytest.mark.slow  # a real first compare: its run server and one 2-round run (15-35 s on two busy cores)
+def test_a_second_compare_on_one_output_is_refused_naming_the_first_and_touches_nothing(tmp_path, capsys):
+    # (both exited 1 claiming 2 failed runs each, all 4 had finished, and the loser's one-line error replaced the winner's log)
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from test_compare import REPOSITORY, write_grid
+
+    grid = write_grid(tmp_path, tmp_path / "out", strategies="[local]", seeds="[0]")
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPOSITORY)}
+    first = subprocess.Popen([sys.executable, "-m", "medfed", "compare", "--grid", str(grid), "--quiet"], env=environment,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "out.lock").exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert main(["compare", "--grid", str(grid), "--quiet"]) == 2
+    finally:
+        _, first_err = first.communicate(timeout=300)
+    error = capsys.readouterr().err
+    assert error == (f"medfed: error: compare's output {str(tmp_path / 'out')!r} is being written by another compare "
+                     f"(pid {first.pid} on host {socket.gethostname()}, started {error.split('started ')[1].split(')')[0]}); "
+                     "wait for it to end, or give this one another --output\n"), error
+    assert first.returncode == 0, first_err
+    log = (tmp_path / "out" / "logs" / "tiny_clinical" / "local" / "seed0.log").read_text()
+    assert "error" not in log and (tmp_path / "out" / "tiny_clinical" / "local" / "seed0" / "results.json").is_file()
+    assert not (tmp_path / "out.lock").exists()

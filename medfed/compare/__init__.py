@@ -17,7 +17,9 @@ given on the command line (:mod:`medfed.compare.grid`). :func:`compare`
    :class:`~medfed.errors.DataError` naming it). A config without a
    validation split gets one (``federation.validation_fraction=0.2``, said in
    one line and recorded in each run's config) to choose each site's round on;
-2. runs each (config, strategy, seed) (:mod:`medfed.compare.runner`) as ``medfed fit`` in a process of its
+2. holds the grid's output for this process (``<output>.lock``, :func:`~medfed.output_dir.hold_output_dir`: a
+   second compare on it is refused in one line naming the holder, before it plans or runs anything), then
+   runs each (config, strategy, seed) (:mod:`medfed.compare.runner`) as ``medfed fit`` in a process of its
    own (forked from a run server that imported torch once) with its own ``output_dir``, ``<output>/<config>/<strategy>/seed<k>``,
    ``jobs`` at a time, each with ``trainer.num_threads`` = cores // jobs
    (a resumed run keeps the count it started with); a run whose
@@ -71,6 +73,7 @@ from medfed.compare.tables import (
 )
 from medfed.compare.tune import TuneSpec, check_tune, choose, chosen_overrides, collect_trials, plan_tuning, tuning_rows, tuning_section
 from medfed.errors import ConfigError
+from medfed.output_dir import hold_output_dir
 
 
 def compare(
@@ -122,10 +125,26 @@ def compare(
     if budgets is not None:
         check_budgets(budgets, [*grid.overrides, *overrides])
     bound_plan(grid, budgets, tune)  # counted from the grid alone, before any config is resolved
-    if tune is not None:
-        return _tune_and_compare(grid, overrides, tune, jobs, source, progress, reference, allow_unequal_compute)
-    if budgets is None:
-        return _run_and_tabulate(grid, overrides, plan_runs(grid, overrides, jobs), jobs, source, progress, reference, allow_unequal_compute)[0]
+    with hold_output_dir(grid.output, f"compare's output {str(grid.output)!r}", "compare", "give this one another --output"):
+        if tune is not None:
+            return _tune_and_compare(grid, overrides, tune, jobs, source, progress, reference, allow_unequal_compute)
+        if budgets is None:
+            runs = plan_runs(grid, overrides, jobs)
+            return _run_and_tabulate(grid, overrides, runs, jobs, source, progress, reference, allow_unequal_compute)[0]
+        return _compare_budgets(grid, overrides, budgets, jobs, source, progress, reference, allow_unequal_compute)
+
+
+def _compare_budgets(
+    grid: Grid,
+    overrides: list[str] | tuple[str, ...],
+    budgets: list[float],
+    jobs: int,
+    source: str,
+    progress: bool,
+    reference: str,
+    allow_unequal_compute: bool,
+) -> dict[str, str]:
+    """``compare --budgets``: every budget's runs planned, then run and tabulated in turn, then the frontier."""
     failed: dict[str, str] = {}
     per_budget = []
     for budget, one, budget_overrides, runs in plan_budgets(grid, overrides, budgets, jobs):  # every budget checked first
