@@ -41,7 +41,7 @@ from medfed.data.federation import Federation
 from medfed.data.pooling import pooled_reference
 from medfed.models.classification import BinaryClassifier
 from medfed.output_dir import check_output_dir, finish_run, hold_output_dir, start_run
-from medfed.results import format_table, learned_nothing, run_results, timing_summary, write_json_atomic
+from medfed.results import format_table, learned_nothing, run_results, timing_summary, write_json_atomic, write_results
 from medfed.threads import choose_threads
 from medfed.tracking import Tracker, classification_figures
 from medfed.viz.plots import add_source, plot_learning_curves, plot_segmentation_examples, save_figure
@@ -156,17 +156,17 @@ def _run(
     except BaseException as error:  # Ctrl-C included: the W&B run ends marked as failed, resumable
         tracker.finish(step=loop.round, exit_code=1)
         if isinstance(error, PrivacyBudgetSpent):  # the rounds so far are the run's results
-            write_json_atomic(output_dir / "results.json", results_so_far())
+            write_results(output_dir / "results.json", results_so_far())
             raise RunFailed(f"{error}; the {len(loop.history)} rounds' results are in {output_dir / 'results.json'}") from None
         if isinstance(error, SiteFailure) and loop.history and len(loop.excluded) == len(sites):
-            write_json_atomic(output_dir / "results.json", results_so_far())  # what the rounds before the exclusions gave
+            write_results(output_dir / "results.json", results_so_far())  # what the rounds before the exclusions gave
             raise RunFailed(f"{error}; the {len(loop.history)} rounds' results are in {output_dir / 'results.json'}") from None
         raise
     bar.close()
 
     results = results_so_far()
     failed = learned_nothing(loop.history)
-    write_json_atomic(output_dir / "results.json", results)
+    write_results(output_dir / "results.json", results)
     title = f"{strategy.name} on {federation.task}, seed {trainer.seed}; data: {federation.description}"
     if strategy.pools_data:
         title += "; POOLED training data (centralised reference)"
@@ -185,7 +185,7 @@ def _run(
             save_figure(add_source(figure, federation.description), output_dir / f"{name}.png")
     tracker.finish([output_dir / f"{name}.png" for name in figures], step=loop.round, exit_code=0 if failed is None else 1)
     results["timing"].update(timing_summary(loop.history, time.perf_counter() - started, fabric.device, seconds, tracker.seconds))
-    write_json_atomic(output_dir / "results.json", results)  # again, with the figures' and the tracker's time
+    write_results(output_dir / "results.json", results)  # again, with the figures' and the tracker's time
     if failed is not None:  # an --overwrite keeps the run it replaced
         raise RunFailed(
             f"{failed}: nothing was learned, the metrics in {output_dir / 'results.json'} are those of the initial models; "

@@ -24,12 +24,16 @@ deployment's ServerApp (:mod:`medfed.deploy.server_app`), write one schema,
   sites each train alone), ``config`` (the resolved config), ``history``
   (the loop's round records), and ``outcome`` when nothing was learned
   (:func:`learned_nothing`);
+* last, ``integrity``: the SHA-256 of everything before it (:func:`write_results`),
+  so that a results.json changed by hand or by a damaged disk is refused by name
+  where it is read back (``compare``, :func:`results_fault`);
 * the simulator's also ``execution``: the ``device``, ``precision`` and
   ``compile`` its sites trained with (``trainer.precision``, ``trainer.compile``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import platform
@@ -248,6 +252,32 @@ def _mean_of_reported(values: list[float]) -> float:
     """The mean over the sites that reported a value (a site whose delivery failed has NaN); NaN when none did."""
     reported = [value for value in values if value == value]
     return float(np.mean(reported)) if reported else float("nan")
+
+
+INTEGRITY = "integrity"
+"""results.json's last key, its trailer: ``{"sha256": <hex>}`` of everything before it (:func:`write_results`)."""
+
+
+def write_results(path: str | Path, results: dict[str, Any]) -> None:
+    """Write results.json (:func:`write_json_atomic`) with its integrity trailer last: the SHA-256 of the rest in
+    canonical JSON (keys sorted, no spaces), which ``compare`` checks before it counts or tabulates a run (:func:`results_fault`)."""
+    body = json.loads(json.dumps(_finite_or_null(results), default=_json_default))
+    write_json_atomic(path, {**body, INTEGRITY: {"sha256": _digest(body)}})
+
+
+def results_fault(results: dict[str, Any]) -> str | None:
+    """Why a results.json read back cannot be trusted as a run wrote it (no trailer, or content that does not match it), or None."""
+    trailer = results.get(INTEGRITY)
+    if not isinstance(trailer, dict) or not isinstance(trailer.get("sha256"), str):
+        return f"holds no integrity trailer ({INTEGRITY!r}, written with every results.json since medfed sealed them)"
+    if _digest({key: value for key, value in results.items() if key != INTEGRITY}) != trailer["sha256"]:
+        return "does not match its SHA-256 integrity trailer: it was changed after the run wrote it"
+    return None
+
+
+def _digest(body: dict[str, Any]) -> str:
+    """The SHA-256 of ``body`` as canonical JSON (keys sorted, no spaces, UTF-8)."""
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()).hexdigest()
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:

@@ -27,6 +27,7 @@ from medfed.compare.plan import VALIDATION_SPLIT, Run, plan_runs
 from medfed.compare.tables import Finished, format_cell, markdown, resolve_reference, selected_round
 from medfed.config import load_config
 from medfed.evaluation.rounds import ValidationEvaluation
+from medfed.results import INTEGRITY, write_results
 
 from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation
 
@@ -493,7 +494,7 @@ def write_fake_results(runs: list[Run], training: float = 1.0, gain: float = 0.0
             "strategy": run.strategy,
             "seed": run.seed,
         }
-        (run.output_dir / "results.json").write_text(json.dumps(results))
+        write_results(run.output_dir / "results.json", results)  # sealed as a run seals it
 
 
 @pytest.fixture
@@ -771,10 +772,11 @@ def test_a_fractional_budget_cut_differently_on_each_seeds_split_is_equal_comput
 
 
 def _drop_key(results_json, group: str, key: str) -> None:
-    """Remove ``group.key`` from a run's saved config, as a run made before medfed had that key would hold it."""
+    """Remove ``group.key`` from a run's saved config, as a run made before medfed had that key would hold it (sealed as it would be)."""
     results = json.loads(results_json.read_text())
     del results["config"][group][key]
-    results_json.write_text(json.dumps(results))
+    del results[INTEGRITY]
+    write_results(results_json, results)
 
 
 def test_a_run_made_before_a_key_existed_counts_as_done_where_the_key_is_at_its_default(compared, tmp_path, capsys):

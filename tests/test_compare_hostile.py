@@ -99,3 +99,46 @@ def test_a_second_compare_on_one_output_is_refused_naming_the_first_and_touches_
     log = (tmp_path / "out" / "logs" / "tiny_clinical" / "local" / "seed0.log").read_text()
     assert "error" not in log and (tmp_path / "out" / "tiny_clinical" / "local" / "seed0" / "results.json").is_file()
     assert not (tmp_path / "out.lock").exists()
+
+
+def _set_every_metric(path, value):
+    import json
+
+    results = json.loads(path.read_text())
+    for record in results["history"]:
+        for metrics in record["metrics"].values():
+            for name in metrics:
+                metrics[name] = value
+    path.write_text(json.dumps(results, indent=2))
+
+
+@pytest.mark.parametrize("tamper, fault", [
+    (lambda path: _set_every_metric(path, 0.123456), "does not match its SHA-256 integrity trailer: it was changed after the run wrote it"),
+    (lambda path: path.write_text(path.read_text().rsplit(',\n  "integrity"', 1)[0] + "\n}"),
+     "holds no integrity trailer ('integrity', written with every results.json since medfed sealed them)"),
+])
+def test_a_results_json_changed_by_hand_is_refused_by_name_and_nothing_is_tabulated(fake_comparison, capsys, tamper, fault):
+    # (every accuracy set to 0.123456 by hand was tabulated by the next compare)
+    grid, out = fake_comparison
+    assert main(["compare", "--grid", str(grid), "--quiet"]) == 0
+    table = (out / "comparison.md").read_bytes()
+    capsys.readouterr()
+    changed = out / "tiny_b" / "ditto" / "seed1" / "results.json"
+    tamper(changed)
+    assert main(["compare", "--grid", str(grid), "--quiet"]) == 2
+    error = capsys.readouterr().err.splitlines()[-1]  # after the plan's count
+    assert error == f"medfed: error: {changed}: {fault}; compare does not count it: restore the file, or delete its run folder to run it again", error
+    assert (out / "comparison.md").read_bytes() == table
+
+
+def test_a_runs_results_json_is_sealed_and_verifies_and_its_trailer_is_its_last_key(finished_tiny_run):
+    import json
+
+    from medfed.results import INTEGRITY, results_fault
+
+    results = json.loads((finished_tiny_run / "results.json").read_text())
+    assert list(results)[-1] == INTEGRITY and results_fault(results) is None
+    metrics = results["history"][-1]["metrics"]["site0"]
+    name = next(name for name, value in metrics.items() if isinstance(value, float))
+    metrics[name] += 1e-12
+    assert results_fault(results) is not None  # the last bit of one value counts

@@ -22,6 +22,7 @@ from medfed.errors import ConfigError, DataError
 from medfed.fit import fit
 from medfed.options.search import default_space
 from medfed.options.strategies import STRATEGY_OPTIONS
+from medfed.results import INTEGRITY, write_results
 
 TINY_CLINICAL = """
 data:
@@ -168,7 +169,7 @@ def test_tuning_runs_are_scored_on_their_last_rounds_validation_metric_and_a_tes
             "federation": {"description": "fake", "generated": False}, "timing": {"wall_s": 2.0},
             "compute": {"training_epochs": {site: 4.0 for site in last}},
         }
-        (run.output_dir / "results.json").write_text(json.dumps(results))
+        write_results(run.output_dir / "results.json", results)
     trials = collect_trials(found, runs, collect(runs), "auroc")
     assert trials[0].scores == pytest.approx({0: 0.7, 1: 0.8}) and trials[1].scores == pytest.approx({0: 0.9, 1: 0.5})
     assert choose(trials)[("tiny_clinical", "fedprox")] is trials[0]  # 0.75 against 0.70
@@ -176,7 +177,8 @@ def test_tuning_runs_are_scored_on_their_last_rounds_validation_metric_and_a_tes
 
     damaged = json.loads((runs[0].output_dir / "results.json").read_text())
     damaged["config"]["federation"]["holdout"] = "test"
-    (runs[0].output_dir / "results.json").write_text(json.dumps(damaged))
+    del damaged[INTEGRITY]
+    write_results(runs[0].output_dir / "results.json", damaged)  # as a test-evaluated run would have sealed it
     with pytest.raises(DataError, match="a tuning run evaluated on 'test'"):
         collect_trials(found, runs, collect(runs), "auroc")
 

@@ -23,6 +23,7 @@ from medfed.compare.grid import Grid, setting_of
 from medfed.components import default_config, resolve
 from medfed.config import load_config
 from medfed.errors import ConfigError, DataError
+from medfed.results import results_fault
 
 VALIDATION_SPLIT = "federation.validation_fraction=0.2"
 """The override compare adds to the runs of a config without a validation split (their rounds are chosen on it)."""
@@ -217,15 +218,21 @@ def _added_at_default(key: str, saved: dict[str, Any], config: dict[str, Any], d
 
 
 def read_run_file(path: Path, key: str | None = None) -> dict[str, Any]:
-    """A run's results.json or config.json (or its mapping under ``key``), read as a JSON object.
+    """A run's results.json (its integrity trailer checked, :func:`~medfed.results.results_fault`) or config.json
+    (or its mapping under ``key``), read as a JSON object.
 
     Raises:
-        DataError: naming the file: unreadable, truncated or corrupt JSON, not an object, or without ``key``.
+        DataError: naming the file: unreadable, truncated or corrupt JSON, not an object, without ``key``, or a
+            results.json without its trailer or changed since it was written.
     """
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as error:
         raise DataError(f"{path}: not readable as JSON ({error}); the file is damaged: delete its run folder to run it again") from None
+    if path.name == "results.json" and isinstance(value, dict):
+        fault = results_fault(value)
+        if fault is not None:
+            raise DataError(f"{path}: {fault}; compare does not count it: restore the file, or delete its run folder to run it again")
     if key is not None:
         value = value.get(key) if isinstance(value, dict) else None
     if not isinstance(value, dict):

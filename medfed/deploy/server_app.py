@@ -104,7 +104,7 @@ from medfed.federated.link import Link, Wire
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.strategies.base import Payload, SecureSum
 from medfed.output_dir import hold_output_dir
-from medfed.results import run_results, timing_summary, write_json_atomic
+from medfed.results import run_results, timing_summary, write_results
 from medfed.tasks.label_imbalance import refuse_label_ratio
 
 app = ServerApp()
@@ -814,5 +814,5 @@ def serve(grid: Grid, settings: RunSettings, resumed: dict[str, Any] | None, run
     )
     # each SuperNode resolves trainer.device for itself: the configured value, not a device the server saw
     results["execution"] = {"device": run.trainer.device, "precision": run.trainer.precision, "compile": run.trainer.compile}
-    write_json_atomic(output_dir / "results.json", results)
+    write_results(output_dir / "results.json", results)
     print(f"medfed: wrote {output_dir / 'results.json'}", flush=True)
