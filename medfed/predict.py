@@ -51,8 +51,7 @@ def predict(run_dir: Path, site: str, inputs: list[Path], out: Path, *, overwrit
     config_file = Path(run_dir) / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"--run {run_dir}: no config.json there (is it a medfed run folder?)")
-    if out.exists() and not overwrite:
-        raise ConfigError(f"--out {out}: exists; pass --overwrite to replace it")
+    check_out(out, overwrite)
     resolved = resolve(load_config(config_file))
     if resolved.task.name != "brats":
         raise ConfigError(f"--run {run_dir}: a {resolved.task.name} run; predict segments BraTS-like MRI only")
@@ -97,11 +96,47 @@ def predict(run_dir: Path, site: str, inputs: list[Path], out: Path, *, overwrit
     written = nib.Nifti1Image(labels, reference.affine, header=reference.header)
     written.set_data_dtype(np.uint8)
     written.header.set_slope_inter(1.0, 0.0)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.partial{''.join(out.suffixes)}")
-    nib.save(written, partial)
-    os.replace(partial, out)
+    write_out(written, out)
     return out
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """``--out`` before anything is read: not a folder, a NIfTI file name (``.nii`` or ``.nii.gz``), not an existing
+    file unless ``overwrite``, in a folder (or below the nearest existing one) this user can write in.
+
+    Raises:
+        ConfigError: one line naming ``--out`` and what is wrong.
+    """
+    if out.is_dir():
+        raise ConfigError(f"--out {out}: is a folder; give the mask's file name (e.g. {out / 'prediction.nii.gz'})")
+    if not out.name.endswith((".nii", ".nii.gz")):
+        raise ConfigError(f"--out {out}: expected a NIfTI file name ending in .nii or .nii.gz (the mask is written as NIfTI)")
+    if out.exists() and not overwrite:
+        raise ConfigError(f"--out {out}: exists; pass --overwrite to replace it")
+    existing = out.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"--out {out}: {existing} is a file, expected a folder (or a path that does not exist yet)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out}: cannot write in {existing} (permission denied)")
+
+
+def write_out(image: nib.Nifti1Image, out: Path) -> None:
+    """Write ``image`` to a hidden temporary file beside ``out`` and rename it into place (an existing ``out`` stays
+    whole until then).
+
+    Raises:
+        ConfigError: the folder or the file cannot be written (a full disk, permissions changed since the check).
+    """
+    partial = out.with_name(f".{out.name}.partial{''.join(out.suffixes)}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        nib.save(image, partial)
+        os.replace(partial, out)
+    except OSError as error:
+        partial.unlink(missing_ok=True)
+        raise ConfigError(f"--out {out}: could not be written ({error.strerror or error}); nothing was replaced") from None
 
 
 def _first_line(error: Exception) -> str:

@@ -1,5 +1,7 @@
 """``medfed predict``: a site's model of a finished run applied to a new scan, written on the input's grid."""
 
+from pathlib import Path
+
 import nibabel as nib
 import numpy as np
 import pytest
@@ -129,3 +131,49 @@ def test_a_run_folder_whose_config_and_checkpoint_are_of_different_runs_is_one_l
     assert main(arguments) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "config.json and the checkpoint round-1.ckpt are of different runs (they differ at model.channels)" in error
+
+
+@pytest.mark.parametrize("out, overwrite, message", [
+    ("folder", True, "is a folder; give the mask's file name"),
+    ("pred.png", False, "expected a NIfTI file name ending in .nii or .nii.gz"),
+    ("locked/below/pred.nii.gz", False, "cannot write in {tmp}/locked (permission denied)"),
+])
+def test_an_unusable_out_is_one_line_naming_it_before_anything_is_read(finished_run, tiny_brats_root, tmp_path, capsys, monkeypatch, out, overwrite, message):
+    # (issue 32, item 8: an existing folder with --overwrite, a name without .nii[.gz] and an unwritable parent were tracebacks)
+    import os
+
+    import medfed.predict
+
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "kept.txt").write_text("mine")
+    (tmp_path / "locked").mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path / "locked" and real_access(path, mode))
+    monkeypatch.setattr(medfed.predict, "load_case", lambda *args: pytest.fail("the scan was read"))
+    case = find_cases(tiny_brats_root)[0]
+    arguments = ["predict", "--run", str(finished_run), "--site", "site0", "--input", str(case.image_files[0].parent),
+                 "--out", str(tmp_path / out), *(["--overwrite"] if overwrite else [])]
+    assert main(arguments) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"medfed: error: --out {tmp_path / out}: {message.format(tmp=tmp_path)}"), error
+    assert error.count("\n") == 1 and (tmp_path / "folder" / "kept.txt").read_text() == "mine"
+    assert sorted(path.name for path in (tmp_path / "locked").iterdir()) == []
+
+
+def test_a_full_disk_while_the_mask_is_written_is_one_line_and_the_earlier_mask_is_kept(finished_run, tiny_brats_root, tmp_path, capsys, monkeypatch):
+    import errno
+
+    import medfed.predict
+
+    def no_space(image, path):
+        Path(path).write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(medfed.predict.nib, "save", no_space)
+    out = tmp_path / "pred.nii.gz"
+    out.write_bytes(b"earlier")
+    case = find_cases(tiny_brats_root)[0]
+    arguments = ["predict", "--run", str(finished_run), "--site", "site0", "--input", str(case.image_files[0].parent), "--out", str(out), "--overwrite"]
+    assert main(arguments) == 2
+    assert capsys.readouterr().err == f"medfed: error: --out {out}: could not be written (No space left on device); nothing was replaced\n"
+    assert out.read_bytes() == b"earlier" and sorted(path.name for path in tmp_path.iterdir() if path.name.startswith(".")) == []
