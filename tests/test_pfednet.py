@@ -1,6 +1,8 @@
 """pFedNet's server side on hand-made replies: averaging, the network-lasso limits, the
 relative penalty, the graph in its three spaces, delivery; and its phases' local steps."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -305,3 +307,23 @@ def test_joint_schedule_refuses_a_full_epoch_per_phase():
     assert PFedNet.Options(schedule="joint", preset="published").full_epoch_per_phase is False
     with pytest.raises(ConfigError, match="'schedule'"):
         PFedNet.Options(schedule="both")
+
+
+def test_personal_parts_whose_differences_overflow_end_the_run_in_one_line_not_in_the_solver():
+    # (issue 32, item 8: model.lr=1e30 ended in the solver's "lam: expected a finite number" ValueError traceback)
+    from medfed.errors import RunFailed
+
+    strategy = _strategy(0.5)
+    replies = {i: {"personal": torch.full((D2,), 3e38 * (-1) ** i)} for i in range(N)}  # finite, as the link lets through
+    with pytest.raises(RunFailed, match=r"^pfednet's server step after 1 personal steps: the sites' personal parts differ beyond "
+                                        r"what torch\.float32 holds \(fusion threshold inf, so lam_t = inf\): their training "
+                                        r"diverged; lower model\.lr$"):
+        strategy.aggregate(RoundContext(1, "personal"), replies)
+
+
+def test_a_learning_rate_of_1e30_is_refused_with_the_config(tmp_path, capsys):
+    from medfed.cli import main
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "clinical_delta1.yaml"
+    assert main(["fit", "--config", str(config), "--quiet", "model.lr=1e30", f"output_dir={tmp_path / 'run'}"]) == 2
+    assert capsys.readouterr().err == "medfed: error: config key 'model.lr' = 1e+30: expected a learning rate > 0 and at most 10\n"

@@ -22,6 +22,11 @@ OPTIMIZERS = ("adam", "sgd")
 """Local training's optimiser (``model.optimizer``): ``torch.optim.Adam`` or ``torch.optim.SGD`` (with ``model.momentum``)."""
 
 
+MAX_LR = 10.0
+"""The largest ``model.lr``: a local step of more than ten gradients (SGD) or ten units per parameter (Adam) diverges
+at the first step of any of medfed's models (1e30 overflowed pFedNet's server step to an infinite penalty)."""
+
+
 @dataclass
 class ModelOptions:
     """Options every model takes (the ``model`` config group); models extend it with their own.
@@ -45,7 +50,7 @@ class ModelOptions:
     momentum: float = 0.0
 
     def __post_init__(self) -> None:
-        require(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "a positive finite learning rate")
+        require(0 < self.lr <= MAX_LR, "lr", self.lr, f"a learning rate > 0 and at most {MAX_LR:g}")
         require(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", self.weight_decay, "a finite number >= 0")
         require(self.optimizer in OPTIMIZERS, "optimizer", self.optimizer, f"one of {', '.join(OPTIMIZERS)}")
         require(0.0 <= self.momentum < 1.0, "momentum", self.momentum, "a momentum in [0, 1)")

@@ -112,11 +112,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import Any
 
 import torch
 
-from medfed.errors import SiteFailure
+from medfed.errors import RunFailed, SiteFailure
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.strategies.solvers.fusion import distinct_parts, fusion_threshold, spread_removed
 from medfed.federated.strategies.solvers.graph import (
@@ -219,6 +220,12 @@ class PFedNetServer(ServerHalf):
         p = P_NORMS[str(self.options.p)]
         threshold = fusion_threshold(centre, self.graph, eta, p)
         lam = self.options.lam * threshold if self.options.lam_scale == "fusion" else self.options.lam
+        if not math.isfinite(lam):  # finite replies (the link refuses others) whose differences overflow
+            raise RunFailed(
+                f"pfednet's server step after {self.personal_steps} personal steps: the sites' personal parts differ beyond "
+                f"what {centre.dtype} holds (fusion threshold {threshold:g}, so lam_t = {lam:g}): their training diverged; "
+                "lower model.lr"
+            )
         result = solve_network_lasso(
             centre,
             self.graph.incidence(dtype=centre.dtype, device=centre.device),
