@@ -302,3 +302,22 @@ def test_candidates_csv_with_a_byte_order_mark_reads_as_without(one_series):
     with_bom = extract_candidate_patches(root, progress=False)
     np.testing.assert_array_equal(plain.patches, with_bom.patches)
     assert list(with_bom.series_uids) == ["7.7"] and list(with_bom.labels) == [1]
+
+
+def test_a_metaimage_dim_size_smaller_than_its_raw_file_is_refused_not_read_as_a_part(one_series):
+    # (issue 32, item 8: a DimSize smaller than its .raw was read silently, its first bytes taken as the whole volume)
+    root, image = one_series
+    mhd = root / "subset0" / "7.7.mhd"
+    raw = root / "subset0" / "7.7.raw"
+    size = image.GetSize()
+    smaller = f"{size[0]} {size[1]} {size[2] - 1}"
+    mhd.write_text("\n".join(f"DimSize = {smaller}" if line.startswith("DimSize") else line for line in mhd.read_text().splitlines()) + "\n")
+    write_candidates(root / "candidates.csv", [("7.7", *world_of_index(image, (1, 1, 1)), 0)])
+    with pytest.raises(DataError) as info:
+        extract_candidate_patches(root, progress=False)
+    claimed = size[0] * size[1] * (size[2] - 1) * 2
+    assert str(info.value) == (
+        f"{mhd}: its header claims {claimed} bytes of voxels (DimSize ({smaller.replace(' ', ', ')}), 16-bit signed integer) but 7.7.raw "
+        f"has {raw.stat().st_size} bytes: a DimSize smaller than its data would read part of it as the whole volume; a damaged header, "
+        "or the header of another file"
+    )

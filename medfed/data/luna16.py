@@ -455,7 +455,8 @@ DEFLATE_MAX_RATIO = 1032
 
 
 def _check_claimed_size(mhd_path: Path, reader: sitk.ImageFileReader) -> None:
-    """Refuse a MetaImage header whose size and element type claim more bytes than its data file holds, before reading them."""
+    """Refuse a MetaImage header whose size and element type claim more bytes than its data file holds, before reading them,
+    or fewer than an uncompressed data file of its own holds (SimpleITK would read its first part as the whole volume)."""
     import SimpleITK as sitk
 
     itemsize = sitk.GetArrayViewFromImage(sitk.Image([1, 1, 1], reader.GetPixelID())).itemsize
@@ -473,6 +474,17 @@ def _check_claimed_size(mhd_path: Path, reader: sitk.ImageFileReader) -> None:
             f"{sitk.GetPixelIDValueAsString(reader.GetPixelID())}) in {data_file.name}, but {holds}"
             + (f" (and medfed reads at most {MAX_VOLUME_BYTES})" if claimed > MAX_VOLUME_BYTES else "")
             + "; a damaged or crafted header"
+        )
+    header_size = _header_value(mhd_path, "HeaderSize")
+    if compressed or data_file == mhd_path or header_size == "-1":
+        return  # a compressed stream's size, or where the voxels begin, is not known from the header
+    skipped = int(header_size) if header_size.isdigit() else 0
+    if claimed + skipped < size:
+        raise DataError(
+            f"{mhd_path}: its header claims {claimed} bytes of voxels (DimSize {tuple(reader.GetSize())}, "
+            f"{sitk.GetPixelIDValueAsString(reader.GetPixelID())}{f', HeaderSize {skipped}' if skipped else ''}) but {data_file.name} "
+            f"has {size} bytes: a DimSize smaller than its data would read part of it as the whole volume; a damaged header, "
+            "or the header of another file"
         )
 
 
