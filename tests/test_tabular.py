@@ -227,3 +227,16 @@ def test_the_largest_float32_value_is_kept(tmp_path):
     path.write_text(RECORDS.replace("p5,59,no,A,0.9", "p5,59,no,A,3.4e38"))
     data = read_tabular_csv(path, target="bleeding", positive="yes", exclude_columns=("patient", "hospital"))
     assert np.isfinite(data.features).all() and data.features.max() == np.float32(3.4e38)
+
+
+@pytest.mark.parametrize("text, message", [
+    # (issue 32, item 8: both were accepted, as the categories 'inf'/'-inf' and 'a\x00b')
+    ("a,c,y\n1,inf,yes\n2,-inf,no\n3,inf,no\n",
+     "column 'c' holds '-inf' on line 3, a number that is not finite (a missing value is empty or one of n/a, na, nan, null)"),
+    ("a,c,y\n1,low,yes\n2,hi\x00gh,no\n3,low,no\n", "line 3: holds the control character U+0000 at offset 20 (a NUL or other control byte"),
+])
+def test_a_column_of_infinities_or_a_nul_byte_is_refused_naming_the_line_not_made_a_category(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(DataError) as info:
+        read_tabular_csv(path, target="y", positive="yes")
+    assert str(info.value).startswith(f"{path}") and message in str(info.value), info.value

@@ -6,18 +6,23 @@ plain "CSV" is the machine's code page), database exports and scripts.
 would otherwise become an invisible first character of the first column's
 name), and turns what the :mod:`csv` module or the decoder would raise into
 one :class:`~medfed.errors.DataError` naming the file and line: bytes that are
-not UTF-8 (Latin-1 or Windows-1252 exports) and fields longer than
-:data:`MAX_FIELD_CHARS` (a broken quote swallowing the rest of the file).
+not UTF-8 (Latin-1 or Windows-1252 exports), control characters such as
+NUL (:data:`CONTROL_CHARACTERS`: a damaged or binary file, whose bytes would
+otherwise become a category) and fields longer than :data:`MAX_FIELD_CHARS`
+(a broken quote swallowing the rest of the file).
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import re
 from pathlib import Path
 
 from medfed.errors import DataError
 
+CONTROL_CHARACTERS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+"""Characters no table's text holds (C0 controls but tab, line feed and carriage return; DEL): a damaged or binary file."""
 MAX_FIELD_CHARS = 131_072
 """Longest field read (the :mod:`csv` module's default limit; no cell of a clinical table or LUNA16 CSV comes near it)."""
 
@@ -45,6 +50,13 @@ def read_csv_rows(path: Path) -> tuple[list[str] | None, list[tuple[int, list[st
             f"{path}, line {line}: not UTF-8 text (byte 0x{raw[error.start]:02x} at offset {error.start}, e.g. a Latin-1 or "
             "Windows-1252 export); save the file as UTF-8 (in Excel: CSV UTF-8)"
         ) from None
+    control = CONTROL_CHARACTERS.search(text)
+    if control is not None:
+        line = text.count("\n", 0, control.start()) + 1
+        raise DataError(
+            f"{path}, line {line}: holds the control character U+{ord(control.group()):04X} at offset {control.start()} "
+            "(a NUL or other control byte: a damaged or binary file, not a table's text)"
+        )
     reader = csv.reader(io.StringIO(text, newline=""))
     try:
         header = next(reader, None)

@@ -287,6 +287,14 @@ def _feature_block(path: Path, column: str, cells: np.ndarray, line_numbers: np.
             f"on line {line_numbers[odd[0]]}; a feature column must be all numbers or all text (categorical)"
         )
     levels, codes = np.unique(cells[present], return_inverse=True)
+    infinite = next((str(level) for level in levels if _is_float(str(level))), None)  # text only: every such level is inf or nan
+    if infinite is not None:
+        first = present[np.flatnonzero(cells[present] == infinite)[0]]
+        raise DataError(
+            f"{path}: column {column!r} holds {infinite!r} on line {line_numbers[first]}, a number that is not finite "
+            f"(a missing value is empty or one of {', '.join(sorted(token for token in MISSING_TOKENS if token))}); "
+            "a feature column must be all finite numbers or all text (categorical)"
+        )
     one_per_record = len(levels) == len(present) > 1
     if len(levels) > MAX_LEVELS or one_per_record:
         raise DataError(
@@ -302,10 +310,16 @@ def _feature_block(path: Path, column: str, cells: np.ndarray, line_numbers: np.
 
 
 def _is_number(cell: str) -> bool:
+    return _is_float(cell) and bool(np.isfinite(float(cell)))
+
+
+def _is_float(cell: str) -> bool:
+    """Whether ``cell`` reads as a float, finite or not (``inf``, ``-Infinity``, ``nan``)."""
     try:
-        return bool(np.isfinite(float(cell)))
+        float(cell)
     except ValueError:
         return False
+    return True
 
 
 def _binary_labels(
