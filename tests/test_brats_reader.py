@@ -134,10 +134,13 @@ BRATS2023_KEYS = ("t2f", "t1n", "t1c", "t2w")  # FLAIR, T1, T1ce, T2: MODALITIES
 
 
 def write_brats2023_case(folder, label, *, keys=BRATS2023_KEYS):
-    """``folder/<case>-<key>.nii.gz`` for ``keys``, modality k (MODALITIES order) constant 10 (k + 1), and ``<case>-seg.nii.gz``."""
+    """``folder/<case>-<key>.nii.gz`` for ``keys``, modality k (MODALITIES order) 10 (k + 1) but for one brighter voxel at
+    the far corner (an image of one value throughout is refused), and ``<case>-seg.nii.gz``."""
     for k, key in enumerate(BRATS2023_KEYS):
         if key in keys:
-            write_nifti(folder / f"{folder.name}-{key}.nii.gz", np.full(SHAPE, 10 * (k + 1), dtype=np.int16))
+            image = np.full(SHAPE, 10 * (k + 1), dtype=np.int16)
+            image[-1, -1, -1] += 1
+            write_nifti(folder / f"{folder.name}-{key}.nii.gz", image)
     write_nifti(folder / f"{folder.name}-seg.nii.gz", label)
 
 
@@ -514,3 +517,23 @@ def test_deeply_nested_dataset_json_is_one_line_not_a_recursion_error(tmp_path):
     (tmp_path / "dataset.json").write_text('{"training": ' + "[" * 100_000 + "]" * 100_000 + "}")
     with pytest.raises(DataError, match=r"dataset\.json: not a readable JSON file \(nested too deeply"):
         find_cases(tmp_path)
+
+
+@pytest.mark.parametrize("shape, images, message", [
+    # (issue 32, item 8: both were read, the first scoring Dice 1.0 and HD95 0 on its empty masks)
+    ((1, 1, 1), lambda rng, shape: random_images(rng, shape), "a volume of 1 x 1 x 1 voxels; expected at least 4 along each axis"),
+    (SHAPE, lambda rng, shape: np.zeros((4, *shape), dtype=np.int16),
+     "and the case's other sequences: every voxel of every sequence holds 0: images without signal, nothing to segment"),
+])
+def test_a_degenerate_volume_is_refused_naming_its_file(tmp_path, shape, images, message):
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "HGG" / "Brats17_TCIA_1_1"
+    for modality, volume in zip(MODALITIES, images(rng, shape)):
+        write_nifti(folder / f"{folder.name}_{modality}.nii.gz", volume)
+    seg = np.zeros(shape, dtype=np.uint8)
+    seg[tuple(side // 2 for side in shape)] = 4  # a tumour voxel in the segmentation
+    write_nifti(folder / f"{folder.name}_seg.nii.gz", seg)
+    with pytest.raises(DataError) as info:
+        load_case(only_case(tmp_path))
+    assert str(info.value) == f"{folder / f'{folder.name}_flair.nii.gz'}" + (": " if shape == (1, 1, 1) else " ") + message + (
+        " (a brain MRI is about 240 x 240 x 155 at 1 mm)" if shape == (1, 1, 1) else ""), info.value

@@ -319,13 +319,15 @@ def load_case(case: BratsCase, resample: bool = False) -> BratsVolume:
     Raises:
         DataError: a file is missing or unreadable, its header claims more
             voxels than the file holds, the modalities or the label disagree
-            in shape or grid (affine), voxels are NaN/Inf, or the label holds
-            values outside the layout's convention. Each message names the file.
+            in shape or grid (affine), voxels are NaN/Inf, the label holds
+            values outside the layout's convention, or the volume is degenerate
+            (:func:`_check_degenerate`). Each message names the file.
     """
     if case.channel_index is None:
         image, affine = _read_modality_files(case.image_files, resample)
     else:
         image, affine = _read_four_d_image(case.image_files[0], case.channel_index)
+    _check_degenerate(case, image)
     label = None
     if case.label_file is not None:
         raw_label, label_affine = _read_nifti(case.label_file)
@@ -338,6 +340,26 @@ def load_case(case: BratsCase, resample: bool = False) -> BratsVolume:
             )
         label = _to_tumour_labels(raw_label, case.label_codes, case.label_file)
     return BratsVolume(case_id=case.case_id, image=image, label=label, affine=affine)
+
+
+MIN_VOLUME_SIDE = 4
+"""The fewest voxels along each axis of a case: background, brain and a tumour inside it need at least that many; a
+smaller volume (1 x 1 x 1) scores Dice 1 and HD95 0 on empty masks and would pass for a perfect result."""
+
+
+def _check_degenerate(case: BratsCase, image: np.ndarray) -> None:
+    """Refuse a volume no scan is: fewer than :data:`MIN_VOLUME_SIDE` voxels along an axis, or every sequence one value
+    throughout (no signal; a tumour in its segmentation would be learned from nothing)."""
+    shape = image.shape[1:]
+    if min(shape) < MIN_VOLUME_SIDE:
+        raise DataError(
+            f"{case.image_files[0]}: a volume of {' x '.join(map(str, shape))} voxels; expected at least {MIN_VOLUME_SIDE} along "
+            "each axis (a brain MRI is about 240 x 240 x 155 at 1 mm)"
+        )
+    flat = image.reshape(image.shape[0], -1)
+    if (flat.max(axis=1) == flat.min(axis=1)).all():
+        files = case.image_files[0] if len(case.image_files) == 1 else f"{case.image_files[0]} and the case's other sequences"
+        raise DataError(f"{files}: every voxel of every sequence holds {float(flat[0, 0]):g}: images without signal, nothing to segment")
 
 
 # --- layout detection -------------------------------------------------------
