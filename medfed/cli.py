@@ -31,7 +31,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from medfed.console import one_line_errors, show_warnings
+from medfed.console import error_line, one_line_errors, show_warnings
 from medfed.errors import INTERRUPTED, ConfigError
 
 # Each command's module is imported when that command runs: ``--help``, ``strategies`` and a config error
@@ -179,11 +179,11 @@ def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
 
         if error.errno not in FULL_DISK:
             raise
-        print(f"medfed: error: {full_disk(error, grid.output)}; the finished runs are kept: free some space and run the same "
-              "command again (it tabulates them without running them again)", file=sys.stderr)
+        print(error_line(f"{full_disk(error, grid.output)}; the finished runs are kept: free some space and run the same "
+                         "command again (it tabulates them without running them again)"), file=sys.stderr)
         return 2
     if failed:
-        print(f"medfed: error: {len(failed)} run(s) failed: {', '.join(failed)} (their logs are in {grid.output / 'logs'})", file=sys.stderr)
+        print(error_line(f"{len(failed)} run(s) failed: {', '.join(failed)} (their logs are in {grid.output / 'logs'})"), file=sys.stderr)
         return 1
     return 0
 

@@ -562,6 +562,8 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         key, _, value = override.partition("=")
         if not key.strip():
             raise ConfigError(f"override {override!r}: expected key=value, e.g. trainer.rounds=3")
+        if any(character in value for character in "\n\r\x00"):  # YAML would fold a line break into a space: another path
+            raise ConfigError(f"override {override!r}: its value holds a line break or NUL; write it YAML-quoted in the config file")
         try:
             OmegaConf.update(cli_cfg, key.strip(), _read_yaml(value, f"override {override!r}"), force_add=True)
         except OmegaConfBaseException as error:

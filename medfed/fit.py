@@ -19,6 +19,7 @@ from pathlib import Path
 
 from medfed.components import resolve
 from medfed.config import load_config, to_yaml
+from medfed.console import error_line
 from medfed.errors import INTERRUPTED, RunFailed, SiteFailure
 
 
@@ -47,10 +48,10 @@ def fit(
     try:
         run(cfg, resume=resume, overwrite=overwrite, progress=not quiet, config_name=Path(config).stem)
     except RunFailed as error:  # resuming would fail the same way
-        print(f"medfed: error: {error}", file=sys.stderr)
+        print(error_line(error), file=sys.stderr)
         return 2
     except SiteFailure as error:
-        print(f"medfed: error: {error}; {how_to_resume(config, overrides, Path(cfg.output_dir))}", file=sys.stderr)
+        print(error_line(f"{error}; {how_to_resume(config, overrides, Path(cfg.output_dir))}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"medfed: interrupted; {how_to_resume(config, overrides, Path(cfg.output_dir))}", file=sys.stderr)
@@ -58,7 +59,7 @@ def fit(
     except OSError as error:
         if error.errno not in FULL_DISK:
             raise
-        print(f"medfed: error: {full_disk(error, Path(cfg.output_dir))}; {how_to_resume(config, overrides, Path(cfg.output_dir))}", file=sys.stderr)
+        print(error_line(f"{full_disk(error, Path(cfg.output_dir))}; {how_to_resume(config, overrides, Path(cfg.output_dir))}"), file=sys.stderr)
         return 2
     return 0
 

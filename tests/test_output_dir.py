@@ -264,3 +264,18 @@ def test_a_lock_swapped_for_a_link_during_the_run_is_not_what_the_run_deletes(tm
         lock.unlink()
         lock.symlink_to(victim)
     assert lock.is_symlink() and victim.read_text() == "mine"
+
+
+def test_a_newline_in_a_folder_name_keeps_the_error_one_line(tiny_run_config, tmp_path, reading_forbidden, capsys):
+    # (issue 32, item 8: the path's newline split the one-line error in two)
+    odd = tmp_path / "two\nlines"
+    odd.write_text("a file, not a folder")
+    text = tiny_run_config.read_text()
+    tiny_run_config.write_text(text.replace(f"output_dir: {tmp_path / 'run'}", f"output_dir: {json.dumps(str(odd / 'run'))}"))
+    assert _fit(tiny_run_config) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.endswith(f"{tmp_path}/two\\nlines is a file, expected a folder (or a path that does not exist yet)\n"), error
+    # an override cannot carry it: YAML would fold the line break into a space, a path of another folder
+    assert _fit(tiny_run_config, f"output_dir={odd / 'run'}") == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "its value holds a line break or NUL; write it YAML-quoted in the config file" in error, error
