@@ -348,3 +348,28 @@ def test_a_cli_run_records_its_executor_and_both_give_its_numbers(tmp_path):
         _assert_close_states(a["train_loss"], b["train_loss"], f"round {a['round']} train_loss")
         assert a["compute"] == b["compute"]
         assert set(a["timing"]) == set(b["timing"])
+
+
+def test_a_loss_that_becomes_nan_at_step_3_names_the_step_under_the_batched_executor_too():
+    # (issue 32, item 8: the batched executor's message named the round, not the step, as the sequential one does)
+    from medfed.errors import SiteFailure
+
+    loop = build_loop("fedavg", two_group_federation(n_sites=2, n_train=96), seeded(LinearClassifier, 4, 2), on_site_failure="stop")
+    loop.executor = InProcessSites(loop.sites, loop.links, "batched")
+    half = loop.sites[0].strategy  # the template whose loss the stacked step runs
+    calls = {}
+
+    def loss(view, ctx, plan, batch, honest=half.loss):
+        calls[ctx.round] = calls.get(ctx.round, 0) + 1
+        value = honest(view, ctx, plan, batch)
+        return value * float("nan") if ctx.round == 2 and calls[ctx.round] >= 3 else value
+
+    half.loss = loss
+    loop.fit(1)
+    steps = loop.sites[0].batches_per_epoch
+    with pytest.raises(
+        SiteFailure,
+        match=rf"^site site0 failed in round 2 \(fit phase\): FloatingPointError: site0: training loss became nan at step 3 of {steps} ",
+    ):
+        loop.fit(2)
+    assert loop.executor.sequential_plans == {}  # the stacked step trained it

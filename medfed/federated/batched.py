@@ -369,7 +369,7 @@ def train_group(
     steps: list[int],
     keys: list[torch.Tensor],
     compute: str | None,
-) -> list[float]:
+) -> list[tuple[float, int | None]]:
     """Train ``plan`` at every one of ``sites`` (equal :func:`group_key`), ``steps[i]`` steps at site i, stacked.
 
     Args:
@@ -381,7 +381,8 @@ def train_group(
         compute: the key the steps' passes are counted under (None: not counted).
 
     Returns:
-        Each site's mean loss over its steps (possibly non-finite: the caller's to refuse).
+        Each site's mean loss over its steps (possibly non-finite: the caller's to refuse) and the first step whose
+        loss was not finite (None: every one was).
 
     Raises:
         Whatever a step raises, before anything of the sites' models changed (their data orders have moved).
@@ -419,6 +420,7 @@ def train_group(
     prefixed = lambda tensors: {f"slots.{name}": t for name, t in tensors.items()}  # noqa: E731
     step = torch.func.vmap(torch.func.grad_and_value(site_loss, argnums=(0, 4)), randomness="error")
     totals = torch.zeros(count, dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)  # summed as Site.train sums
+    first_bad = torch.zeros(count, dtype=totals.dtype, device=device)  # each site's first step whose loss was not finite (0: none)
     streams = [site.batches(n, plan.data_order) for site, n in zip(sites, steps)]
     key_matrix = torch.nn.utils.rnn.pad_sequence([k.to(device) for k in keys], batch_first=True)  # (S, max steps)
     everyone = torch.arange(count, device=device)
@@ -461,6 +463,7 @@ def train_group(
                 if rows is not None:
                     for name, value in buffer.items():  # BatchNorm statistics the step updated in the rows' copies
                         stacked_buffers[name][rows] = value
+            first_bad = torch.where((first_bad == 0) & ~torch.isfinite(totals), t + 1, first_bad)  # a sum stays non-finite
         for stream in streams:
             next(stream, None)  # run out: a whole last pass ends as Site.train's loop ends it (Site.batches)
     finally:
@@ -477,4 +480,5 @@ def train_group(
                 setattr(site.strategy, name, value[i].clone())
             for slot in stepped:
                 site.slot(slot).optimizer.zero_grad(set_to_none=True)
-    return (totals / torch.tensor(steps, dtype=totals.dtype, device=device)).tolist()  # the plan's one host read
+    read = torch.cat([totals / torch.tensor(steps, dtype=totals.dtype, device=device), first_bad]).tolist()  # the plan's one host read
+    return [(mean, int(step) or None) for mean, step in zip(read[:count], read[count:])]

@@ -358,7 +358,7 @@ class InProcessSites:
         """One plan at a group of sites, stacked; where the stacked step raises, one site at a time.
 
         Returns each site's mean loss (None: nothing trained), or its error (``"<ExceptionType>: <message>"``; a
-        non-finite loss is one, naming the site and the round).
+        non-finite loss is one, naming the site and its first such step, as :meth:`Site.train` does).
         """
         stream = (work.round_index, work.phase_index)
         sites = [phases[index].site for index, _, _ in group]
@@ -381,9 +381,9 @@ class InProcessSites:
             return outcomes
         return {
             index: mean
-            if math.isfinite(mean)
-            else f"FloatingPointError: {site.name}: training loss became {mean} in round {work.round_index} (learning rate too high?)"
-            for site, (index, _, _), mean in zip(sites, group, means)
+            if bad is None
+            else f"FloatingPointError: {site.name}: training loss became {mean} at step {bad} of {steps} (learning rate too high?)"
+            for site, (index, _, steps), (mean, bad) in zip(sites, group, means)
         }
 
     def _note(self, plan: str, reason: str) -> None:
