@@ -423,6 +423,55 @@ class ClientDPConfig:
         return self.noise_multiplier is not None
 
 
+AGGREGATIONS = ("mean", "median", "trimmed_mean", "norm_bounded")
+"""``aggregation.name``: the rules of :mod:`medfed.federated.aggregate`."""
+
+
+@dataclass
+class AggregationConfig:
+    """How the server combines the sites' replies of the parts a strategy averages (:mod:`medfed.federated.aggregate`).
+
+    ``name``: ``mean`` (sample-weighted, the strategies' own rule), ``median`` (coordinate-wise), ``trimmed_mean``
+    (coordinate-wise, ``trim`` of the sites dropped at each end) or ``norm_bounded`` (each update scaled to L2 norm at
+    most ``norm_bound``; null: the round's median update norm). Each robust rule needs every site's own reply: refused
+    with secure aggregation and client-level DP.
+    """
+
+    name: str = "mean"
+    trim: float = 0.2
+    norm_bound: float | None = None
+
+    def __post_init__(self) -> None:
+        require(self.name in AGGREGATIONS, "aggregation.name", self.name, f"one of {', '.join(AGGREGATIONS)}")
+        require(0 <= self.trim < 0.5, "aggregation.trim", self.trim, "a fraction in [0, 0.5) of the sites dropped at each end")
+        require(self.norm_bound is None or (math.isfinite(self.norm_bound) and self.norm_bound > 0), "aggregation.norm_bound",
+                self.norm_bound, "null (the round's median update norm) or a finite L2 norm > 0")
+
+
+ATTACK_KINDS = ("scale", "sign_flip", "gaussian")
+"""``attack.kind``: what a simulated hostile site does to its update (:mod:`medfed.federated.attack`)."""
+
+
+@dataclass
+class AttackConfig:
+    """FOR EVALUATION ONLY: simulated hostile sites (:mod:`medfed.federated.attack`), to measure an ``aggregation`` rule.
+
+    The sites listed in ``sites`` (indices) send, in place of each model-vector update u (their reply minus what they
+    last received under that key), ``factor * u`` (``scale``), ``-u`` (``sign_flip``: the honest norm), or a seeded
+    Gaussian direction of u's norm (``gaussian``). The simulator only; a deployment refuses it.
+    """
+
+    sites: list[int] = field(default_factory=list)
+    kind: str = "scale"
+    factor: float = 100.0
+
+    def __post_init__(self) -> None:
+        require(all(isinstance(site, int) and site >= 0 for site in self.sites) and len(set(self.sites)) == len(self.sites),
+                "attack.sites", self.sites, "a list of distinct site indices >= 0 (empty: no attack)")
+        require(self.kind in ATTACK_KINDS, "attack.kind", self.kind, f"one of {', '.join(ATTACK_KINDS)}")
+        require(math.isfinite(self.factor) and self.factor > 0, "attack.factor", self.factor, "a finite factor > 0 (attack.kind=scale)")
+
+
 @dataclass
 class PrivacyConfig:
     """Privacy mechanisms of a run (see ``docs/privacy.md``): ``dp``, DP-SGD at every site; ``client_dp``, client-level DP at aggregation."""
@@ -484,6 +533,8 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
     deploy: DeployConfig = field(default_factory=DeployConfig)
     output_dir: str = "outputs/run"
 

@@ -88,6 +88,11 @@ def compared(tmp_path_factory):
     return grid, folder / "out", done.stderr
 
 
+def reseal(path: Path, record: dict) -> None:
+    """Write ``record`` to the results.json at ``path`` sealed anew, as a run of those values would have written it."""
+    write_results(path, {key: value for key, value in record.items() if key != INTEGRITY})
+
+
 def read_rows(folder: Path) -> list[dict[str, str]]:
     with (folder / "comparison.csv").open(newline="") as handle:
         return list(csv.DictReader(handle))
@@ -224,11 +229,11 @@ def test_a_finished_run_counts_as_done_whatever_its_device_and_the_options_of_st
     assert finished.stat().st_mtime_ns == mtime
     config = results_of(copy, "fedavg", 0)["config"]
     config["trainer"]["device"] = "cuda"  # run on a GPU machine: where a run ran is not what it ran
-    finished.write_text(json.dumps({**results_of(copy, "fedavg", 0), "config": config}))
+    reseal(finished, {**results_of(copy, "fedavg", 0), "config": config})
     assert main(arguments) == 0
     assert "4 runs, 4 already finished, 0 to resume" in capsys.readouterr().err
     config["strategy"]["fedavg"] = {"unknown": 1}  # the run's own strategy's options are compared
-    finished.write_text(json.dumps({**results_of(copy, "fedavg", 0), "config": config}))
+    reseal(finished, {**results_of(copy, "fedavg", 0), "config": config})
     assert main(arguments) == 2
     assert "holds a run of another config (it differs at strategy.fedavg.unknown)" in capsys.readouterr().err
 
@@ -630,7 +635,7 @@ def test_runs_of_unequal_compute_are_refused_by_name_unless_allowed(fake_compari
     results = out / "tiny_b" / "ditto" / "seed1" / "results.json"
     record = json.loads(results.read_text())
     record["compute"] = fake_compute("ditto", training=2.0)  # e.g. strategy.ditto.preset=published: 2 epochs a round
-    results.write_text(json.dumps(record))
+    reseal(results, record)
     assert main(["compare", "--grid", str(grid), "--quiet"]) == 2
     error = capsys.readouterr().err.splitlines()[-1]  # after compare's line about the runs
     assert error.startswith("medfed: error: compare: runs of unequal compute in one table")
@@ -639,10 +644,10 @@ def test_runs_of_unequal_compute_are_refused_by_name_unless_allowed(fake_compari
     assert not (out / "comparison.md").exists()
 
     record["compute"] = fake_compute("ditto", training=1.04)  # within 5% of the budget (the cut at whole mini-batches)
-    results.write_text(json.dumps(record))
+    reseal(results, record)
     assert main(["compare", "--grid", str(grid), "--quiet"]) == 0
     record["compute"] = fake_compute("ditto", training=2.0)
-    results.write_text(json.dumps(record))
+    reseal(results, record)
     assert main(["compare", "--grid", str(grid), "--quiet", "--allow-unequal-compute"]) == 0
     md = (out / "comparison.md").read_text()
     assert "**Unequal compute** (tabulated with --allow-unequal-compute; tolerance 5%): tiny_b/ditto/seed1 trained 2.00" in md
@@ -721,7 +726,7 @@ def test_the_frontier_csv_and_figure_hold_each_methods_last_round_mean_and_t_int
     generated = runs[0].output_dir / "results.json"  # one run of the last budget on GENERATED data: the frontier's title says so
     record = json.loads(generated.read_text())
     record["federation"]["generated"] = True
-    generated.write_text(json.dumps(record))
+    reseal(generated, record)
     titles = []
     monkeypatch.setattr(plots, "plot_frontier", lambda *args, title: titles.append(title) or plot_frontier(*args, title=title))
     assert main(["compare", "--grid", str(grid), "--quiet", "--budgets", "0.5", "2"]) == 0
@@ -761,12 +766,12 @@ def test_a_fractional_budget_cut_differently_on_each_seeds_split_is_equal_comput
         for results in out.glob(f"tiny_*/*/seed{seed}/results.json"):
             record = json.loads(results.read_text())
             record["compute"] = fake_compute(record["strategy"], training)
-            results.write_text(json.dumps(record))
+            reseal(results, record)
     assert main(["compare", "--grid", str(grid), "--quiet"]) == 0  # 0.63 and 0.55 are 7% from their mean, but equal on each seed
     results = out / "tiny_a" / "local" / "seed1" / "results.json"
     record = json.loads(results.read_text())
     record["compute"] = fake_compute("local", 0.63)  # seed 1's fedavg trained 0.55
-    results.write_text(json.dumps(record))
+    reseal(results, record)
     assert main(["compare", "--grid", str(grid), "--quiet"]) == 2
     assert "tiny_a/local/seed1 trained 0.63 epochs per site and round, fedavg's 0.55 on the same seed" in capsys.readouterr().err
 
@@ -775,8 +780,7 @@ def _drop_key(results_json, group: str, key: str) -> None:
     """Remove ``group.key`` from a run's saved config, as a run made before medfed had that key would hold it (sealed as it would be)."""
     results = json.loads(results_json.read_text())
     del results["config"][group][key]
-    del results[INTEGRITY]
-    write_results(results_json, results)
+    reseal(results_json, results)
 
 
 def test_a_run_made_before_a_key_existed_counts_as_done_where_the_key_is_at_its_default(compared, tmp_path, capsys):

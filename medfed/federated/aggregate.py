@@ -45,8 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
-AGGREGATIONS = ("mean", "median", "trimmed_mean", "norm_bounded")
-"""The ``aggregation.name`` values."""
+from medfed.config import AGGREGATIONS
+
 CHUNK = 1 << 20
 """Coordinates sorted at once by the median and the trimmed mean."""
 
@@ -128,7 +128,7 @@ class Aggregation:
     """How a server half combines the K replies of one averaged key (``aggregation`` config group; module docstring).
 
     Attributes:
-        name: one of :data:`AGGREGATIONS`.
+        name: one of :data:`~medfed.config.AGGREGATIONS`.
         trim: beta of ``trimmed_mean``, the fraction dropped at each end.
         norm_bound: M of ``norm_bounded`` (None: the median of the round's update norms).
     """
@@ -136,6 +136,10 @@ class Aggregation:
     name: str = "mean"
     trim: float = 0.2
     norm_bound: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in AGGREGATIONS:
+            raise ValueError(f"aggregation {self.name!r}: expected one of {', '.join(AGGREGATIONS)}")
 
     def __call__(self, vectors: list[torch.Tensor], weights: list[float] | torch.Tensor, reference: torch.Tensor | None) -> torch.Tensor:
         """The aggregate of ``vectors`` (sample ``weights``; ``reference``: the value the sites started from)."""
