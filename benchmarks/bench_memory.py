@@ -50,6 +50,7 @@ def child(strategy: str, n_sites: int, patches: int, rounds: int, checkpoint: bo
     from medfed.checkpoint import save_checkpoint
     from medfed.data.federation import Federation, SiteData
     from medfed.federated.loop import FederatedLoop
+    from medfed.federated.sites import InProcessSites
     from medfed.federated.strategies import strategy_from_config
     from medfed.models.segmentation import UNetSegmenter
 
@@ -74,7 +75,7 @@ def child(strategy: str, n_sites: int, patches: int, rounds: int, checkpoint: bo
     links = [assembly.link(initial, fabric.device, site.name) for site in site_list]
     with tempfile.TemporaryDirectory() as directory:
         save = (lambda state: save_checkpoint(Path(directory), state, keep=2)) if checkpoint else None
-        loop = FederatedLoop(fabric, site_list, strategy_obj, links, initial, 1, 1.0, 0, save_checkpoint=save)
+        loop = FederatedLoop(fabric, strategy_obj, InProcessSites(site_list, links), initial, 1, 1.0, 0, save_checkpoint=save)
         loop.fit(rounds)
     return {"peak": peak_rss_bytes(), "d": prototype.parameter_split.size("all")}
 

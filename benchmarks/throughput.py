@@ -4,7 +4,7 @@ In one process, for each device (the CPU always, CUDA where present), model
 and number of sites N, three columns measured side by side:
 
 * ``sequential``: ``trainer.executor=sequential``, the sites of a FedAvg
-  round training one after another (:class:`~medfed.federated.executor.InProcessSites`);
+  round training one after another (:class:`~medfed.federated.sites.InProcessSites`);
 * ``batched``: ``trainer.executor=batched``, the sites stacked and trained by
   one vmapped step (measured where this medfed has the option; ``-`` otherwise);
 * ``central``: the centralised reference, one model of the same kind
@@ -57,7 +57,7 @@ from medfed.assembly import RunAssembly, make_fabric
 from medfed.config import TrainerConfig
 from medfed.data.federation import Federation, SiteData
 from medfed.federated.compute import TRAIN
-from medfed.federated.executor import InProcessSites
+from medfed.federated.sites import InProcessSites, executor_for
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.strategies import strategy_from_config
 from medfed.models.base import FederatedModule
@@ -170,7 +170,7 @@ def federated(setting: Setting, n_sites: int, executor: str) -> Measurement:
     sites = assembly.sites(fabric, federation)
     initial = assembly.initial_values(fabric.device)
     links = [assembly.link(initial, fabric.device, site.name) for site in sites]
-    sites_part = InProcessSites(sites, links, executor) if executor != "sequential" else InProcessSites(sites, links)
+    sites_part = InProcessSites(sites, links, executor_for(executor, fabric.device, dp_sgd=False))
     measured: list[Measurement] = []
     work = sites_part.work
 
@@ -182,11 +182,11 @@ def federated(setting: Setting, n_sites: int, executor: str) -> Measurement:
         return results
 
     sites_part.work = timed_work
-    loop = FederatedLoop(fabric, sites, strategy, links, initial, 1, 1.0, 0, executor=sites_part)
+    loop = FederatedLoop(fabric, strategy, sites_part, initial, 1, 1.0, 0)
     loop.fit(setting.warmup + setting.rounds)
     while sum(m.seconds for m in measured[setting.warmup :]) < setting.min_seconds:
         loop.fit(loop.round + 1)
-    for plan, reason in getattr(sites_part, "sequential_plans", {}).items():  # the batched executor's fallbacks
+    for plan, reason in sites_part.record().get("sequential_plans", {}).items():  # the batched executor's fallbacks
         print(f"  note: under {executor}, plan {plan} trained one site at a time: {reason}")
     kept = measured[setting.warmup :]
     return Measurement(sum(m.samples for m in kept), sum(m.seconds for m in kept))

@@ -21,26 +21,33 @@ another builds:
   (``strategy.initial_values`` of the prototype's ``{"shared", "personal",
   "all"}`` vectors);
 * a *link*: the codec pair of ``codec.up`` / ``codec.down`` over the
-  strategy's coded keys, starting from the initial values.
+  strategy's coded keys, starting from the initial values;
+* the *loop* (:func:`federated_loop`): the round logic over the run's sites,
+  wherever they live, with the config's round, failure and privacy settings.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric import Fabric
 
 from medfed.components import ResolvedRun
-from medfed.config import TrainerConfig
+from medfed.config import RunConfig, TrainerConfig
 from medfed.data.federation import Federation, SiteData
 from medfed.data.pooling import pool_training_data
-from medfed.federated.link import Link
 from medfed.federated import privacy
+from medfed.federated.link import Link
+from medfed.federated.loop import FederatedLoop
+from medfed.federated.privacy import ClientDP
+from medfed.federated.protocol import Payload, StrategyProtocol
 from medfed.federated.site import Site, Slot
-from medfed.federated.strategies.base import Payload, Strategy
+from medfed.federated.sites import Sites
 from medfed.models.base import FederatedModule
 from medfed.models.split import PARTS
 
@@ -77,7 +84,7 @@ class RunAssembly:
     """
 
     prototype: FederatedModule
-    strategy: Strategy
+    strategy: StrategyProtocol
     codec_up: dict[str, Any]
     codec_down: dict[str, Any]
     batch_size: int
@@ -138,3 +145,36 @@ class RunAssembly:
     def link(self, initial: Payload, device: torch.device, peer: str) -> Link:
         """One end of the link with ``peer`` (a site's name), starting from ``initial`` (:meth:`initial_values`)."""
         return Link(self.codec_up, self.codec_down, self.strategy.coded_keys, initial, device, peer=peer)
+
+
+def federated_loop(
+    run: RunConfig,
+    fabric: Fabric,
+    strategy: StrategyProtocol,
+    sites: Sites,
+    initial: Payload,
+    save_checkpoint: Callable[[dict[str, Any]], Any] | None = None,
+    scratch_dir: Path | None = None,
+) -> FederatedLoop:
+    """The run's loop over ``sites`` (in this process or on SuperNodes) as ``run`` configures it, for either engine.
+
+    ``trainer.local_epochs`` and ``seed``, ``federation.participation``, ``on_site_failure``,
+    ``update_norm_limit`` and ``max_consecutive_failures``, and ``privacy.client_dp``; the engine adds where
+    its checkpoints go (``save_checkpoint``) and the participants' start-of-round states (``scratch_dir``).
+    """
+    federation = run.federation
+    return FederatedLoop(
+        fabric,
+        strategy,
+        sites,
+        initial,
+        local_epochs=run.trainer.local_epochs,
+        participation=federation.participation,
+        seed=run.trainer.seed,
+        save_checkpoint=save_checkpoint,
+        on_site_failure=federation.on_site_failure,
+        update_norm_limit=federation.update_norm_limit,
+        max_consecutive_failures=federation.max_consecutive_failures,
+        scratch_dir=scratch_dir,
+        client_dp=ClientDP(run.privacy.client_dp, run.trainer.seed) if run.privacy.client_dp.enabled else None,
+    )

@@ -70,6 +70,24 @@ def save_checkpoint(folder: Path, state: dict[str, Any], keep: int) -> Path:
     return path
 
 
+def state_on_device(state: Any, device: torch.device) -> Any:
+    """``state`` (nested dicts, lists, tuples) with every floating-point tensor moved to ``device``.
+
+    A checkpoint is read onto the CPU; a half's state goes through this before
+    its ``load_state_dict``, so a resumed run on cuda computes with its
+    models, duals and mixing weights where a fresh run has them. Integer and
+    byte tensors (counters, generator states, indices) stay where they are:
+    medfed keeps those on the CPU on purpose.
+    """
+    if isinstance(state, torch.Tensor):
+        return state.to(device) if state.is_floating_point() else state
+    if isinstance(state, dict):
+        return {key: state_on_device(value, device) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(state_on_device(value, device) for value in state)
+    return state
+
+
 def round_checkpoints(output_dir: Path, config: dict[str, Any], keep: int) -> Callable[[dict[str, Any]], Path]:
     """The loop's ``save_checkpoint``: each round's state with ``config`` into ``output_dir``'s checkpoints' folder, the newest ``keep`` kept."""
     return lambda state: save_checkpoint(output_dir / FOLDER, {**state, "config": config}, keep)

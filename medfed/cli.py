@@ -90,7 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--out", required=True, type=Path, help="the segmentation to write, e.g. pred.nii.gz")
     predict.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     strategies = commands.add_parser("strategies", help="list the registered strategies (strategy.name choices)")
-    strategies.add_argument("--markdown", action="store_true", help="as the markdown table of the README")
+    strategies.add_argument(
+        "--markdown", action="store_true", help="every table generated from the registry (the README's list, docs/privacy.md's)"
+    )
+    strategies.add_argument(
+        "files", nargs="*", type=Path, help="with --markdown: markdown files whose generated tables to rewrite in place (README.md docs/*.md)"
+    )
     deploy = commands.add_parser("deploy", help="a Flower deployment across machines (docs/deploy.md; the deploy extra)")
     deploy_commands = deploy.add_subparsers(dest="deploy_command", required=True)
     submit = deploy_commands.add_parser(
@@ -126,10 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_command(args: argparse.Namespace, extra: list[str]) -> int:
     if args.command == "strategies":
-        from medfed.components import strategy_table
-
-        print(strategy_table(markdown=args.markdown))
-        return 0
+        return _strategies(args.markdown, args.files)
     if args.command == "predict":
         from medfed.predict import predict
 
@@ -144,6 +146,28 @@ def _run_command(args: argparse.Namespace, extra: list[str]) -> int:
 
     overrides = [*args.overrides, *extra]
     return fit(args.config, overrides, resume=args.resume, overwrite=args.overwrite, quiet=args.quiet, print_config=args.print_config)
+
+
+def _strategies(markdown: bool, files: list[Path]) -> int:
+    """``strategies``: the list; with ``markdown`` every generated table, or those tables rewritten in ``files``."""
+    if files and not markdown:
+        raise ConfigError("strategies: files are rewritten with --markdown only")
+    if not markdown:
+        from medfed.components import strategy_table
+
+        print(strategy_table())
+        return 0
+    from medfed.atomic import atomic_write
+    from medfed.components import generated_markdown, regenerate_tables
+
+    if not files:
+        print(generated_markdown())
+    for path in files:
+        text, found = regenerate_tables(path.read_text(encoding="utf-8"))
+        with atomic_write(path) as file:
+            file.write(text)
+        print(f"{path}: {', '.join(found) or 'no generated table'}")
+    return 0
 
 
 def _compare(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -16,143 +16,52 @@ config that fails anywhere fails before a single file is opened, and
 filled in, which ``--print-config`` prints and ``config.json`` stores (and
 which loads back as a config that resolves to itself).
 
-This module imports neither torch nor any component: :data:`STRATEGY_CATALOG`
-declares the registered strategies' names and one-line descriptions (``python
--m medfed strategies``, the strategy names a config or a grid may use; a test
-checks it against the registry, :data:`medfed.federated.strategies.REGISTERED`),
-and :func:`resolve` checks every group against the components' options
-dataclasses, which live in the torch-free :mod:`medfed.options` package; the
-component classes themselves (torch, Lightning, MONAI) are imported only when
-a run asks :class:`ResolvedRun` for them.
+This module imports neither torch nor any component: the registered
+strategies' names, summaries and references (``python -m medfed
+strategies``, the strategy names a config or a grid may use, the generated
+tables) come from their registration lines,
+:data:`medfed.options.strategies.STRATEGY_SPECS`, and :func:`resolve` checks
+every group against the components' options dataclasses, which live in the
+torch-free :mod:`medfed.options` package; the component classes themselves
+(torch, Lightning, MONAI) are imported only when a run asks
+:class:`ResolvedRun` for them (a strategy's class through its spec's
+:meth:`~medfed.options.strategies.StrategySpec.load`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from medfed.config import RunConfig, parse_options, to_plain_dict
 from medfed.errors import ConfigError
 from medfed.options.models import MODEL_OPTIONS
-from medfed.options.strategies import parse_strategy_group
+from medfed.options.strategies import STRATEGY_SPECS, parse_strategy_group, strategy_spec
 from medfed.options.tasks import task_spec
 
 if TYPE_CHECKING:
-    from medfed.federated.strategies.base import Strategy
+    from medfed.federated.protocol import StrategyProtocol
     from medfed.models.base import FederatedModule
     from medfed.tasks import Task
 
 
-class StrategyEntry(NamedTuple):
-    """A registered strategy as ``python -m medfed strategies`` lists it (its class's ``name``, ``summary``, ``reference``)."""
-
-    name: str
-    summary: str
-    reference: str
-
-
-STRATEGY_CATALOG: tuple[StrategyEntry, ...] = (
-    StrategyEntry("local", "every site trains its own model alone; nothing is exchanged (the lower reference)", ""),
-    StrategyEntry(
-        "fedavg", "one global model, sample-weighted averaging of parameters and buffers",
-        "McMahan et al., Communication-efficient learning of deep networks from decentralized data, AISTATS 2017",
-    ),
-    StrategyEntry(
-        "fedbn", "FedAvg with every BatchNorm layer (affine and running statistics) kept at its site",
-        "Li et al., FedBN: Federated learning on non-IID features via local batch normalization, ICLR 2021",
-    ),
-    StrategyEntry(
-        "fedprox", "FedAvg whose local objective adds mu/2 ||w - w_global||^2",
-        "Li, Sahu, Zaheer, Sanjabi, Talwalkar, Smith, Federated optimization in heterogeneous networks, MLSys 2020",
-    ),
-    StrategyEntry(
-        "fedper", "shared base layers averaged (FedAvg), personalisation layers (the split's personal part) never leave the site",
-        "Arivazhagan, Aggarwal, Singh, Choudhary, Federated learning with personalization layers, arXiv:1912.00818, 2019",
-    ),
-    StrategyEntry(
-        "fedrep", "each round trains the personal head (body frozen), then the shared body (head frozen); bodies averaged",
-        "Collins, Hassani, Mokhtari, Shakkottai, Exploiting shared representations for personalized federated learning, ICML 2021",
-    ),
-    StrategyEntry(
-        "fedrod", "body + generic head trained with the balanced softmax and averaged; a personal head adds its logits at each site",
-        "Chen and Chao, On bridging generic and personalized federated learning for image classification, ICLR 2022",
-    ),
-    StrategyEntry(
-        "fedbabu",
-        "body trained and averaged with the head (last layer) frozen at its initialisation; the head fine-tuned at each site to evaluate",
-        "Oh, Kim and Yun, FedBABU: Towards enhanced representation for federated image classification, ICLR 2022",
-    ),
-    StrategyEntry(
-        "ditto", "a FedAvg global model, and a personal model per site trained near it (lambda/2 ||v - w||^2)",
-        "Li, Hu, Beirami, Smith, Ditto: fair and robust federated learning through personalization, ICML 2021",
-    ),
-    StrategyEntry(
-        "apfl", "each site evaluates alpha v + (1 - alpha) w, its own model mixed with the FedAvg one, alpha learned",
-        "Deng, Kamani, Mahdavi, Adaptive personalized federated learning, arXiv 2003.13461 (2020)",
-    ),
-    StrategyEntry(
-        "l2gd", "local models trained alone, then each moved part of the way (theta) towards their mean every round",
-        "Hanzely and Richtarik, Federated learning of a mixture of global and local models, arXiv 2002.05516 (2020)",
-    ),
-    StrategyEntry(
-        "pfedme", "personalised models as proximal points of each site's loss (Moreau envelopes) around a global model",
-        "Dinh, Tran and Nguyen, Personalized federated learning with Moreau envelopes, NeurIPS 2020",
-    ),
-    StrategyEntry(
-        "superfed", "federated and local models trained as the ends of a low-loss line (random mixtures, orthogonality, proximal term)",
-        "Hahn, Jeong and Lee, Connecting low-loss subspace for personalized federated learning, KDD 2022",
-    ),
-    StrategyEntry(
-        "ifca", "k cluster models: each site trains, and is evaluated with, the one with the lowest loss on its data",
-        "Ghosh, Chung, Yin and Ramchandran, An efficient framework for clustered federated learning, NeurIPS 2020 / IEEE Trans. Inf. Theory 2022",
-    ),
-    StrategyEntry(
-        "fpfc", "personalised models fused into clusters by a concave (SCAD/MCP) pairwise penalty, ADMM with the pair variables on the server",
-        "Yu, Liu, Wang and Sun, Clustered federated learning based on nonconvex pairwise fusion, arXiv 2211.04218",
-    ),
-    StrategyEntry(
-        "fedamp", "attentive message passing: each site trains near a cloud model of similar sites' models",
-        "Huang et al., Personalized cross-silo federated learning on non-IID data, AAAI 2021",
-    ),
-    StrategyEntry(
-        "apple", "each site mixes every site's core model with directed relationships it learns",
-        "Luo and Wu, Adapt to adaptation: learning personalization for cross-silo federated learning, IJCAI 2022",
-    ),
-    StrategyEntry(
-        "pgfed", "each site adds a first-order estimate of the other sites' risks, weighted by learned a_ij",
-        "Luo, Chen, Wu, Zhang, PGFed: personalize each client's global objective for federated learning, ICCV 2023",
-    ),
-    StrategyEntry(
-        "pgfedmo", "PGFed with momentum on each site's auxiliary gradient",
-        "Luo, Chen, Wu, Zhang, PGFed: personalize each client's global objective for federated learning, ICCV 2023",
-    ),
-    StrategyEntry(
-        "pfednet", "graph-coupled personalisation: shared part averaged, personal parts fused over a site similarity network",
-        "Zhao, Liu, Liu, He, Medical federated model with mixture of personalized and sharing components",
-    ),
-    StrategyEntry(
-        "pooled", "one model trained on every site's training data pooled, evaluated at each site (NOT federated: the centralised upper reference)",
-        "the pooled (centralised) baseline of du Terrail et al., FLamby: datasets and benchmarks for cross-silo federated learning in "
-        "realistic healthcare settings, NeurIPS 2022",
-    ),
-)
-"""Every registered strategy, in the registry's order (:data:`medfed.federated.strategies.REGISTERED`; tests/test_registry.py
-checks that the two agree), declared here so that listing and naming strategies needs no torch."""
-STRATEGY_NAMES: tuple[str, ...] = tuple(entry.name for entry in STRATEGY_CATALOG)
+STRATEGY_NAMES: tuple[str, ...] = tuple(spec.name for spec in STRATEGY_SPECS)
+"""Every registered strategy's name (``strategy.name``, a grid's ``strategies``), in the registry's order."""
 
 
 def strategy_table(markdown: bool = False) -> str:
-    """The catalog as text: one line per strategy (name, summary, reference), or the README's markdown table."""
+    """The registry as text: one line per strategy (name, summary, reference), or the README's markdown table."""
     if markdown:
-        rows = [f"| `{entry.name}` | {entry.summary} | {entry.reference or '—'} |" for entry in STRATEGY_CATALOG]
+        rows = [f"| `{spec.name}` | {spec.summary} | {spec.reference or '—'} |" for spec in STRATEGY_SPECS]
         return "\n".join(["| name | what it does | reference |", "|---|---|---|", *rows])
     width = max(map(len, STRATEGY_NAMES))
     return "\n".join(
-        f"{entry.name:<{width}}  {entry.summary}" + (f"\n{'':<{width}}  ({entry.reference})" if entry.reference else "")
-        for entry in STRATEGY_CATALOG
+        f"{spec.name:<{width}}  {spec.summary}" + (f"\n{'':<{width}}  ({spec.reference})" if spec.reference else "")
+        for spec in STRATEGY_SPECS
     )
 
 
@@ -172,8 +81,6 @@ def privacy_table() -> str:
     for the last column: what a secure deployment masks); a pFedNet-like
     conditional refusal reads "only with ...".
     """
-    from medfed.federated.strategies import REGISTERED  # torch: only for the docs and their sync test
-
     def cell(reason: str | None) -> str:
         if reason is None:
             return "yes"
@@ -189,9 +96,37 @@ def privacy_table() -> str:
     header = "| strategy | " + " | ".join(column for column, _ in PRIVACY_MECHANISMS) + " | securely summed (deploy.secure_aggregation) |"
     rows = [
         f"| `{cls.name}` | " + " | ".join(cell(getattr(cls, attribute)) for _, attribute in PRIVACY_MECHANISMS) + f" | {summed(cls)} |"
-        for cls in REGISTERED
+        for cls in (spec.load() for spec in STRATEGY_SPECS)  # torch: only for the docs and their sync test
     ]
     return "\n".join([header, "|---" * (len(PRIVACY_MECHANISMS) + 2) + "|", *rows])
+
+
+#: the markdown tables generated from the registry, by the name of the block that holds each in the docs
+GENERATED_TABLES: dict[str, Any] = {"strategies": lambda: strategy_table(markdown=True), "privacy-table": privacy_table}
+#: a generated block in a markdown file: ``<!-- name: how it is made -->``, the table, ``<!-- /name -->``
+_BLOCK = re.compile(r"(<!-- (?P<name>[\w-]+): generated by [^\n]*-->\n)(?P<body>.*?)(\n<!-- /(?P=name) -->)", re.S)
+
+
+def generated_markdown() -> str:
+    """Every table of :data:`GENERATED_TABLES` in its block, as README.md and docs/privacy.md hold them (imports torch)."""
+    return "\n\n".join(
+        f"<!-- {name}: generated by `python -m medfed strategies --markdown` -->\n{make()}\n<!-- /{name} -->"
+        for name, make in GENERATED_TABLES.items()
+    )
+
+
+def regenerate_tables(text: str) -> tuple[str, list[str]]:
+    """``text`` (a markdown file) with every generated block's table made afresh, and the names of the blocks it holds."""
+    found: list[str] = []
+
+    def fresh(match: re.Match[str]) -> str:
+        name = match.group("name")
+        if name not in GENERATED_TABLES:
+            return match.group(0)
+        found.append(name)
+        return match.group(1) + GENERATED_TABLES[name]() + match.group(4)
+
+    return _BLOCK.sub(fresh, text), found
 
 
 @dataclass(frozen=True)
@@ -237,11 +172,9 @@ class ResolvedRun:
         return model_class(self.model_name)
 
     @property
-    def strategy_cls(self) -> type[Strategy]:
+    def strategy_cls(self) -> type[StrategyProtocol]:
         """The ``strategy.name`` class (imports torch)."""
-        from medfed.federated.strategies import STRATEGIES
-
-        return STRATEGIES[self.strategy_name]
+        return strategy_spec(self.strategy_name).load()
 
     @property
     def task_inputs(self) -> dict[str, Any]:
@@ -286,17 +219,13 @@ def resolve(cfg: DictConfig) -> ResolvedRun:
         raise ConfigError(f"config key 'model.target' = {target!r}: the {task.name} task labels samples for {', '.join(task.targets) or 'no target choice'}")
     if run.privacy.dp.enabled:  # a DP run: Opacus present, and the strategy's own refusal (its class imports torch)
         _require_opacus("privacy.dp", "DP-SGD")
-        from medfed.federated.strategies import STRATEGIES
-
-        strategy_cls = STRATEGIES[strategy_name]
+        strategy_cls = strategy_spec(strategy_name).load()
         refusal = strategy_cls.dp_sgd_refused(strategy_options)
         if refusal is not None:
             raise ConfigError(f"config key 'privacy.dp': DP-SGD does not fit strategy {strategy_cls.name!r}: {refusal} (docs/privacy.md)")
     if run.privacy.client_dp.enabled:  # Opacus (its accountant) present, and the strategy's own refusal
         _require_opacus("privacy.client_dp", "client-level DP")
-        from medfed.federated.strategies import STRATEGIES
-
-        refusal = STRATEGIES[strategy_name].client_dp_refusal
+        refusal = strategy_spec(strategy_name).load().client_dp_refusal
         if refusal is not None:
             raise ConfigError(f"config key 'privacy.client_dp': client-level DP does not fit strategy {strategy_name!r}: {refusal} (docs/privacy.md)")
     check_device(run.trainer.device)

@@ -19,30 +19,33 @@ from __future__ import annotations
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric import Fabric
 from omegaconf import DictConfig
 from tqdm import tqdm  # text bars: tqdm.auto warns in a notebook without ipywidgets
 
-from medfed.assembly import RunAssembly, make_fabric
+from medfed.assembly import RunAssembly, federated_loop, make_fabric
 from medfed.checkpoint import FOLDER, resume_state, round_checkpoints
 from medfed.components import ResolvedRun, resolve
 from medfed.config import RunConfig, check_wandb_key
 from medfed.errors import RunFailed, SiteFailure, warn
 from medfed.evaluation.rounds import ValidationEvaluation, VolumeEvaluation
-from medfed.federated.executor import InProcessSites, executor_for, planned_steps
-from medfed.federated.loop import FederatedLoop
-from medfed.federated.privacy import ClientDP, PrivacyBudgetSpent, PrivacyRecord, SiteDP, privacy_summary
 from medfed.data.federation import Federation
 from medfed.data.pooling import pooled_reference
+from medfed.federated.executor import planned_steps
+from medfed.federated.loop import FederatedLoop
+from medfed.federated.privacy import PrivacyBudgetSpent, PrivacyRecord, SiteDP, privacy_summary
+from medfed.federated.sites import InProcessSites, executor_for
 from medfed.models.classification import BinaryClassifier
 from medfed.output_dir import check_output_dir, finish_run, hold_output_dir, start_run
 from medfed.results import format_table, learned_nothing, run_results, timing_summary, write_json_atomic, write_results
-from medfed.threads import choose_threads
+from medfed.threads import ThreadChoice, choose_threads
 from medfed.tracking import Tracker, classification_figures
 from medfed.viz.plots import add_source, plot_learning_curves, plot_segmentation_examples, save_figure
 
@@ -65,29 +68,82 @@ def run(
 def _run(
     resolved: ResolvedRun, output_dir: Path, started: float, *, resume: bool, overwrite: bool, progress: bool, config_name: str | None
 ) -> dict[str, Any]:
-    """:func:`run` once this process holds ``output_dir``."""
-    seconds: dict[str, float] = defaultdict(float)  # time of the steps outside the loop's rounds (results.json "timing")
+    """:func:`run` once this process holds ``output_dir``: build, train, report."""
+    built = _build(resolved, output_dir, started, resume=resume, overwrite=overwrite, progress=progress, config_name=config_name)
+    _train(built)
+    return _report(built, resume=resume, overwrite=overwrite)
+
+
+@dataclass
+class _Run:
+    """A run being built, trained and reported: what the three steps of :func:`_run` share."""
+
+    resolved: ResolvedRun
+    output_dir: Path
+    started: float
+    progress: bool
+    threads: ThreadChoice
+    federation: Federation
+    assembly: RunAssembly
+    tracker: Tracker
+    fabric: Fabric
+    sites: InProcessSites
+    write_checkpoint: Callable[[dict[str, Any]], Any]
+    #: time of the steps outside the loop's rounds (results.json "timing")
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    loop: FederatedLoop | None = None
+    bar: tqdm | None = None
+
+    def save_checkpoint(self, state: dict[str, Any]) -> None:
+        """The loop's checkpoint after a round, said on the progress bar and timed."""
+        name = self.assembly.strategy.name
+        self.bar.set_description_str(f"{name} rounds (writing checkpoint)")
+        with _timed(self.seconds, "checkpoint_s"):
+            self.write_checkpoint(state)
+        self.bar.set_description_str(f"{name} rounds")
+
+    def results(self) -> dict[str, Any]:
+        """results.json of the rounds run so far (:func:`~medfed.results.run_results`)."""
+        loop, run_cfg = self.loop, self.resolved.run
+        timing = timing_summary(loop.history, time.perf_counter() - self.started, self.fabric.device, self.seconds, self.tracker.seconds)
+        results = run_results(
+            loop,
+            engine="simulator",
+            federation=self.federation.summary(),
+            timing={**timing, "num_threads_reason": self.threads.reason},
+            config=self.resolved.config,
+            executor=self.sites.record(),
+            device=str(self.fabric.device),
+            pooled=pooled_reference(self.federation.sites) if self.assembly.strategy.pools_data else None,
+        )
+        if run_cfg.privacy.dp.enabled or run_cfg.privacy.client_dp.enabled:
+            results["privacy"] = {**privacy_summary(loop.history), "model_changes": list(self.assembly.model_changes)}
+        return results
+
+
+def _build(
+    resolved: ResolvedRun, output_dir: Path, started: float, *, resume: bool, overwrite: bool, progress: bool, config_name: str | None
+) -> _Run:
+    """Everything the rounds need, from the checked output folder to the loop (resumed from its checkpoint with ``resume``)."""
     config, run_cfg = resolved.config, resolved.run
-    trainer = run_cfg.trainer
+    trainer, dp = run_cfg.trainer, run_cfg.privacy.dp
     check_output_dir(output_dir, resume=resume, overwrite=overwrite)
     resumed = resume_state(output_dir, config) if resume else None  # checked before any data is read
     threads = choose_threads(trainer.num_threads, resumed["num_threads"] if resumed is not None else None)
     torch.set_num_threads(threads.threads)
     if progress:
         _status(f"{threads.threads} torch thread(s) ({threads.reason}); results go to {output_dir}")
-
+    seconds: dict[str, float] = defaultdict(float)
     with _timed(seconds, "data_s"):
         federation = resolved.task.build_federation(
             resolved.data_options, run_cfg.federation, trainer.seed, progress=progress, **resolved.task_inputs
         )
-    dp = run_cfg.privacy.dp
     assembly = RunAssembly.from_config(resolved, federation.input_shape, federation.num_classes, len(federation.sites), dp_compatible=dp.enabled)
-    prototype, strategy = assembly.prototype, assembly.strategy
+    strategy = assembly.strategy
     for fix in assembly.model_changes:
         warn(f"privacy.dp: {fix}")
     if strategy.pools_data and run_cfg.federation.participation < 1:
         warn(f"strategy {strategy.name!r} pools the training data at one site: it trains only in the rounds that site takes part in")
-
     tracker = Tracker(run_cfg, config, federation, strategy.name, resume=resume, config_name=config_name, quiet=not progress)
     validation = [ValidationEvaluation()] if any(site.validation is not None for site in federation.sites) else []
     privacy = [PrivacyRecord(dp.on_budget)] if dp.enabled else []
@@ -100,91 +156,56 @@ def _run(
             site.use_dp(SiteDP(dp, site.name, site.n_train, trainer.batch_size, planned, trainer.seed, site.index))
     initial = assembly.initial_values(fabric.device)
     links = [assembly.link(initial, fabric.device, site.name) for site in sites]
-    write_checkpoint = round_checkpoints(output_dir, config, trainer.keep_checkpoints)
-    executor = InProcessSites(sites, links, executor_for(trainer.executor, fabric.device, dp.enabled))
-
-    def save_checkpoint(state: dict[str, Any]) -> None:
-        bar.set_description_str(f"{strategy.name} rounds (writing checkpoint)")
-        with _timed(seconds, "checkpoint_s"):
-            write_checkpoint(state)
-        bar.set_description_str(f"{strategy.name} rounds")
-
-    loop = FederatedLoop(
-        fabric,
-        sites,
-        strategy,
-        links,
-        initial,
-        local_epochs=trainer.local_epochs,
-        participation=run_cfg.federation.participation,
-        seed=trainer.seed,
-        save_checkpoint=save_checkpoint,
-        on_site_failure=run_cfg.federation.on_site_failure,
-        update_norm_limit=run_cfg.federation.update_norm_limit,
-        max_consecutive_failures=run_cfg.federation.max_consecutive_failures,
-        scratch_dir=output_dir / FOLDER,
-        executor=executor,
-        client_dp=ClientDP(run_cfg.privacy.client_dp, trainer.seed) if run_cfg.privacy.client_dp.enabled else None,
+    in_process = InProcessSites(sites, links, executor_for(trainer.executor, fabric.device, dp.enabled))
+    run = _Run(
+        resolved, output_dir, started, progress, threads, federation, assembly, tracker, fabric, in_process,
+        round_checkpoints(output_dir, config, trainer.keep_checkpoints), seconds,
     )
+    run.loop = federated_loop(run_cfg, fabric, strategy, in_process, initial, run.save_checkpoint, output_dir / FOLDER)
     if resumed is not None:
-        loop.load_state_dict(resumed)
+        run.loop.load_state_dict(resumed)
         del resumed  # the sites hold copies now: free the checkpoint's tensors
     else:
         start_run(output_dir, overwrite)
         write_json_atomic(output_dir / "config.json", config)
-    tracker.start(loop.history)
+    tracker.start(run.loop.history)
+    return run
 
-    def results_so_far() -> dict[str, Any]:
-        timing = timing_summary(loop.history, time.perf_counter() - started, fabric.device, seconds, tracker.seconds)
-        results = run_results(
-            loop,
-            engine="simulator",
-            federation=federation.summary(),
-            timing={**timing, "num_threads_reason": threads.reason},
-            config=config,
-            executor=executor.record(),
-            pooled=pooled_reference(federation.sites) if strategy.pools_data else None,
-        )
-        results["execution"] = {"device": str(fabric.device), "precision": trainer.precision, "compile": trainer.compile}
-        if dp.enabled or run_cfg.privacy.client_dp.enabled:
-            results["privacy"] = {**privacy_summary(loop.history), "model_changes": list(assembly.model_changes)}
-        return results
 
-    bar = tqdm(total=trainer.rounds, initial=loop.round, desc=f"{strategy.name} rounds", unit="round", disable=not progress)
+def _train(run: _Run) -> None:
+    """The rounds, with a progress bar; a run that stops early writes the rounds it has and says where, or re-raises.
+
+    Raises:
+        RunFailed: the privacy budget was spent (``on_budget: stop_run``), or every site was excluded after some rounds.
+    """
+    loop, trainer, name = run.loop, run.resolved.run.trainer, run.assembly.strategy.name
+    run.bar = tqdm(total=trainer.rounds, initial=loop.round, desc=f"{name} rounds", unit="round", disable=not run.progress)
     try:
-        loop.fit(trainer.rounds, progress=lambda record: (bar.set_postfix(record["mean"]), bar.update()))
+        loop.fit(trainer.rounds, progress=lambda record: (run.bar.set_postfix(record["mean"]), run.bar.update()))
     except BaseException as error:  # Ctrl-C included: the W&B run ends marked as failed, resumable
-        tracker.finish(step=loop.round, exit_code=1)
-        if isinstance(error, PrivacyBudgetSpent):  # the rounds so far are the run's results
-            write_results(output_dir / "results.json", results_so_far())
-            raise RunFailed(f"{error}; the {len(loop.history)} rounds' results are in {output_dir / 'results.json'}") from None
-        if isinstance(error, SiteFailure) and loop.history and len(loop.excluded) == len(sites):
-            write_results(output_dir / "results.json", results_so_far())  # what the rounds before the exclusions gave
-            raise RunFailed(f"{error}; the {len(loop.history)} rounds' results are in {output_dir / 'results.json'}") from None
+        run.tracker.finish(step=loop.round, exit_code=1)
+        stopped = isinstance(error, PrivacyBudgetSpent) or (
+            isinstance(error, SiteFailure) and loop.history and len(loop.excluded) == len(run.sites)
+        )
+        if stopped:  # the rounds so far are the run's results
+            write_results(run.output_dir / "results.json", run.results())
+            raise RunFailed(f"{error}; the {len(loop.history)} rounds' results are in {run.output_dir / 'results.json'}") from None
         raise
-    bar.close()
+    run.bar.close()
 
-    results = results_so_far()
+
+def _report(run: _Run, *, resume: bool, overwrite: bool) -> dict[str, Any]:
+    """results.json, the figures, the tracker's end and the table; raises where nothing was learned."""
+    loop, output_dir, federation = run.loop, run.output_dir, run.federation
+    results = run.results()
     failed = learned_nothing(loop.history)
     write_results(output_dir / "results.json", results)
-    title = f"{strategy.name} on {federation.task}, seed {trainer.seed}; data: {federation.description}"
-    if strategy.pools_data:
-        title += "; POOLED training data (centralised reference)"
-    if federation.holdout != "test":
-        title += f"; metrics on the {federation.holdout} split"
-    if progress:
+    if run.progress:
         _status("drawing the figures")
-    with _timed(seconds, "figures_s"):
-        figures = {"learning_curves": plot_learning_curves(loop.history, title), **strategy.server.figures()}
-        examples = plot_segmentation_examples(sites, title, channel_names=tracker.channel_names)
-        if examples is not None:
-            figures["examples"] = examples
-        if isinstance(prototype, BinaryClassifier):  # ROC curves and confusion matrices, not one number
-            figures.update(classification_figures(sites, title, tracker.class_labels))
-        for name, figure in figures.items():
-            save_figure(add_source(figure, federation.description), output_dir / f"{name}.png")
-    tracker.finish([output_dir / f"{name}.png" for name in figures], step=loop.round, exit_code=0 if failed is None else 1)
-    results["timing"].update(timing_summary(loop.history, time.perf_counter() - started, fabric.device, seconds, tracker.seconds))
+    with _timed(run.seconds, "figures_s"):
+        figures = _figures(run)
+    run.tracker.finish([output_dir / f"{name}.png" for name in figures], step=loop.round, exit_code=0 if failed is None else 1)
+    results["timing"].update(timing_summary(loop.history, time.perf_counter() - run.started, run.fabric.device, run.seconds, run.tracker.seconds))
     write_results(output_dir / "results.json", results)  # again, with the figures' and the tracker's time
     if failed is not None:  # an --overwrite keeps the run it replaced
         raise RunFailed(
@@ -193,10 +214,29 @@ def _run(
         )
     if resume or overwrite:
         finish_run(output_dir)
-    if progress:
+    if run.progress:
         print(format_table(results))
         _status(f"results in {output_dir}: results.json, {', '.join(f'{name}.png' for name in figures)}, csv/ (per-round metrics)")
     return results
+
+
+def _figures(run: _Run) -> dict[str, Any]:
+    """The run's figures, drawn and saved beside results.json: ``{file stem: Figure}``."""
+    strategy, federation, trainer = run.assembly.strategy, run.federation, run.resolved.run.trainer
+    title = f"{strategy.name} on {federation.task}, seed {trainer.seed}; data: {federation.description}"
+    if strategy.pools_data:
+        title += "; POOLED training data (centralised reference)"
+    if federation.holdout != "test":
+        title += f"; metrics on the {federation.holdout} split"
+    figures = {"learning_curves": plot_learning_curves(run.loop.history, title), **strategy.server.figures()}
+    examples = plot_segmentation_examples(list(run.sites), title, channel_names=run.tracker.channel_names)
+    if examples is not None:
+        figures["examples"] = examples
+    if isinstance(run.assembly.prototype, BinaryClassifier):  # ROC curves and confusion matrices, not one number
+        figures.update(classification_figures(list(run.sites), title, run.tracker.class_labels))
+    for name, figure in figures.items():
+        save_figure(add_source(figure, federation.description), run.output_dir / f"{name}.png")
+    return figures
 
 
 def _volume_evaluation(federation: Federation, run_cfg: RunConfig, progress: bool) -> list[VolumeEvaluation]:

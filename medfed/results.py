@@ -20,15 +20,15 @@ deployment's ServerApp (:mod:`medfed.deploy.server_app`), write one schema,
   (:func:`timing_summary`), ``executor`` (how the sites trained: ``name``,
   ``sequential`` or ``batched``, and under ``batched`` the ``sequential_plans``
   that trained one site at a time, with the reason:
-  :meth:`~medfed.federated.executor.InProcessSites.record`; a deployment's
+  :meth:`~medfed.federated.sites.InProcessSites.record`; a deployment's
   sites each train alone), ``config`` (the resolved config), ``history``
-  (the loop's round records), and ``outcome`` when nothing was learned
-  (:func:`learned_nothing`);
+  (the loop's round records), ``execution`` (the ``device`` the sites
+  trained on, as the engine saw it, and the ``precision`` and ``compile``
+  they trained with: ``trainer.precision``, ``trainer.compile``), and
+  ``outcome`` when nothing was learned (:func:`learned_nothing`);
 * last, ``integrity``: the SHA-256 of everything before it (:func:`write_results`),
   so that a results.json changed by hand or by a damaged disk is refused by name
-  where it is read back (``compare``, :func:`results_fault`);
-* the simulator's also ``execution``: the ``device``, ``precision`` and
-  ``compile`` its sites trained with (``trainer.precision``, ``trainer.compile``).
+  where it is read back (``compare``, :func:`results_fault`).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ def run_results(
     timing: dict[str, Any],
     config: dict[str, Any],
     executor: dict[str, Any],
+    device: str,
     pooled: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """results.json of a run (module docstring), from its loop's state after the rounds it has run.
@@ -72,6 +73,8 @@ def run_results(
         timing: :func:`timing_summary` (and whatever an engine adds to it).
         config: the resolved config.
         executor: how the sites trained (module docstring).
+        device: where the sites trained (the simulator's device; a deployment: ``trainer.device``, each
+            SuperNode resolving it for itself).
         pooled: the pooled reference's account (:func:`~medfed.data.pooling.pooled_reference`), None for a federated run.
     """
     holdout = federation["holdout"]
@@ -93,6 +96,7 @@ def run_results(
         "executor": executor,
         "config": config,
         "history": loop.history,
+        "execution": {"device": device, "precision": config["trainer"]["precision"], "compile": config["trainer"]["compile"]},
     }
     failed = learned_nothing(loop.history)
     if failed is not None:

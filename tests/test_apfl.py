@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from medfed.federated.executor import train_plans
-from medfed.federated.strategies.base import RoundContext
+from medfed.federated.protocol import RoundContext
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import BatchNormClassifier, LinearClassifier, LinearOptions, build_loop, seeded, two_group_federation
 
@@ -35,6 +35,7 @@ def test_one_local_step_by_hand(alpha_lr, alpha):
     w, v = torch.randn(10, generator=generator), torch.randn(10, generator=generator)
     global_slot.module.set_vector("all", w)
     local_slot.module.set_vector("all", v)
+    half.receive(site.view, RoundContext(1, "fit"), {})  # FedAvg's round message: empty (eta_alpha is read here)
     (plan,) = half.plan(RoundContext(1, "fit"))
     assert plan.slot == "global"
 

@@ -9,7 +9,7 @@ import torch
 from medfed.compression.codecs import make_codec
 from medfed.federated.executor import train_plans
 from medfed.federated.strategies.apple import choose_downloads, loss_scheduler
-from medfed.federated.strategies.base import RoundContext
+from medfed.federated.protocol import RoundContext
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, LinearOptions, build_loop, seeded, two_group_federation
 

@@ -11,15 +11,18 @@ from torch import nn
 from medfed.cli import main
 from medfed.config import TrainerConfig
 from medfed.errors import ConfigError
-from medfed.federated.batched import adam_step, hyper_parameters, sgd_step
-from medfed.federated.executor import InProcessSites, executor_for
-from medfed.federated.strategies import STRATEGIES
-from medfed.federated.strategies.base import SiteHalf, Strategy, TrainingPlan
+from medfed.federated.stacked_optimizers import adam_step, hyper_parameters, sgd_step
+from medfed.federated.sites import executor_for
+from medfed.federated.strategies import registered
+from medfed.federated.protocol import TrainingPlan
+from medfed.federated.strategies.base import SiteHalf, Strategy
 from medfed.models.dropout import dropout
+from medfed.options.strategies import strategy_spec
 from test_classification_end_to_end import TINY_CLINICAL
-from test_strategy_lifecycle import OPTIONS
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import NEEDS_A_BODY, BatchNormClassifier, BodyHeadClassifier, LinearClassifier, build_loop, seeded, two_group_federation
+
+STRATEGIES = registered()
 
 #: at least this many registered strategies train stacked (issue 21's acceptance)
 MIN_BATCHABLE = 15
@@ -101,12 +104,12 @@ def test_stacked_plain_sgd_keeps_no_state():
 
 
 def test_executor_auto_is_batched_on_cuda_only_and_never_with_dp(caplog):
-    assert executor_for("auto", torch.device("cpu"), False) == "sequential"
-    assert executor_for("auto", torch.device("cuda"), False) == "batched"
-    assert executor_for("batched", torch.device("cpu"), False) == "batched"
-    assert executor_for("sequential", torch.device("cuda"), False) == "sequential"
+    assert executor_for("auto", torch.device("cpu"), False).name == "sequential"
+    assert executor_for("auto", torch.device("cuda"), False).name == "batched"
+    assert executor_for("batched", torch.device("cpu"), False).name == "batched"
+    assert executor_for("sequential", torch.device("cuda"), False).name == "sequential"
     assert not caplog.records
-    assert executor_for("batched", torch.device("cpu"), True) == "sequential"
+    assert executor_for("batched", torch.device("cpu"), True).name == "sequential"
     (note,) = caplog.records  # one line saying why
     assert "DP-SGD" in note.getMessage() and "sequentially" in note.getMessage()
 
@@ -137,8 +140,8 @@ def _run(name: str, executor: str, rounds: int = 2, participation: float = 1.0):
     of 12 or 4), dropout on, under ``executor``."""
     model = KeyedDropoutBodyHeadClassifier if name in NEEDS_A_BODY else KeyedDropoutClassifier
     federation = two_group_federation(n_sites=4, n_train=44)
-    loop = build_loop(name, federation, seeded(model, 4, 2), OPTIONS.get(name), participation=participation)
-    loop.executor = InProcessSites(loop.sites, loop.links, executor)
+    loop = build_loop(name, federation, seeded(model, 4, 2), strategy_spec(name).smoke, participation=participation)
+    loop.sites.executor = executor_for(executor, torch.device("cpu"), dp_sgd=False)
     loop.fit(rounds)
     return loop
 
@@ -177,7 +180,7 @@ def _assert_alike(sequential, stacked):
             _assert_close_states(a.slot(slot).module.state_dict(), b.slot(slot).module.state_dict(), f"{a.name}/{slot}/module")
             _assert_close_states(a.slot(slot).optimizer.state_dict(), b.slot(slot).optimizer.state_dict(), f"{a.name}/{slot}/optimizer")
         _assert_close_states(a.strategy.state_dict(), b.strategy.state_dict(), f"{a.name}/strategy")
-        assert a.generator.get_state().equal(b.generator.get_state())  # the same batches were drawn
+        assert a.orders.generator.get_state().equal(b.orders.generator.get_state())  # the same batches were drawn
     for record_a, record_b in zip(sequential.history, stacked.history):
         for key in ("participants", "metrics", "train_loss", "adapt_loss", "compute", "failures"):
             _assert_close_states(copy.deepcopy(record_a[key]), copy.deepcopy(record_b[key]), f"round {record_a['round']}/{key}")
@@ -190,14 +193,14 @@ def test_both_executors_train_every_site_alike(name):
         assert isinstance(reason, str) and reason.strip(), f"{name}: batchable must say why not"
         pytest.skip(f"{name} is not batchable: {reason}")
     sequential, stacked = _run(name, "sequential"), _run(name, "batched")
-    assert stacked.executor.sequential_plans == {}, "every plan trained stacked"  # else the equality proves nothing
+    assert stacked.sites.executor.sequential_plans == {}, "every plan trained stacked"  # else the equality proves nothing
     _assert_alike(sequential, stacked)
 
 
 @pytest.mark.parametrize("name", ["fedavg", "ditto", "pfednet"])
 def test_sites_that_skip_rounds_train_alike(name):
     sequential, stacked = _run(name, "sequential", rounds=3, participation=0.5), _run(name, "batched", rounds=3, participation=0.5)
-    assert stacked.executor.sequential_plans == {}
+    assert stacked.sites.executor.sequential_plans == {}
     assert len({tuple(record["participants"]) for record in stacked.history}) > 1  # the stacked groups changed
     _assert_alike(sequential, stacked)
 
@@ -217,10 +220,10 @@ def test_batchnorm_statistics_and_momentum_stay_per_site(name):
     runs = {}
     for executor in ("sequential", "batched"):
         loop = build_loop(name, two_group_federation(n_sites=4, n_train=44), seeded(KeyedDropoutBatchNormClassifier, 4, 2))
-        loop.executor = InProcessSites(loop.sites, loop.links, executor)
+        loop.sites.executor = executor_for(executor, torch.device("cpu"), dp_sgd=False)
         loop.fit(2)
         runs[executor] = loop
-    assert runs["batched"].executor.sequential_plans == {}
+    assert runs["batched"].sites.executor.sequential_plans == {}
     means = []
     for a, b in zip(runs["sequential"].sites, runs["batched"].sites):
         _assert_close_states(a.module.state_dict(), b.module.state_dict(), f"{a.name}/module")
@@ -252,10 +255,10 @@ def test_a_site_whose_stacked_loss_is_not_finite_fails_alone():
     runs = {}
     for executor in ("sequential", "batched"):
         loop = build_loop(Poisoned, two_group_federation(n_sites=4, n_train=44), seeded(KeyedDropoutClassifier, 4, 2))
-        loop.executor = InProcessSites(loop.sites, loop.links, executor)
+        loop.sites.executor = executor_for(executor, torch.device("cpu"), dp_sgd=False)
         loop.fit(1)
         runs[executor] = loop
-    assert runs["batched"].executor.sequential_plans == {}
+    assert runs["batched"].sites.executor.sequential_plans == {}
     for loop in runs.values():
         (failure,) = loop.history[0]["failures"]
         assert failure["site"] == "site2" and "FloatingPointError" in failure["reason"]
@@ -280,12 +283,12 @@ def test_a_stacked_step_that_raises_trains_its_sites_one_by_one_alike():
     runs = {}
     for executor in ("sequential", "batched"):
         loop = build_loop(RandomLoss, two_group_federation(n_sites=4, n_train=44), seeded(KeyedDropoutClassifier, 4, 2))
-        loop.executor = InProcessSites(loop.sites, loop.links, executor)
+        loop.sites.executor = executor_for(executor, torch.device("cpu"), dp_sgd=False)
         loop.fit(2)
         runs[executor] = loop
-    (reason,) = runs["batched"].executor.sequential_plans.values()
+    (reason,) = runs["batched"].sites.executor.sequential_plans.values()
     assert "stacked step raised" in reason and "random" in reason
-    assert runs["batched"].executor.record()["sequential_plans"] == runs["batched"].executor.sequential_plans
+    assert runs["batched"].sites.record()["sequential_plans"] == runs["batched"].sites.executor.sequential_plans
     for a, b in zip(runs["sequential"].sites, runs["batched"].sites):  # the fallback drew what sequential draws
         assert torch.equal(a.module.get_vector("all"), b.module.get_vector("all"))
         _assert_close_states(a.slot("model").optimizer.state_dict(), b.slot("model").optimizer.state_dict(), a.name)
@@ -313,7 +316,6 @@ class TwoModelSite(SiteHalf):
 
 class TwoModels(Strategy):
     name = "two_models"
-    summary = "a test strategy: a model trained through a sum with another slot's"
     slots = ("model", "extra")
     Site = TwoModelSite
 
@@ -322,10 +324,10 @@ def test_also_steps_slots_are_stepped_by_their_own_optimisers_alike():
     runs = {}
     for executor in ("sequential", "batched"):
         loop = build_loop(TwoModels, two_group_federation(n_sites=4, n_train=44), seeded(KeyedDropoutClassifier, 4, 2))
-        loop.executor = InProcessSites(loop.sites, loop.links, executor)
+        loop.sites.executor = executor_for(executor, torch.device("cpu"), dp_sgd=False)
         loop.fit(2)
         runs[executor] = loop
-    assert runs["batched"].executor.sequential_plans == {}
+    assert runs["batched"].sites.executor.sequential_plans == {}
     for a, b in zip(runs["sequential"].sites, runs["batched"].sites):
         for slot in ("model", "extra"):
             _assert_close_states(a.slot(slot).module.state_dict(), b.slot(slot).module.state_dict(), f"{a.name}/{slot}")
@@ -355,7 +357,7 @@ def test_a_loss_that_becomes_nan_at_step_3_names_the_step_under_the_batched_exec
     from medfed.errors import SiteFailure
 
     loop = build_loop("fedavg", two_group_federation(n_sites=2, n_train=96), seeded(LinearClassifier, 4, 2), on_site_failure="stop")
-    loop.executor = InProcessSites(loop.sites, loop.links, "batched")
+    loop.sites.executor = executor_for("batched", torch.device("cpu"), dp_sgd=False)
     half = loop.sites[0].strategy  # the template whose loss the stacked step runs
     calls = {}
 
@@ -372,4 +374,4 @@ def test_a_loss_that_becomes_nan_at_step_3_names_the_step_under_the_batched_exec
         match=rf"^site site0 failed in round 2 \(fit phase\): FloatingPointError: site0: training loss became nan at step 3 of {steps} ",
     ):
         loop.fit(2)
-    assert loop.executor.sequential_plans == {}  # the stacked step trained it
+    assert loop.sites.executor.sequential_plans == {}  # the stacked step trained it

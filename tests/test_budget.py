@@ -14,16 +14,13 @@ import pytest
 
 from medfed.data.pooling import POOL_SITE
 from medfed.federated.compute import TRAIN, compute_summary, training_epochs
-from medfed.federated.strategies import STRATEGIES
+from medfed.federated.strategies import registered
+from medfed.options.strategies import strategy_spec
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation, with_a_body
 
-#: options that make a strategy run on the toy federation (as in test_strategy_lifecycle); none touches the budget
-OPTIONS = {
-    "fedamp": {"lam": 0.01, "alpha": 0.5, "sigma": 5.0},
-    "apple": {"download_budget": 2, "scheduler_rounds": 2},
-    "pfedme": {"lam": 1.0},
-}
+STRATEGIES = registered()
+
 #: strategies whose plans split the budget (several plans, phases or passes a step), also checked at 2 epochs
 SPLITTING = ("apfl", "ditto", "fedrep", "pfedme", "pfednet")
 TOLERANCE = 0.05
@@ -33,7 +30,7 @@ BATCH = 2
 def _run(name, local_epochs, options=None, rounds=2):
     model = with_a_body(name, LinearClassifier)
     federation = two_group_federation(n_sites=4, n_train=40)
-    loop = build_loop(name, federation, seeded(model, 4, 2), {**OPTIONS.get(name, {}), **(options or {})},
+    loop = build_loop(name, federation, seeded(model, 4, 2), {**strategy_spec(name).smoke, **(options or {})},
                       local_epochs=local_epochs, batch_size=BATCH)
     loop.fit(rounds)
     return loop

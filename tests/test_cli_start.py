@@ -21,12 +21,14 @@ from medfed.compression.piecewise import MAX_QUANT_BITS as QUANT_BITS
 from medfed.config import CODEC_NAMES, MAX_QUANT_BITS
 from medfed.components import resolve
 from medfed.config import load_config
-from medfed.federated.strategies import STRATEGIES
+from medfed.federated.strategies import registered
 from medfed.models import MODELS
 from medfed.options.models import MODEL_OPTIONS
 from medfed.options.strategies import STRATEGY_OPTIONS
 from medfed.options.tasks import TASK_SPECS
 from medfed.tasks import TASKS
+
+STRATEGIES = registered()
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "lightning", "monai")

@@ -239,7 +239,7 @@ def test_a_finished_run_counts_as_done_whatever_its_device_and_the_options_of_st
 
 
 def test_bundled_grids_are_found_by_name_and_list_every_strategy():
-    from medfed.federated.strategies import STRATEGIES as REGISTERED
+    from medfed.options.strategies import STRATEGY_SPECS
 
     for name, settings, metrics in [
         ("table2_luna16", ["luna16_delta1", "luna16_delta2", "luna16_delta4", "luna16_delta7"], ["auroc", "balanced_accuracy"]),
@@ -249,7 +249,7 @@ def test_bundled_grids_are_found_by_name_and_list_every_strategy():
         grid = read_grid(name)
         assert grid == read_grid(REPOSITORY / "configs" / "paper" / f"{name}.yaml")
         assert grid.configs == settings and grid.metrics == metrics and grid.seeds == [0, 1, 2]
-        assert grid.strategies == list(REGISTERED)
+        assert grid.strategies == [spec.name for spec in STRATEGY_SPECS]
 
 
 def test_md_cells_count_the_seeds_and_generated_data_are_named_in_every_heading():

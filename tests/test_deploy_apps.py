@@ -395,7 +395,7 @@ def test_a_deployed_site_whose_setup_reply_is_an_error_malformed_or_late_is_refu
 
 def test_a_deployed_site_that_does_not_answer_a_phase_in_time_fails_that_phase_and_the_others_go_on(in_a_run):
     # (A RuntimeError ended the run.)
-    from medfed.federated.executor import PhaseWork
+    from medfed.federated.site_work import PhaseWork
 
     good = {"losses": {"": 0.5}, "non_finite": [], "compute": {"train/fit": 1.0}, "train_s": 0.1}
 

@@ -49,11 +49,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from medfed.federated.executor import InProcessSites, SummedReplies
-from medfed.federated.strategies import STRATEGIES
-from medfed.federated.strategies.base import SUMMED
+from medfed.federated.sites import InProcessSites, SummedReplies
+from medfed.federated.strategies import registered
+from medfed.federated.protocol import SUMMED
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import BatchNormClassifier, build_loop, seeded, two_group_federation, with_a_body
+
+STRATEGIES = registered()
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "clinical_delta1.yaml"
@@ -112,7 +114,7 @@ def test_a_server_holding_only_the_weighted_sum_ends_where_the_ordinary_loop_end
         return build_loop(name, federation, seeded(model, 3, 2), batch_size=8, update_norm_limit=None)
 
     ordinary, summing = loop(), loop()
-    summing.executor = SummingSites(summing.sites, summing.links, STRATEGIES[name].secure_sums)
+    summing.sites = SummingSites(list(summing.sites), summing.links, STRATEGIES[name].secure_sums)
     received = []
     aggregate = summing.server.aggregate
     summing.server.aggregate = lambda ctx, replies: (received.append({i: sorted(r) for i, r in replies.items()}), aggregate(ctx, replies))[1]

@@ -9,17 +9,15 @@ from medfed.errors import RunFailed, SiteFailure
 from medfed.federated.faults import (
     RoundStartStates, non_finite_keys, refused_replies, reply_key_fault, sample_count_fault, update_norms, update_outliers,
 )
-from medfed.federated.strategies import STRATEGIES
-from medfed.federated.strategies.base import RoundContext
+from medfed.federated.strategies import registered
+from medfed.federated.strategies.fedavg import Averaged
+from medfed.federated.protocol import RoundContext
+from medfed.options.strategies import strategy_spec
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation, with_a_body
 
-OPTIONS = {
-    "fedamp": {"lam": 0.01, "alpha": 0.2, "sigma": 5.0},
-    "apple": {"download_budget": 2, "scheduler_rounds": 2},
-    "pfedme": {"lam": 1.0},  # eta lam < 1 with the toy SGD step 0.5 (lam = 15 overshoots w)
-    "superfed": {"start_round": 2},  # mix from round 2: the draws of lambda are part of the runs compared
-}
+STRATEGIES = registered()
+
 ALTERNATING = {"schedule": "alternating"}  # pFedNet's two phases (the default is one joint phase)
 RAISES, SENDS_NAN, SENDS_HUGE = 1, 2, 3  # the faulty sites of a 6-site federation; 0, 4 and 5 stay healthy
 FAULT_ROUND = 2
@@ -27,7 +25,7 @@ FAULT_ROUND = 2
 
 def _loop(name, n_sites=6, options=None, **kwargs):
     model = with_a_body(name, LinearClassifier)
-    return build_loop(name, two_group_federation(n_sites=n_sites), seeded(model, 4, 2), options or OPTIONS.get(name), **kwargs)
+    return build_loop(name, two_group_federation(n_sites=n_sites), seeded(model, 4, 2), options or strategy_spec(name).smoke, **kwargs)
 
 
 def _model_keys(loop):
@@ -104,7 +102,7 @@ def test_refused_replies_check_the_keys_and_counts_first_and_measure_the_rest_fo
     replies[3]["all"] = torch.full((4,), 1e30)  # small claimed norms are never asked for: measured here
     del replies[4]["num_samples"]  # FedAvg's aggregate would meet a KeyError
     server, ctx = STRATEGIES["fedavg"].Server(None, None, 6, 0), RoundContext(1, "fit")
-    server.buffers_part = None  # replies of "all" and "num_samples"
+    server.averaged = Averaged("all", None)  # replies of "all" and "num_samples"
     reasons = refused_replies(replies, dict.fromkeys(replies, message), server, ctx, [5] * 6, {"all": "all"}, 10.0)
     assert sorted(reasons) == [1, 3, 4]
     assert reasons[1].startswith("reply 'num_samples' = 1e+09 is not a whole number from 0 to the 5 training samples")
@@ -212,7 +210,7 @@ def test_a_failing_site_gets_back_its_start_of_round_state():
     assert loop.history[-1]["failures"][-1]["site"] == "site3"
     for key, value in site.module.state_dict().items():  # FedAMP delivers nothing: the site keeps its model
         assert torch.equal(value, before["module"][key]), key
-    assert torch.equal(site.generator.get_state(), before["generator"])  # and its data order
+    assert torch.equal(site.orders.generator.get_state(), before["generator"])  # and its data order
 
 
 def test_a_site_failing_k_rounds_in_a_row_is_excluded_from_the_rest_of_the_run(caplog):
@@ -259,7 +257,7 @@ def test_a_site_claiming_more_samples_than_it_declared_or_replying_a_wrong_sized
     # (FedAvg would weight by it) and a model vector one value longer than the model are refused, and the
     # round goes on exactly as if those sites had not taken part; their honest later rounds count again.
     faulty = _loop("fedavg")
-    declared = faulty.executor.declared_samples
+    declared = faulty.sites.declared_samples
     assert declared == [site.n_train for site in faulty.sites] and min(declared) > 0
     tamper = {
         RAISES: lambda payload: {**payload, "num_samples": torch.tensor([1e9])},
@@ -366,7 +364,7 @@ def test_a_site_whose_setup_reply_is_refused_is_excluded_from_the_start_and_the_
     site.strategy.setup = lambda view, ctx: {**setup(view, ctx), "num_samples": torch.tensor([1e9])}
     with caplog.at_level(logging.WARNING, logger="medfed"):
         loop.fit(2)
-    declared = loop.executor.declared_samples[2]
+    declared = loop.sites.declared_samples[2]
     reason = f"reply 'num_samples' = 1e+09 is not a whole number from 0 to the {declared} training samples the site declared"
     assert loop.excluded == {"site2": {"round": 0, "reason": reason}}
     assert [r.getMessage() for r in caplog.records] == [f"site site2 excluded from the run at setup: {reason}"]
@@ -402,10 +400,10 @@ def test_a_site_whose_delivery_reply_cannot_be_read_fails_the_round_with_its_met
     # the round's mean is over the other sites, and the run goes on.
     import math
 
-    from medfed.federated.executor import SiteEvaluation
+    from medfed.federated.site_work import SiteEvaluation
 
     loop = _loop("fedavg", n_sites=4)
-    deliver = loop.executor.deliver
+    deliver = loop.sites.deliver
 
     def deliver_with_a_bad_reply(round_index, payloads, evaluate, timing):
         evaluations = deliver(round_index, payloads, evaluate, timing)
@@ -413,7 +411,7 @@ def test_a_site_whose_delivery_reply_cannot_be_read_fails_the_round_with_its_met
             evaluations["site1"] = SiteEvaluation({}, error="no reply within reply-timeout-s = 60 s")
         return evaluations
 
-    loop.executor.deliver = deliver_with_a_bad_reply
+    loop.sites.deliver = deliver_with_a_bad_reply
     with caplog.at_level(logging.WARNING, logger="medfed"):
         loop.fit(3)
     record = loop.history[FAULT_ROUND - 1]
@@ -425,8 +423,8 @@ def test_a_site_whose_delivery_reply_cannot_be_read_fails_the_round_with_its_met
     assert "round 2: site site1 failed its deliver phase, its metrics of the round are missing" in caplog.text
 
     stopping = _loop("fedavg", n_sites=4, on_site_failure="stop")
-    stopping_deliver = stopping.executor.deliver
-    stopping.executor.deliver = lambda *args: {**stopping_deliver(*args), "site1": SiteEvaluation({}, error="late")}
+    stopping_deliver = stopping.sites.deliver
+    stopping.sites.deliver = lambda *args: {**stopping_deliver(*args), "site1": SiteEvaluation({}, error="late")}
     with pytest.raises(SiteFailure, match="site site1 failed in round 1 \\(deliver phase\\): late"):
         stopping.fit(1)
 
@@ -455,12 +453,12 @@ def test_an_ifca_cluster_index_that_is_not_one_or_names_another_clusters_keys_is
 
 
 def test_a_site_excluded_at_setup_stays_excluded_for_its_first_reason_whatever_it_fails_later(caplog):
-    from medfed.federated.executor import SiteEvaluation
+    from medfed.federated.site_work import SiteEvaluation
 
     loop = _loop("fedavg", n_sites=4, max_consecutive_failures=2)
     loop.sites[2].strategy.setup = lambda view, ctx: {"gossip": torch.zeros(1)}
-    deliver = loop.executor.deliver
-    loop.executor.deliver = lambda *args: {**deliver(*args), "site2": SiteEvaluation({}, error="late")} if args[2] else deliver(*args)
+    deliver = loop.sites.deliver
+    loop.sites.deliver = lambda *args: {**deliver(*args), "site2": SiteEvaluation({}, error="late")} if args[2] else deliver(*args)
     with caplog.at_level(logging.WARNING, logger="medfed"):
         loop.fit(3)
     assert loop.excluded == {"site2": {"round": 0, "reason": "reply has the unexpected 'gossip' (expected no keys)"}}
@@ -475,7 +473,7 @@ def test_round_start_states_put_a_trained_site_back_from_memory_or_disk(tmp_path
     site = loop.sites[0]
     expected = {key: value.clone() for key, value in site.module.state_dict().items()}
     expected_optimizer = [value.clone() for value in _optimizer_tensors(site)]
-    expected_generator = site.generator.get_state().clone()
+    expected_generator = site.orders.generator.get_state().clone()
     states = RoundStartStates(tmp_path / "scratch", memory_budget=memory_budget)
     states.save(site)
     for _ in range(2):  # train on: the kept state must not follow the site (no shared tensors)
@@ -488,7 +486,7 @@ def test_round_start_states_put_a_trained_site_back_from_memory_or_disk(tmp_path
             assert torch.equal(value, expected[key]), key
         restored = _optimizer_tensors(site)
         assert len(restored) == len(expected_optimizer) and all(torch.equal(a, b) for a, b in zip(restored, expected_optimizer))
-        assert torch.equal(site.generator.get_state(), expected_generator)
+        assert torch.equal(site.orders.generator.get_state(), expected_generator)
     on_disk = sorted(path.name for path in tmp_path.rglob("*.pt"))
     assert on_disk == ([] if memory_budget is None else ["site0.pt"])  # the default budget writes nothing
     states.close()

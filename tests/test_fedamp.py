@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from medfed.errors import ConfigError
-from medfed.federated.strategies.base import RoundContext
+from medfed.federated.protocol import RoundContext
 from medfed.federated.strategies.fedamp import FedAMP, exponential_attention, heuristic_attention
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, LinearOptions, build_loop, seeded, two_group_federation
@@ -65,7 +65,7 @@ def test_proximal_term_has_the_real_gradient():
     w = site.module.get_vector("all") + torch.linspace(-1.0, 1.0, 10)
     site.module.set_vector("all", w)
     cloud = torch.arange(10.0) / 10.0
-    site.strategy.cloud = cloud
+    site.strategy.centre = cloud
     site.module.zero_grad()
     term = site.strategy.regularizer(site.view, RoundContext(1, "fit"), site.strategy.plan(RoundContext(1, "fit"))[0])
     term.backward()
@@ -82,7 +82,7 @@ def test_sites_train_from_their_cloud_model():
         original = site.strategy.regularizer
 
         def recording(view, ctx, plan, original=original, site=site):
-            first_step.setdefault(site.index, (site.module.get_vector("all"), site.strategy.cloud.clone()))
+            first_step.setdefault(site.index, (site.module.get_vector("all"), site.strategy.centre.clone()))
             return original(view, ctx, plan)
 
         site.strategy.regularizer = recording

@@ -7,7 +7,7 @@ import torch
 
 from medfed.errors import SiteFailure
 from medfed.federated.strategies.fedbabu import head_names
-from medfed.federated.strategies.live_parameters import unwrap
+from medfed.models.base import unwrap
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import BatchNormClassifier, BodyHeadClassifier, LinearClassifier, build_loop, seeded, two_group_federation
 
@@ -67,7 +67,7 @@ def test_fine_tuning_never_feeds_back_into_federated_training():
     for a, b in zip(short.sites, long.sites):
         assert torch.equal(a.slot("global").module.get_vector("all"), b.slot("global").module.get_vector("all"))
         assert not torch.equal(a.module.get_vector("all"), b.module.get_vector("all"))
-        assert torch.equal(a.generator.get_state(), b.generator.get_state())  # the training data order too
+        assert torch.equal(a.orders.generator.get_state(), b.orders.generator.get_state())  # the training data order too
 
 
 def test_fine_tuning_the_whole_model_moves_the_body_of_the_evaluated_model_only():
@@ -123,7 +123,7 @@ def test_an_adapt_step_that_raises_drops_the_site_which_is_evaluated_with_the_de
         assert torch.equal(site.module.get_vector(part), site.slot("global").module.get_vector(part))
     unadapted = site.evaluate()
     assert again.history[-1]["metrics"]["site1"] == unadapted
-    assert "finetune" in site.data_orders  # made at round 1's fine-tuning, put back, not dropped
+    assert "finetune" in site.orders.named  # made at round 1's fine-tuning, put back, not dropped
 
 
 def test_an_adapt_step_failing_rounds_in_a_row_excludes_the_site_and_stop_ends_the_run():

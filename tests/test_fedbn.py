@@ -2,10 +2,12 @@
 
 import torch
 
-from medfed.federated.strategies import STRATEGIES
+from medfed.federated.strategies import registered
 from medfed.federated.strategies.fedavg import FedAvg
 from test_fedavg import by_hand, one_round_recording_replies
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
+
+STRATEGIES = registered()
 
 BATCHNORM = ("norm.weight", "norm.bias", "norm.running_mean", "norm.running_var")
 

@@ -34,7 +34,7 @@ def test_only_the_base_travels_and_becomes_the_sample_weighted_mean_of_the_sites
 
     heads = {site.index: site.module.get_vector("personal") for site in loop.sites}
     for index, direction, payload in sent:
-        assert set(payload) <= ({"shared", "num_samples"} if direction == "up" else {"shared"})
+        assert set(payload) <= ({"body", "num_samples"} if direction == "up" else {"body"})
         assert all(value.numel() in (0, 1, split.size("shared")) for value in payload.values())  # no head (12 values)
         for value in payload.values():
             assert not any(value.numel() == head.numel() and torch.equal(value, head) for head in heads.values())
@@ -42,7 +42,7 @@ def test_only_the_base_travels_and_becomes_the_sample_weighted_mean_of_the_sites
 
     sizes = torch.tensor([float(len(site.train)) for site in federation.sites])  # 48, 56, 64, 72
     for round_index in (1, 2):
-        bases = torch.stack([replies[(round_index, i)]["shared"] for i in range(4)])
+        bases = torch.stack([replies[(round_index, i)]["body"] for i in range(4)])
         assert [float(replies[(round_index, i)]["num_samples"]) for i in range(4)] == sizes.tolist()
         assert not torch.allclose(bases[0], bases[3])  # the sites did train apart
         mean = (sizes[:, None] * bases).sum(0) / sizes.sum()
@@ -71,8 +71,8 @@ def test_with_every_parameter_personal_fedper_is_local_training():
         loop.fit(3)
     assert runs["fedper"].sites[0].module.parameter_split.size("shared") == 0
     assert len(sent) == 3 * (2 + 3 * 3)  # per site: setup, delivery; then message, reply, delivery each round
-    assert all(set(payload) <= {"shared", "num_samples"} for _, _, payload in sent)
-    assert all(payload["shared"].numel() == 0 for _, _, payload in sent if "shared" in payload)
+    assert all(set(payload) <= {"body", "num_samples"} for _, _, payload in sent)
+    assert all(payload["body"].numel() == 0 for _, _, payload in sent if "body" in payload)
     for a, b in zip(runs["fedper"].sites, runs["local"].sites):
         assert torch.equal(a.module.get_vector("all"), b.module.get_vector("all"))
     assert [r["metrics"] for r in runs["fedper"].history] == [r["metrics"] for r in runs["local"].history]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from medfed.errors import ConfigError
-from medfed.federated.strategies.base import RoundContext
+from medfed.federated.protocol import RoundContext
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import (
     BatchNormClassifier,
@@ -50,7 +50,7 @@ def test_proximal_term_and_its_gradient():
     half = site.strategy
     anchor = site.module.get_vector("all")
     half.receive(site.view, RoundContext(1, "fit"), {})
-    assert torch.equal(half.anchor, anchor)  # w^t: the model the round starts from
+    assert torch.equal(half.centre, anchor)  # w^t: the model the round starts from
     w = anchor + torch.linspace(-1.0, 1.0, 10)
     site.module.set_vector("all", w)
     site.module.zero_grad()

@@ -34,15 +34,15 @@ def test_the_head_trains_first_then_the_body_for_the_configured_lengths(options)
     loop = build_loop("fedrep", federation, seeded(BodyHeadClassifier, 4, 2), options, batch_size=16)
     calls = _record_training(loop)
     loop.fit(2)
-    order = [(r, i, part) for r in (1, 2) for i in range(3) for part in ("personal", "shared")]
+    order = [(r, i, part) for r in (1, 2) for i in range(3) for part in ("head", "body")]
     assert [(r, i, part) for r, i, _, part, *_ in calls] == order
     for _, index, steps, part, *_ in calls:
         if "head_steps" in options:
-            assert steps == (3 if part == "personal" else 2)
+            assert steps == (3 if part == "head" else 2)
         else:  # B = ceil(n / 16) batches; the head takes round(1.5 B) steps, the body the rest of round(2 B)
             batches = math.ceil(len(federation.sites[index].train) / 16)  # 3, 4, 4
             head = math.floor(1.5 * batches + 0.5)
-            assert steps == (head if part == "personal" else math.floor(2 * batches + 0.5) - head)
+            assert steps == (head if part == "head" else math.floor(2 * batches + 0.5) - head)
 
 
 def test_the_body_is_frozen_while_the_head_trains_and_the_head_while_the_body_trains():
@@ -51,7 +51,7 @@ def test_the_body_is_frozen_while_the_head_trains_and_the_head_while_the_body_tr
     loop.fit(2)
     assert len(calls) == 2 * 3 * 2
     for _, _, _, part, body_before, body_after, head_before, head_after in calls:
-        if part == "personal":
+        if part == "head":
             assert torch.equal(body_after, body_before) and not torch.equal(head_after, head_before)
         else:
             assert torch.equal(head_after, head_before) and not torch.equal(body_after, body_before)
@@ -65,17 +65,17 @@ def test_heads_never_travel_and_the_body_is_the_sample_weighted_mean():
     loop.fit(2)
     split = loop.sites[0].module.parameter_split
     for _, direction, payload in sent:
-        assert set(payload) <= ({"shared", "num_samples"} if direction == "up" else {"shared"})
+        assert set(payload) <= ({"body", "num_samples"} if direction == "up" else {"body"})
         assert all(value.numel() in (0, 1, split.size("shared")) for value in payload.values())  # a head has 12 values
     replies = [payload for _, direction, payload in sent[-8:-4]]  # round 2: 4 messages down, 4 replies up, 4 deliveries
-    assert all(set(payload) == {"shared", "num_samples"} for payload in replies)
-    trained = {index: body_after for round_index, index, _, part, _, body_after, _, _ in calls if round_index == 2 and part == "shared"}
+    assert all(set(payload) == {"body", "num_samples"} for payload in replies)
+    trained = {index: body_after for round_index, index, _, part, _, body_after, _, _ in calls if round_index == 2 and part == "body"}
     sizes = torch.tensor([float(len(site.train)) for site in federation.sites])
     for index, payload in enumerate(replies):
-        assert torch.equal(payload["shared"], trained[index]) and float(payload["num_samples"]) == sizes[index]
+        assert torch.equal(payload["body"], trained[index]) and float(payload["num_samples"]) == sizes[index]
     mean = sum(n * trained[i] for i, n in enumerate(sizes)) / sizes.sum()
     torch.testing.assert_close(loop.server.global_model, mean)
-    heads = {index: head_after for round_index, index, _, part, _, _, _, head_after in calls if round_index == 2 and part == "personal"}
+    heads = {index: head_after for round_index, index, _, part, _, _, _, head_after in calls if round_index == 2 and part == "head"}
     for site in loop.sites:
         torch.testing.assert_close(site.module.get_vector("shared"), mean)
         assert torch.equal(site.module.get_vector("personal"), heads[site.index])  # the delivery leaves the head alone

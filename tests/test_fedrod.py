@@ -7,9 +7,9 @@ from monai.losses import DiceCELoss
 from torch.utils.data import TensorDataset
 
 from medfed.data.federation import Federation, SiteData
-from medfed.federated.strategies.base import RoundContext
+from medfed.federated.protocol import RoundContext
 from medfed.federated.strategies.fedrod import FedRoD
-from medfed.federated.strategies.live_parameters import unwrap
+from medfed.models.base import unwrap
 from medfed.models.additive_head import generic_output
 from medfed.models.segmentation import RegionLoss, UNetSegmenter
 from medfed.models.tabular import LogisticRegression
@@ -41,9 +41,10 @@ def test_the_balanced_loss_is_the_cross_entropy_of_the_generic_logits_plus_gamma
     loop.setup()
     site = loop.sites[1]
     half, module = site.strategy, unwrap(site.module)
+    half.receive(site.view, RoundContext(1, "fit"), {})  # the round's message (empty): the site's shift is computed
     (plan,) = half.plan(RoundContext(1, "fit"))
     x, y = federation.sites[1].train.tensors
-    half.loss(site.view, RoundContext(1, "fit"), plan, (x, y))  # the first step computes the site's shift
+    half.loss(site.view, RoundContext(1, "fit"), plan, (x, y))
     counts = torch.tensor([25.0, 15.0])  # counted by hand: 40 samples, 15 positive
     torch.testing.assert_close(half.shift, gamma * counts.log())
     logits = module.head(module.features(x))  # the generic predictor h_G(f(x))
@@ -116,6 +117,7 @@ def test_body_and_generic_head_learn_from_the_balanced_loss_only_and_the_persona
     loop.setup()
     site = loop.sites[0]
     half, module = site.strategy, unwrap(site.module)
+    half.receive(site.view, RoundContext(1, "fit"), {})  # the round's message (empty): the site's shift is computed
     (plan,) = half.plan(RoundContext(1, "fit"))
     with torch.no_grad():
         for phi in module.additive_head.phi:

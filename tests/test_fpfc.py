@@ -11,7 +11,7 @@ from medfed.data.federation import Federation, SiteData
 from medfed.errors import ConfigError
 from medfed.federated.strategies.solvers.concave_penalty import fusion_prox, penalty_value, shrunk_norm
 from medfed.federated.strategies import strategy_from_config
-from medfed.federated.strategies.base import RoundContext
+from medfed.federated.protocol import RoundContext
 from medfed.federated.strategies.fpfc import FPFC
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, LinearOptions, LinearRegressor, build_loop, regression_federation, seeded, two_group_federation

@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from medfed.cli import main
-from medfed.federated.strategies import STRATEGIES
+from medfed.federated.strategies import registered
+
+STRATEGIES = registered()
 
 DEVICE = os.environ.get("MEDFED_SMOKE_DEVICE", "cuda")
 CODECS = {"dense": ["codec.up=dense", "codec.down=dense"], "cer+stc": ["codec.up=cer+stc", "codec.down=stc", "codec.gamma=0.001"]}

@@ -6,7 +6,7 @@ import torch
 from medfed.errors import ConfigError
 from medfed.federated.link import Link
 from medfed.federated.strategies import strategy_from_config
-from medfed.federated.strategies.base import RoundContext
+from medfed.federated.protocol import RoundContext
 from medfed.federated.strategies.ifca import IFCA, cluster_initialisations
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import BatchNormClassifier, DropoutClassifier, LinearClassifier, build_loop, seeded, two_group_federation

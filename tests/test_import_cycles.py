@@ -93,3 +93,15 @@ def test_the_finder_sees_lazy_and_type_checking_imports_and_names_the_circle(tmp
 def test_medfed_has_no_import_circle():
     cycle = find_cycle(import_graph(PACKAGE))
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+ALGORITHMS = "medfed.federated.strategies"
+
+
+def test_the_framework_never_imports_the_algorithms():
+    # the framework writes against medfed.federated.protocol and loads a strategy's class from its registration line
+    graph = import_graph(PACKAGE)
+    framework = {name: imported for name, imported in graph.items() if not name.startswith(ALGORITHMS)}
+    importing = {name: sorted(m for m in imported if m.startswith(ALGORITHMS)) for name, imported in framework.items()}
+    assert {name: found for name, found in importing.items() if found} == {}
+    assert graph["medfed.federated.protocol"] <= {"medfed.data.federation", "medfed.models.base"}  # the contract stands alone

@@ -5,7 +5,7 @@ import torch
 
 from medfed.errors import ConfigError
 from medfed.federated.strategies import strategy_from_config
-from medfed.federated.strategies.base import RoundContext
+from medfed.federated.protocol import RoundContext
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearOptions, LinearRegressor, build_loop, regression_federation, seeded
 

@@ -10,7 +10,7 @@ from torch.utils.data import TensorDataset
 from medfed.config import ConfigError
 from medfed.errors import DataError
 from medfed.federated.strategies.solvers.fusion import between_site_spread
-from medfed.federated.strategies.base import RoundContext
+from medfed.federated.protocol import RoundContext
 from medfed.federated.strategies.pfednet import PFedNet
 from medfed.models.split import ParameterSplit
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)

@@ -30,7 +30,7 @@ def test_the_pooled_model_is_a_centralised_run_on_the_union_and_every_site_is_ev
     prototype = seeded(BatchNormClassifier, 4, 2, LinearOptions(lr=0.2))
     loop = _pooled_loop(federation, prototype)
     generator = torch.Generator()
-    generator.set_state(loop.sites[POOL_SITE].generator.get_state())
+    generator.set_state(loop.sites[POOL_SITE].orders.generator.get_state())
     loop.fit(ROUNDS)
 
     centralised = copy.deepcopy(prototype)

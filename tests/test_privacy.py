@@ -305,11 +305,13 @@ def test_privacy_doc_holds_the_generated_compatibility_table():
     doc = (ROOT / "docs" / "privacy.md").read_text()
     block = re.search(r"<!-- privacy-table:[^\n]*-->\n(.*?)\n<!-- /privacy-table -->", doc, re.S)
     assert block is not None, "docs/privacy.md lost its privacy-table block"
-    assert block.group(1) == privacy_table(), "regenerate it with: python -c 'from medfed.components import privacy_table; print(privacy_table())'"
+    assert block.group(1) == privacy_table(), "regenerate it with: python -m medfed strategies --markdown docs/privacy.md"
 
 
 def test_the_table_follows_the_declarations():
-    from medfed.federated.strategies import STRATEGIES
+    from medfed.federated.strategies import registered
+
+    STRATEGIES = registered()
 
     rows = {line.split("|")[1].strip(" `"): [c.strip() for c in line.split("|")[2:5]] for line in privacy_table().splitlines()[2:]}
     assert rows["fedavg"] == ["yes", "yes", "yes"]
@@ -363,7 +365,9 @@ def test_opacus_per_sample_gradients_add_up_to_the_step_gradient(strategy, optio
     Where it is not (FedRoD passes each batch twice; SuPerFed runs its layers with mixed parameter tensors),
     Opacus's hooks misattribute the per-sample gradients, and DP-SGD refuses the strategy (docs/privacy.md).
     """
-    from medfed.federated.strategies import STRATEGIES
+    from medfed.federated.strategies import registered
+
+    STRATEGIES = registered()
     from toy_federation import BodyHeadClassifier, with_a_body
 
     torch.manual_seed(0)

@@ -18,8 +18,8 @@ sites share one: a loss reading an undeclared one then disagrees):
   changed in place, no container changed).
 
 Two deliberately broken halves show that the check fails where it must: a
-FedProx half that reads its anchor without declaring it (vmap then gives
-every site the template's anchor), and one whose loss counts its calls.
+FedProx half that reads its centre without declaring it (vmap then gives
+every site the template's centre), and one whose loss counts its calls.
 """
 
 from __future__ import annotations
@@ -30,19 +30,17 @@ import pytest
 import torch
 from torch import nn
 
-from medfed.federated.strategies import STRATEGIES
-from medfed.federated.strategies.base import RoundContext, SiteHalf, TrainingPlan
+from medfed.federated.strategies import registered
+from medfed.federated.protocol import RoundContext, TrainingPlan
+from medfed.federated.strategies.base import SiteHalf
 from medfed.federated.strategies.fedprox import FedProx, FedProxSite
-from medfed.federated.strategies.live_parameters import unwrap
+from medfed.models.base import unwrap
+from medfed.options.strategies import strategy_spec
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import BodyHeadClassifier, build_loop, seeded, two_group_federation
 
-#: options under which the strategy's loss reads all its state on the toy federation
-OPTIONS = {
-    "fedamp": {"lam": 0.01, "alpha": 0.5, "sigma": 5.0},
-    "apple": {"download_budget": 1, "scheduler_rounds": 4},
-    "fedprox": {"mu": 0.5},
-}
+STRATEGIES = registered()
+
 BATCH = 8  # samples of every site's batch (vmap needs one shape)
 
 
@@ -236,25 +234,25 @@ def _loop(strategy, options=None):
 
 @pytest.mark.parametrize("name", _batchable())
 def test_the_loss_is_a_function_of_declared_state(name):
-    check_pure_loss(_loop(name, OPTIONS.get(name)))
+    check_pure_loss(_loop(name, strategy_spec(name).smoke))
 
 
 def test_the_declared_state_differs_between_sites_where_a_strategy_declares_any():
     # the nudge makes the check sensitive to every declared tensor; this checks the runs reach state worth stacking
-    loop = _loop("apple", OPTIONS["apple"])
+    loop = _loop("apple", strategy_spec("apple").smoke)
     ctx, sites = _round_two_training_phase(loop)
     halves = [loop.sites[i].strategy for i in sites]
     for name in ("own", "dr", "cores"):
         assert not torch.equal(getattr(halves[0], name), getattr(halves[1], name)), name
 
 
-class _UndeclaredAnchorSite(FedProxSite):
-    loss_state = ()  # reads self.anchor all the same
+class _UndeclaredCentreSite(FedProxSite):
+    loss_state = ()  # reads self.centre all the same
 
 
-class _UndeclaredAnchor(FedProx):
-    name = "undeclared_anchor"
-    Site = _UndeclaredAnchorSite
+class _UndeclaredCentre(FedProx):
+    name = "undeclared_centre"
+    Site = _UndeclaredCentreSite
 
 
 class _CountingSite(FedProxSite):
@@ -273,8 +271,8 @@ class _Counting(FedProx):
 
 
 def test_the_check_fails_for_a_loss_reading_undeclared_state():
-    with pytest.raises(AssertionError, match="slots.model"):  # vmap gave every site the template's anchor
-        check_pure_loss(_loop(_UndeclaredAnchor, {"mu": 0.5}))
+    with pytest.raises(AssertionError, match="slots.model"):  # vmap gave every site the template's centre
+        check_pure_loss(_loop(_UndeclaredCentre, {"mu": 0.5}))
 
 
 def test_the_check_fails_for_a_loss_that_changes_the_half():
@@ -289,7 +287,7 @@ def test_a_strategy_that_is_not_batchable_says_why_in_one_line(name):
 
 
 def test_the_auxiliary_step_is_projected_gradient_descent():
-    from medfed.federated.strategies.base import Auxiliary
+    from medfed.federated.protocol import Auxiliary
 
     value, gradient = torch.tensor([0.2, 0.9, 0.5]), torch.tensor([1.0, -1.0, 0.5])
     torch.testing.assert_close(Auxiliary(0.5).step(value, gradient), torch.tensor([-0.3, 1.4, 0.25]))

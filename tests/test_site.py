@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from medfed.federated.strategies.base import SiteHalf, Strategy, TrainingPlan
+from medfed.federated.protocol import TrainingPlan
+from medfed.federated.strategies.base import SiteHalf, Strategy
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation
 
@@ -73,11 +74,11 @@ def test_the_next_call_starts_a_new_pass_whose_order_depends_only_on_the_generat
     site = _site(112)
     seen = []
     site.train(site.steps(0.5), "model", "all", _recording_loss(site, seen))
-    state = site.generator.get_state()
+    state = site.orders.generator.get_state()
     seen_second = []
     site.train(site.steps(0.5, 0.5), "model", "all", _recording_loss(site, seen_second))
     assert len(seen_second) == 3 and seen_second != seen[:3]  # a new permutation, not the rest of the dropped pass
-    site.generator.set_state(state)  # as a resumed run restores it from the checkpoint
+    site.orders.generator.set_state(state)  # as a resumed run restores it from the checkpoint
     seen_again = []
     site.train(site.steps(0.5, 0.5), "model", "all", _recording_loss(site, seen_again))
     assert seen_again == seen_second
@@ -90,13 +91,13 @@ def test_whole_epochs_are_complete_passes_one_call_or_several():
     twice.train(twice.steps(1.0), "model", "all", _recording_loss(twice, seen_twice))
     twice.train(twice.steps(1.0, 1.0), "model", "all", _recording_loss(twice, seen_twice))
     assert seen_once == seen_twice and len(seen_once) == 14
-    assert torch.equal(once.generator.get_state(), twice.generator.get_state())
+    assert torch.equal(once.orders.generator.get_state(), twice.orders.generator.get_state())
     assert torch.equal(once.module.get_vector("all"), twice.module.get_vector("all"))
     plain = _site(112)
     for _ in range(2):
-        for _ in plain.train_loader:  # what a plain epoch loop draws from the generator
+        for _ in plain.orders.train_loader:  # what a plain epoch loop draws from the generator
             pass
-    assert torch.equal(plain.generator.get_state(), once.generator.get_state())
+    assert torch.equal(plain.orders.generator.get_state(), once.orders.generator.get_state())
 
 
 def test_a_named_data_order_draws_what_the_sites_own_would_whatever_else_trains_and_round_trips():
@@ -157,7 +158,6 @@ class _TwoSlots(Strategy):
     """Trains slot "a" for 3 steps, then slot "b" for 2 epochs of its own; evaluates "b"; exchanges nothing."""
 
     name = "two_slots"
-    summary = "test strategy"
     slots = ("a", "b")
     evaluated_slot = "b"
 
@@ -207,15 +207,15 @@ def test_a_plan_counts_steps_epochs_or_a_share_of_the_trainers_epochs():
 
 def _dataloader_route(site):
     """``site`` put on the DataLoader route (as a split that is not device-resident trains): the samples' own loaders."""
-    site.resident = None
-    site.train_loader = site._shuffled_loader(site.generator)
-    site.data_orders = {}
+    site.orders.resident = None
+    site.orders.train_loader = site.orders._shuffled_loader(site.orders.generator)
+    site.orders.named = {}
     return site
 
 
 def test_device_resident_batches_are_the_dataloaders_batches_in_the_same_order():
     resident, loaded = _site(104), _dataloader_route(_site(104))  # B = 7, the last batch of a pass holds 8 samples
-    assert resident.resident is not None and loaded.resident is None
+    assert resident.orders.resident is not None and loaded.orders.resident is None
     batches = {id(resident): [], id(loaded): []}
 
     def recording(site):
@@ -235,15 +235,15 @@ def test_device_resident_batches_are_the_dataloaders_batches_in_the_same_order()
     for got, expected in zip(batches[id(resident)], batches[id(loaded)], strict=True):
         assert len(got) == len(expected) == 2
         assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, expected))
-    assert torch.equal(resident.generator.get_state(), loaded.generator.get_state())
-    assert torch.equal(resident.data_orders["personal"][0].get_state(), loaded.data_orders["personal"][0].get_state())
+    assert torch.equal(resident.orders.generator.get_state(), loaded.orders.generator.get_state())
+    assert torch.equal(resident.orders.named["personal"][0].get_state(), loaded.orders.named["personal"][0].get_state())
     assert torch.equal(resident.module.get_vector("all"), loaded.module.get_vector("all"))
 
 
 def test_a_split_with_its_own_sampler_keeps_its_dataloader():
     from torch.utils.data import TensorDataset
 
-    from medfed.federated.site import resident_tensors
+    from medfed.federated.data_order import resident_tensors
 
     class Crops(TensorDataset):  # what random crops look like to the site: tensors, and a sampler of their own
         def sampler(self, generator):

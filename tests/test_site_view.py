@@ -7,8 +7,8 @@ import torch
 
 import medfed
 from medfed.federated.site import Site, View
-from medfed.federated.site_view import RoundContext
-from medfed.federated.strategies.base import SiteHalf, Strategy, TrainingPlan
+from medfed.federated.protocol import RoundContext, TrainingPlan
+from medfed.federated.strategies.base import SiteHalf, Strategy
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation
 
@@ -17,7 +17,6 @@ class _Recording(Strategy):
     """Two phases, one step each; its site halves record every hook's context and what they were given."""
 
     name = "recording"
-    summary = "test strategy"
     phases = ("first", "second")
     calls: list = []
 
@@ -31,6 +30,9 @@ class _Recording(Strategy):
 
         def receive(self, site, ctx, payload):
             self._record("receive", site, ctx)
+
+        def deliver(self, site, ctx, payload):
+            self._record("deliver", site, ctx)
 
         def plan(self, ctx):
             self._record("plan", None, ctx)
@@ -50,11 +52,11 @@ def test_every_site_hook_gets_the_sites_view_and_the_round_and_phase_it_runs_in(
     loop = build_loop(_Recording, two_group_federation(n_sites=2), seeded(LinearClassifier, 4, 2))
     loop.fit(2)
     site0 = [(hook, ctx) for index, hook, ctx, _ in _Recording.calls if index == 0]
-    expected = [("setup", RoundContext(0, "setup")), ("receive", RoundContext(0, "deliver"))]
+    expected = [("setup", RoundContext(0, "setup")), ("deliver", RoundContext(0, "deliver"))]
     for r in (1, 2):
         for phase in ("first", "second"):
             expected += [(hook, RoundContext(r, phase)) for hook in ("receive", "plan", "loss", "reply")]
-        expected.append(("receive", RoundContext(r, "deliver")))
+        expected.append(("deliver", RoundContext(r, "deliver")))
     assert site0 == expected
     views = {site for index, _, _, site in _Recording.calls if index == 0 and site is not None}
     assert views == {loop.sites[0].view} and isinstance(loop.sites[0].view, View)
@@ -70,11 +72,11 @@ def test_the_view_gets_and_sets_parts_and_a_full_pass_is_in_order_counted_and_le
     vector = torch.arange(8.0)
     view.set("model", "shared", vector)
     assert torch.equal(view.get("model", "shared"), vector) and torch.equal(site.module.get_vector("shared"), vector)
-    generator, global_state = site.generator.get_state(), torch.get_rng_state()
+    generator, global_state = site.orders.generator.get_state(), torch.get_rng_state()
     batches = list(view.full_pass("train", "check", backward=False))
     assert [size for _, size in batches] == [8, 8, 8, 8, 5]
     assert torch.equal(torch.cat([x for (x, _), _ in batches]), site.data.train.tensors[0])  # the split, in order
-    assert torch.equal(site.generator.get_state(), generator) and torch.equal(torch.get_rng_state(), global_state)
+    assert torch.equal(site.orders.generator.get_state(), generator) and torch.equal(torch.get_rng_state(), global_state)
     assert site.passes.take(site.n_train) == {"forward/check": 1.0}
 
 
@@ -108,10 +110,10 @@ def _imports(module_path):
     return found
 
 
-def test_the_strategies_never_import_the_site_and_the_view_imports_neither_side():
+def test_the_strategies_never_import_the_site_and_the_contract_imports_neither_side():
     root = Path(medfed.__file__).parent / "federated"
-    for path in [root / "site_view.py", *sorted((root / "strategies").glob("*.py"))]:
+    for path in [root / "protocol.py", *sorted((root / "strategies").glob("*.py"))]:
         imported = _imports(path)
         assert "medfed.federated.site" not in imported, path.name
-        if path.name == "site_view.py":
+        if path.name == "protocol.py":
             assert not any(name.startswith("medfed.federated.strategies") for name in imported)

@@ -5,7 +5,7 @@ import torch
 
 from medfed.errors import ConfigError
 from medfed.federated.strategies import strategy_from_config
-from medfed.federated.strategies.base import RoundContext, TrainingPlan
+from medfed.federated.protocol import RoundContext, TrainingPlan
 from toy_federation import one_torch_thread  # noqa: F401 (autouse fixture)
 from toy_federation import LinearClassifier, LinearOptions, build_loop, seeded, two_group_federation
 

@@ -39,8 +39,9 @@ from torchmetrics.regression import MeanSquaredError
 from medfed.assembly import RunAssembly
 from medfed.data.federation import Federation, SiteData
 from medfed.federated.loop import FederatedLoop
+from medfed.federated.sites import InProcessSites
 from medfed.federated.strategies import strategy_from_config
-from medfed.federated.strategies.base import Payload
+from medfed.federated.protocol import Payload
 from medfed.models.base import FederatedModule
 
 
@@ -272,7 +273,7 @@ def build_loop(
     sites = assembly.sites(fabric, federation)
     initial = assembly.initial_values(fabric.device)
     links = [assembly.link(initial, fabric.device, site.name) for site in sites]
-    return FederatedLoop(fabric, sites, strategy_obj, links, initial, local_epochs, participation, seed, **faults)
+    return FederatedLoop(fabric, strategy_obj, InProcessSites(sites, links), initial, local_epochs, participation, seed, **faults)
 
 
 def record_payloads(loop: FederatedLoop) -> list[tuple[int, str, Payload]]:

@@ -1,7 +1,7 @@
 """Secure aggregation in a deployment: a phase's replies reach the server only as their sum, with Flower's SecAgg+.
 
 With ``deploy.secure_aggregation: true`` every phase a strategy declares in
-``secure_sums`` (:class:`~medfed.federated.strategies.base.SecureSum`:
+``secure_sums`` (:class:`~medfed.federated.protocol.SecureSum`:
 FedAvg's fit reply, its model vectors weighted by its sample count) runs as
 one round of Flower's SecAgg+ (:class:`flwr.server.workflow.SecAggPlusWorkflow`
 on the server, :func:`flwr.client.mod.secaggplus_mod` in medfed's ClientApp):

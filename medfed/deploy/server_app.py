@@ -91,7 +91,7 @@ from flwr.app import Context, Message
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 
-from medfed.assembly import RunAssembly, make_fabric
+from medfed.assembly import RunAssembly, federated_loop, make_fabric
 from medfed.checkpoint import FOLDER, checkpoints, resume_state, round_checkpoints
 from medfed.components import ResolvedRun, resolve
 from medfed.config import load_config, to_yaml
@@ -99,10 +99,10 @@ from medfed.deploy.client_app import run_folder
 from medfed.deploy.records import expect, from_record, to_record
 from medfed.deploy.secure_aggregation import FlowerSecAgg, refuse_secure_aggregation
 from medfed.errors import ConfigError, DataError, MessageError, SiteFailure, warn
-from medfed.federated.executor import PhaseWork, SiteEvaluation, SiteResult, SummedReplies
+from medfed.federated.site_work import PhaseWork, SiteEvaluation, SiteResult
 from medfed.federated.link import Link, Wire
-from medfed.federated.loop import FederatedLoop
-from medfed.federated.strategies.base import Payload, SecureSum
+from medfed.federated.protocol import Payload, SecureSum
+from medfed.federated.sites import SummedReplies
 from medfed.output_dir import hold_output_dir
 from medfed.results import run_results, timing_summary, write_results
 from medfed.tasks.label_imbalance import refuse_label_ratio
@@ -122,7 +122,7 @@ WORK_REPLY = {"losses": dict, "non_finite": list, "compute": dict, "train_s": fl
 
 
 class FlowerSites:
-    """The loop's site executor for a deployment: every site on its own SuperNode.
+    """A deployment's :class:`~medfed.federated.sites.Sites`: every site on its own SuperNode.
 
     Args:
         grid: the run's Grid (messages to and from the SuperNodes).
@@ -211,7 +211,7 @@ class FlowerSites:
             ],
         }
 
-    # ------------------------------------------------------------------ SiteExecutor
+    # ------------------------------------------------------------------ Sites
     def setup(self) -> tuple[dict[int, Payload], dict[int, str]]:
         """Every site's setup reply, decoded, and why each other site has none (an error, malformed, late): the loop excludes those."""
         replies = self._exchange({index: ({"kind": "setup"}, {}) for index in range(len(self.names))}, round_index=0)
@@ -781,13 +781,7 @@ def serve(grid: Grid, settings: RunSettings, resumed: dict[str, Any] | None, run
     initial = assembly.initial_values(fabric.device)
     sites.device = fabric.device
     sites.links = [assembly.link(initial, fabric.device, peer=name) for name in sites.names]
-    loop = FederatedLoop(
-        fabric, [], assembly.strategy, sites.links, initial, local_epochs=trainer.local_epochs,
-        participation=run.federation.participation, seed=trainer.seed,
-        save_checkpoint=round_checkpoints(output_dir, config, trainer.keep_checkpoints),
-        on_site_failure=run.federation.on_site_failure, update_norm_limit=run.federation.update_norm_limit,
-        max_consecutive_failures=run.federation.max_consecutive_failures, executor=sites,
-    )
+    loop = federated_loop(run, fabric, assembly.strategy, sites, initial, round_checkpoints(output_dir, config, trainer.keep_checkpoints))
     if resumed is not None:
         try:
             loop.load_state_dict(resumed)  # every site goes back to its end of the checkpoint's round
@@ -811,8 +805,7 @@ def serve(grid: Grid, settings: RunSettings, resumed: dict[str, Any] | None, run
         },
         config=config,
         executor={"name": "sequential"},  # every SuperNode trains its own site
+        device=run.trainer.device,  # each SuperNode resolves it for itself: the configured value, not a device the server saw
     )
-    # each SuperNode resolves trainer.device for itself: the configured value, not a device the server saw
-    results["execution"] = {"device": run.trainer.device, "precision": run.trainer.precision, "compile": run.trainer.compile}
     write_results(output_dir / "results.json", results)
     print(f"medfed: wrote {output_dir / 'results.json'}", flush=True)

@@ -62,10 +62,9 @@ from medfed.checkpoint import checkpoints, config_differences, read_checkpoint, 
 from medfed.components import resolve
 from medfed.config import load_config
 from medfed.errors import DataError
-from medfed.federated.executor import PhaseWork, site_evaluation, site_phase, site_receive_delivery, site_setup
-from medfed.federated.faults import non_finite_keys
+from medfed.federated.site_work import PhaseWork, site_delivery, site_evaluation, site_phase, site_setup
 from medfed.federated.link import Wire
-from medfed.federated.strategies.base import Payload
+from medfed.federated.protocol import Payload
 
 STATE_FILE = "site-state.pt"
 SNAPSHOTS = "rounds"
@@ -195,14 +194,13 @@ class SiteWorker:
         message = self.link.decode("down", wire)
         self.state["link_before_reply"] = copy.deepcopy(self.link.state_dict())
         timing: dict[str, float] = {}
-        try:
-            losses, reply, compute = site_phase(self.site, work, message, timing)
-        except Exception as error:  # whatever it is, it happened at the site: the site fails
-            return {"error": f"{type(error).__name__}: {error}"}, None
+        result, reply = site_phase(self.site, work, message, timing)
+        if result.error is not None:  # whatever it is, it happened at the site: the site fails
+            return {"error": result.error}, None
         fields = {
-            "losses": {("" if label is None else label): loss for label, loss in losses.items()},
-            "non_finite": non_finite_keys(reply),
-            "compute": compute,
+            "losses": {("" if label is None else label): loss for label, loss in result.losses.items()},
+            "non_finite": result.non_finite,
+            "compute": result.compute,
             "train_s": timing["train_s"],
         }
         return fields, reply
@@ -235,7 +233,7 @@ class SiteWorker:
         if request["restore"]:
             self.site.load_state_dict(read_checkpoint(self._snapshot(round_index - 1))["sites"][0])
             self.link.load_state_dict(self.state["link_before_reply"])
-        site_receive_delivery(self.site, round_index, self.link.decode("down", wire))
+        site_delivery(self.site, round_index, self.link.decode("down", wire))
         fields = {}
         if request["evaluate"]:  # the adapt step, then the evaluation
             evaluation = site_evaluation(self.site, round_index)

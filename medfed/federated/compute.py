@@ -5,7 +5,7 @@ device synchronisation), under a key that says what the pass was for:
 
 * ``train/<phase>/<plan label>``: forward and backward passes of a training
   plan, the plan's own steps and those its loss makes through
-  :meth:`~medfed.federated.site_view.SiteView.step` (APFL's local model,
+  :meth:`~medfed.federated.protocol.SiteView.step` (APFL's local model,
   pFedMe's K inner steps per mini-batch, counted K times);
 * ``aux/<name>``: forward and backward passes outside any plan (PGFed's
   gradient estimate over the training split);
@@ -20,7 +20,7 @@ strategy half's ``setup`` (before round 1). :func:`compute_summary` adds
 them up for ``results.json``.
 
 **The budget.** ``trainer.local_epochs`` bounds the ``train/*`` passes, the
-:func:`training_epochs` (see :mod:`medfed.federated.strategies.base` for why
+:func:`training_epochs` (see :mod:`medfed.federated.protocol` for why
 ``aux/*``, ``adapt/*`` and ``forward/*`` passes are not charged to it); the
 others are reported beside it (:func:`auxiliary_epochs`), so that a table can
 show the whole cost.

@@ -13,11 +13,11 @@ of a round when
    deployed, its fields are not what a reply holds, or it does not come
    within the deployment's reply timeout;
 3. its payload keys are not those the strategy's server half declares for
-   the phase (:meth:`~medfed.federated.strategies.base.ServerHalf.reply_keys`,
+   the phase (:meth:`~medfed.federated.protocol.ServerHalfProtocol.reply_keys`,
    :func:`reply_key_fault`): a key missing or extra, which the server's
    ``aggregate`` would otherwise meet as a ``KeyError``; or a value the
    server half reads as an index is not one
-   (:meth:`~medfed.federated.strategies.base.ServerHalf.reply_fault`, IFCA's cluster);
+   (:meth:`~medfed.federated.protocol.ServerHalfProtocol.reply_fault`, IFCA's cluster);
 4. it reports more training samples (:data:`NUM_SAMPLES`) than it declared
    when it joined (:func:`sample_count_fault`): a strategy weights by the
    count only within that bound;
@@ -74,11 +74,10 @@ import numpy as np
 import torch
 
 from medfed.federated.link import ZEROS, coded_prefix
-from medfed.federated.strategies.base import NUM_SAMPLES, Payload, RoundContext
+from medfed.federated.protocol import NUM_SAMPLES, Payload, RoundContext, ServerHalfProtocol
 
 if TYPE_CHECKING:
     from medfed.federated.site import Site
-    from medfed.federated.strategies.base import ServerHalf
 
 
 def non_finite_keys(payload: Payload) -> list[str]:
@@ -104,7 +103,7 @@ def reply_key_fault(payload: Payload, allowed: tuple[frozenset[str], ...]) -> st
     return f"reply {' and '.join(problems)} (expected {expected})"
 
 
-def reply_fault(payload: Payload, server: ServerHalf, ctx: RoundContext, index: int, declared: int) -> str | None:
+def reply_fault(payload: Payload, server: ServerHalfProtocol, ctx: RoundContext, index: int, declared: int) -> str | None:
     """Why site ``index``'s decoded reply in ``ctx`` is refused on its own (checks 3 and 4 of the module docstring), or None.
 
     Args:
@@ -167,7 +166,7 @@ def update_norms(reply: Payload, message: Payload, coded_keys: dict[str, str]) -
 def refused_replies(
     replies: dict[int, Payload],
     messages: dict[int, Payload],
-    server: ServerHalf,
+    server: ServerHalfProtocol,
     ctx: RoundContext,
     declared_samples: list[int],
     coded_keys: dict[str, str],

@@ -100,7 +100,7 @@ import torch
 
 from medfed.compression.codecs import HEADER_SIZE, Codec, make_codec
 from medfed.errors import MessageError
-from medfed.federated.strategies.base import Payload
+from medfed.federated.protocol import Payload
 
 DIRECTIONS = ("up", "down")
 ZEROS = "zeros"

@@ -1,11 +1,11 @@
 """The federated loop: rounds of local training and server steps, on Lightning Fabric.
 
 Lightning 2.x's documented route to a custom loop is Fabric: the loop here
-owns the sites (each with its model slots, optimisers and half of the
-strategy, kept across rounds), calls the server half's and the site halves'
-hooks by name (see :mod:`medfed.federated.strategies.base` for the life
-cycle), runs each phase's training plans, and knows nothing about any
-particular algorithm. Every payload crosses a
+drives the sites (each with its model slots, optimisers and half of the
+strategy, kept across rounds, wherever they live: :mod:`medfed.federated.sites`),
+calls the server half's hooks and has the sites call theirs by name (see
+:mod:`medfed.federated.protocol` for the life cycle), and knows nothing
+about any particular algorithm. Every payload crosses a
 :class:`~medfed.federated.link.Link`, which turns it into bytes and counts
 them. After each round every site takes its strategy half's adapt step (e.g.
 fine-tuning a head; seeded from its own stream of the round, its losses in
@@ -40,9 +40,11 @@ forward in its evaluation, in epochs of its training data
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,15 +52,15 @@ import numpy as np
 import torch
 from lightning.fabric import Fabric
 
+from medfed.checkpoint import state_on_device
 from medfed.errors import RunFailed, SiteFailure, warn
 from medfed.federated.compute import merge, training_epochs
-from medfed.federated.executor import InProcessSites, PhaseWork, SiteEvaluation, SiteExecutor
 from medfed.federated.faults import refused_replies, reply_fault
 from medfed.federated.link import Link
 from medfed.federated.privacy import ClientDP
-from medfed.federated.site import Site
-from medfed.federated.site_view import ADAPT, DELIVER, SETUP, RoundContext
-from medfed.federated.strategies.base import Payload, Strategy, state_on_device
+from medfed.federated.site_work import PhaseWork, SiteEvaluation
+from medfed.federated.sites import Sites
+from medfed.federated.protocol import ADAPT, DELIVER, SETUP, Payload, RoundContext, StrategyProtocol
 
 
 class FederatedLoop:
@@ -66,9 +68,10 @@ class FederatedLoop:
 
     Args:
         fabric: device placement, loggers and callbacks (``on_round_end``).
-        sites: the sites, index order, each holding its half of ``strategy``.
         strategy: the algorithm (its server half is ``strategy.server``).
-        links: one link per site (same order).
+        sites: where the sites live and how the loop reaches them (:class:`~medfed.federated.sites.Sites`, with the
+            server's ends of their links): :class:`~medfed.federated.sites.InProcessSites` in the simulator, the
+            SuperNodes of a deployment (``medfed.deploy``).
         initial: the initial model as vectors ``{"shared", "personal", "all", ...}``
             (every site starts from it), with any vectors the strategy adds
             (``Strategy.initial_values``); the server half's setup gets them.
@@ -87,12 +90,6 @@ class FederatedLoop:
             when they do not fit the memory budget of
             :class:`~medfed.federated.faults.RoundStartStates` (``None``: the
             system's temporary directory); only with ``on_site_failure="drop"``.
-        executor: where the sites' half of the work runs
-            (:class:`~medfed.federated.executor.SiteExecutor`); ``None``:
-            :class:`~medfed.federated.executor.InProcessSites` over ``sites``
-            and ``links`` (the simulator). A deployment passes its own
-            (``medfed.deploy``) with ``sites`` empty and ``links`` the
-            server's ends of the wires.
         client_dp: client-level DP (:class:`~medfed.federated.privacy.ClientDP`): every phase's
             replies reach the server step as its one clipped, noised average; ``None``: off.
     """
@@ -100,9 +97,8 @@ class FederatedLoop:
     def __init__(
         self,
         fabric: Fabric,
-        sites: list[Site],
-        strategy: Strategy,
-        links: list[Link],
+        strategy: StrategyProtocol,
+        sites: Sites,
         initial: Payload,
         local_epochs: int,
         participation: float,
@@ -112,14 +108,13 @@ class FederatedLoop:
         update_norm_limit: float | None = 10.0,
         max_consecutive_failures: int | None = 3,
         scratch_dir: Path | None = None,
-        executor: SiteExecutor | None = None,
         client_dp: ClientDP | None = None,
     ) -> None:
         self.fabric = fabric
         self.sites = sites
         self.strategy = strategy
         self.server = strategy.server
-        self.links = links
+        self.links = sites.links
         self.initial = initial
         self.local_epochs = local_epochs
         self.participation = participation
@@ -129,10 +124,9 @@ class FederatedLoop:
         self.update_norm_limit = update_norm_limit
         self.max_consecutive_failures = max_consecutive_failures
         self.scratch_dir = scratch_dir
-        self.executor = executor if executor is not None else InProcessSites(sites, links)
         self.client_dp = client_dp
         self._sent: dict[int, Payload] = {}  # with client_dp: each site's last delivery, what its updates are measured against
-        self.site_names = self.executor.names
+        self.site_names = self.sites.names
         self.round = 0
         self.history: list[dict[str, Any]] = []
         self.failure_streaks = [0] * len(self.site_names)  # rounds in a row each site has failed
@@ -154,9 +148,9 @@ class FederatedLoop:
             RunFailed: every site's setup reply was refused.
         """
         ctx = RoundContext(0, SETUP)
-        replies, refused = self.executor.setup()
+        replies, refused = self.sites.setup()
         for index, reply in replies.items():
-            reason = reply_fault(reply, self.server, ctx, index, self.executor.declared_samples[index])
+            reason = reply_fault(reply, self.server, ctx, index, self.sites.declared_samples[index])
             if reason is not None:
                 refused[index] = reason
         for index, reason in sorted(refused.items()):
@@ -176,7 +170,7 @@ class FederatedLoop:
         if self.round == 0 and not self.history:
             self.setup()
         if self.on_site_failure == "drop":
-            self.executor.open_round_starts(self.scratch_dir)
+            self.sites.open_round_starts(self.scratch_dir)
         try:
             while self.round < rounds:
                 self.round += 1
@@ -189,7 +183,7 @@ class FederatedLoop:
                 if progress is not None:
                     progress(record)
         finally:
-            self.executor.close_round_starts()
+            self.sites.close_round_starts()
         return self.history
 
     def participants(self, round_index: int) -> list[int]:
@@ -212,110 +206,117 @@ class FederatedLoop:
 
     # ------------------------------------------------------------------ one round
     def _run_round(self, round_index: int) -> dict[str, Any]:
+        """One round: every phase, the delivery, the adapt step and evaluation; the round's record."""
         start = time.perf_counter()
-        names = self.site_names
-        if len(self.excluded) == len(names):
+        if len(self.excluded) == len(self.site_names):
             raise SiteFailure(f"every site has been excluded ({_excluded_summary(self.excluded)}); nothing is left to train")
         counters_before = [_link_counters(link) for link in self.links]
-        participants = self.participants(round_index)
-        timing = {"train_s": 0.0, "server_s": 0.0, "eval_s": 0.0, "round_start_s": 0.0}
-        train_loss: dict[str, dict[str, float]] = {}
-        compute: dict[str, dict[str, float]] = {}  # site name -> {key: epochs}
-        failures: dict[int, dict[str, Any]] = {}  # site index -> {"round", "site", "phase", "reason"}
+        round_ = _Round(round_index, self.participants(round_index))
         tic = time.perf_counter()
-        self.executor.save_round_start(participants)
-        timing["round_start_s"] = time.perf_counter() - tic
-
-        def fail(index: int, phase: str, reason: str) -> None:
-            """Leave site ``index`` out of the rest of the round (drop) or end the run (stop)."""
-            if self.on_site_failure == "stop":
-                raise SiteFailure(f"site {names[index]} failed in round {round_index} ({phase} phase): {reason}")
-            warn(f"round {round_index}: site {names[index]} left out of the {phase} phase and the rest of the round: {reason}")
-            failures[index] = {"round": round_index, "site": names[index], "phase": phase, "reason": reason}
-            self.executor.restore_round_start(index)
-
+        self.sites.save_round_start(round_.participants)
+        round_.timing["round_start_s"] = time.perf_counter() - tic
         for phase_index, phase in enumerate(self.strategy.phases):
-            taking_part = [index for index in participants if index not in failures]
-            ctx = RoundContext(round_index, phase)
-            messages = {index: self.server.message(ctx, index) for index in taking_part}
-            work = PhaseWork(round_index, phase_index, phase, self.local_epochs,
-                             {index: self.server.reply_keys(ctx, index) for index in taking_part})
-            results = self.executor.work(work, messages, timing)
-            for index in taking_part:
-                result = results[index]
-                if result.error is not None:
-                    fail(index, phase, result.error)
-                    continue
-                for label, loss in result.losses.items():
-                    train_loss.setdefault(names[index], {})[phase if label is None else f"{phase}/{label}"] = loss
-                merge(compute.setdefault(names[index], {}), result.compute)
-                if result.non_finite:
-                    fail(index, phase, f"non-finite reply ({', '.join(repr(key) for key in result.non_finite)})")
-            replies, malformed = self.executor.replies([index for index in taking_part if index not in failures])
-            for index, reason in malformed.items():
-                fail(index, phase, reason)
-            refused = refused_replies(
-                replies, messages, self.server, ctx, self.executor.declared_samples, self.strategy.coded_keys, self.update_norm_limit
-            )
-            for index, reason in refused.items():
-                fail(index, phase, reason)
-                del replies[index]
-            summed = self._checked_sum(ctx, fail)  # secure aggregation: the replies as one sum, never one by one
-            tic = time.perf_counter()
-            if summed is not None:
-                self.server.aggregate_summed(ctx, summed)
-            elif replies:  # a phase no participant came through leaves the server as it was
-                if self.client_dp is not None:  # the server step receives only the clipped, noised average
-                    sent = {index: {**self._sent.get(index, {}), **messages.get(index, {})} for index in participants}
-                    replies = self.client_dp.release(ctx, phase_index, replies, sent, participants, self.sample_size() / len(names))
-                self.server.aggregate(ctx, replies)
-            timing["server_s"] += time.perf_counter() - tic
-        adapt_loss: dict[str, dict[str, float]] = {}
-        evaluations = self._deliver(evaluate=True, timing=timing)
-        for index, name in enumerate(names):
+            self._run_phase(round_, phase_index, phase)
+        evaluations = self._deliver(evaluate=True, timing=round_.timing)
+        for index, name in enumerate(self.site_names):
             evaluation = evaluations[name]
             if evaluation.error is not None:
-                self._delivery_failed(index, round_index, evaluation.error, failures)
+                self._delivery_failed(index, round_index, evaluation.error, round_.failures)
                 continue
-            merge(compute.setdefault(name, {}), evaluation.compute)
+            merge(round_.compute.setdefault(name, {}), evaluation.compute)
             for label, loss in evaluation.adapt_losses.items():
-                adapt_loss.setdefault(name, {})[ADAPT if label is None else f"{ADAPT}/{label}"] = loss
+                round_.adapt_loss.setdefault(name, {})[ADAPT if label is None else f"{ADAPT}/{label}"] = loss
             if evaluation.adapt_error is not None:
-                self._adapt_failed(index, round_index, evaluation.adapt_error, failures)
-        newly_excluded = self._count_failures(sorted(set(participants) | set(failures)), failures)
+                self._adapt_failed(index, round_index, evaluation.adapt_error, round_.failures)
+        newly_excluded = self._count_failures(sorted(set(round_.participants) | set(round_.failures)), round_.failures)
+        round_.timing["round_s"] = time.perf_counter() - start
+        return self._record(round_, evaluations, counters_before, newly_excluded)
+
+    def _run_phase(self, round_: _Round, phase_index: int, phase: str) -> None:
+        """One phase of a round: the server's messages, the sites' work and replies, the checks, the server step."""
+        names = self.site_names
+        taking_part = [index for index in round_.participants if index not in round_.failures]
+        ctx = RoundContext(round_.round, phase)
+        messages = {index: self.server.message(ctx, index) for index in taking_part}
+        reply_keys = {index: self.server.reply_keys(ctx, index) for index in taking_part}
+        results = self.sites.work(PhaseWork(round_.round, phase_index, phase, self.local_epochs, reply_keys), messages, round_.timing)
+        fail = functools.partial(self._fail, round_)
+        for index in taking_part:
+            result = results[index]
+            if result.error is not None:
+                fail(index, phase, result.error)
+                continue
+            for label, loss in result.losses.items():
+                round_.train_loss.setdefault(names[index], {})[phase if label is None else f"{phase}/{label}"] = loss
+            merge(round_.compute.setdefault(names[index], {}), result.compute)
+            if result.non_finite:
+                fail(index, phase, f"non-finite reply ({', '.join(repr(key) for key in result.non_finite)})")
+        replies, malformed = self.sites.replies([index for index in taking_part if index not in round_.failures])
+        for index, reason in malformed.items():
+            fail(index, phase, reason)
+        refused = refused_replies(
+            replies, messages, self.server, ctx, self.sites.declared_samples, self.strategy.coded_keys, self.update_norm_limit
+        )
+        for index, reason in refused.items():
+            fail(index, phase, reason)
+            del replies[index]
+        summed = self._checked_sum(ctx, fail)  # secure aggregation: the replies as one sum, never one by one
+        tic = time.perf_counter()
+        if summed is not None:
+            self.server.aggregate_summed(ctx, summed)
+        elif replies:  # a phase no participant came through leaves the server as it was
+            if self.client_dp is not None:  # the server step receives only the clipped, noised average
+                participants = round_.participants
+                sent = {index: {**self._sent.get(index, {}), **messages.get(index, {})} for index in participants}
+                replies = self.client_dp.release(ctx, phase_index, replies, sent, participants, self.sample_size() / len(names))
+            self.server.aggregate(ctx, replies)
+        round_.timing["server_s"] += time.perf_counter() - tic
+
+    def _fail(self, round_: _Round, index: int, phase: str, reason: str) -> None:
+        """Leave site ``index`` out of the rest of the round (drop) or end the run (stop)."""
+        name = self.site_names[index]
+        if self.on_site_failure == "stop":
+            raise SiteFailure(f"site {name} failed in round {round_.round} ({phase} phase): {reason}")
+        warn(f"round {round_.round}: site {name} left out of the {phase} phase and the rest of the round: {reason}")
+        round_.failures[index] = {"round": round_.round, "site": name, "phase": phase, "reason": reason}
+        self.sites.restore_round_start(index)
+
+    def _record(
+        self, round_: _Round, evaluations: dict[str, SiteEvaluation], counters_before: list[dict[str, float]], newly_excluded: list[str]
+    ) -> dict[str, Any]:
+        """The round's record (the loop's module docstring): metrics, losses, compute, bytes, timing, failures."""
+        names = self.site_names
         evaluated = {name: evaluations[name].metrics for name in names if evaluations[name].error is None}
         metric_names = list(next(iter(evaluated.values()), {}))
-        metrics = {name: evaluated.get(name, dict.fromkeys(metric_names, math.nan)) for name in names}
-        timing["round_s"] = time.perf_counter() - start
         traffic = {
             names[index]: {k: v - counters_before[index][k] for k, v in _link_counters(link).items()}
             for index, link in enumerate(self.links)
         }
-        timing["codec_s"] = sum(t.pop("codec_s") for t in traffic.values())
+        round_.timing["codec_s"] = sum(t.pop("codec_s") for t in traffic.values())
         return {
-            "round": round_index,
-            "participants": [names[index] for index in participants],
-            "metrics": metrics,
+            "round": round_.round,
+            "participants": [names[index] for index in round_.participants],
+            "metrics": {name: evaluated.get(name, dict.fromkeys(metric_names, math.nan)) for name in names},
             "mean": {name: float(np.mean([m[name] for m in evaluated.values()])) for name in metric_names},
-            "train_loss": train_loss,
-            "adapt_loss": adapt_loss,
-            "compute": {name: compute[name] for name in names if compute.get(name)},
+            "train_loss": round_.train_loss,
+            "adapt_loss": round_.adapt_loss,
+            "compute": {name: round_.compute[name] for name in names if round_.compute.get(name)},
             "bytes": traffic,
             "server": self.server.metrics(),
-            "timing": timing,
-            "failures": [failures[index] for index in sorted(failures)],
+            "timing": round_.timing,
+            "failures": [round_.failures[index] for index in sorted(round_.failures)],
             "excluded": newly_excluded,
             **({"client_dp": self.client_dp.round_record()} if self.client_dp is not None else {}),
         }
 
     def _checked_sum(self, ctx: RoundContext, fail: Callable[[int, str, str], None]) -> Payload | None:
-        """The executor's summed replies of the phase (secure aggregation), checked as one reply of the server half's
+        """The sites' summed replies of the phase (secure aggregation), checked as one reply of the server half's
         declared keys holding at most the summed sites' declared samples; None where there is none. A sum that is
         refused fails every site in it (no site can be taken out of a sum)."""
-        summed = self.executor.summed_replies()
+        summed = self.sites.summed_replies()
         if summed is None:
             return None
-        declared = sum(self.executor.declared_samples[index] for index in summed.sites)
+        declared = sum(self.sites.declared_samples[index] for index in summed.sites)
         reason = reply_fault(summed.reply, self.server, ctx, summed.sites[0], declared)
         if reason is not None:
             for index in summed.sites:
@@ -371,7 +372,7 @@ class FederatedLoop:
         payloads = {index: self.server.deliver(ctx, index) for index in range(len(self.site_names))}
         if self.client_dp is not None:
             self._sent = payloads
-        return self.executor.deliver(self.round, payloads, evaluate, timing)
+        return self.sites.deliver(self.round, payloads, evaluate, timing)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -379,7 +380,7 @@ class FederatedLoop:
         return {
             "round": self.round,
             "history": self.history,
-            "sites": self.executor.state_dict(),
+            "sites": self.sites.state_dict(),
             "links": [link.state_dict() for link in self.links],
             "server": self.server.state_dict(),
             "failure_streaks": list(self.failure_streaks),
@@ -405,7 +406,7 @@ class FederatedLoop:
         self.history = list(state["history"])
         self.failure_streaks = list(state["failure_streaks"])
         self.excluded = dict(state["excluded"])
-        self.executor.load_state_dict(state["sites"])
+        self.sites.load_state_dict(state["sites"])
         for link, link_state in zip(self.links, state["links"], strict=True):
             link.load_state_dict(link_state)
         self.server.load_state_dict(state_on_device(state["server"], self.fabric.device))
@@ -413,6 +414,19 @@ class FederatedLoop:
             self.client_dp.load_state_dict(state["client_dp"])
             ctx = RoundContext(self.round, DELIVER)
             self._sent = {index: self.server.deliver(ctx, index) for index in range(len(self.site_names))}
+
+
+@dataclass
+class _Round:
+    """A round in progress: who takes part, and what its record gathers (losses, compute, failures, timing)."""
+
+    round: int
+    participants: list[int]
+    timing: dict[str, float] = field(default_factory=lambda: {"train_s": 0.0, "server_s": 0.0, "eval_s": 0.0, "round_start_s": 0.0})
+    train_loss: dict[str, dict[str, float]] = field(default_factory=dict)
+    adapt_loss: dict[str, dict[str, float]] = field(default_factory=dict)
+    compute: dict[str, dict[str, float]] = field(default_factory=dict)  # site name -> {key: epochs}
+    failures: dict[int, dict[str, Any]] = field(default_factory=dict)  # site index -> {"round", "site", "phase", "reason"}
 
 
 def _link_counters(link: Link) -> dict[str, float]:

@@ -60,8 +60,7 @@ from torch import nn
 from medfed.config import MAX_NOISE_MULTIPLIER
 from medfed.errors import ConfigError, RunFailed, warn
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.site_view import RoundContext
-from medfed.federated.strategies.base import NUM_SAMPLES, Payload
+from medfed.federated.protocol import NUM_SAMPLES, Payload, RoundContext
 
 if TYPE_CHECKING:
     from medfed.config import ClientDPConfig, DPConfig

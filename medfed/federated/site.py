@@ -2,52 +2,45 @@
 
 A site is built once per run and never rebuilt: its model slots (each a
 LightningModule with its optimiser state, e.g. Adam moments), its half of
-the strategy and its data-loader RNG survive from round to round and go into
-every checkpoint, so a resumed run continues exactly where the interrupted
-one stopped. Everything else a site's work
+the strategy and its data orders (:mod:`medfed.federated.data_order`) survive
+from round to round and go into every checkpoint, so a resumed run continues
+exactly where the interrupted one stopped. Everything else a site's work
 draws at random (dropout, any augmentation: torch's, NumPy's and Python's
 global generators) comes from :meth:`Site.global_rng`, seeded afresh from
 the run's seed, the site and the round before each piece of work, so it
 needs no state: two runs, or a run and its resumed twin, draw the same.
 
-A training split of plain tensors that fits on the device is moved there
-once, when the site is built, and each step's batch is cut from it on the
-device by the indices the seeded shuffled loader draws (the loader runs over
-the sample indices, so it draws exactly as it would over the samples: the
-same batches in the same order). A split that draws fresh samples (random
-crops) goes through its DataLoader. A training step never waits for the
-device: the plan's losses are kept on it and read once, at the plan's end.
-
-A site's strategy half sees it only through :attr:`Site.view`, a
-:class:`~medfed.federated.site_view.SiteView`; the site counts the samples
-it passes, per training plan, auxiliary pass and evaluation
+The site trains by the step rule (:mod:`medfed.federated.step`, through
+its :class:`~medfed.federated.step.SiteStep`); a training step never waits for the device: the plan's
+losses are kept on it and read once, at the plan's end. A site's strategy
+half sees it only through :attr:`Site.view`, a
+:class:`~medfed.federated.protocol.SiteView`; the site counts the samples it
+passes, per training plan, auxiliary pass and evaluation
 (:mod:`medfed.federated.compute`).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 from lightning.fabric import Fabric
-from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset
 
+from medfed.checkpoint import state_on_device
 from medfed.data.federation import SiteData
 from medfed.federated.compute import AUX, EVALUATION, FORWARD, PassCounter, batch_samples
+from medfed.federated.data_order import DataOrders
 from medfed.federated.privacy import SiteDP
-from medfed.federated.site_view import SiteView, split_of
-from medfed.federated.strategies.base import Auxiliary, SiteHalf, state_on_device
+from medfed.federated.protocol import Auxiliary, SiteHalfProtocol, SiteView
+from medfed.federated.step import SiteStep, step
 from medfed.models.base import FederatedModule
-
-#: a training split is kept on a CUDA device when it takes at most this share of the device's free memory
-RESIDENT_SHARE = 0.25
 
 
 @dataclass
@@ -80,7 +73,7 @@ class Site:
         data: SiteData,
         slots: dict[str, Slot],
         evaluated_slot: str,
-        strategy: SiteHalf,
+        strategy: SiteHalfProtocol,
         fabric: Fabric,
         batch_size: int,
         seed: int,
@@ -98,13 +91,8 @@ class Site:
         self.fabric = fabric
         self.seed = seed
         self.batch_size = batch_size
-        #: the training split's tensors on the device (batches are cut from them there), or None: its DataLoader's batches
-        self.resident = resident_tensors(data.train, fabric.device)
-        self.generator = self._new_generator()
-        #: the site's own data order: its shuffled loader (of the samples, or device-resident of their indices: :meth:`batches`)
-        self.train_loader = self._shuffled_loader(self.generator)
-        #: the data orders training plans name (``TrainingPlan.data_order``): {name: (generator, loader)}
-        self.data_orders: dict[str, tuple[torch.Generator, DataLoader]] = {}
+        #: the site's own data order and those its training plans name (``TrainingPlan.data_order``)
+        self.orders = DataOrders(data.train, seed, index, batch_size, fabric.device, fabric.to_device)
         #: the epochs of the run's training budget this site's plans have taken so far (its *budget axis*, which
         #: :func:`~medfed.federated.executor.plan_length` cuts at whole steps and advances)
         self.budget_epochs = 0.0
@@ -117,56 +105,13 @@ class Site:
         self.view = View(self)
         #: DP-SGD of every local step (:meth:`use_dp`), or None
         self.privacy: SiteDP | None = None
-        self._rng_stream: tuple[int, ...] = ()  # the stream of the global_rng block in progress
-        self._train_calls = 0  # training calls so far in that block (each seeds its own noise)
+        #: the stream of the global_rng block in progress, and the training calls so far in it (each seeds its DP noise)
+        self.rng_stream: tuple[int, ...] = ()
+        self.train_calls = 0
 
     def use_dp(self, privacy: SiteDP) -> None:
         """Make every later local step a DP-SGD step (:mod:`medfed.federated.privacy`)."""
         self.privacy = privacy
-
-    def _new_generator(self) -> torch.Generator:
-        """A data-order generator seeded from the run's seed and the site's index (every data order starts alike)."""
-        return torch.Generator().manual_seed(self.seed * 1_000_003 + self.index)
-
-    def _shuffled_loader(self, generator: torch.Generator) -> DataLoader:
-        """The training split in mini-batches, shuffled by ``generator`` (device-resident: the mini-batches of sample indices)."""
-        train = self.data.train
-        # A training set that draws fresh samples (random crops) brings its own sampler; it draws from the same generator.
-        sampler = train.sampler(generator) if hasattr(train, "sampler") else RandomSampler(train, generator=generator)
-        # Over range(n) the loader draws from the generator exactly as over the samples: the batches are their indices.
-        samples = train if self.resident is None else range(len(train))
-        return DataLoader(samples, batch_size=self.batch_size, sampler=sampler, generator=generator)
-
-    def batches(self, steps: int, data_order: str | None = None) -> Iterator[Any]:
-        """The device batches of ``steps`` training steps, drawn as :meth:`train` describes (whole passes, then a cut one).
-
-        Run it out: after a whole pass's last batch the loader's sampler
-        draws from the generator once more, as a plain epoch loop's does.
-        """
-        loader = self._loader(data_order)
-        remaining = steps
-        while remaining > 0:
-            # A fresh pass: whole when the steps cover it, otherwise only its first `remaining` batches (the rest dropped).
-            whole = remaining >= self.batches_per_epoch
-            for drawn in loader if whole else itertools.islice(loader, remaining):
-                yield self._device_batch(drawn)
-                remaining -= 1
-
-    def _device_batch(self, drawn: Any) -> Any:
-        """What the shuffled loader drew as a batch on the device: the samples cut from the resident split, or moved there."""
-        if self.resident is None:
-            return self.fabric.to_device(drawn)
-        indices = drawn.to(self.fabric.device, non_blocking=True)
-        return [tensor[indices] for tensor in self.resident]  # a list, as the DataLoader collates a TensorDataset's samples
-
-    def _loader(self, data_order: str | None) -> DataLoader:
-        """The shuffled loader of the data order named ``data_order`` (``None``: the site's own), made at its first use."""
-        if data_order is None:
-            return self.train_loader
-        if data_order not in self.data_orders:
-            generator = self._new_generator()
-            self.data_orders[data_order] = (generator, self._shuffled_loader(generator))
-        return self.data_orders[data_order][1]
 
     def slot(self, name: str) -> Slot:
         """The model slot ``name``."""
@@ -188,27 +133,18 @@ class Site:
     def n_test(self) -> int:
         return len(self.data.test)
 
+    def batches(self, steps: int, data_order: str | None = None) -> Iterator[Any]:
+        """The device batches of ``steps`` steps from data order ``data_order`` (:meth:`DataOrders.batches`)."""
+        return self.orders.batches(steps, data_order)
+
     @property
     def batches_per_epoch(self) -> int:
         """B: mini-batches in one pass over the training split (the last one may be smaller)."""
-        return len(self.train_loader)
+        return self.orders.batches_per_epoch
 
     def steps(self, epochs: float, after: float = 0.0) -> int:
-        """Optimiser steps of ``epochs`` epochs that follow ``after`` epochs of the site's budget axis.
-
-        The axis (the run's training budget, :attr:`budget_epochs`) is cut at whole steps::
-
-            steps = max(1, [B (after + epochs)] - [B after]),   [x] = floor(x + 1/2)
-
-        so plans that split a round's epochs between them take together the
-        steps one plan with all of them would take (B = 7, two half epochs:
-        4 + 3 steps, not 4 + 4), a whole number of epochs is that many full
-        passes, and half an epoch a round at B = 5 is 3, 2, 3, 2, ... steps.
-        """
-        if epochs <= 0 or after < 0:
-            raise ValueError(f"epochs must be > 0 and after >= 0, got epochs={epochs}, after={after}")
-        batches = self.batches_per_epoch
-        return max(1, math.floor(batches * (after + epochs) + 0.5) - math.floor(batches * after + 0.5))
+        """Optimiser steps of ``epochs`` epochs after ``after`` epochs of the budget axis (:meth:`DataOrders.steps`)."""
+        return self.orders.steps(epochs, after)
 
     @contextmanager
     def global_rng(self, *stream: int) -> Iterator[None]:
@@ -224,12 +160,12 @@ class Site:
             torch.manual_seed(seed)
             np.random.seed(seed)
             random.seed(seed)
-            outer = self._rng_stream, self._train_calls
-            self._rng_stream, self._train_calls = stream, 0
+            outer = self.rng_stream, self.train_calls
+            self.rng_stream, self.train_calls = stream, 0
             try:
                 yield
             finally:
-                self._rng_stream, self._train_calls = outer
+                self.rng_stream, self.train_calls = outer
                 np.random.set_state(numpy_state)
                 random.setstate(python_state)
 
@@ -241,121 +177,65 @@ class Site:
         step_loss: Callable[[Any], torch.Tensor],
         data_order: str | None = None,
         *,
+        keys: torch.Tensor | None = None,
         also_steps: tuple[str, ...] = (),
         compute: str | None = None,
         data_pass: int = 1,
         auxiliary: dict[str, Auxiliary] | None = None,
     ) -> float | None:
-        """Train ``part`` of the model in ``slot`` for ``steps`` optimiser steps (e.g. :meth:`steps` of some epochs).
-
-        The batches come from fresh passes of the site's seeded shuffled
-        loader, one after another; the pass in progress when the steps run
-        out is dropped, so the next call starts a new pass (a new permutation).
-        The generator state between calls is therefore all the data order
-        depends on, and it is checkpointed: a resumed run draws the same
-        batches. A whole number of epochs is that many complete passes.
+        """Train ``part`` of the model in ``slot`` for ``steps`` steps of the step rule (:mod:`medfed.federated.step`).
 
         Args:
-            steps: optimiser steps, >= 1.
+            steps: optimiser steps, >= 1 (e.g. :meth:`steps` of some epochs).
             slot: the model slot trained (its own optimiser steps it).
-            part: ``"all"``, ``"shared"`` or ``"personal"``.
+            part: a trainable part (``"all"``, ``"shared"``, ``"personal"``, ``"body"``, ``"head"``).
             step_loss: maps a device batch to the scalar loss of one step.
-            data_order: the data order the batches come from (``None``: the
-                site's own; a name: that data order's generator, made at its
-                first use and then kept and checkpointed like the site's own).
+            data_order: the data order the batches come from (None: the site's own).
+            keys: the steps' dropout keys, ``(steps,)`` int64 (:mod:`medfed.models.dropout`); None: unkeyed.
             also_steps: other slots whose optimisers step after ``slot``'s on
                 every step, on the gradients the same loss gives them.
             compute: the key the plan's passes are counted under (None: not counted).
             data_pass: how many times each step's loss passes its batch
-                forward and backward itself (counted per step; True: once,
-                APFL: twice); 0 / False where the loss's passes are the
-                half's own :meth:`View.step` calls.
+                forward and backward itself (counted per step; APFL: twice);
+                0 where the loss's passes are the half's own :meth:`View.step` calls.
             auxiliary: the strategy half's auxiliary parameters the steps
-                train (``SiteHalf.auxiliary``): each step's loss is
-                differentiated in them too, and after the optimisers they
-                step by ``Auxiliary.step``; they are detached again at the end.
+                train (``SiteHalf.auxiliary``), stepped after the optimisers.
 
-        The gradients are freed at the end (``set_to_none``): between rounds
-        a site holds its model and optimiser state, not a gradient as well.
-
-        With DP-SGD on (:meth:`use_dp`) each step's gradients of the trained
-        slot and of ``also_steps`` are clipped per sample and noised before
-        the optimisers step (:meth:`SiteDP.privatise`; the noise seeded from
-        the global-RNG stream of the work and the call's rank in it), and a
-        site whose privacy budget is spent trains no more (returns ``None``).
-
-        Each step's loss is computed under the run's precision
-        (``fabric.autocast``) and kept on the device; no step waits for it.
-        The plan's losses are read once, at its end.
+        With DP-SGD on (:meth:`use_dp`) each step's gradients are clipped per
+        sample and noised, the noise seeded from the global-RNG stream of the
+        work and the call's rank in it, and a site whose privacy budget is
+        spent trains no more. The gradients are freed at the end.
 
         Returns:
             Mean training loss over the steps, or ``None`` if nothing was
             trained (a part without parameters, e.g. the shared part of an
-            all-personal logistic regression).
+            all-personal logistic regression, or a spent privacy budget).
 
         Raises:
             FloatingPointError: a step's loss was not finite (read at the
                 plan's end; the error names the site and the first such step).
         """
-        module, optimizer = self.slot(slot).module, self.slot(slot).optimizer
-        others = [self.slot(name).optimizer for name in also_steps]
-        if module.parameter_split.size(part) == 0:
+        if self.slot(slot).module.parameter_split.size(part) == 0:
             return None
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
         privacy = self.privacy
-        self._train_calls += 1
+        self.train_calls += 1
         if privacy is not None and privacy.spent:
             privacy.note_spent()
             return None
-        module.set_trainable(part)
-        module.train()
-        stepped = [module, *(self.slot(name).module for name in also_steps)]
-        for other in stepped[1:]:
-            other.train()
-        parameters = [p for m in stepped for p in m.parameters() if p.requires_grad]
-        noise = None if privacy is None else privacy.noise_generator(self.fabric.device, *self._rng_stream, self._train_calls)
-        hooked = [] if privacy is None else privacy.attach(stepped)
+        ops = SiteStep(self, slot, part, step_loss, also_steps, compute, data_pass, auxiliary or {})
         device = self.fabric.device
         losses = torch.empty(steps, dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)  # read at the end
         done = 0
-        self.plan_key = compute
-        half, auxiliary = self.strategy, auxiliary or {}
-        for name in auxiliary:  # differentiable leaves while the plan runs
-            setattr(half, name, getattr(half, name).detach().requires_grad_(True))
-        try:
+        with ops.prepared():
             for batch in self.batches(steps, data_order):
                 if privacy is not None and privacy.spent:  # host-side accounting: no wait for the device
                     privacy.note_spent()
                     break
-                optimizer.zero_grad(set_to_none=True)
-                for other in others:
-                    other.zero_grad(set_to_none=True)
-                with self.fabric.autocast():
-                    loss = step_loss(batch)
-                self.fabric.backward(loss)
-                if privacy is not None:
-                    privacy.privatise(parameters, noise)
-                if compute is not None and data_pass:
-                    self.passes.add(compute, data_pass * batch_samples(batch))
-                optimizer.step()
-                for other in others:
-                    other.step()
-                    other.zero_grad(set_to_none=True)
-                for name, rule in auxiliary.items():
-                    value = getattr(half, name)
-                    if value.grad is not None:
-                        setattr(half, name, rule.step(value, value.grad).requires_grad_(True))
+                loss, _ = step(ops, None, batch, None if keys is None else keys[done])
                 losses[done] = loss.detach()
                 done += 1
-        finally:
-            self.plan_key = None
-            for name in auxiliary:
-                setattr(half, name, getattr(half, name).detach())
-            if privacy is not None:
-                privacy.detach(hooked)
-        optimizer.zero_grad(set_to_none=True)
-        module.set_trainable("all")
         return self._mean_loss(losses[:done]) if done else None
 
     def _mean_loss(self, losses: torch.Tensor) -> float:
@@ -368,10 +248,10 @@ class Site:
             FloatingPointError: a loss is not finite (naming the site and the first such step).
         """
         values = losses.tolist()
-        for step, value in enumerate(values, start=1):
+        for number, value in enumerate(values, start=1):
             if not math.isfinite(value):
                 raise FloatingPointError(
-                    f"{self.name}: training loss became {value} at step {step} of {len(values)} (learning rate too high?)"
+                    f"{self.name}: training loss became {value} at step {number} of {len(values)} (learning rate too high?)"
                 )
         total = 0.0
         for value in values:  # a running sum (not sum(): Python 3.12's compensates), as the steps' losses came
@@ -396,8 +276,7 @@ class Site:
         """Every slot's module and optimiser state, the data-order generators and the strategy half's state."""
         return {
             "slots": {name: {"module": s.module.state_dict(), "optimizer": s.optimizer.state_dict()} for name, s in self.slots.items()},
-            "generator": self.generator.get_state(),
-            "data_orders": {name: generator.get_state() for name, (generator, _) in self.data_orders.items()},
+            **self.orders.state_dict(),
             "budget_epochs": self.budget_epochs,
             "strategy": self.strategy.state_dict(),
             **({"privacy": self.privacy.state_dict()} if self.privacy is not None else {}),
@@ -409,39 +288,15 @@ class Site:
         for name, slot in self.slots.items():
             slot.module.load_state_dict(state["slots"][name]["module"])
             slot.optimizer.load_state_dict(state["slots"][name]["optimizer"])
-        self.generator.set_state(state["generator"])
-        self.data_orders = {}  # a data order first used after ``state`` was taken starts afresh
-        for name, generator_state in state["data_orders"].items():
-            self._loader(name)
-            self.data_orders[name][0].set_state(generator_state)
+        self.orders.load_state_dict(state)
         self.budget_epochs = float(state.get("budget_epochs", 0.0))  # absent in checkpoints of medfed before the run-long axis
         self.strategy.load_state_dict(state_on_device(state["strategy"], self.fabric.device))
         if self.privacy is not None:
             self.privacy.load_state_dict(state["privacy"])
 
 
-def resident_tensors(train: Any, device: torch.device) -> tuple[torch.Tensor, ...] | None:
-    """The tensors of a training split kept on ``device`` for the run, or None where its DataLoader serves it.
-
-    A split of plain tensors (a ``TensorDataset`` without its own sampler) is
-    kept: on the CPU as it is (no copy), on a CUDA device when it takes at
-    most :data:`RESIDENT_SHARE` of the device's free memory. A split that
-    draws fresh samples (random crops bring their own sampler), any other
-    dataset and any other device keep the DataLoader.
-    """
-    if not isinstance(train, TensorDataset) or hasattr(train, "sampler"):
-        return None
-    if device.type == "cpu":
-        return tuple(train.tensors)
-    if device.type != "cuda":
-        return None
-    size = sum(tensor.numel() * tensor.element_size() for tensor in train.tensors)
-    free, _ = torch.cuda.mem_get_info(device)
-    return tuple(tensor.to(device) for tensor in train.tensors) if size <= RESIDENT_SHARE * free else None
-
-
 class View(SiteView):
-    """The :class:`~medfed.federated.site_view.SiteView` of a :class:`Site`: all its strategy half sees of it."""
+    """The :class:`~medfed.federated.protocol.SiteView` of a :class:`Site`: all its strategy half sees of it."""
 
     def __init__(self, site: Site) -> None:
         self._site = site
@@ -511,3 +366,10 @@ class View(SiteView):
 
     def global_rng(self, *stream: int) -> Any:
         return self._site.global_rng(*stream)
+
+
+def split_of(data: SiteData, split: str) -> Dataset:
+    """``data``'s split named ``split`` (``"train"``, ``"test"`` or ``"validation"``)."""
+    if split not in ("train", "test", "validation") or getattr(data, split) is None:
+        raise ValueError(f"{data.name} has no {split!r} split")
+    return getattr(data, split)

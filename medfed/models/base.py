@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import lightning as L
 import torch
+from lightning.fabric.wrappers import is_wrapped
+from torch import nn
 
 from medfed.models.split import PersonalizationSplit
 from medfed.options.models import ModelOptions
@@ -106,3 +108,8 @@ def log_odds_shift(positives: torch.Tensor, totals: torch.Tensor | int) -> torch
     """
     negatives = totals - positives
     return positives.clamp_min(1).to(torch.float64).log() - negatives.clamp_min(1).to(torch.float64).log()
+
+
+def unwrap(module: nn.Module) -> FederatedModule:
+    """The user's module behind Fabric's wrapper (Fabric documents ``.module`` as the way to it)."""
+    return module.module if is_wrapped(module) else module

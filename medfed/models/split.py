@@ -17,6 +17,11 @@ vector: they always stay local. Two more vectors leave out everything that
 belongs to a BatchNorm layer (its weight, bias and running statistics), for
 FedBN: ``"all_except_batchnorm"`` and ``"buffers_except_batchnorm"``.
 
+The split's parts are named for pFedNet's roles; ``"body"`` and ``"head"``
+name the same two vectors for the representation-learning methods (FedPer,
+FedRep and FedBABU keep the head and share the body; LG-FedAvg the
+reverse), so a strategy says what it averages.
+
 Every vector is a fixed selection of names in model order, so
 ``get_vector``/``set_vector`` of the same part line up at every site and on
 the server, which knows the names and sizes (:class:`ParameterSplit`) but no
@@ -34,10 +39,13 @@ from torch import nn
 
 from medfed.errors import ConfigError
 
-Part = Literal["shared", "personal", "all", "buffers", "all_except_batchnorm", "buffers_except_batchnorm"]
+Part = Literal["shared", "personal", "all", "buffers", "all_except_batchnorm", "buffers_except_batchnorm", "body", "head"]
 PARTS: tuple[str, ...] = ("shared", "personal", "all", "buffers", "all_except_batchnorm", "buffers_except_batchnorm")
+#: Role-neutral names of the split's two parts, for strategies whose roles are not "shared" and "personal"
+#: (LG-FedAvg averages the head and keeps the body): the same vectors, under the names of what they are.
+ROLES: dict[str, str] = {"body": "shared", "head": "personal"}
 #: The parts made of parameters only, which local training can train.
-TRAINABLE_PARTS: tuple[str, ...] = ("shared", "personal", "all")
+TRAINABLE_PARTS: tuple[str, ...] = ("shared", "personal", "all", *ROLES)
 
 
 @dataclass(frozen=True)
@@ -59,7 +67,9 @@ class ParameterSplit:
     batchnorm: frozenset[str] = frozenset()
 
     def names(self, part: Part) -> tuple[str, ...]:
-        """Names in ``part``; ``"all"`` is every parameter in model order, ``"buffers"`` every float buffer."""
+        """Names in ``part``; ``"all"`` is every parameter in model order, ``"buffers"`` every float buffer;
+        ``"body"`` and ``"head"`` are ``"shared"`` and ``"personal"`` (:data:`ROLES`)."""
+        part = ROLES.get(part, part)
         if part == "shared":
             return self.shared
         if part == "personal":
@@ -73,7 +83,7 @@ class ParameterSplit:
             return tuple(name for name in self.names("all") if name not in self.batchnorm)
         if part == "buffers_except_batchnorm":
             return tuple(name for name in self.buffers if name not in self.batchnorm)
-        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+        raise ValueError(f"part must be one of {(*PARTS, *ROLES)}, got {part!r}")
 
     def size(self, part: Part) -> int:
         """Number of scalars in ``part`` (d1 for shared, d2 for personal)."""

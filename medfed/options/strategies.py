@@ -1,18 +1,22 @@
-"""The ``strategy.<name>`` option groups of every registered strategy: plain dataclasses, no torch.
+"""The registered strategies, declared torch-free: one :class:`StrategySpec` each, and their option groups.
 
-Each strategy module takes its ``Options`` from here (``Options =
-FedProxOptions``), so :func:`parse_strategy_group` checks a config's
-``strategy`` group and fills in its defaults (``fit --print-config``) before
-torch is imported; tests/test_cli_start.py checks that
-:data:`STRATEGY_OPTIONS` names every registered strategy's ``Options``.
-A field's docstring is what the option means; ``__post_init__`` refuses a
-value the algorithm cannot run with, naming the key
-(:func:`~medfed.config.require`).
+:data:`STRATEGY_SPECS` is the registry: a strategy's name, its class's
+``"module:Class"`` path, its one-line summary, its reference, its options
+dataclass and a smoke preset, each written once. The CLI's list, the
+generated tables, the ``strategy`` config group, compare grids and the
+registry-driven tests all derive from it, and the class takes its name and
+options from it (docs/strategies.md: adding a method). The ``strategy.<name>``
+option groups are plain dataclasses here, so :func:`parse_strategy_group`
+checks a config's ``strategy`` group and fills in its defaults (``fit
+--print-config``) before torch is imported. A field's docstring is what the
+option means; ``__post_init__`` refuses a value the algorithm cannot run
+with, naming the key (:func:`~medfed.config.require`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from dataclasses import dataclass, field
 from typing import Any
 
 from medfed.config import did_you_mean, parse_options, require
@@ -436,30 +440,185 @@ class PFedNetOptions:
         require(self.admm_max_iter >= 1, "admm_max_iter", self.admm_max_iter, ">= 1")
 
 
-STRATEGY_OPTIONS: dict[str, type] = {
-    "local": NoOptions,
-    "fedavg": NoOptions,
-    "fedbn": NoOptions,
-    "fedprox": FedProxOptions,
-    "fedper": NoOptions,
-    "fedrep": FedRepOptions,
-    "fedrod": FedRoDOptions,
-    "fedbabu": FedBABUOptions,
-    "ditto": DittoOptions,
-    "apfl": APFLOptions,
-    "l2gd": L2GDOptions,
-    "pfedme": PFedMeOptions,
-    "superfed": SuPerFedOptions,
-    "ifca": IFCAOptions,
-    "fpfc": FPFCOptions,
-    "fedamp": FedAMPOptions,
-    "apple": APPLEOptions,
-    "pgfed": PGFedOptions,
-    "pgfedmo": PGFedMoOptions,
-    "pfednet": PFedNetOptions,
-    "pooled": NoOptions,
-}
+@dataclass(frozen=True)
+class StrategySpec:
+    """A strategy's identity, declared once and torch-free: its registration line in :data:`STRATEGY_SPECS`.
+
+    Everything that names, lists, configures or smoke-tests a strategy reads it
+    from here: ``python -m medfed strategies`` and the generated tables, the
+    ``strategy`` config group, compare grids, and the tests' per-strategy
+    options; the class at ``implementation`` takes its ``name``, ``spec`` and
+    ``Options`` from it when it is defined
+    (:class:`~medfed.federated.strategies.base.Strategy`).
+
+    Attributes:
+        name: the ``strategy.name`` value (lower case, digits, underscores).
+        implementation: ``"module:Class"``, the Strategy subclass (imported only by :meth:`load`).
+        summary: one line for the CLI list and the README's table.
+        reference: the paper the implementation follows ("" for none).
+        options: the ``strategy.<name>`` group's dataclass (torch-free: defined in a module that imports no torch).
+        smoke: option values under which the strategy's loss reads all its declared state on a tiny federation
+            (a few sites, rounds and steps): what the registry-driven tests run it with.
+    """
+
+    name: str
+    implementation: str
+    summary: str
+    reference: str = ""
+    options: type = NoOptions
+    smoke: dict[str, Any] = field(default_factory=dict)
+
+    def load(self) -> type:
+        """The Strategy subclass at :attr:`implementation` (imports its module, and torch).
+
+        Raises:
+            ImportError: naming the spec, where the module or the class is missing or the class was not bound to
+                this spec (it is defined at another path than ``implementation`` says).
+        """
+        module_name, _, attribute = self.implementation.partition(":")
+        cls = getattr(importlib.import_module(module_name), attribute, None)
+        if cls is None or getattr(cls, "spec", None) is not self:
+            raise ImportError(f"strategy {self.name!r}: {self.implementation} is not a Strategy subclass defined at that path")
+        return cls
+
+
+#: Every registered strategy, in the order they are listed: one line each (adding one: docs/strategies.md).
+STRATEGY_SPECS: tuple[StrategySpec, ...] = (
+    StrategySpec(
+        "local", "medfed.federated.strategies.local:Local", "every site trains its own model alone; nothing is exchanged (the lower reference)",
+    ),
+    StrategySpec(
+        "fedavg", "medfed.federated.strategies.fedavg:FedAvg", "one global model, sample-weighted averaging of parameters and buffers",
+        "McMahan et al., Communication-efficient learning of deep networks from decentralized data, AISTATS 2017",
+    ),
+    StrategySpec(
+        "fedbn", "medfed.federated.strategies.fedbn:FedBN", "FedAvg with every BatchNorm layer (affine and running statistics) kept at its site",
+        "Li et al., FedBN: Federated learning on non-IID features via local batch normalization, ICLR 2021",
+    ),
+    StrategySpec(
+        "fedprox", "medfed.federated.strategies.fedprox:FedProx", "FedAvg whose local objective adds mu/2 ||w - w_global||^2",
+        "Li, Sahu, Zaheer, Sanjabi, Talwalkar, Smith, Federated optimization in heterogeneous networks, MLSys 2020",
+        FedProxOptions, {"mu": 0.5},
+    ),
+    StrategySpec(
+        "fedper", "medfed.federated.strategies.fedper:FedPer",
+        "shared base layers averaged (FedAvg), personalisation layers (the split's personal part) never leave the site",
+        "Arivazhagan, Aggarwal, Singh, Choudhary, Federated learning with personalization layers, arXiv:1912.00818, 2019",
+    ),
+    StrategySpec(
+        "lgfedavg", "medfed.federated.strategies.lgfedavg:LGFedAvg",
+        "each site keeps its local representation (the body); the global model on top (the head) is averaged",
+        "Liang et al., Think locally, act globally: federated learning with local and global representations, arXiv:2001.01523, 2020",
+    ),
+    StrategySpec(
+        "fedrep", "medfed.federated.strategies.fedrep:FedRep",
+        "each round trains the personal head (body frozen), then the shared body (head frozen); bodies averaged",
+        "Collins, Hassani, Mokhtari, Shakkottai, Exploiting shared representations for personalized federated learning, ICML 2021",
+        FedRepOptions,
+    ),
+    StrategySpec(
+        "fedrod", "medfed.federated.strategies.fedrod:FedRoD",
+        "body + generic head trained with the balanced softmax and averaged; a personal head adds its logits at each site",
+        "Chen and Chao, On bridging generic and personalized federated learning for image classification, ICLR 2022",
+        FedRoDOptions,
+    ),
+    StrategySpec(
+        "fedbabu", "medfed.federated.strategies.fedbabu:FedBABU",
+        "body trained and averaged with the head (last layer) frozen at its initialisation; the head fine-tuned at each site to evaluate",
+        "Oh, Kim and Yun, FedBABU: Towards enhanced representation for federated image classification, ICLR 2022",
+        FedBABUOptions,
+    ),
+    StrategySpec(
+        "ditto", "medfed.federated.strategies.ditto:Ditto", "a FedAvg global model, and a personal model per site trained near it (lambda/2 ||v - w||^2)",
+        "Li, Hu, Beirami, Smith, Ditto: fair and robust federated learning through personalization, ICML 2021",
+        DittoOptions,
+    ),
+    StrategySpec(
+        "apfl", "medfed.federated.strategies.apfl:APFL", "each site evaluates alpha v + (1 - alpha) w, its own model mixed with the FedAvg one, alpha learned",
+        "Deng, Kamani, Mahdavi, Adaptive personalized federated learning, arXiv 2003.13461 (2020)",
+        APFLOptions,
+    ),
+    StrategySpec(
+        "l2gd", "medfed.federated.strategies.l2gd:L2GD", "local models trained alone, then each moved part of the way (theta) towards their mean every round",
+        "Hanzely and Richtarik, Federated learning of a mixture of global and local models, arXiv 2002.05516 (2020)",
+        L2GDOptions,
+    ),
+    StrategySpec(
+        "pfedme", "medfed.federated.strategies.pfedme:PFedMe",
+        "personalised models as proximal points of each site's loss (Moreau envelopes) around a global model",
+        "Dinh, Tran and Nguyen, Personalized federated learning with Moreau envelopes, NeurIPS 2020",
+        PFedMeOptions, {"lam": 1.0},  # eta lam < 1 with a toy SGD step of 0.5 (lam = 15 overshoots w)
+    ),
+    StrategySpec(
+        "superfed", "medfed.federated.strategies.superfed:SuPerFed",
+        "federated and local models trained as the ends of a low-loss line (random mixtures, orthogonality, proximal term)",
+        "Hahn, Jeong and Lee, Connecting low-loss subspace for personalized federated learning, KDD 2022",
+        SuPerFedOptions, {"start_round": 2},  # mixtures from round 2 on: both regimes in a few rounds
+    ),
+    StrategySpec(
+        "ifca", "medfed.federated.strategies.ifca:IFCA", "k cluster models: each site trains, and is evaluated with, the one with the lowest loss on its data",
+        "Ghosh, Chung, Yin and Ramchandran, An efficient framework for clustered federated learning, NeurIPS 2020 / "
+        "IEEE Trans. Inf. Theory 2022",
+        IFCAOptions,
+    ),
+    StrategySpec(
+        "fpfc", "medfed.federated.strategies.fpfc:FPFC",
+        "personalised models fused into clusters by a concave (SCAD/MCP) pairwise penalty, ADMM with the pair variables on the server",
+        "Yu, Liu, Wang and Sun, Clustered federated learning based on nonconvex pairwise fusion, arXiv 2211.04218",
+        FPFCOptions,
+    ),
+    StrategySpec(
+        "fedamp", "medfed.federated.strategies.fedamp:FedAMP", "attentive message passing: each site trains near a cloud model of similar sites' models",
+        "Huang et al., Personalized cross-silo federated learning on non-IID data, AAAI 2021",
+        FedAMPOptions, {"lam": 0.01, "alpha": 0.5, "sigma": 5.0},
+    ),
+    StrategySpec(
+        "apple", "medfed.federated.strategies.apple:APPLE", "each site mixes every site's core model with directed relationships it learns",
+        "Luo and Wu, Adapt to adaptation: learning personalization for cross-silo federated learning, IJCAI 2022",
+        APPLEOptions, {"download_budget": 1, "scheduler_rounds": 4},  # one core downloaded; lambda(r) > 0 for 3 rounds
+    ),
+    StrategySpec(
+        "pgfed", "medfed.federated.strategies.pgfed:PGFed", "each site adds a first-order estimate of the other sites' risks, weighted by learned a_ij",
+        "Luo, Chen, Wu, Zhang, PGFed: personalize each client's global objective for federated learning, ICCV 2023",
+        PGFedOptions,
+    ),
+    StrategySpec(
+        "pgfedmo", "medfed.federated.strategies.pgfed:PGFedMo", "PGFed with momentum on each site's auxiliary gradient",
+        "Luo, Chen, Wu, Zhang, PGFed: personalize each client's global objective for federated learning, ICCV 2023",
+        PGFedMoOptions,
+    ),
+    StrategySpec(
+        "pfednet", "medfed.federated.strategies.pfednet:PFedNet",
+        "graph-coupled personalisation: shared part averaged, personal parts fused over a site similarity network",
+        "Zhao, Liu, Liu, He, Medical federated model with mixture of personalized and sharing components",
+        PFedNetOptions,
+    ),
+    StrategySpec(
+        "pooled", "medfed.federated.strategies.pooled:Pooled",
+        "one model trained on every site's training data pooled, evaluated at each site (NOT federated: the centralised upper reference)",
+        "the pooled (centralised) baseline of du Terrail et al., FLamby: datasets and benchmarks for cross-silo federated learning in "
+        "realistic healthcare settings, NeurIPS 2022",
+    ),
+)
+STRATEGY_OPTIONS: dict[str, type] = {spec.name: spec.options for spec in STRATEGY_SPECS}
 """Every registered strategy's ``Options``, by name, in the registry's order."""
+
+
+def strategy_spec(name: str) -> StrategySpec:
+    """The spec registered as ``name``.
+
+    Raises:
+        KeyError: no strategy is registered as ``name``.
+    """
+    for spec in STRATEGY_SPECS:
+        if spec.name == name:
+            return spec
+    raise KeyError(f"no strategy is registered as {name!r}")
+
+
+def spec_at(implementation: str) -> StrategySpec | None:
+    """The spec whose class is defined at ``implementation`` (``"module:Class"``), or None."""
+    return next((spec for spec in STRATEGY_SPECS if spec.implementation == implementation), None)
 
 
 def parse_strategy_group(group: dict[str, Any]) -> tuple[str, Any, dict[str, Any]]:

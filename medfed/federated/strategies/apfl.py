@@ -81,10 +81,9 @@ from __future__ import annotations
 
 import torch
 
-from medfed.federated.strategies.base import DELIVER, Auxiliary, Payload, RoundContext, SiteView, TrainingPlan
+from medfed.federated.protocol import Auxiliary, Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
 from medfed.federated.strategies.live_parameters import gradient_only, live_parameters, training_loss_with
-from medfed.options.strategies import APFLOptions
 
 GLOBAL, LOCAL, MIXED = "global", "local", "mixed"
 
@@ -115,11 +114,14 @@ class APFLSite(FedAvgSite):
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
         super().receive(site, ctx, payload)
         self.alpha_rate = self.options.alpha_lr if self.options.alpha_lr is not None else site.learning_rate(LOCAL)
-        if ctx.phase == DELIVER:
-            if self.alpha is None:
-                reference = site.get(LOCAL, "all")
-                self.alpha = torch.tensor(self.options.alpha, dtype=reference.dtype, device=reference.device)
-            self._load_mixture(site)
+
+    def deliver(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        """w <- the delivered global model; alpha_i set at the first delivery; the evaluated mixture rebuilt."""
+        super().deliver(site, ctx, payload)
+        if self.alpha is None:
+            reference = site.get(LOCAL, "all")
+            self.alpha = torch.tensor(self.options.alpha, dtype=reference.dtype, device=reference.device)
+        self._load_mixture(site)
 
     def _load_mixture(self, site: SiteView) -> None:
         """``mixed`` <- alpha v + (1 - alpha) w (parameters) and ``local``'s buffers."""
@@ -145,13 +147,7 @@ class APFLSite(FedAvgSite):
 
 
 class APFL(FedAvg):
-    name = "apfl"
     dp_sgd_refusal = "its loss runs the local model with mixed parameter tensors (functional_call), which Opacus's per-sample hooks attribute to the wrong parameters, and steps its mixing weight outside the clipping"
-    summary = "each site evaluates alpha v + (1 - alpha) w, its own model mixed with the FedAvg one, alpha learned"
-    reference = "Deng, Kamani, Mahdavi, Adaptive personalized federated learning, arXiv 2003.13461 (2020)"
     slots = (GLOBAL, LOCAL, MIXED)
     evaluated_slot = MIXED
-    delivered_slot = GLOBAL  # the evaluated mixture is rebuilt from the delivered global model
     Site = APFLSite
-
-    Options = APFLOptions

@@ -77,11 +77,11 @@ import math
 
 import torch
 
-from medfed.federated.strategies.base import (
-    DELIVER, NUM_SAMPLES, SETUP, Auxiliary, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+from medfed.federated.protocol import (
+    NUM_SAMPLES, SETUP, Auxiliary, Payload, RoundContext, SiteView, TrainingPlan, num_samples,
 )
+from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
 from medfed.federated.strategies.live_parameters import live_parameters, training_loss_with
-from medfed.options.strategies import APPLEOptions
 
 
 def loss_scheduler(kind: str, completed_rounds: int, last_round: int, eps: float) -> float:
@@ -205,12 +205,12 @@ class APPLESite(SiteHalf):
     def setup(self, site: SiteView, ctx: RoundContext) -> Payload:
         return {"num_samples": num_samples(site)}
 
+    def deliver(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        if "prior" in payload:
+            self._initialise(site, payload["prior"])
+        self._load_personalised_model(site)
+
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
-        if ctx.phase == DELIVER:
-            if "prior" in payload:
-                self._initialise(site, payload["prior"])
-            self._load_personalised_model(site)
-            return
         if ctx.phase == "select":
             self.completed_rounds = int(payload["completed_rounds"])
             self._set_loss_constants()
@@ -278,17 +278,12 @@ class APPLESite(SiteHalf):
 
 
 class APPLE(Strategy):
-    name = "apple"
     dp_sgd_refusal = "its loss runs the core model with mixed parameter tensors (functional_call), and its directed relationships are stepped outside the clipping"
     client_dp_refusal = "its server step needs each site's own vector: every site downloads the others' core models"
     secure_aggregation_refusal = "its server step needs each site's own vector: every site downloads the others' core models"
-    summary = "each site mixes every site's core model with directed relationships it learns"
-    reference = "Luo and Wu, Adapt to adaptation: learning personalization for cross-silo federated learning, IJCAI 2022"
     phases = ("select", "fit")
     coded_keys = {"core": "all"}
     slots = (CORE, PERSONALISED)
     evaluated_slot = PERSONALISED
     Server = APPLEServer
     Site = APPLESite
-
-    Options = APPLEOptions

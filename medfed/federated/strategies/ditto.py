@@ -60,10 +60,11 @@ part of the loss, so any optimiser descends h_k.
 
 from __future__ import annotations
 
-from medfed.federated.strategies.base import DELIVER, Payload, RoundContext, SiteView, TrainingPlan
+import torch
+
+from medfed.federated.protocol import RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
 from medfed.federated.strategies.proximal import Proximal, ProximalSite
-from medfed.options.strategies import DittoOptions
 
 GLOBAL, PERSONAL = "global", "personal"
 
@@ -72,13 +73,10 @@ class DittoSite(ProximalSite, FedAvgSite):
     """FedAvg's site half on the ``global`` slot, then the personal model's steps on h_k(v; w^t)."""
 
     global_slot = GLOBAL
-    #: w^t, ``(size("all"),)``: the global model the round's training starts from, None outside it
-    loss_state = ("anchor",)
 
-    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
-        super().receive(site, ctx, payload)
-        if ctx.phase != DELIVER:  # w^t: the global model the round starts from, before the global plan trains it
-            self.anchor = site.get(GLOBAL, "all")
+    def held_centre(self, site: SiteView) -> torch.Tensor:
+        """w^t: the global model the round starts from, before the global plan trains it."""
+        return site.get(GLOBAL, "all")
 
     def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
         """The global plan, then the personal plan in its own data order (their lengths: the module docstring's budget)."""
@@ -92,20 +90,10 @@ class DittoSite(ProximalSite, FedAvgSite):
         """lambda / 2 * ||v - w^t||^2 on the personal model; none for the global plan or at lambda = 0."""
         if plan.slot != PERSONAL or self.options.lam == 0:
             return None
-        return Proximal(PERSONAL, "all", self.options.lam, self.anchor)
-
-    def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
-        self.anchor = None  # only needed while training
-        return super().reply(site, ctx)
+        return Proximal(PERSONAL, "all", self.options.lam)
 
 
 class Ditto(FedAvg):
-    name = "ditto"
-    summary = "a FedAvg global model, and a personal model per site trained near it (lambda/2 ||v - w||^2)"
-    reference = "Li, Hu, Beirami, Smith, Ditto: fair and robust federated learning through personalization, ICML 2021"
     slots = (GLOBAL, PERSONAL)
     evaluated_slot = PERSONAL
-    delivered = None  # the delivery sets the global slot; the evaluated personal model never leaves the site
     Site = DittoSite
-
-    Options = DittoOptions

@@ -39,9 +39,9 @@ from __future__ import annotations
 import torch
 
 from medfed.errors import ConfigError
-from medfed.federated.strategies.base import DELIVER, MODEL, SETUP, Payload, RoundContext, ServerHalf, SiteView, Strategy, TrainingPlan
+from medfed.federated.protocol import MODEL, SETUP, Payload, RoundContext, SiteView, TrainingPlan
+from medfed.federated.strategies.base import ServerHalf, Strategy
 from medfed.federated.strategies.proximal import Proximal, ProximalSite
-from medfed.options.strategies import FedAMPOptions
 
 
 def gram_matrix(models: torch.Tensor) -> torch.Tensor:
@@ -139,34 +139,27 @@ class FedAMPServer(ServerHalf):
 class FedAMPSite(ProximalSite):
     """Trains w_i from its cloud model u_i on F_i(w) + lam / (2 alpha) ||w - u_i||^2."""
 
-    #: u_i, ``(size("all"),)``: the cloud model of the round's message, None outside the round's training
-    loss_state = ("cloud",)
+    centre_key = "all"  # u_i, the cloud model of the round's message
 
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
-        if ctx.phase == DELIVER:
-            return
-        self.cloud = payload["all"]
-        site.set(MODEL, "all", self.cloud)
+        site.set(MODEL, "all", payload["all"])  # w_i starts from u_i
+        super().receive(site, ctx, payload)
 
     def proximal(self, ctx: RoundContext, plan: TrainingPlan) -> Proximal:
         """lam / (2 alpha) * ||w - u_i||^2 on the whole model (gradient (lam / alpha)(w - u_i))."""
-        return Proximal(MODEL, "all", self.options.lam / self.options.alpha, self.cloud)
+        return Proximal(MODEL, "all", self.options.lam / self.options.alpha)
 
     def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
-        self.cloud = None  # only needed while training
+        super().reply(site, ctx)
         return {"all": site.get(MODEL, "all")}
 
 
 class FedAMP(Strategy):
-    name = "fedamp"
     client_dp_refusal = "its server step needs each site's own vector: attention weights between pairs of sites"
     secure_aggregation_refusal = "its server step needs each site's own vector: attention weights between pairs of sites"
-    summary = "attentive message passing: each site trains near a cloud model of similar sites' models"
-    reference = "Huang et al., Personalized cross-silo federated learning on non-IID data, AAAI 2021"
     Server = FedAMPServer
     Site = FedAMPSite
 
-    Options = FedAMPOptions
 
     def __init__(self, options, split, n_sites: int, seed: int) -> None:
         super().__init__(options, split, n_sites, seed)

@@ -17,84 +17,126 @@ buffers travel dense: they are small (2,784 floats against 98,466
 parameters in the LUNA16 DenseNet), and a lossy code of a change could turn a
 running variance negative.
 
-Subclasses of the halves change what travels by naming other parts of the
-model (:data:`~medfed.models.split.PARTS`) in ``parameters_part`` and
-``buffers_part`` (FedBN leaves out the BatchNorm layers; FedPer and FedRep
-average the shared part and no buffers: ``buffers_part = None``), and where
-the global model lives at a site that holds several models in
+The family's members change what travels by declaring other parts of the
+model once, as the strategy's :attr:`FedAvg.averaged` (:class:`Averaged`),
+which both halves take (FedBN leaves out the BatchNorm layers; FedPer and
+FedRep average the body and no buffers, LG-FedAvg the head), and where the
+global model lives at a site that holds several models in the site half's
 ``global_slot`` (Ditto, APFL).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.strategies.base import (
-    DELIVER, MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, SecureSum, ServerHalf, SiteHalf, SiteView, Strategy, num_samples,
-)
+from medfed.federated.protocol import MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, SecureSum, SiteView, num_samples
+from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
+from medfed.models.split import ROLES
+
+
+@dataclass(frozen=True)
+class Averaged:
+    """What a FedAvg-family strategy averages, sends and delivers: parts of the model (:data:`~medfed.models.split.PARTS`,
+    or the role names ``"body"`` / ``"head"``, :data:`~medfed.models.split.ROLES`).
+
+    Attributes:
+        parameters: the parameter vector averaged (a coded model vector on the wire, under its own name).
+        buffers: the floating-point buffer vector averaged (dense on the wire); None: buffers stay at their site.
+    """
+
+    parameters: str = "all"
+    buffers: str | None = "buffers"
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The averaged vectors' names, parameters first."""
+        return (self.parameters,) if self.buffers is None else (self.parameters, self.buffers)
 
 
 class FedAvgServer(ServerHalf):
-    """Holds the global model and buffers; averages the replies weighted by the sites' sample counts."""
+    """Holds the global model and buffers; averages the replies weighted by the sites' sample counts.
 
-    #: the vector of parameters averaged (and coded on the wire)
-    parameters_part: ClassVar[str] = "all"
-    #: the vector of floating-point buffers averaged (dense on the wire); None: buffers stay at their site
-    buffers_part: ClassVar[str | None] = "buffers"
+    Args:
+        averaged: what is averaged (the strategy's :attr:`FedAvg.averaged`); the rest as :class:`ServerHalf`'s.
+    """
+
     state_fields = ("global_model", "global_buffers")
 
+    def __init__(self, *args: Any, averaged: Averaged = Averaged(), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.averaged = averaged
+
     def setup(self, ctx: RoundContext, initial: Payload, replies: dict[int, Payload]) -> None:
-        self.global_model = initial[self.parameters_part].clone()
-        self.global_buffers = None if self.buffers_part is None else initial[self.buffers_part].clone()
+        self.global_model = initial[self.averaged.parameters].clone()
+        self.global_buffers = None if self.averaged.buffers is None else initial[self.averaged.buffers].clone()
 
     def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
-        weights = [float(reply["num_samples"]) for reply in replies.values()]
-        self.global_model = weighted_average([reply[self.parameters_part] for reply in replies.values()], weights)
-        if self.buffers_part is not None:
-            self.global_buffers = weighted_average([reply[self.buffers_part] for reply in replies.values()], weights)
+        weights = [float(reply[NUM_SAMPLES]) for reply in replies.values()]
+        self.global_model = weighted_average([reply[self.averaged.parameters] for reply in replies.values()], weights)
+        if self.averaged.buffers is not None:
+            self.global_buffers = weighted_average([reply[self.averaged.buffers] for reply in replies.values()], weights)
 
     def reply_keys(self, ctx: RoundContext, site_index: int) -> tuple[frozenset[str], ...]:
-        """The parameters, the buffers (where averaged) and the sample count; nothing at setup."""
+        """The averaged vectors and the sample count; nothing at setup."""
         if ctx.phase == SETUP:
             return super().reply_keys(ctx, site_index)
-        return (frozenset({self.parameters_part, NUM_SAMPLES} | ({self.buffers_part} if self.buffers_part else set())),)
+        return (frozenset({*self.averaged.parts, NUM_SAMPLES}),)
 
     def deliver(self, ctx: RoundContext, site_index: int) -> Payload:
-        payload = {self.parameters_part: self.global_model}
-        if self.buffers_part is not None:
-            payload[self.buffers_part] = self.global_buffers
-        return payload
+        return self.global_payload()
+
+    def global_payload(self) -> Payload:
+        """The averaged vectors under their names (the global model and, where averaged, its buffers)."""
+        return dict(zip(self.averaged.parts, (self.global_model, self.global_buffers)))
 
 
 class FedAvgSite(SiteHalf):
-    """Trains the delivered global model; replies with its parameters, buffers and sample count."""
+    """Trains the delivered global model; replies with its averaged vectors and sample count.
 
-    parameters_part: ClassVar[str] = FedAvgServer.parameters_part
-    buffers_part: ClassVar[str | None] = FedAvgServer.buffers_part
+    Args:
+        averaged: what is averaged (the strategy's :attr:`FedAvg.averaged`); the rest as :class:`SiteHalf`'s.
+    """
+
     #: the model slot holding the global model (strategies with several slots name theirs)
     global_slot: ClassVar[str] = MODEL
 
-    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
-        if ctx.phase == DELIVER:
-            for part, vector in payload.items():
-                site.set(self.global_slot, part, vector)
+    def __init__(self, *args: Any, averaged: Averaged = Averaged(), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.averaged = averaged
+
+    def deliver(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        for part, vector in payload.items():
+            site.set(self.global_slot, part, vector)
 
     def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
-        reply = {self.parameters_part: site.get(self.global_slot, self.parameters_part)}
-        if self.buffers_part is not None:
-            reply[self.buffers_part] = site.get(self.global_slot, self.buffers_part)
-        return {**reply, "num_samples": num_samples(site)}
+        return {**{part: site.get(self.global_slot, part) for part in self.averaged.parts}, NUM_SAMPLES: num_samples(site)}
 
 
 class FedAvg(Strategy):
-    name = "fedavg"
+    """FedAvg and its family: :attr:`averaged` says what the halves average, send and deliver."""
+
     client_dp_refusal = None  # the server step is a sample-weighted sum (also for every subclass that keeps it)
     secure_aggregation_refusal = None
     secure_sums = {"fit": SecureSum(NUM_SAMPLES)}  # every vector of the fit reply, weighted by the sample count
-    summary = "one global model, sample-weighted averaging of parameters and buffers"
-    reference = "McMahan et al., Communication-efficient learning of deep networks from decentralized data, AISTATS 2017"
-    coded_keys = {"all": "all"}
-    delivered = "all"
+    #: what is averaged, declared once for both halves (a subclass naming other parts gets them as its coded key)
+    averaged: ClassVar[Averaged] = Averaged()
+    coded_keys = {averaged.parameters: averaged.parameters}
     Server = FedAvgServer
     Site = FedAvgSite
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "coded_keys" not in vars(cls):  # the averaged parameters are the model vector on the wire
+            cls.coded_keys = {cls.averaged.parameters: cls.averaged.parameters}
+
+    def server_half(self) -> FedAvgServer:
+        return self.Server(self.options, self.split, self.n_sites, self.seed, averaged=self.averaged)
+
+    def site_half(self, index: int) -> FedAvgSite:
+        return self.Site(self.options, self.split, self.n_sites, self.seed, index, averaged=self.averaged)
+
+    def initial_values(self, model: Payload) -> Payload:
+        """The model's parts, and each averaged part named by its role (``"body"``, ``"head"``) under that name."""
+        return {**model, **{part: model[ROLES[part]] for part in self.averaged.parts if part in ROLES}}

@@ -9,7 +9,7 @@ bodies (FedAvg: sample-weighted, the floating-point buffers too) and
 delivers the average. Personalisation is fine-tuning: before every
 evaluation each site starts from the delivered global model and fine-tunes
 it on its own training data (the loop's *adapt* step,
-:meth:`~medfed.federated.strategies.base.SiteHalf.adapt`), then is
+:meth:`~medfed.federated.protocol.SiteHalfProtocol.adapt`), then is
 evaluated with it::
 
     round t, site i:   body_i <- local steps on F_i(body, head_0) from body^t   (head frozen at head_0)
@@ -20,8 +20,8 @@ evaluated with it::
 its last parameters: the U-Net's final 1x1 convolution, not the decoder; the
 DenseNet's classifier), whatever the run's shared/personal split:
 :meth:`FedBABU.prepare_slot` re-splits every slot's module into body
-("shared") and head ("personal"), and the body travels under the payload key
-``"body"``, coded against the initial model's body
+("shared", or ``"body"``) and head ("personal", or ``"head"``), and the body
+travels under the payload key ``"body"``, coded against the initial model's body
 (:meth:`FedBABU.initial_values`). A model of one layer (the clinical
 logistic regression) has no head apart from its body: the whole model is the
 body, trained and averaged, and the adapt step fine-tunes all of it, so
@@ -52,9 +52,8 @@ import re
 
 import torch
 
-from medfed.federated.strategies.base import DELIVER, Payload, RoundContext, SiteView, TrainingPlan, num_samples
-from medfed.federated.strategies.fedavg import FedAvg, FedAvgServer, FedAvgSite
-from medfed.options.strategies import FedBABUOptions
+from medfed.federated.protocol import Payload, RoundContext, SiteView, TrainingPlan
+from medfed.federated.strategies.fedavg import Averaged, FedAvg, FedAvgSite
 from medfed.models.base import FederatedModule
 from medfed.models.split import ParameterSplit
 
@@ -72,28 +71,19 @@ def head_names(split: ParameterSplit) -> tuple[str, ...]:
     return () if len(head) == len(names) else head
 
 
-class FedBABUServer(FedAvgServer):
-    """FedAvg's average of the bodies (and float buffers); the head never travels."""
-
-    parameters_part = BODY
-
-
 class FedBABUSite(FedAvgSite):
     """Trains the body of ``global`` (head frozen); loads and fine-tunes ``personalised`` before every evaluation."""
 
     global_slot = GLOBAL
 
-    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
-        if ctx.phase != DELIVER:
-            return
-        site.set(GLOBAL, "shared", payload[BODY])  # the body ("shared" of the re-split module)
-        site.set(GLOBAL, "buffers", payload["buffers"])
+    def deliver(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        super().deliver(site, ctx, payload)  # the body (of the re-split module) and the buffers into ``global``
         for part in ("all", "buffers"):  # the model to fine-tune: the global one, head at its initialisation
             site.set(PERSONALISED, part, site.get(GLOBAL, part))
 
     def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
         """The body for the trainer's epochs, the head frozen."""
-        return (TrainingPlan(slot=GLOBAL, part="shared"),)
+        return (TrainingPlan(slot=GLOBAL, part=BODY),)
 
     def adapt(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
         """Fine-tune ``finetune_part`` of the personalised model (all of a one-layer model) in its own data order."""
@@ -104,25 +94,14 @@ class FedBABUSite(FedAvgSite):
             TrainingPlan(slot=PERSONALISED, part=part, epochs=epochs, steps=options.finetune_steps, name=FINETUNE, data_order=FINETUNE),
         )
 
-    def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
-        return {BODY: site.get(GLOBAL, "shared"), "buffers": site.get(GLOBAL, "buffers"), "num_samples": num_samples(site)}
-
 
 class FedBABU(FedAvg):
-    name = "fedbabu"
-    summary = "body trained and averaged with the head (last layer) frozen at its initialisation; the head fine-tuned at each site to evaluate"
-    reference = "Oh, Kim and Yun, FedBABU: Towards enhanced representation for federated image classification, ICLR 2022"
-    #: the body, coded against the initial body (its own initial vector); its update is measured against the trained
-    #: slot's "shared" part, which the re-split module makes the body
-    coded_keys = {BODY: "shared"}
+    #: the body of the re-split module (every layer but the last), coded against the initial model's body
+    #: (:meth:`initial_values`), and the buffers
+    averaged = Averaged(BODY, "buffers")
     slots = (GLOBAL, PERSONALISED)
     evaluated_slot = PERSONALISED
-    delivered = BODY
-    delivered_slot = GLOBAL  # the evaluated model is the delivered one, fine-tuned
-    Server = FedBABUServer
     Site = FedBABUSite
-
-    Options = FedBABUOptions
 
     def __init__(self, options, split: ParameterSplit, n_sites: int, seed: int) -> None:
         super().__init__(options, split, n_sites, seed)

@@ -13,25 +13,9 @@ U-Net uses instance normalisation) makes FedBN exactly FedAvg.
 
 from __future__ import annotations
 
-from medfed.federated.strategies.fedavg import FedAvg, FedAvgServer, FedAvgSite
-
-
-class FedBNServer(FedAvgServer):
-    parameters_part = "all_except_batchnorm"
-    buffers_part = "buffers_except_batchnorm"
-
-
-class FedBNSite(FedAvgSite):
-    parameters_part = FedBNServer.parameters_part
-    buffers_part = FedBNServer.buffers_part
+from medfed.federated.strategies.fedavg import Averaged, FedAvg
 
 
 class FedBN(FedAvg):
-    name = "fedbn"
-    summary = "FedAvg with every BatchNorm layer (affine and running statistics) kept at its site"
     dp_sgd_refusal = "DP-SGD replaces BatchNorm by GroupNorm, which leaves FedBN nothing to keep at the site: it would be FedAvg"
-    reference = "Li et al., FedBN: Federated learning on non-IID features via local batch normalization, ICLR 2021"
-    coded_keys = {"all_except_batchnorm": "all_except_batchnorm"}
-    delivered = "all_except_batchnorm"
-    Server = FedBNServer
-    Site = FedBNSite
+    averaged = Averaged("all_except_batchnorm", "buffers_except_batchnorm")

@@ -11,7 +11,7 @@ samples each)::
 and every site is delivered W_B^{t+1} and evaluated with (W_B^{t+1}, W_P,j).
 
 Base and personalization layers are the model's split
-(:mod:`medfed.models.split`): shared = base, personal = personalization
+(:mod:`medfed.models.split`): its body = base, its head = personalization
 layers (U-Net: encoder / decoder; DenseNet: features / classifier). The
 clinical logistic regression is all personal: the base is empty, nothing but
 a sample count travels and FedPer *is* local training there
@@ -35,28 +35,8 @@ Options: none (the paper's only knobs are the local epochs and batch size,
 
 from __future__ import annotations
 
-from medfed.federated.strategies.fedavg import FedAvg, FedAvgServer, FedAvgSite
-
-
-class FedPerServer(FedAvgServer):
-    """Averages the sites' base layers (the shared part), sample-weighted; sees no head."""
-
-    parameters_part = "shared"
-    buffers_part = None
-
-
-class FedPerSite(FedAvgSite):
-    """Trains the whole model; sends only its base; loads the averaged base when delivered."""
-
-    parameters_part = FedPerServer.parameters_part
-    buffers_part = FedPerServer.buffers_part
+from medfed.federated.strategies.fedavg import Averaged, FedAvg
 
 
 class FedPer(FedAvg):
-    name = "fedper"
-    summary = "shared base layers averaged (FedAvg), personalisation layers (the split's personal part) never leave the site"
-    reference = "Arivazhagan, Aggarwal, Singh, Choudhary, Federated learning with personalization layers, arXiv:1912.00818, 2019"
-    coded_keys = {"shared": "shared"}
-    delivered = "shared"
-    Server = FedPerServer
-    Site = FedPerSite
+    averaged = Averaged("body", None)  # the base layers; the personalisation layers (the head) and the buffers stay

@@ -34,38 +34,26 @@ With mu = 0 no term is added at all: FedProx is then FedAvg, bit for bit.
 
 from __future__ import annotations
 
-from medfed.federated.strategies.base import DELIVER, Payload, RoundContext, SiteView, TrainingPlan
+import torch
+
+from medfed.federated.protocol import RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
 from medfed.federated.strategies.proximal import Proximal, ProximalSite
-from medfed.options.strategies import FedProxOptions
 
 
 class FedProxSite(ProximalSite, FedAvgSite):
     """FedAvg's site half training on F_k(w) + mu / 2 ||w - w^t||^2."""
 
-    #: w^t, ``(size(parameters_part),)``: set when the round's training starts, None outside it
-    loss_state = ("anchor",)
-
-    def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
-        super().receive(site, ctx, payload)
-        if ctx.phase != DELIVER:  # the round's training starts from w^t, the global model delivered last
-            self.anchor = site.get(self.global_slot, self.parameters_part)
+    def held_centre(self, site: SiteView) -> torch.Tensor:
+        """w^t: the global model the round's training starts from (the last delivery's)."""
+        return site.get(self.global_slot, self.averaged.parameters)
 
     def proximal(self, ctx: RoundContext, plan: TrainingPlan) -> Proximal | None:
         """mu / 2 * ||w - w^t||^2 on the global model's parameters; none at mu = 0."""
         if self.options.mu == 0:
             return None
-        return Proximal(self.global_slot, self.parameters_part, self.options.mu, self.anchor)
-
-    def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
-        self.anchor = None  # only needed while training
-        return super().reply(site, ctx)
+        return Proximal(self.global_slot, self.averaged.parameters, self.options.mu)
 
 
 class FedProx(FedAvg):
-    name = "fedprox"
-    summary = "FedAvg whose local objective adds mu/2 ||w - w_global||^2"
-    reference = "Li, Sahu, Zaheer, Sanjabi, Talwalkar, Smith, Federated optimization in heterogeneous networks, MLSys 2020"
     Site = FedProxSite
-
-    Options = FedProxOptions

@@ -13,8 +13,8 @@ head h_i (site i's own). Algorithm 1, round t, over the participants i::
 and every site is delivered phi^{t+1} and evaluated with (phi^{t+1}, h_i).
 The head starts each round from where the site's last round left it.
 
-Body and head are the model's split (:mod:`medfed.models.split`): shared =
-body, personal = head (U-Net: encoder / decoder; DenseNet: features /
+Body and head are the model's split (:mod:`medfed.models.split`): its body
+and its head (U-Net: encoder / decoder; DenseNet: features /
 classifier). The clinical logistic regression is all personal: the body is
 empty, the body plan trains nothing, nothing but a sample count travels,
 and FedRep is local training there, the head plan taking the body's share
@@ -52,13 +52,13 @@ Defaults and readings where the paper is silent:
 
 from __future__ import annotations
 
-from medfed.federated.strategies.base import RoundContext, TrainingPlan
-from medfed.federated.strategies.fedper import FedPer, FedPerSite
+from medfed.federated.protocol import RoundContext, TrainingPlan
+from medfed.federated.strategies.fedavg import FedAvgSite
+from medfed.federated.strategies.fedper import FedPer
 from medfed.options.presets import EQUAL
-from medfed.options.strategies import FedRepOptions
 
 
-class FedRepSite(FedPerSite):
+class FedRepSite(FedAvgSite):
     """Trains its head with the body frozen, then the body with the head frozen; sends the body."""
 
     def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
@@ -66,22 +66,15 @@ class FedRepSite(FedPerSite):
         nothing) leaves its share to the other."""
         options = self.options
         head_share, body_share = options.head_share, options.body_share
-        if options.preset == EQUAL and self.split.size("shared") == 0:  # e.g. the clinical logistic regression: all head
+        if options.preset == EQUAL and self.split.size("body") == 0:  # e.g. the clinical logistic regression: all head
             head_share += body_share
-        elif options.preset == EQUAL and self.split.size("personal") == 0:
+        elif options.preset == EQUAL and self.split.size("head") == 0:
             body_share += head_share
         return (
-            TrainingPlan(part="personal", share=head_share, steps=options.head_steps, name="head"),
-            TrainingPlan(part="shared", share=body_share, steps=options.body_steps, name="body"),
+            TrainingPlan(part="head", share=head_share, steps=options.head_steps, name="head"),
+            TrainingPlan(part="body", share=body_share, steps=options.body_steps, name="body"),
         )
 
 
 class FedRep(FedPer):
-    name = "fedrep"
-    summary = "each round trains the personal head (body frozen), then the shared body (head frozen); bodies averaged"
-    reference = (
-        "Collins, Hassani, Mokhtari, Shakkottai, Exploiting shared representations for personalized federated learning, ICML 2021"
-    )
     Site = FedRepSite
-
-    Options = FedRepOptions

@@ -82,10 +82,10 @@ from __future__ import annotations
 
 import torch
 
-from medfed.federated.strategies.base import Payload, RoundContext, SiteView, TrainingPlan
+from medfed.federated.protocol import Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgSite
-from medfed.federated.strategies.live_parameters import training_loss_with, unwrap
-from medfed.options.strategies import FedRoDOptions
+from medfed.federated.strategies.live_parameters import training_loss_with
+from medfed.models.base import unwrap
 from medfed.models.additive_head import attach_additive_head, generic_output
 from medfed.models.base import FederatedModule
 
@@ -125,15 +125,10 @@ class FedRoDSite(FedAvgSite):
 
 
 class FedRoD(FedAvg):
-    name = "fedrod"
     dp_sgd_refusal = "its loss passes each batch through the model twice (generic and personalised logits), which Opacus's per-sample hooks do not add up (tests/test_privacy.py)"
-    summary = "body + generic head trained with the balanced softmax and averaged; a personal head adds its logits at each site"
-    reference = "Chen and Chao, On bridging generic and personalized federated learning for image classification, ICLR 2022"
     Site = FedRoDSite
 
     @classmethod
     def prepare_slot(cls, slot: str, module: FederatedModule) -> None:
         """Every site's model gets its personalised head phi_m (a copy of the initial generic head)."""
         attach_additive_head(module)
-
-    Options = FedRoDOptions

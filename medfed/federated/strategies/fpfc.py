@@ -83,11 +83,11 @@ import torch
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.strategies.solvers.concave_penalty import fusion_prox
 from medfed.federated.strategies.solvers.graph import connected_components, incidence_matrix
-from medfed.federated.strategies.base import (
-    DELIVER, MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteView, Strategy, TrainingPlan, num_samples,
+from medfed.federated.protocol import (
+    MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, SiteView, TrainingPlan, num_samples,
 )
+from medfed.federated.strategies.base import ServerHalf, Strategy
 from medfed.federated.strategies.proximal import Proximal, ProximalSite
-from medfed.options.strategies import FPFCOptions
 
 
 class FPFCServer(ServerHalf):
@@ -166,32 +166,27 @@ class FPFCServer(ServerHalf):
 class FPFCSite(ProximalSite):
     """Trains its own model on f_i(w) + rho/2 ||w_personal - u_i||^2 (u_i from the server), shared part from the average."""
 
-    #: u_i, ``(size("personal"),)``: the centre of the round's message, None outside the round's training
-    loss_state = ("centre",)
+    centre_key = "personal"  # u_i, the centre of the round's message
+
+    def deliver(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        site.set(MODEL, "shared", payload["shared"])
 
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
         site.set(MODEL, "shared", payload["shared"])
-        if ctx.phase != DELIVER:
-            self.centre = payload["personal"]
+        super().receive(site, ctx, payload)
 
     def proximal(self, ctx: RoundContext, plan: TrainingPlan) -> Proximal:
         """rho/2 ||w - u_i||^2 on the personal part (gradient rho (w - u_i))."""
-        return Proximal(MODEL, "personal", self.options.rho, self.centre)
+        return Proximal(MODEL, "personal", self.options.rho)
 
     def reply(self, site: SiteView, ctx: RoundContext) -> Payload:
-        self.centre = None  # only needed while training
+        super().reply(site, ctx)
         return {"shared": site.get(MODEL, "shared"), "personal": site.get(MODEL, "personal"), "num_samples": num_samples(site)}
 
 
 class FPFC(Strategy):
-    name = "fpfc"
     client_dp_refusal = "its server step needs each site's own vector: pairwise fusion variables"
     secure_aggregation_refusal = "its server step needs each site's own vector: pairwise fusion variables"
-    summary = "personalised models fused into clusters by a concave (SCAD/MCP) pairwise penalty, ADMM with the pair variables on the server"
-    reference = "Yu, Liu, Wang and Sun, Clustered federated learning based on nonconvex pairwise fusion, arXiv 2211.04218"
     coded_keys = {"shared": "shared", "personal": "personal"}
-    delivered = "shared"
     Server = FPFCServer
     Site = FPFCSite
-
-    Options = FPFCOptions

@@ -80,10 +80,8 @@ import numpy as np
 import torch
 
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.strategies.base import (
-    DELIVER, MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, num_samples,
-)
-from medfed.options.strategies import IFCAOptions
+from medfed.federated.protocol import MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, SiteView, num_samples
+from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
 from medfed.models.split import ParameterSplit
 
 CLUSTER, CLUSTER_BUFFERS, CLUSTER_ID = "cluster", "cluster_buffers", "cluster_id"
@@ -192,11 +190,11 @@ class IFCASite(SiteHalf):
         buffers = site.get(MODEL, "buffers")
         return {CLUSTER_ID: _cluster_id(choose_cluster(site, ((m, buffers) for m in models)))}
 
+    def deliver(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        for part, vector in payload.items():
+            site.set(MODEL, part, vector)
+
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
-        if ctx.phase == DELIVER:
-            for part, vector in payload.items():
-                site.set(MODEL, part, vector)
-            return
         candidates = ((payload[f"{CLUSTER}/{j}"], payload[f"{CLUSTER_BUFFERS}/{j}"]) for j in range(self.options.clusters))
         self.cluster = choose_cluster(site, candidates)
 
@@ -244,7 +242,7 @@ def training_loss(site: SiteView) -> torch.Tensor:
 
     The split is read in order (a random-crop split gives its fixed
     reference patches), in batches of the evaluation's size, by
-    :meth:`~medfed.federated.site_view.SiteView.full_pass` (neither the
+    :meth:`~medfed.federated.protocol.SiteView.full_pass` (neither the
     site's data order nor the global generators move; counted as
     ``forward/cluster_choice``). Each batch's mean loss is weighted by the
     batch's size. Returns a 0-d tensor on the module's device.
@@ -260,21 +258,13 @@ def training_loss(site: SiteView) -> torch.Tensor:
 
 
 class IFCA(Strategy):
-    name = "ifca"
     dp_sgd_refusal = "its cluster choice, sent to the server, is the lowest loss over the site's training data, computed outside DP-SGD"
     client_dp_refusal = "its server step needs each site's own vector: grouped by its cluster choice"
     secure_aggregation_refusal = "its server step needs each site's own vector: grouped by its cluster choice"
-    summary = "k cluster models: each site trains, and is evaluated with, the one with the lowest loss on its data"
-    reference = (
-        "Ghosh, Chung, Yin and Ramchandran, An efficient framework for clustered federated learning, "
-        "NeurIPS 2020 / IEEE Trans. Inf. Theory 2022"
-    )
     coded_keys = {CLUSTER: "all", "all": "all"}
-    delivered = "all"
     Server = IFCAServer
     Site = IFCASite
 
-    Options = IFCAOptions
 
     def initial_values(self, model: Payload) -> Payload:
         """The model's parts and the k seeded initial cluster models as "cluster/j"."""

@@ -60,9 +60,8 @@ from __future__ import annotations
 
 import torch
 
-from medfed.federated.strategies.base import Payload, RoundContext, SiteView, TrainingPlan
+from medfed.federated.protocol import Payload, RoundContext, SiteView, TrainingPlan
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgServer, FedAvgSite
-from medfed.options.strategies import L2GDOptions
 
 FIT, MIX = "fit", "mix"
 
@@ -72,7 +71,7 @@ class L2GDServer(FedAvgServer):
 
     def message(self, ctx: RoundContext, site_index: int) -> Payload:
         if ctx.phase == MIX:
-            return {self.parameters_part: self.global_model, self.buffers_part: self.global_buffers}
+            return self.global_payload()
         return {}
 
     def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
@@ -104,13 +103,7 @@ class L2GDSite(FedAvgSite):
 
 
 class L2GD(FedAvg):
-    name = "l2gd"
     client_dp_refusal = "each site trains its own model and moves it towards the mean: the server never sent what a site trains from, so it has no update to clip"
-    summary = "local models trained alone, then each moved part of the way (theta) towards their mean every round"
-    reference = "Hanzely and Richtarik, Federated learning of a mixture of global and local models, arXiv 2002.05516 (2020)"
     phases = (FIT, MIX)
-    delivered = None
     Server = L2GDServer
     Site = L2GDSite
-
-    Options = L2GDOptions

@@ -16,16 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning.fabric.wrappers import is_wrapped
 from torch import nn
 
-from medfed.models.base import FederatedModule
+from medfed.models.base import FederatedModule, unwrap
 from medfed.models.split import Part
-
-
-def unwrap(module: nn.Module) -> FederatedModule:
-    """The user's module behind Fabric's wrapper (Fabric documents ``.module`` as the way to it)."""
-    return module.module if is_wrapped(module) else module
 
 
 def live_parameters(module: nn.Module, part: Part) -> list[nn.Parameter]:

@@ -8,7 +8,5 @@ from medfed.federated.strategies.base import Strategy
 class Local(Strategy):
     """The lower reference: no federation (the base halves' defaults)."""
 
-    name = "local"
     client_dp_refusal = "nothing leaves a site"
     secure_aggregation_refusal = "nothing leaves a site"
-    summary = "every site trains its own model alone; nothing is exchanged (the lower reference)"

@@ -59,7 +59,7 @@ only when beta is given on the command line.
 **Cost and budget.** Each mini-batch takes K forward and backward passes
 (the outer step needs no forward pass): K times a FedAvg step. The plan
 declares it (``data_pass=False``: its own step passes no sample) and each
-inner step goes through :meth:`~medfed.federated.site_view.SiteView.step`,
+inner step goes through :meth:`~medfed.federated.protocol.SiteView.step`,
 so the run's compute counts K passes per mini-batch. By default (``preset:
 equal``) those passes are the round's budget E = ``trainer.local_epochs``
 (:mod:`medfed.federated.strategies.base`): the plan's length counts passes
@@ -93,12 +93,12 @@ import torch
 
 from medfed.federated.aggregate import weighted_average
 from medfed.federated.compute import batch_samples
-from medfed.federated.strategies.base import (
-    DELIVER, NUM_SAMPLES, SETUP, Payload, RoundContext, SecureSum, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+from medfed.federated.protocol import (
+    NUM_SAMPLES, SETUP, Payload, RoundContext, SecureSum, SiteView, TrainingPlan, num_samples,
 )
+from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
 from medfed.federated.strategies.live_parameters import live_parameters, proximal_term
 from medfed.options.presets import by_preset
-from medfed.options.strategies import PFedMeOptions
 
 LOCAL, PERSONAL = "local", "personal"
 
@@ -138,8 +138,6 @@ class PFedMeSite(SiteHalf):
 
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
         """w_{i,0} = theta = w^t (with its buffers); the delivery carries nothing."""
-        if ctx.phase == DELIVER:
-            return
         self.samples_passed = 0
         for slot in (LOCAL, PERSONAL):
             site.set(slot, "all", payload["all"])
@@ -213,17 +211,12 @@ def _gradient_norm(parameters: list[torch.nn.Parameter]) -> float:
 
 
 class PFedMe(Strategy):
-    name = "pfedme"
     dp_sgd_refusal = "its K inner steps reuse each sampled batch (SiteView.step); accounting for several noised steps per batch is not built"
     client_dp_refusal = None  # the server averages the sites' local models (sample-weighted), then moves towards the mean
     secure_aggregation_refusal = None
     secure_sums = {"fit": SecureSum(NUM_SAMPLES)}  # every vector of the fit reply, weighted by the sample count
-    summary = "personalised models as proximal points of each site's loss (Moreau envelopes) around a global model"
-    reference = "Dinh, Tran and Nguyen, Personalized federated learning with Moreau envelopes, NeurIPS 2020"
     coded_keys = {"all": "all"}
     slots = (LOCAL, PERSONAL)
     evaluated_slot = PERSONAL
     Server = PFedMeServer
     Site = PFedMeSite
-
-    Options = PFedMeOptions

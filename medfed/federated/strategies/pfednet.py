@@ -127,10 +127,11 @@ from medfed.federated.strategies.solvers.graph import (
 )
 from medfed.federated.strategies.solvers.network_lasso import AdmmState, solve_network_lasso
 from medfed.federated.strategies.solvers.sketch import check_sketch_size, data_sketch, feature_sketch
-from medfed.federated.strategies.base import (
-    MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+from medfed.federated.protocol import (
+    MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, SiteView, TrainingPlan, num_samples,
 )
-from medfed.options.strategies import PFedNetOptions, P_NORMS
+from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
+from medfed.options.strategies import P_NORMS
 
 JOINT = "joint"
 """The one phase of ``schedule: joint``."""
@@ -322,9 +323,12 @@ class PFedNetSite(SiteHalf):
         return {"sketch": sketch}
 
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        """The parts the message holds (x_t in the shared phase, z_{t,n} in the personal one) into the model."""
         for part in ("shared", "personal"):
             if part in payload:
                 site.set(MODEL, part, payload[part])
+
+    deliver = receive  # the delivery's parts (M x_{t+1} + N z_{t+1,n}) load the same way
 
     def plan(self, ctx: RoundContext) -> tuple[TrainingPlan, ...]:
         """Joint phase: the whole model (x and z together) for the round's budget. Alternating: the phase's
@@ -348,7 +352,6 @@ class PFedNetSite(SiteHalf):
 
 
 class PFedNet(Strategy):
-    name = "pfednet"
     phases = ("shared", "personal")
     client_dp_refusal = "its server step needs each site's own vector: the network lasso fuses the personal parts pair by pair"
     secure_aggregation_refusal = "its server step needs each site's own vector: the network lasso fuses the personal parts pair by pair"
@@ -359,10 +362,6 @@ class PFedNet(Strategy):
         """Model space sends no sketch: every data-dependent payload then comes out of DP-SGD steps."""
         return None if options.graph_space == "model" else f"with graph_space={options.graph_space!r} {cls.dp_sgd_refusal.split(': ', 1)[1]} (use graph_space=model)"
 
-    Options = PFedNetOptions
-    summary = "graph-coupled personalisation: shared part averaged, personal parts fused over a site similarity network"
-    reference = "Zhao, Liu, Liu, He, Medical federated model with mixture of personalized and sharing components"
-    delivered = "all"
     Server = PFedNetServer
     Site = PFedNetSite
 

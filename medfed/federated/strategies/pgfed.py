@@ -76,11 +76,11 @@ from __future__ import annotations
 import torch
 
 from medfed.federated.aggregate import weighted_average
-from medfed.federated.strategies.base import (
-    DELIVER, MODEL, NUM_SAMPLES, SETUP, Auxiliary, Payload, RoundContext, ServerHalf, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+from medfed.federated.protocol import (
+    MODEL, NUM_SAMPLES, SETUP, Auxiliary, Payload, RoundContext, SiteView, TrainingPlan, num_samples,
 )
+from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
 from medfed.federated.strategies.live_parameters import gradient_only, live_parameters, live_vector
-from medfed.options.strategies import PGFedMoOptions, PGFedOptions
 
 
 def training_risk(site: SiteView) -> tuple[float, torch.Tensor]:
@@ -88,7 +88,7 @@ def training_risk(site: SiteView) -> tuple[float, torch.Tensor]:
 
     f is the sample-weighted mean of ``training_step`` over batches (the
     training batch size, in a fixed order that leaves the site's shuffling
-    generator untouched: :meth:`~medfed.federated.site_view.SiteView.full_pass`,
+    generator untouched: :meth:`~medfed.federated.protocol.SiteView.full_pass`,
     counted as ``aux/gradient_estimate``), grad f the same mean of the batch
     gradients (zero for a parameter the loss does not use).
 
@@ -195,8 +195,6 @@ class PGFedSite(SiteHalf):
         return 0.0
 
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
-        if ctx.phase == DELIVER:
-            return
         site.set(MODEL, "all", payload["all"])  # theta_i <- theta_glob^{t-1}
         if "aux_gradient" not in payload:  # round 1: FedAvg-style local training
             return
@@ -271,17 +269,12 @@ class PGFedSite(SiteHalf):
 class PGFed(Strategy):
     """PGFed: momentum beta = 0 (see the module docstring)."""
 
-    name = "pgfed"
     dp_sgd_refusal = "its auxiliary gradient, sent to the server, is a full pass over the site's training data outside DP-SGD"
     client_dp_refusal = "its server step needs each site's own vector: each site's gradient estimate, weighted per pair"
     secure_aggregation_refusal = "its server step needs each site's own vector: each site's gradient estimate, weighted per pair"
-    summary = "each site adds a first-order estimate of the other sites' risks, weighted by learned a_ij"
-    reference = "Luo, Chen, Wu, Zhang, PGFed: personalize each client's global objective for federated learning, ICCV 2023"
     coded_keys = {"all": "all", "gradient": "zeros", "aux_gradient": "zeros", "mean_gradient": "zeros"}
     Server = PGFedServer
     Site = PGFedSite
-
-    Options = PGFedOptions
 
 
 class PGFedMoSite(PGFedSite):
@@ -293,8 +286,4 @@ class PGFedMoSite(PGFedSite):
 class PGFedMo(PGFed):
     """PGFedMo: PGFed with momentum ``beta`` on each site's auxiliary gradient (eq. 15)."""
 
-    name = "pgfedmo"
-    summary = "PGFed with momentum on each site's auxiliary gradient"
     Site = PGFedMoSite
-
-    Options = PGFedMoOptions

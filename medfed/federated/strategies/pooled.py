@@ -25,7 +25,8 @@ A round in which the pool site does not take part (``federation.participation``
 from __future__ import annotations
 
 from medfed.data.pooling import POOL_SITE
-from medfed.federated.strategies.base import Payload, RoundContext, SiteView, Strategy, TrainingPlan
+from medfed.federated.protocol import Payload, RoundContext, SiteView, TrainingPlan
+from medfed.federated.strategies.base import Strategy
 from medfed.federated.strategies.fedavg import FedAvg, FedAvgServer, FedAvgSite
 
 
@@ -57,17 +58,10 @@ class PooledSite(FedAvgSite):
 
 
 class Pooled(Strategy):
-    name = "pooled"
     dp_sgd_refusal = "it pools the raw training data at one site: there is no per-hospital guarantee to give"
     client_dp_refusal = "not federated: the raw data are pooled"
     secure_aggregation_refusal = "not federated: the raw data are pooled"
-    summary = "one model trained on every site's training data pooled, evaluated at each site (NOT federated: the centralised upper reference)"
-    reference = (
-        "the pooled (centralised) baseline of du Terrail et al., "
-        "FLamby: datasets and benchmarks for cross-silo federated learning in realistic healthcare settings, NeurIPS 2022"
-    )
     coded_keys = FedAvg.coded_keys
-    delivered = FedAvg.delivered
     pools_data = True
     Server = PooledServer
     Site = PooledSite

@@ -82,12 +82,15 @@ from __future__ import annotations
 
 import torch
 
-from medfed.federated.strategies.base import (
-    DELIVER, NUM_SAMPLES, Payload, RoundContext, SecureSum, SiteHalf, SiteView, Strategy, TrainingPlan, num_samples,
+from medfed.federated.protocol import (
+    NUM_SAMPLES, Payload, RoundContext, SecureSum, SiteView, TrainingPlan, num_samples,
 )
+from medfed.federated.strategies.base import SiteHalf, Strategy
 from medfed.federated.strategies.fedavg import FedAvgServer
-from medfed.federated.strategies.live_parameters import live_parameters, live_vector, proximal_term, proximal_term_of, training_loss_with, unwrap
-from medfed.options.strategies import SuPerFedOptions
+from medfed.federated.strategies.live_parameters import (
+    live_parameters, live_vector, proximal_term, proximal_term_of, training_loss_with,
+)
+from medfed.models.base import unwrap
 
 FEDERATED, LOCAL, PERSONALISED = "federated", "local", "personalised"
 #: the stream of :meth:`~medfed.federated.site.Site.global_rng` the local model is drawn under (rounds use (round, phase))
@@ -138,10 +141,10 @@ class SuPerFedSite(SiteHalf):
                     layer.reset_parameters()
         return {}
 
+    def deliver(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
+        self._load_personalised_model(site)
+
     def receive(self, site: SiteView, ctx: RoundContext, payload: Payload) -> None:
-        if ctx.phase == DELIVER:
-            self._load_personalised_model(site)
-            return
         site.set(FEDERATED, "all", payload["all"])
         site.set(FEDERATED, "buffers", payload["buffers"])
         self.global_model = payload["all"]  # w^g, the proximal centre (until the reply)
@@ -192,17 +195,12 @@ class SuPerFedSite(SiteHalf):
 
 
 class SuPerFed(Strategy):
-    name = "superfed"
     dp_sgd_refusal = "its loss runs the model with mixed parameter tensors (functional_call), which Opacus's per-sample hooks attribute to the wrong parameters"
     client_dp_refusal = None  # the federated models are averaged (sample-weighted)
     secure_aggregation_refusal = None
     secure_sums = {"fit": SecureSum(NUM_SAMPLES)}  # every vector of the fit reply, weighted by the sample count
-    summary = "federated and local models trained as the ends of a low-loss line (random mixtures, orthogonality, proximal term)"
-    reference = "Hahn, Jeong and Lee, Connecting low-loss subspace for personalized federated learning, KDD 2022"
     coded_keys = {"all": "all"}
     slots = (FEDERATED, LOCAL, PERSONALISED)
     evaluated_slot = PERSONALISED
     Server = SuPerFedServer
     Site = SuPerFedSite
-
-    Options = SuPerFedOptions
