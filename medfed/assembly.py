@@ -11,7 +11,8 @@ another builds:
 * the *prototype*: the model every site copies, initialised under
   ``torch.manual_seed(trainer.seed)`` (the global generator is restored
   afterwards);
-* the *strategy* (both halves), told the prototype's shared/personal split;
+* the *strategy* (both halves), told the prototype's shared/personal split,
+  its server half the run's ``aggregation`` rule;
 * the *Fabric* (:func:`make_fabric`): the device and the precision
   (``trainer.precision``) every site trains and evaluates in;
 * a *site*: one copy of the prototype per model slot of the strategy
@@ -42,6 +43,7 @@ from medfed.config import RunConfig, TrainerConfig
 from medfed.data.federation import Federation, SiteData
 from medfed.data.pooling import pool_training_data
 from medfed.federated import privacy
+from medfed.federated.aggregate import Aggregation
 from medfed.federated.link import Link
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.privacy import ClientDP
@@ -107,6 +109,7 @@ class RunAssembly:
         if dp_compatible:
             prototype, changes = privacy.dp_compatible(prototype)
         strategy = resolved.strategy_cls(resolved.strategy_options, prototype.parameter_split, n_sites, run.trainer.seed)
+        strategy.server.aggregation = Aggregation(run.aggregation.name, run.aggregation.trim, run.aggregation.norm_bound)
         return cls(
             prototype,
             strategy,

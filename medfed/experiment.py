@@ -38,6 +38,7 @@ from medfed.errors import RunFailed, SiteFailure, warn
 from medfed.evaluation.rounds import ValidationEvaluation, VolumeEvaluation
 from medfed.data.federation import Federation
 from medfed.data.pooling import pooled_reference
+from medfed.federated.attack import Attack
 from medfed.federated.executor import planned_steps
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.privacy import PrivacyBudgetSpent, PrivacyRecord, SiteDP, privacy_summary
@@ -156,7 +157,8 @@ def _build(
             site.use_dp(SiteDP(dp, site.name, site.n_train, trainer.batch_size, planned, trainer.seed, site.index))
     initial = assembly.initial_values(fabric.device)
     links = [assembly.link(initial, fabric.device, site.name) for site in sites]
-    in_process = InProcessSites(sites, links, executor_for(trainer.executor, fabric.device, dp.enabled))
+    attack = Attack(run_cfg.attack, strategy.coded_keys, trainer.seed) if run_cfg.attack.sites else None  # evaluation only
+    in_process = InProcessSites(sites, links, executor_for(trainer.executor, fabric.device, dp.enabled), attack)
     run = _Run(
         resolved, output_dir, started, progress, threads, federation, assembly, tracker, fabric, in_process,
         round_checkpoints(output_dir, config, trainer.keep_checkpoints), seconds,
@@ -165,6 +167,8 @@ def _build(
     if resumed is not None:
         run.loop.load_state_dict(resumed)
         del resumed  # the sites hold copies now: free the checkpoint's tensors
+        if attack is not None:
+            attack.resume(strategy.server, run.loop.round)
     else:
         start_run(output_dir, overwrite)
         write_json_atomic(output_dir / "config.json", config)

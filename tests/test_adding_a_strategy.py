@@ -87,7 +87,7 @@ def test_the_new_strategy_is_listed_configured_tabulated_and_gridded(copy_with_a
     assert found == {
         "registered": True, "spec": True, "config": True, "grid": True,
         # the README's list, then the privacy table (FedAvg's declarations, inherited)
-        "tables": ["FedAvg again, registered from outside medfed", "yes"],
+        "tables": ["FedAvg again, registered from outside medfed", "yes", "yes"],  # the README's, privacy's, robust aggregation's
     }
 
 

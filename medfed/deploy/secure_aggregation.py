@@ -115,7 +115,8 @@ def refuse_secure_aggregation(resolved: ResolvedRun) -> None:
     """Refuse a run asking for secure aggregation that it cannot have, before any site is contacted.
 
     Raises:
-        ConfigError: one line naming the key: a strategy whose server step
+        ConfigError: one line naming the key: a robust ``aggregation`` (its rule
+            reads each site's own vector), a strategy whose server step
             needs each site's own vector (its ``secure_aggregation_refusal``),
             a compressing ``codec.up`` (SecAgg+ masks dense vectors), or a
             federation too small or too large for SecAgg+'s settings.
@@ -125,6 +126,11 @@ def refuse_secure_aggregation(resolved: ResolvedRun) -> None:
     if not deploy.secure_aggregation:
         return
     strategy = resolved.strategy_cls
+    if run.aggregation.name != "mean":
+        raise ConfigError(
+            f"config key 'aggregation.name' = {run.aggregation.name!r}: a robust rule needs each site's own reply, which "
+            "secure aggregation hides (the server sees only their sum); use aggregation.name=mean, or deploy.secure_aggregation=false"
+        )
     if strategy.secure_aggregation_refusal is not None:
         raise ConfigError(
             f"config key 'deploy.secure_aggregation': strategy {strategy.name!r} cannot be securely aggregated: "

@@ -711,6 +711,9 @@ def run_settings(run_config: dict[str, Any]) -> RunSettings:
         raise ConfigError("config key 'privacy.dp': DP-SGD runs in the simulator only; the Flower deployment does not build it yet")
     if resolved.run.privacy.client_dp.enabled:  # the deployment's loop is built without it (docs/privacy.md)
         raise ConfigError("config key 'privacy.client_dp': client-level DP runs in the simulator only; the Flower deployment does not build it yet")
+    if resolved.run.attack.sites:  # the simulator's evaluation of an aggregation rule: a deployment's sites are real
+        raise ConfigError(f"config key 'attack.sites' = {resolved.run.attack.sites}: simulated hostile sites are for evaluation in the "
+                          "simulator (medfed fit, compare); a deployment's sites are the hospitals' own")
     refuse_label_ratio(resolved.run.federation)
     refuse_secure_aggregation(resolved)
     return RunSettings(resolved, Path(str(run_config["output-dir"])), float(run_config["reply-timeout-s"]), run_config["resume"])

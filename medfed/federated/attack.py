@@ -28,7 +28,7 @@ import torch
 
 from medfed.config import AttackConfig
 from medfed.federated.link import coded_prefix
-from medfed.federated.strategies.base import Payload
+from medfed.federated.protocol import DELIVER, Payload, RoundContext, ServerHalfProtocol
 
 ATTACK_STREAM = 0xA77AC
 """The stream tag of the ``gaussian`` attack's draws, beside the site's other draws from (seed, site, round, phase)."""
@@ -54,6 +54,13 @@ class Attack:
         references its next updates are taken from."""
         if index in self.received:
             self.received[index].update({key: value.detach().clone() for key, value in payload.items() if self._model_vector(key)})
+
+    def resume(self, server: ServerHalfProtocol, round_index: int) -> None:
+        """After a resume from round ``round_index``'s checkpoint: each hostile site's references are what the server
+        delivered at that round's end (as client-level DP measures its next updates; exact under a lossless codec)."""
+        ctx = RoundContext(round_index, DELIVER)
+        for index in self.received:
+            self.receive(index, server.deliver(ctx, index))
 
     def reply(self, index: int, round_index: int, phase_index: int, reply: Payload) -> Payload:
         """Site ``index``'s reply as it sends it: altered where the site is hostile.

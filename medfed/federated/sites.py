@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from medfed.errors import MessageError, warn
+from medfed.federated.attack import Attack
 from medfed.federated.batched import BatchedExecutor
 from medfed.federated.executor import Executor, SequentialExecutor
 from medfed.federated.faults import RoundStartStates
@@ -145,12 +146,15 @@ class InProcessSites:
         sites: the sites, index order, each holding its half of the strategy.
         links: one link per site (both ends in one object).
         executor: how the sites train (default: one at a time).
+        attack: simulated hostile sites, for evaluation (:mod:`medfed.federated.attack`): what they receive is
+            noted, what they reply altered before it crosses its link. None: every site is honest.
     """
 
-    def __init__(self, sites: list[Site], links: list[Link], executor: Executor | None = None) -> None:
+    def __init__(self, sites: list[Site], links: list[Link], executor: Executor | None = None, attack: Attack | None = None) -> None:
         self.sites = sites
         self.links = links
         self.executor = executor or SequentialExecutor()
+        self.attack = attack
         self.names = [site.name for site in sites]
         self.declared_samples = [site.n_train for site in sites]
         self._round_start: RoundStartStates | None = None
@@ -188,6 +192,9 @@ class InProcessSites:
     def work(self, work: PhaseWork, messages: dict[int, Payload], timing: dict[str, float]) -> dict[int, SiteResult]:
         self._before_reply = {}
         received = {index: self.links[index].send("down", payload) for index, payload in messages.items()}
+        if self.attack is not None:
+            for index, payload in received.items():
+                self.attack.receive(index, payload)
         phases = {index: open_phase(self.sites[index], work, received.pop(index)) for index in list(received)}
         tic = time.perf_counter()
         train_phases(self.executor, list(phases.values()))
@@ -196,7 +203,7 @@ class InProcessSites:
         for index, phase in phases.items():
             results[index], reply = close_phase(phase)
             if reply is not None:
-                self._waiting[index] = reply
+                self._waiting[index] = reply if self.attack is None else self.attack.reply(index, work.round_index, work.phase_index, reply)
         return results
 
     def record(self) -> dict[str, Any]:
@@ -232,7 +239,10 @@ class InProcessSites:
         self, round_index: int, payloads: dict[int, Payload], evaluate: bool, timing: dict[str, float] | None
     ) -> dict[str, SiteEvaluation]:
         for site in self.sites:
-            site_delivery(site, round_index, self.links[site.index].send("down", payloads[site.index]))
+            delivered = self.links[site.index].send("down", payloads[site.index])
+            if self.attack is not None:
+                self.attack.receive(site.index, delivered)
+            site_delivery(site, round_index, delivered)
         if not evaluate:
             return {}
         tic = time.perf_counter()

@@ -281,6 +281,7 @@ class APPLE(Strategy):
     dp_sgd_refusal = "its loss runs the core model with mixed parameter tensors (functional_call), and its directed relationships are stepped outside the clipping"
     client_dp_refusal = "its server step needs each site's own vector: every site downloads the others' core models"
     secure_aggregation_refusal = "its server step needs each site's own vector: every site downloads the others' core models"
+    robust_aggregation_refusal = "each site combines the others' core models with its own learned weights: no average to make robust"
     phases = ("select", "fit")
     coded_keys = {"core": "all"}
     slots = (CORE, PERSONALISED)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from medfed.federated.aggregate import Aggregation
 from medfed.federated.protocol import (
     MODEL, SUMMED, Auxiliary, DeclaredState, Payload, RoundContext, SecureSum, ServerHalfProtocol, SiteHalfProtocol,
     SiteView, StrategyProtocol, TrainingPlan,
@@ -38,6 +39,10 @@ class ServerHalf(DeclaredState, ServerHalfProtocol):
         n_sites: number of sites in the federation.
         seed: the run's seed, for any randomness the server needs.
     """
+
+    #: the run's rule for the parts this half averages (the ``aggregation`` group, :mod:`medfed.federated.aggregate`;
+    #: set by :class:`~medfed.assembly.RunAssembly`): a half that averages calls it where it would take a weighted mean
+    aggregation: Aggregation = Aggregation()
 
     def __init__(self, options: Any, split: ParameterSplit, n_sites: int, seed: int) -> None:
         self.options = options
@@ -183,6 +188,9 @@ class Strategy(StrategyProtocol):
     dp_sgd_refusal: ClassVar[str | None] = None
     client_dp_refusal: ClassVar[str | None] = "not declared"
     secure_aggregation_refusal: ClassVar[str | None] = "not declared"
+    #: robust aggregation (``aggregation.name`` other than ``mean``, :mod:`medfed.federated.aggregate`): None where
+    #: the server half passes the parts it averages through :attr:`ServerHalf.aggregation`, else why it cannot
+    robust_aggregation_refusal: ClassVar[str | None] = "not declared"
     #: what secure aggregation may hide, ``{phase: SecureSum}``: the phases whose replies the server half needs only
     #: as a weighted sum (:meth:`ServerHalf.aggregate_summed`); a deployment with ``deploy.secure_aggregation``
     #: masks those replies with SecAgg+ (:mod:`medfed.deploy.secure_aggregation`). Every other phase must reply

@@ -157,6 +157,7 @@ class FedAMPSite(ProximalSite):
 class FedAMP(Strategy):
     client_dp_refusal = "its server step needs each site's own vector: attention weights between pairs of sites"
     secure_aggregation_refusal = "its server step needs each site's own vector: attention weights between pairs of sites"
+    robust_aggregation_refusal = "its server step combines the sites' models per site, weighted by attention between pairs of sites: no average to make robust"
     Server = FedAMPServer
     Site = FedAMPSite
 

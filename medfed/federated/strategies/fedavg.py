@@ -30,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from medfed.federated.aggregate import weighted_average
 from medfed.federated.protocol import MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, SecureSum, SiteView, num_samples
 from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
 from medfed.models.split import ROLES
@@ -74,9 +73,9 @@ class FedAvgServer(ServerHalf):
 
     def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         weights = [float(reply[NUM_SAMPLES]) for reply in replies.values()]
-        self.global_model = weighted_average([reply[self.averaged.parameters] for reply in replies.values()], weights)
+        self.global_model = self.aggregation([reply[self.averaged.parameters] for reply in replies.values()], weights, self.global_model)
         if self.averaged.buffers is not None:
-            self.global_buffers = weighted_average([reply[self.averaged.buffers] for reply in replies.values()], weights)
+            self.global_buffers = self.aggregation([reply[self.averaged.buffers] for reply in replies.values()], weights, self.global_buffers)
 
     def reply_keys(self, ctx: RoundContext, site_index: int) -> tuple[frozenset[str], ...]:
         """The averaged vectors and the sample count; nothing at setup."""
@@ -119,6 +118,7 @@ class FedAvg(Strategy):
 
     client_dp_refusal = None  # the server step is a sample-weighted sum (also for every subclass that keeps it)
     secure_aggregation_refusal = None
+    robust_aggregation_refusal = None  # the averaged parts pass through the run's aggregation rule
     secure_sums = {"fit": SecureSum(NUM_SAMPLES)}  # every vector of the fit reply, weighted by the sample count
     #: what is averaged, declared once for both halves (a subclass naming other parts gets them as its coded key)
     averaged: ClassVar[Averaged] = Averaged()

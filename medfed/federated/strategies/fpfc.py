@@ -80,7 +80,6 @@ import itertools
 
 import torch
 
-from medfed.federated.aggregate import weighted_average
 from medfed.federated.strategies.solvers.concave_penalty import fusion_prox
 from medfed.federated.strategies.solvers.graph import connected_components, incidence_matrix
 from medfed.federated.protocol import (
@@ -117,7 +116,7 @@ class FPFCServer(ServerHalf):
         return super().reply_keys(ctx, site_index) if ctx.phase == SETUP else (frozenset({"shared", "personal", NUM_SAMPLES}),)
 
     def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
-        self.shared = weighted_average([r["shared"] for r in replies.values()], [float(r["num_samples"]) for r in replies.values()])
+        self.shared = self.aggregation([r["shared"] for r in replies.values()], [float(r["num_samples"]) for r in replies.values()], self.shared)
         for index, reply in replies.items():
             self.models[index] = reply["personal"]
         touched = [p for p, (i, j) in enumerate(self.pairs) if i in replies or j in replies]
@@ -187,6 +186,7 @@ class FPFCSite(ProximalSite):
 class FPFC(Strategy):
     client_dp_refusal = "its server step needs each site's own vector: pairwise fusion variables"
     secure_aggregation_refusal = "its server step needs each site's own vector: pairwise fusion variables"
+    robust_aggregation_refusal = None  # the shared part's average passes through the run's aggregation rule
     coded_keys = {"shared": "shared", "personal": "personal"}
     Server = FPFCServer
     Site = FPFCSite

@@ -79,7 +79,6 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from medfed.federated.aggregate import weighted_average
 from medfed.federated.protocol import MODEL, NUM_SAMPLES, SETUP, Payload, RoundContext, SiteView, num_samples
 from medfed.federated.strategies.base import ServerHalf, SiteHalf, Strategy
 from medfed.models.split import ParameterSplit
@@ -161,8 +160,8 @@ class IFCAServer(ServerHalf):
         for j in sorted(set(chosen.values())):
             members = [index for index, cluster in chosen.items() if cluster == j]
             weights = [float(replies[index]["num_samples"]) for index in members]
-            self.models[j] = weighted_average([replies[index][f"{CLUSTER}/{j}"] for index in members], weights)
-            self.buffers[j] = weighted_average([replies[index][f"{CLUSTER_BUFFERS}/{j}"] for index in members], weights)
+            self.models[j] = self.aggregation([replies[index][f"{CLUSTER}/{j}"] for index in members], weights, self.models[j])
+            self.buffers[j] = self.aggregation([replies[index][f"{CLUSTER_BUFFERS}/{j}"] for index in members], weights, self.buffers[j])
         self.reassigned = sum(self.assignment[index] != cluster for index, cluster in chosen.items())
         for index, cluster in chosen.items():
             self.assignment[index] = cluster
@@ -261,6 +260,7 @@ class IFCA(Strategy):
     dp_sgd_refusal = "its cluster choice, sent to the server, is the lowest loss over the site's training data, computed outside DP-SGD"
     client_dp_refusal = "its server step needs each site's own vector: grouped by its cluster choice"
     secure_aggregation_refusal = "its server step needs each site's own vector: grouped by its cluster choice"
+    robust_aggregation_refusal = None  # each cluster's members' models pass through the run's aggregation rule
     coded_keys = {CLUSTER: "all", "all": "all"}
     Server = IFCAServer
     Site = IFCASite

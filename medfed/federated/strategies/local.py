@@ -10,3 +10,4 @@ class Local(Strategy):
 
     client_dp_refusal = "nothing leaves a site"
     secure_aggregation_refusal = "nothing leaves a site"
+    robust_aggregation_refusal = "nothing leaves a site"

@@ -91,7 +91,6 @@ import math
 
 import torch
 
-from medfed.federated.aggregate import weighted_average
 from medfed.federated.compute import batch_samples
 from medfed.federated.protocol import (
     NUM_SAMPLES, SETUP, Payload, RoundContext, SecureSum, SiteView, TrainingPlan, num_samples,
@@ -121,9 +120,9 @@ class PFedMeServer(ServerHalf):
 
     def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         weights = [float(reply["num_samples"]) for reply in replies.values()]
-        average = weighted_average([reply["all"] for reply in replies.values()], weights)
+        average = self.aggregation([reply["all"] for reply in replies.values()], weights, self.global_model)
         self.global_model = torch.lerp(self.global_model, average, self.options.beta)  # (1 - beta) w + beta average
-        self.global_buffers = weighted_average([reply["buffers"] for reply in replies.values()], weights)
+        self.global_buffers = self.aggregation([reply["buffers"] for reply in replies.values()], weights, self.global_buffers)
 
 
 class PFedMeSite(SiteHalf):
@@ -214,6 +213,7 @@ class PFedMe(Strategy):
     dp_sgd_refusal = "its K inner steps reuse each sampled batch (SiteView.step); accounting for several noised steps per batch is not built"
     client_dp_refusal = None  # the server averages the sites' local models (sample-weighted), then moves towards the mean
     secure_aggregation_refusal = None
+    robust_aggregation_refusal = None  # the sites' models are averaged through the run's aggregation rule
     secure_sums = {"fit": SecureSum(NUM_SAMPLES)}  # every vector of the fit reply, weighted by the sample count
     coded_keys = {"all": "all"}
     slots = (LOCAL, PERSONAL)

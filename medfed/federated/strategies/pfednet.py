@@ -118,7 +118,6 @@ from typing import Any
 import torch
 
 from medfed.errors import RunFailed, SiteFailure
-from medfed.federated.aggregate import weighted_average
 from medfed.federated.strategies.solvers.fusion import distinct_parts, fusion_threshold, spread_removed
 from medfed.federated.strategies.solvers.graph import (
     SimilarityGraph,
@@ -194,8 +193,8 @@ class PFedNetServer(ServerHalf):
     def aggregate(self, ctx: RoundContext, replies: dict[int, Payload]) -> None:
         """Shared phase: average x; personal phase: the network lasso on z; joint phase: both, from the same replies."""
         if ctx.phase in ("shared", JOINT):
-            self.shared = weighted_average(
-                [r["shared"] for r in replies.values()], [float(r["num_samples"]) for r in replies.values()]
+            self.shared = self.aggregation(
+                [r["shared"] for r in replies.values()], [float(r["num_samples"]) for r in replies.values()], self.shared
             )
             self.sites_holding_shared = set()  # joint: every site trained from x_t, so every site is delivered x_{t+1}
             if ctx.phase == "shared":
@@ -355,6 +354,7 @@ class PFedNet(Strategy):
     phases = ("shared", "personal")
     client_dp_refusal = "its server step needs each site's own vector: the network lasso fuses the personal parts pair by pair"
     secure_aggregation_refusal = "its server step needs each site's own vector: the network lasso fuses the personal parts pair by pair"
+    robust_aggregation_refusal = None  # the shared part's average passes through the run's aggregation rule
     dp_sgd_refusal = "only with graph_space=model: the data- and feature-space sketches a site sends at setup are computed on its raw data"
 
     @classmethod

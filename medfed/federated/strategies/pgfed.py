@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import torch
 
-from medfed.federated.aggregate import weighted_average
 from medfed.federated.protocol import (
     MODEL, NUM_SAMPLES, SETUP, Auxiliary, Payload, RoundContext, SiteView, TrainingPlan, num_samples,
 )
@@ -166,8 +165,8 @@ class PGFedServer(ServerHalf):
         for index in sites:
             if "alpha" in replies[index]:
                 self.alpha[index] = replies[index]["alpha"].to(self.alpha)
-        self.global_model = weighted_average(
-            [replies[i]["all"] for i in sites], [float(replies[i]["num_samples"]) for i in sites]
+        self.global_model = self.aggregation(
+            [replies[i]["all"] for i in sites], [float(replies[i]["num_samples"]) for i in sites], self.global_model
         )
         self.previous = {
             "sites": sites,
@@ -272,6 +271,7 @@ class PGFed(Strategy):
     dp_sgd_refusal = "its auxiliary gradient, sent to the server, is a full pass over the site's training data outside DP-SGD"
     client_dp_refusal = "its server step needs each site's own vector: each site's gradient estimate, weighted per pair"
     secure_aggregation_refusal = "its server step needs each site's own vector: each site's gradient estimate, weighted per pair"
+    robust_aggregation_refusal = None  # the global model's average passes through the run's aggregation rule
     coded_keys = {"all": "all", "gradient": "zeros", "aux_gradient": "zeros", "mean_gradient": "zeros"}
     Server = PGFedServer
     Site = PGFedSite

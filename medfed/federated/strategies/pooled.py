@@ -61,6 +61,7 @@ class Pooled(Strategy):
     dp_sgd_refusal = "it pools the raw training data at one site: there is no per-hospital guarantee to give"
     client_dp_refusal = "not federated: the raw data are pooled"
     secure_aggregation_refusal = "not federated: the raw data are pooled"
+    robust_aggregation_refusal = "not federated: one site trains on the pooled data"
     coded_keys = FedAvg.coded_keys
     pools_data = True
     Server = PooledServer

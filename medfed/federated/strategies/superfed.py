@@ -198,6 +198,7 @@ class SuPerFed(Strategy):
     dp_sgd_refusal = "its loss runs the model with mixed parameter tensors (functional_call), which Opacus's per-sample hooks attribute to the wrong parameters"
     client_dp_refusal = None  # the federated models are averaged (sample-weighted)
     secure_aggregation_refusal = None
+    robust_aggregation_refusal = None  # FedAvg's server half: the federated models through the run's aggregation rule
     secure_sums = {"fit": SecureSum(NUM_SAMPLES)}  # every vector of the fit reply, weighted by the sample count
     coded_keys = {"all": "all"}
     slots = (FEDERATED, LOCAL, PERSONALISED)
