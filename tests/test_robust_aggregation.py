@@ -106,3 +106,14 @@ def test_a_run_with_a_hostile_site_resumed_gives_the_uninterrupted_runs_numbers(
     whole, resumed = (json.loads((tmp_path / name / "results.json").read_text()) for name in ("whole", "resumed"))
     assert [record["metrics"] for record in resumed["history"]] == [record["metrics"] for record in whole["history"]]
     assert whole["config"]["attack"] == {"sites": [4], "kind": "scale", "factor": 100.0} and whole["config"]["aggregation"]["name"] == "trimmed_mean"
+
+
+def test_the_robust_doc_holds_the_generated_aggregation_table():
+    import re
+    from pathlib import Path
+
+    from medfed.components import aggregation_table
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "robust.md").read_text()
+    block = re.search(r"<!-- aggregation-table:[^\n]*-->\n(.*?)\n<!-- /aggregation-table -->", doc, re.S)
+    assert block is not None and block.group(1) == aggregation_table(), "regenerate it with: python -m medfed strategies --markdown docs/robust.md"
