@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     predict.add_argument("--out", required=True, type=Path, help="the segmentation to write, e.g. pred.nii.gz")
     predict.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    predict.add_argument(
+        "--truth", type=Path, help="the scan's segmentation: score the prediction against it per region (Dice, HD95, lesion-wise scores)"
+    )
+    predict.add_argument("--quiet", action="store_true", help="no progress lines or bars")
     strategies = commands.add_parser("strategies", help="list the registered strategies (strategy.name choices)")
     strategies.add_argument("--markdown", action="store_true", help="as the markdown table of the README")
     deploy = commands.add_parser("deploy", help="a Flower deployment across machines (docs/deploy.md; the deploy extra)")
@@ -131,11 +135,7 @@ def _run_command(args: argparse.Namespace, extra: list[str]) -> int:
         print(strategy_table(markdown=args.markdown))
         return 0
     if args.command == "predict":
-        from medfed.predict import predict
-
-        written = predict(args.run, args.site, args.input, args.out, overwrite=args.overwrite)
-        print(f"medfed: wrote {written}", file=sys.stderr)
-        return 0
+        return _predict(args)
     if args.command == "compare":
         return _compare(args, [*args.overrides, *extra])
     if args.command == "deploy":
@@ -177,6 +177,19 @@ def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
     if failed:
         print(f"medfed: error: {len(failed)} run(s) failed: {', '.join(failed)} (their logs are in {grid.output / 'logs'})", file=sys.stderr)
         return 1
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    """``predict``: on a terminal, a line once the run folder is checked and a labelled bar over each wait; the written
+    file and, with ``--truth``, its scores (:func:`medfed.predict.predict`)."""
+    from medfed.predict import predict, score_table
+
+    progress = not args.quiet and sys.stderr.isatty()
+    scores = predict(args.run, args.site, args.input, args.out, overwrite=args.overwrite, truth=args.truth, progress=progress)
+    print(f"medfed: wrote {args.out}", file=sys.stderr)
+    if scores is not None:
+        print(score_table(scores, f"{args.out} against {args.truth}"))
     return 0
 
 

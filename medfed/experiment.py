@@ -41,7 +41,7 @@ from medfed.data.federation import Federation
 from medfed.data.pooling import pooled_reference
 from medfed.models.classification import BinaryClassifier
 from medfed.output_dir import check_output_dir, finish_run, hold_output_dir, start_run
-from medfed.results import format_table, learned_nothing, run_results, timing_summary, write_json_atomic
+from medfed.results import format_table, learned_nothing, run_results, timing_summary, volume_metrics, write_json_atomic
 from medfed.threads import choose_threads
 from medfed.tracking import Tracker, classification_figures
 from medfed.viz.plots import add_source, plot_learning_curves, plot_segmentation_examples, save_figure
@@ -91,7 +91,8 @@ def _run(
     tracker = Tracker(run_cfg, config, federation, strategy.name, resume=resume, config_name=config_name, quiet=not progress)
     validation = [ValidationEvaluation()] if any(site.validation is not None for site in federation.sites) else []
     privacy = [PrivacyRecord(dp.on_budget)] if dp.enabled else []
-    callbacks = [*_volume_evaluation(federation, run_cfg, progress), *validation, *privacy, tracker]  # scores join the round before the tracker logs
+    volume_evaluation = _volume_evaluation(federation, run_cfg, progress)
+    callbacks = [*volume_evaluation, *validation, *privacy, tracker]  # scores join the round before the tracker logs
     fabric = make_fabric(trainer, loggers=tracker.loggers, callbacks=callbacks)
     sites = assembly.sites(fabric, federation)
     if dp.enabled:
@@ -146,6 +147,8 @@ def _run(
             pooled=pooled_reference(federation.sites) if strategy.pools_data else None,
         )
         results["execution"] = {"device": str(fabric.device), "precision": trainer.precision, "compile": trainer.compile}
+        if volume_evaluation:
+            results["volume_metrics"] = volume_metrics(loop.history, volume_evaluation[0].lesion_wise)
         if dp.enabled or run_cfg.privacy.client_dp.enabled:
             results["privacy"] = {**privacy_summary(loop.history), "model_changes": list(assembly.model_changes)}
         return results
@@ -201,12 +204,15 @@ def _run(
 
 def _volume_evaluation(federation: Federation, run_cfg: RunConfig, progress: bool) -> list[VolumeEvaluation]:
     """The whole-volume evaluation callback, where the task has volumes and ``evaluation.volume_every`` is not null."""
-    every = run_cfg.evaluation.volume_every
-    if federation.volumes is None or every is None:
+    evaluation = run_cfg.evaluation
+    if federation.volumes is None or evaluation.volume_every is None:
         return []
     patch_size = federation.input_shape[-1]
     return [
-        VolumeEvaluation(federation.volumes, patch_size, every, run_cfg.trainer.rounds, run_cfg.evaluation.volume_batch_size, progress)
+        VolumeEvaluation(
+            federation.volumes, patch_size, evaluation.volume_every, run_cfg.trainer.rounds, evaluation.volume_batch_size, progress,
+            lesion_wise=evaluation.wants_lesion_wise(),
+        )
     ]
 
 

@@ -44,9 +44,10 @@ CHANNEL_NAMES = {"brats": ("FLAIR", "T1", "T1ce", "T2")}
 """Input channel names per task, in channel order (BraTS: :data:`medfed.data.brats.MODALITIES`)."""
 
 CLASS_LABELS = {"brats": {0: "background", 1: "whole tumour"}, "luna16": {0: "not a nodule", 1: "nodule"}}
-REGION_LABELS = {0: "background", 1: "oedema (WT, not TC)", 2: "core (TC, not ET)", 3: "enhancing tumour"}
-"""Overlay classes of ``model.target: regions``: the number of nested regions (WT, TC, ET) a pixel is in."""
 """Target class names per task (the clinical task's come from ``data.positive``)."""
+REGION_LABELS = {0: "background", 1: "whole tumour (WT)", 2: "tumour core (TC)", 3: "enhancing tumour (ET)"}
+"""Overlay classes of ``task.regions: brats``: region r (WT, TC, ET) is drawn as class r + 1 in a mask of its own, so
+each region has its own colour and the overlapping regions can be shown one at a time."""
 
 EXAMPLES_PER_SITE = 4
 """Test patches per site shown as W&B segmentation overlays."""
@@ -84,7 +85,7 @@ class Tracker:
         self.rounds = run_cfg.trainer.rounds
         self.image_every = run_cfg.logger.image_every
         self.class_labels = class_labels(config, federation.num_classes)
-        self.segmentation = federation.sites[0].test.tensors[1].ndim == 3  # the targets are images
+        self.segmentation = federation.sites[0].test.tensors[1].ndim in (3, 4)  # the targets are images: classes or region masks
         self.channel_names = CHANNEL_NAMES.get(federation.task, tuple(f"channel {c}" for c in range(federation.input_shape[0])))
         self.csv = CSVLogger(root_dir=self.output_dir, name="csv", version=0, flush_logs_every_n_steps=1)
         self.loggers: list = [self.csv]
@@ -163,7 +164,7 @@ def class_labels(config: dict[str, Any], num_classes: int) -> dict[int, str]:
     data = config["data"]
     if data["task"] == "clinical":
         named = {0: f"not {data['positive']}", 1: data["positive"]}
-    elif config["model"].get("target") == "regions":
+    elif config.get("task", {}).get("regions") == "brats":
         return REGION_LABELS
     else:
         named = CLASS_LABELS.get(data["task"], {})
@@ -183,26 +184,38 @@ def segmentation_overlays(site: Site, channel_names: tuple[str, ...], labels: di
 
     The channel shown is the first (FLAIR for BraTS) unless it is all zero at
     the site (a missing sequence); the caption names it. Images are oriented
-    as in ``examples.png`` (anterior up).
+    as in ``examples.png`` (anterior up). With one region (the whole tumour)
+    the ground truth and the prediction are one mask each; with the BraTS
+    regions every region is a mask of its own (``truth WT``, ``prediction
+    TC``, ...) holding class r + 1 of :data:`REGION_LABELS`, one colour per
+    region, each shown or hidden on its own in W&B.
     """
     import wandb
 
     indices = example_indices(site.n_test)
     x, y = (tensor[indices] for tensor in site.data.test.tensors)
     site.module.eval()
-    # One class map per patch: the number of nested regions each pixel is in (wt: 0/1; regions: 0..3).
-    prediction = site.module.region_masks(site.module(site.fabric.to_device(x))).sum(dim=1).cpu()
-    y = y.sum(dim=1) if y.ndim == 4 else y
+    prediction = site.module.region_masks(site.module(site.fabric.to_device(x))).cpu()  # (B, R, P, P) bool
+    truth = y.bool() if y.ndim == 4 else (y == 1).unsqueeze(1)
+    regions = site.module.region_names
     shown = displayed_channel(x, 0)
     name = channel_names[shown] if shown == 0 else f"{channel_names[shown]} (no {channel_names[0]} at {site.name})"
     overlays = []
-    for index, image, truth, predicted in zip(indices, x[:, shown], y, prediction):
+    for row, index in enumerate(indices):
+        image = x[row, shown]
         low, high = image.min(), image.max()
         grey = ((image - low) / (high - low) * 255 if high > low else torch.zeros_like(image)).to(torch.uint8)
-        masks = {
-            "ground_truth": {"mask_data": _anterior_up(truth), "class_labels": labels},
-            "prediction": {"mask_data": _anterior_up(predicted), "class_labels": labels},
-        }
+        if len(regions) == 1:
+            masks = {
+                "ground_truth": {"mask_data": _anterior_up(truth[row, 0]), "class_labels": labels},
+                "prediction": {"mask_data": _anterior_up(prediction[row, 0]), "class_labels": labels},
+            }
+        else:
+            masks = {
+                f"{kind} {region.upper()}": {"mask_data": _anterior_up(mask[row, r] * (r + 1)), "class_labels": labels}
+                for kind, mask in (("truth", truth), ("prediction", prediction))
+                for r, region in enumerate(regions)
+            }
         overlays.append(wandb.Image(_anterior_up(grey), caption=f"{site.name} test patch {index}: {name}", masks=masks))
     return overlays
 
