@@ -154,6 +154,15 @@ def _run(
         return results
 
     bar = tqdm(total=trainer.rounds, initial=loop.round, desc=f"{strategy.name} rounds", unit="round", disable=not progress)
+    set_up = loop.setup  # round 0 (the sites' setup replies, the server's setup, the first delivery) runs inside fit: label its wait
+
+    def labelled_setup() -> None:
+        bar.set_description_str(f"{strategy.name}: setting up the sites and the server (round 0)")
+        with _timed(seconds, "setup_s"):
+            set_up()
+        bar.set_description_str(f"{strategy.name} rounds (round 1)")
+
+    loop.setup = labelled_setup
     try:
         loop.fit(trainer.rounds, progress=lambda record: (bar.set_postfix(record["mean"]), bar.update()))
     except BaseException as error:  # Ctrl-C included: the W&B run ends marked as failed, resumable

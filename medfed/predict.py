@@ -81,6 +81,7 @@ def predict(
     saved = checkpoints(Path(run_dir) / FOLDER)
     if not saved:
         raise ConfigError(f"--run {run_dir}: no checkpoint in {FOLDER}/ (the run finished no round)")
+    newest = saved[-1]
     configured = [f"site{index}" for index in range(resolved.run.federation.n_sites)]
     if site not in configured:
         raise ConfigError(f"--site {site!r}: the run has sites {', '.join(configured)}")

@@ -109,7 +109,7 @@ def timing_summary(
         wall_s: seconds since the run (this part of a resumed run) started.
         device: where the loop's tensors live.
         steps: the steps outside the rounds that the engine timed: ``data_s`` (building the federation),
-            ``checkpoint_s``, ``figures_s``.
+            ``setup_s`` (round 0: the sites' setup replies, the server's setup, the first delivery), ``checkpoint_s``, ``figures_s``.
         tracker_s: the loggers' own time (starting and finishing them, W&B images).
     """
     steps = steps or {}
@@ -118,6 +118,7 @@ def timing_summary(
     codec_s = sum(r["timing"]["codec_s"] for r in history)
     return {
         "data_s": steps.get("data_s", 0.0),
+        "setup_s": steps.get("setup_s", 0.0),
         "train_s": sum(r["timing"].get("train_s", 0.0) for r in history),
         "patch_eval_s": sum(r["timing"].get("eval_s", 0.0) for r in history),
         "volume_eval_s": sum(r["timing"].get("volume_eval_s", 0.0) for r in history),

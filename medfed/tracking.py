@@ -21,6 +21,7 @@ site's ROC curve and confusion matrix on its final test scores.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,7 +64,8 @@ class Tracker:
         strategy: the strategy's name (W&B tag and default run name).
         resume: continue the run in ``output_dir``: the same W&B run, the same metrics.csv.
         config_name: the config file's name, for the default W&B group.
-        quiet: W&B prints nothing (``--quiet``); otherwise it prints its run's folder and summary.
+        quiet: W&B prints nothing (``--quiet``); otherwise, offline, one line says where the W&B run is and how to sync
+            it (W&B's own start lines and run summary are left out); online, W&B prints its own lines and the run's URL.
 
     ``seconds`` adds up the time spent logging images, starting and finishing the run.
     """
@@ -90,6 +92,7 @@ class Tracker:
         self.csv = CSVLogger(root_dir=self.output_dir, name="csv", version=0, flush_logs_every_n_steps=1)
         self.loggers: list = [self.csv]
         self.wandb = None
+        self.offline_line = run_cfg.logger.wandb == "offline" and not quiet
         if run_cfg.logger.wandb != "disabled":
             import wandb
             from lightning.pytorch.loggers import WandbLogger
@@ -105,7 +108,9 @@ class Tracker:
                 save_dir=str(self.output_dir),
                 offline=run_cfg.logger.wandb == "offline",
                 id=run_id_file.read_text().strip() if resume and run_id_file.is_file() else None,
-                **({"settings": wandb.Settings(silent=True, quiet=True)} if quiet else {}),  # else W&B's own (WANDB_SILENT ...)
+                # --quiet: nothing; offline (the default): quiet, no run summary (medfed's table follows, and finish() says
+                # where the run is and how to sync it); online: W&B's own lines, with the run's URL.
+                **({"settings": wandb.Settings(silent=True, quiet=True)} if quiet or run_cfg.logger.wandb == "offline" else {}),
             )
             # Lightning passes W&B's deprecated `anonymous` setting (as None) to wandb.init, which then warns on every
             # run about a setting medfed never sets; left out, W&B's default is the same.
@@ -155,7 +160,10 @@ class Tracker:
 
             if figures:
                 self.wandb.log_metrics({f"figures/{path.stem}": wandb.Image(str(path), caption=path.name) for path in figures}, step=step)
+            folder = Path(self.wandb.experiment.dir).parent  # <output_dir>/wandb/offline-run-<time>-<id>
             self.wandb.experiment.finish(exit_code=exit_code)
+            if self.offline_line:
+                _status(f"W&B run (offline) in {folder}; upload it with: wandb sync {folder}")
         self.seconds += time.perf_counter() - tic
 
 
@@ -243,3 +251,10 @@ def classification_figures(sites: list[Site], title: str, labels: dict[int, str]
         "roc_curves": plot_roc_curves(scores, title),
         "confusion_matrices": plot_confusion_matrices(scores, title, (labels[0], labels[1])),
     }
+
+
+def _status(message: str) -> None:
+    """One line on stderr (``medfed: ...``), beside the progress bars."""
+    from tqdm import tqdm
+
+    tqdm.write(f"medfed: {message}", file=sys.stderr)
