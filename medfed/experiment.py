@@ -43,7 +43,8 @@ from medfed.models.classification import BinaryClassifier
 from medfed.output_dir import check_output_dir, finish_run, hold_output_dir, start_run
 from medfed.results import format_table, learned_nothing, run_results, timing_summary, volume_metrics, write_json_atomic
 from medfed.threads import choose_threads
-from medfed.tracking import Tracker, classification_figures
+from medfed.evaluation.imbalance import imbalance_warning, one_class_warning
+from medfed.tracking import Tracker, classification_figures, test_scores
 from medfed.viz.plots import add_source, plot_learning_curves, plot_segmentation_examples, save_figure
 
 
@@ -85,6 +86,11 @@ def _run(
     prototype, strategy = assembly.prototype, assembly.strategy
     for fix in assembly.model_changes:
         warn(f"privacy.dp: {fix}")
+    class_weight = getattr(resolved.model_options, "class_weight", None)
+    if isinstance(prototype, BinaryClassifier):  # a classifier on, say, 5% positives may learn to say "negative" only
+        skewed = imbalance_warning({site.name: site.train.tensors[1] for site in federation.sites}, class_weight)
+        if skewed is not None:
+            warn(skewed)
     if strategy.pools_data and run_cfg.federation.participation < 1:
         warn(f"strategy {strategy.name!r} pools the training data at one site: it trains only in the rounds that site takes part in")
 
@@ -193,6 +199,9 @@ def _run(
             figures["examples"] = examples
         if isinstance(prototype, BinaryClassifier):  # ROC curves and confusion matrices, not one number
             figures.update(classification_figures(sites, title, tracker.class_labels))
+            stuck = one_class_warning({site.name: test_scores(site) for site in sites}, class_weight)
+            if stuck is not None:
+                warn(stuck)
         for name, figure in figures.items():
             save_figure(add_source(figure, federation.description), output_dir / f"{name}.png")
     tracker.finish([output_dir / f"{name}.png" for name in figures], step=loop.round, exit_code=0 if failed is None else 1)
