@@ -120,7 +120,8 @@ def compare(
         check_tune(tune, grid.strategies, [*grid.overrides, *overrides], budgets)
         return _tune_and_compare(grid, overrides, tune, jobs, source, progress, reference, allow_unequal_compute)
     if budgets is None:
-        return _run_and_tabulate(grid, overrides, plan_runs(grid, overrides, jobs), jobs, source, progress, reference, allow_unequal_compute)[0]
+        runs = plan_runs(grid, overrides, jobs, progress=progress)
+        return _run_and_tabulate(grid, overrides, runs, jobs, source, progress, reference, allow_unequal_compute)[0]
     failed: dict[str, str] = {}
     per_budget = []
     for budget, one, budget_overrides, runs in plan_budgets(grid, overrides, budgets, jobs):  # every budget checked first
