@@ -92,6 +92,7 @@ class Tracker:
         self.csv = CSVLogger(root_dir=self.output_dir, name="csv", version=0, flush_logs_every_n_steps=1)
         self.loggers: list = [self.csv]
         self.wandb = None
+        self.mode, self.progress = run_cfg.logger.wandb, not quiet
         self.offline_line = run_cfg.logger.wandb == "offline" and not quiet
         if run_cfg.logger.wandb != "disabled":
             import wandb
@@ -130,8 +131,13 @@ class Tracker:
         for record in history:  # the rows exactly as the loop logged them
             self.csv.log_metrics(_flatten_for_logging(record), step=record["round"])
         if self.wandb is not None:
-            self.wandb.log_hyperparams(self.config)  # a resumed run's segment gets it too
+            from tqdm import tqdm
+
+            bar = tqdm(total=1, desc=f"starting W&B ({self.mode})", unit="step", leave=False, disable=not self.progress, file=sys.stderr)
+            self.wandb.log_hyperparams(self.config)  # a resumed run's segment gets it too (this starts W&B: seconds)
             (self.output_dir / RUN_ID_FILE).write_text(self.wandb.experiment.id + "\n")
+            bar.update()
+            bar.close()
         self.seconds += time.perf_counter() - tic
 
     def on_round_end(self, loop: FederatedLoop, record: dict[str, Any]) -> None:
