@@ -26,6 +26,11 @@ scored as ``brats-parse-metrics seg`` reports it:
   each pair's HD95 the 95th percentile of the two directed surface distances
   pooled (mm, from the voxel spacing) and its NSD at a tolerance of the
   smallest voxel side;
+* once a pair matches, unmatched lesions (a missed true lesion, a spurious
+  predicted one) do not enter these means: the package's ``seg`` report counts
+  them only in its detection columns (TP, FP, FN), which medfed does not
+  record; so a prediction with spurious lesions far from the tumour keeps a
+  high lesion-wise Dice while its whole-volume Dice and HD95 drop;
 * no matched pair while either side has a lesion (a missed tumour, or only
   spurious ones): Dice 0, NSD 0, HD95 373 mm (the package's penalty, the
   diagonal of the 1 mm SRI-24 grid, in place of panoptica's infinity);
