@@ -84,6 +84,7 @@ def test_medfeds_lesion_wise_scores_equal_the_packages_csv_exactly(tiny_brats_ro
     assert compared == 3 * 7 * 3 * 3
     assert misses >= 3 * 2  # the empty prediction misses every region, no_et its ET
     assert official.loc["00000-perfect", "lesionwise_dsc_mean_wt"] == 1.0 and expected["00000-shifted"]["lesion_dice_wt"] < 1.0
+    assert expected["00000-spurious"]["lesion_dice_wt"] == 1.0  # a spurious lesion beside a matched one: not in the mean
     assert 0 < undefined < compared  # a generated case without enhancing tumour, predicted without it
 
 
