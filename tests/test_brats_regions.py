@@ -101,3 +101,30 @@ def test_a_three_region_model_is_a_sigmoid_per_region_whose_masks_may_overlap():
     logits = torch.tensor([3.0, 2.0, -1.0]).reshape(1, 3, 1, 1).expand(1, 3, 2, 2)
     assert model.region_masks(logits)[0, :, 0, 0].tolist() == [True, True, False]  # WT and TC at once: not a softmax
     assert model.region_names == REGIONS and model.metric_names == ("label_iou", "label_iou_tc", "label_iou_et")
+
+
+def test_wandb_overlays_give_each_region_a_mask_and_a_colour_of_its_own():
+    from types import SimpleNamespace
+
+    from medfed.models.segmentation import UNetSegmenter
+    from medfed.tracking import REGION_LABELS, segmentation_overlays
+
+    model = UNetSegmenter(4, 3, UNetSegmenter.Options(channels=[4, 8], strides=[2], num_res_units=0), regions="brats")
+    x = torch.randn(5, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    y = torch.zeros(5, 3, 16, 16, dtype=torch.uint8)
+    y[:, 0, 2:12, 2:12] = y[:, 1, 4:10, 4:10] = y[:, 2, 6:8, 6:8] = 1
+    site = SimpleNamespace(name="site0", n_test=5, data=SimpleNamespace(test=SimpleNamespace(tensors=(x, y))), module=model,
+                           fabric=SimpleNamespace(to_device=lambda t: t))
+    overlays = segmentation_overlays(site, ("FLAIR", "T1", "T1ce", "T2"), REGION_LABELS)
+    assert len(overlays) == 4  # the fixed example patches
+    with torch.no_grad():
+        predicted = model.region_masks(model(x))
+    for image in overlays:
+        index = int(image._caption.split("patch ")[1].split(":")[0])
+        masks = {key: mask._val["mask_data"] for key, mask in image._masks.items()}
+        assert set(masks) == {f"{kind} {region}" for kind in ("truth", "prediction") for region in ("WT", "TC", "ET")}
+        for r, region in enumerate(("WT", "TC", "ET")):  # region r is class r + 1: its own colour, WT/TC/ET named
+            assert set(np.unique(masks[f"truth {region}"])) == {0, r + 1}
+            np.testing.assert_array_equal(masks[f"truth {region}"], np.flipud(y[index, r].numpy().T) * (r + 1))
+            np.testing.assert_array_equal(masks[f"prediction {region}"], np.flipud(predicted[index, r].numpy().T).astype(np.uint8) * (r + 1))
+        assert image._masks["truth TC"]._val["class_labels"][2] == "tumour core (TC)"
