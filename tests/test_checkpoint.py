@@ -8,7 +8,6 @@ import shutil
 import pytest
 import torch
 
-import medfed.checkpoint as checkpoint_module
 from medfed.checkpoint import FOLDER, checkpoints, read_checkpoint, resume_state, save_checkpoint
 from medfed.cli import main
 from medfed.errors import DataError
