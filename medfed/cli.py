@@ -148,7 +148,7 @@ def _run_command(args: argparse.Namespace, extra: list[str]) -> int:
 
 def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
     """``compare``: 0 when every run finished, 1 when some failed (the tables hold the others), 130 on Ctrl-C."""
-    if not args.quiet:  # at once: importing the statistics and checking a large grid's configs takes a while
+    if not args.quiet and sys.stderr.isatty():  # at once, on a terminal: the statistics load and a large grid's check take a while
         what = f"grid {args.grid}" if args.grid is not None else f"{' '.join(args.config)} x {' '.join(args.strategies or ['all'])}"
         print(f"medfed: compare: {what}: checking every run before any starts", file=sys.stderr, flush=True)
     from medfed.compare import compare

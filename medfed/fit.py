@@ -22,7 +22,7 @@ from typing import Any
 from medfed.components import resolve
 from medfed.config import load_config, to_yaml
 from medfed.errors import INTERRUPTED, RunFailed, SiteFailure
-from medfed.output_dir import check_output_dir
+from medfed.output_dir import check_output_dir, hold_output_dir
 
 
 def fit(
@@ -46,7 +46,8 @@ def fit(
         print(to_yaml(resolved.config), end="")
         return 0
     output_dir = Path(resolved.run.output_dir)
-    check_output_dir(output_dir, resume=resume, overwrite=overwrite)  # an earlier run is refused before the heavy imports
+    with hold_output_dir(output_dir):  # a folder another run writes, or an earlier run in it: refused before the heavy imports
+        check_output_dir(output_dir, resume=resume, overwrite=overwrite)
     if not quiet:
         run_cfg = resolved.run
         print(

@@ -1,6 +1,7 @@
 """A two-class model on strongly imbalanced labels: warned before training, and when it ends predicting one class."""
 
 import csv
+import logging
 
 import torch
 
@@ -33,7 +34,7 @@ def test_a_model_that_predicts_one_class_for_every_test_sample_is_named():
     assert one_class_warning({"site1": scores["site1"]}, None) is None
 
 
-def test_a_run_on_five_percent_positives_warns_before_training_and_after(tmp_path, capsys):
+def test_a_run_on_five_percent_positives_warns_before_training_and_after(tmp_path, caplog):
     rows = list(csv.DictReader(open(write_breast_cancer_csv(tmp_path / "full.csv"))))
     kept = [row for row in rows if row["diagnosis"] != "malignant"] + [row for row in rows if row["diagnosis"] == "malignant"][:21]
     with open(tmp_path / "rare.csv", "w", newline="") as file:  # 357 benign, 21 malignant: 5.6% positive
@@ -42,9 +43,11 @@ def test_a_run_on_five_percent_positives_warns_before_training_and_after(tmp_pat
         writer.writerows(kept)
     arguments = ["fit", "--config", "clinical_delta1", f"data.csv={tmp_path / 'rare.csv'}", "data.embedded=null", "federation.label_ratio=null",
                  "trainer.rounds=2", "strategy.name=fedavg", "logger.wandb=disabled", f"output_dir={tmp_path / 'run'}", "--quiet"]
+    caplog.set_level(logging.WARNING, logger="medfed")
     assert main(arguments) == 0
-    err = capsys.readouterr().err
-    assert "medfed: warning: strongly imbalanced training labels (positive share: site0 4.9%" in err
-    assert "medfed: warning: the final model predicts one class for every test sample at site0 (negative)" in err
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert any(w.startswith("strongly imbalanced training labels (positive share: site0 4.9%") for w in warnings), warnings
+    assert any(w.startswith("the final model predicts one class for every test sample at site0 (negative)") for w in warnings)
+    caplog.clear()
     assert main([*arguments[:-2], f"output_dir={tmp_path / 'weighed'}", "model.class_weight=balanced", "--quiet"]) == 0
-    assert "warning" not in capsys.readouterr().err  # the classes weighed: no imbalance warning, and both classes predicted
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # the classes weighed: no warning, both classes predicted

@@ -115,7 +115,7 @@ def test_similarity_graph_panels_say_which_rounds_each_graph_served():
 
     assert _served(0, None) == "built before training, used in every round"  # the data space's graph: the only one
     assert [_served(0, 5), _served(5, 6), _served(6, None)] == [
-        "built before training, used in rounds 1-5", "built after round 5, used in round 6", "built after round 6, used from round 7 on",
+        "built before training, used in rounds 1-4", "built in round 5, used in round 5", "built in round 6, used from round 6 on",
     ]
 
 

@@ -5,15 +5,12 @@ refusal a run would meet before reading data: a strategy DP does not fit, an
 unknown key); ``compare`` commands plan their whole grid (each run's config
 resolved, its folder inspected) with the runs themselves left out;
 ``predict`` and ``deploy`` commands parse with their own flags (their data
-are the user's); ``pip install`` lines name extras pyproject.toml declares;
-benchmark scripts exist and accept the flags given. The notebook's command
-runs in tests/test_notebook.py.
+are the user's); ``pip install`` lines name extras pyproject.toml declares.
+The notebook's command runs in tests/test_notebook.py.
 """
 
 import re
 import shlex
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -83,12 +80,3 @@ def test_a_pip_command_names_extras_pyproject_declares(command):
     declared = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
     for match in re.finditer(r"\.\[([^\]]+)\]", command):
         assert set(match[1].split(",")) <= declared, command
-
-
-@pytest.mark.parametrize("command", [c for c in COMMANDS if c.startswith("python benchmarks/")])
-def test_a_benchmark_command_names_a_script_and_flags_it_takes(command):
-    script, *arguments = shlex.split(command)[1:]
-    done = subprocess.run([sys.executable, str(REPO / script), "--help"], capture_output=True, text=True, cwd=REPO)
-    assert done.returncode == 0, done.stderr
-    for flag in (argument for argument in arguments if argument.startswith("--")):
-        assert flag in done.stdout, (command, flag)

@@ -367,9 +367,15 @@ class PFedNet(Strategy):
 
 
 def _served(built_at: int, next_built_at: int | None) -> str:
-    """A similarity graph's panel label: when it was built and which rounds it served (the next graph replaced it after round ``next_built_at``)."""
-    when = "built before training" if built_at == 0 else f"built after round {built_at}"
+    """A similarity graph's panel label: when it was built and the rounds whose server steps it served.
+
+    A graph built in round k (from that round's personal parts) serves round k's fusion already and each
+    round after until the next graph is built; one built at setup (round 0, before training) serves from round 1.
+    """
+    when = "built before training" if built_at == 0 else f"built in round {built_at}"
+    first = max(built_at, 1)
     if next_built_at is None:
-        return f"{when}, used in every round" if built_at == 0 else f"{when}, used from round {built_at + 1} on"
-    rounds = f"round {built_at + 1}" if next_built_at == built_at + 1 else f"rounds {built_at + 1}-{next_built_at}"
+        return f"{when}, used in every round" if built_at == 0 else f"{when}, used from round {first} on"
+    last = next_built_at - 1
+    rounds = f"round {first}" if last == first else f"rounds {first}-{last}"
     return f"{when}, used in {rounds}"
