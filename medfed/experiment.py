@@ -202,7 +202,7 @@ def _run(
             stuck = one_class_warning({site.name: test_scores(site) for site in sites}, class_weight)
             if stuck is not None:
                 warn(stuck)
-        for name, figure in figures.items():
+        for name, figure in tqdm(figures.items(), desc="writing the figures", unit="figure", leave=False, disable=not progress):
             save_figure(add_source(figure, federation.description), output_dir / f"{name}.png")
     tracker.finish([output_dir / f"{name}.png" for name in figures], step=loop.round, exit_code=0 if failed is None else 1)
     results["timing"].update(timing_summary(loop.history, time.perf_counter() - started, fabric.device, seconds, tracker.seconds))
