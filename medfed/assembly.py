@@ -75,7 +75,7 @@ def seeded_prototype(resolved: ResolvedRun, input_shape: tuple[int, ...] | list[
     """The configured model for inputs of ``input_shape`` (channels or features first), initialised from ``trainer.seed``."""
     with torch.random.fork_rng():
         torch.manual_seed(resolved.run.trainer.seed)
-        return resolved.model_cls(input_shape[0], num_classes, resolved.model_options)
+        return resolved.model_cls(input_shape[0], num_classes, resolved.model_options, **resolved.task_inputs)
 
 
 @dataclass

@@ -31,8 +31,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import torch
-
 from medfed.atomic import atomic_write, remove_stale_temporaries
 from medfed.errors import ConfigError, DataError
 
@@ -214,6 +212,8 @@ def _check_keys(path: Path, state: dict[str, Any], required: tuple[str, ...]) ->
 
 def save_with_digest(obj: Any, file: BinaryIO) -> None:
     """:func:`torch.save` ``obj`` into ``file``, hashed while written, then the SHA-256 trailer (no second copy in memory)."""
+    import torch  # here, not at the top: listing a run folder's checkpoints (the CLI's first checks) needs no torch
+
     hashing = _HashingWriter(file)
     torch.save(obj, hashing)
     file.write(_TRAILER_START + hashing.digest.hexdigest().encode() + b"\n")
@@ -228,6 +228,8 @@ def load_with_digest(path: Path, what: str) -> Any:
         DataError: the file is missing, empty, truncated, fails its SHA-256
             check, or holds objects other than tensors and plain data.
     """
+    import torch
+
     try:
         with open(path, "rb") as file:
             size = _verify(file, path, what)

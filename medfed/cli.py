@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     predict.add_argument("--out", required=True, type=Path, help="the segmentation to write, e.g. pred.nii.gz")
     predict.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    predict.add_argument(
+        "--truth", type=Path, help="the scan's segmentation: score the prediction against it per region (Dice, HD95, lesion-wise scores)"
+    )
+    predict.add_argument("--quiet", action="store_true", help="no progress lines or bars")
     strategies = commands.add_parser("strategies", help="list the registered strategies (strategy.name choices)")
     strategies.add_argument(
         "--markdown", action="store_true", help="every table generated from the registry (the README's list, docs/privacy.md's)"
@@ -138,11 +142,7 @@ def _run_command(args: argparse.Namespace, extra: list[str]) -> int:
     if args.command == "strategies":
         return _strategies(args.markdown, args.files)
     if args.command == "predict":
-        from medfed.predict import predict
-
-        written = predict(args.run, args.site, args.input, args.out, overwrite=args.overwrite)
-        print(f"medfed: wrote {written}", file=sys.stderr)
-        return 0
+        return _predict(args)
     if args.command == "compare":
         return _compare(args, [*args.overrides, *extra])
     if args.command == "deploy":
@@ -177,6 +177,9 @@ def _strategies(markdown: bool, files: list[Path]) -> int:
 
 def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
     """``compare``: 0 when every run finished, 1 when some failed (the tables hold the others), 130 on Ctrl-C."""
+    if not args.quiet and sys.stderr.isatty():  # at once, on a terminal: the statistics load and a large grid's check take a while
+        what = f"grid {args.grid}" if args.grid is not None else f"{' '.join(args.config)} x {' '.join(args.strategies or ['all'])}"
+        print(f"medfed: compare: {what}: checking every run before any starts", file=sys.stderr, flush=True)
     from medfed.compare import compare
     from medfed.compare.grid import make_grid, read_grid
 
@@ -214,6 +217,19 @@ def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
     if failed:
         print(error_line(f"{len(failed)} run(s) failed: {', '.join(failed)} (their logs are in {grid.output / 'logs'})"), file=sys.stderr)
         return 1
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    """``predict``: on a terminal, a line once the run folder is checked and a labelled bar over each wait; the written
+    file and, with ``--truth``, its scores (:func:`medfed.predict.predict`)."""
+    from medfed.predict import predict, score_table
+
+    progress = not args.quiet and sys.stderr.isatty()
+    scores = predict(args.run, args.site, args.input, args.out, overwrite=args.overwrite, truth=args.truth, progress=progress)
+    print(f"medfed: wrote {args.out}", file=sys.stderr)
+    if scores is not None:
+        print(score_table(scores, f"{args.out} against {args.truth}"))
     return 0
 
 

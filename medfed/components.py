@@ -190,8 +190,8 @@ class ResolvedRun:
 
     @property
     def task_inputs(self) -> dict[str, Any]:
-        """Keyword arguments of ``task.build_federation`` that the model decides (``target`` where the task offers a choice)."""
-        return {"target": self.model_options.target} if task_spec(self.task_name).targets else {}
+        """Keyword arguments of ``task.build_federation`` and of the model that ``task.regions`` decides (where the task offers a choice)."""
+        return {"regions": self.run.task.regions} if task_spec(self.task_name).regions else {}
 
 
 def _require_opacus(key: str, mechanism: str) -> None:
@@ -222,13 +222,17 @@ def resolve(cfg: DictConfig) -> ResolvedRun:
         raise ConfigError(
             f"config key 'model.name' = {model_name!r}: the {task.name} task's samples fit {', '.join(task.models)} only"
         )
+    if "target" in config["model"] and model_name == "unet":  # renamed: say where it went
+        raise ConfigError("config key 'model.target' is now 'task.regions': wt (the whole tumour) or brats (WT, TC and ET)")
     model_options = parse_options(MODEL_OPTIONS[model_name], config["model"], "model", ignore=("name",))
     check_input_size = getattr(model_options, "check_input_size", None)  # a model whose layers constrain the patch size
     if check_input_size is not None and hasattr(data_options, "patch_size"):
         check_input_size(data_options.patch_size, "data.patch_size")
-    target = getattr(model_options, "target", None)
-    if target is not None and target not in task.targets:
-        raise ConfigError(f"config key 'model.target' = {target!r}: the {task.name} task labels samples for {', '.join(task.targets) or 'no target choice'}")
+    regions = run.task.regions
+    if regions != "wt" and regions not in task.regions:
+        raise ConfigError(
+            f"config key 'task.regions' = {regions!r}: the {task.name} task has one fixed target (tumour regions are the brats task's)"
+        )
     if run.privacy.dp.enabled:  # a DP run: Opacus present, and the strategy's own refusal (its class imports torch)
         _require_opacus("privacy.dp", "DP-SGD")
         strategy_cls = strategy_spec(strategy_name).load()
@@ -241,6 +245,8 @@ def resolve(cfg: DictConfig) -> ResolvedRun:
         if refusal is not None:
             raise ConfigError(f"config key 'privacy.client_dp': client-level DP does not fit strategy {strategy_name!r}: {refusal} (docs/privacy.md)")
     _check_aggregation(run, strategy_name)
+    if run.evaluation.lesion_wise:  # required: the package must be here before any data is read
+        run.evaluation.wants_lesion_wise()
     check_device(run.trainer.device)
     full = {
         **config,

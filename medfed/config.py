@@ -268,6 +268,27 @@ class TrainerConfig:
         require(self.keep_checkpoints >= 1, "trainer.keep_checkpoints", self.keep_checkpoints, "an integer >= 1")
 
 
+REGION_SETS = ("wt", "brats")
+"""``task.regions``: the whole tumour alone (one binary output), or the BraTS challenge's three nested regions."""
+
+
+@dataclass
+class TaskConfig:
+    """What a segmentation task's samples are labelled for (``task.regions``).
+
+    ``wt``: the whole tumour, one binary mask (two softmax outputs: the
+    pFedNet paper's task, the default). ``brats``: the BraTS challenge's three
+    overlapping regions, whole tumour (WT), tumour core (TC) and enhancing
+    tumour (ET), as three sigmoid outputs (the challenge practice); every
+    metric is then reported per region. Only the BraTS task offers a choice.
+    """
+
+    regions: str = "wt"
+
+    def __post_init__(self) -> None:
+        require(self.regions in REGION_SETS, "task.regions", self.regions, " or ".join(REGION_SETS))
+
+
 @dataclass
 class EvaluationConfig:
     """Whole-volume evaluation, for tasks whose samples are cut from volumes (BraTS).
@@ -275,10 +296,26 @@ class EvaluationConfig:
     ``volume_every``: evaluate every site's model on its whole evaluation
     volumes every k rounds and at the last round (0: at the last round only;
     null: never). ``volume_batch_size``: sliding windows per forward pass.
+    ``lesion_wise``: add the BraTS challenge's lesion-wise Dice, NSD and HD95
+    computed by the ``brats-evaluation`` package (:mod:`medfed.evaluation.lesion_wise`)
+    to the whole-volume scores: null, when the package is installed; true,
+    always (the run is refused before any data is read without it); false, never.
     """
 
     volume_every: int | None = 10
     volume_batch_size: int = 32
+    lesion_wise: bool | None = None
+
+    def wants_lesion_wise(self) -> bool:
+        """Whether whole volumes get the lesion-wise scores (the package checked for, not imported)."""
+        from medfed.evaluation.lesion_wise import INSTALL, available
+
+        if self.lesion_wise is False:
+            return False
+        present = available()
+        require(present or self.lesion_wise is None, "evaluation.lesion_wise", True,
+                f"null or false: the brats-evaluation package is not installed ({INSTALL})")
+        return present
 
     def __post_init__(self) -> None:
         require(self.volume_every is None or self.volume_every >= 0, "evaluation.volume_every", self.volume_every, "null or an integer >= 0")
@@ -531,6 +568,7 @@ class RunConfig:
     """The whole run. ``data``, ``model`` and ``strategy`` are checked by their components."""
 
     data: dict[str, Any] = field(default_factory=dict)
+    task: TaskConfig = field(default_factory=TaskConfig)
     federation: FederationConfig = field(default_factory=FederationConfig)
     model: dict[str, Any] = field(default_factory=dict)
     strategy: dict[str, Any] = field(default_factory=dict)

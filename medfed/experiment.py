@@ -47,9 +47,10 @@ from medfed.federated import fused
 from medfed.federated.sites import InProcessSites, executor_for
 from medfed.models.classification import BinaryClassifier
 from medfed.output_dir import check_output_dir, finish_run, hold_output_dir, start_run
-from medfed.results import format_table, learned_nothing, run_results, timing_summary, write_json_atomic, write_results
+from medfed.results import format_table, learned_nothing, run_results, timing_summary, volume_metrics, write_json_atomic, write_results
 from medfed.threads import ThreadChoice, choose_threads
-from medfed.tracking import Tracker, classification_figures
+from medfed.evaluation.imbalance import imbalance_warning, one_class_warning
+from medfed.tracking import Tracker, classification_figures, test_scores
 from medfed.viz.plots import add_source, plot_learning_curves, plot_segmentation_examples, save_figure
 
 
@@ -92,6 +93,8 @@ class _Run:
     fabric: Fabric
     sites: InProcessSites
     write_checkpoint: BackgroundCheckpoints
+    #: the whole-volume evaluation callback, where the run has one (empty: none)
+    volume_evaluation: list[VolumeEvaluation]
     #: time of the steps outside the loop's rounds (results.json "timing")
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     loop: FederatedLoop | None = None
@@ -123,6 +126,8 @@ class _Run:
             device=str(self.fabric.device),
             pooled=pooled_reference(self.federation.sites) if self.assembly.strategy.pools_data else None,
         )
+        if self.volume_evaluation:
+            results["volume_metrics"] = volume_metrics(loop.history, self.volume_evaluation[0].lesion_wise)
         if run_cfg.privacy.dp.enabled or run_cfg.privacy.client_dp.enabled:
             results["privacy"] = {**privacy_summary(loop.history), "model_changes": list(self.assembly.model_changes)}
         return results
@@ -149,12 +154,17 @@ def _build(
     strategy = assembly.strategy
     for fix in assembly.model_changes:
         warn(f"privacy.dp: {fix}")
+    if isinstance(assembly.prototype, BinaryClassifier):  # a classifier on, say, 5% positives may learn to say "negative" only
+        skewed = imbalance_warning({site.name: site.train.tensors[1] for site in federation.sites}, _class_weight(resolved))
+        if skewed is not None:
+            warn(skewed)
     if strategy.pools_data and run_cfg.federation.participation < 1:
         warn(f"strategy {strategy.name!r} pools the training data at one site: it trains only in the rounds that site takes part in")
     tracker = Tracker(run_cfg, config, federation, strategy.name, resume=resume, config_name=config_name, quiet=not progress)
     validation = [ValidationEvaluation()] if any(site.validation is not None for site in federation.sites) else []
     privacy = [PrivacyRecord(dp.on_budget)] if dp.enabled else []
-    callbacks = [*_volume_evaluation(federation, run_cfg, progress), *validation, *privacy, tracker]  # scores join the round before the tracker logs
+    volume_evaluation = _volume_evaluation(federation, run_cfg, progress)
+    callbacks = [*volume_evaluation, *validation, *privacy, tracker]  # scores join the round before the tracker logs
     fabric = make_fabric(trainer, loggers=tracker.loggers, callbacks=callbacks)
     sites = assembly.sites(fabric, federation)
     if dp.enabled:
@@ -169,7 +179,7 @@ def _build(
     in_process = InProcessSites(sites, links, executor, attack)
     run = _Run(
         resolved, output_dir, started, progress, threads, federation, assembly, tracker, fabric, in_process,
-        BackgroundCheckpoints(output_dir, config, trainer.keep_checkpoints), seconds,
+        BackgroundCheckpoints(output_dir, config, trainer.keep_checkpoints), volume_evaluation, seconds,
     )
     run.loop = federated_loop(run_cfg, fabric, strategy, in_process, initial, run.save_checkpoint, output_dir / FOLDER)
     if resumed is not None:
@@ -192,6 +202,15 @@ def _train(run: _Run) -> None:
     """
     loop, trainer, name = run.loop, run.resolved.run.trainer, run.assembly.strategy.name
     run.bar = tqdm(total=trainer.rounds, initial=loop.round, desc=f"{name} rounds", unit="round", disable=not run.progress)
+    set_up = loop.setup  # round 0 (the sites' setup replies, the server's setup, the first delivery) runs inside fit: label its wait
+
+    def labelled_setup() -> None:
+        run.bar.set_description_str(f"{name}: setting up the sites and the server (round 0)")
+        with _timed(run.seconds, "setup_s"):
+            set_up()
+        run.bar.set_description_str(f"{name} rounds (round 1)")
+
+    loop.setup = labelled_setup
     try:
         loop.fit(trainer.rounds, progress=lambda record: (run.bar.set_postfix(record["mean"]), run.bar.update()))
         run.checkpoints_written()
@@ -215,6 +234,10 @@ def _report(run: _Run, *, resume: bool, overwrite: bool) -> dict[str, Any]:
     results = run.results()
     failed = learned_nothing(loop.history)
     write_results(output_dir / "results.json", results)
+    if isinstance(run.assembly.prototype, BinaryClassifier):  # every site predicting one class: said, figures or not
+        stuck = one_class_warning({site.name: test_scores(site) for site in run.sites}, _class_weight(run.resolved))
+        if stuck is not None:
+            warn(stuck)
     figures = {}
     if run.resolved.run.logger.figures:
         if run.progress:
@@ -251,20 +274,28 @@ def _figures(run: _Run) -> dict[str, Any]:
         figures["examples"] = examples
     if isinstance(run.assembly.prototype, BinaryClassifier):  # ROC curves and confusion matrices, not one number
         figures.update(classification_figures(list(run.sites), title, run.tracker.class_labels))
-    for name, figure in figures.items():
+    for name, figure in tqdm(figures.items(), desc="writing the figures", unit="figure", leave=False, disable=not run.progress):
         save_figure(add_source(figure, federation.description), run.output_dir / f"{name}.png")
     return figures
 
 
 def _volume_evaluation(federation: Federation, run_cfg: RunConfig, progress: bool) -> list[VolumeEvaluation]:
     """The whole-volume evaluation callback, where the task has volumes and ``evaluation.volume_every`` is not null."""
-    every = run_cfg.evaluation.volume_every
-    if federation.volumes is None or every is None:
+    evaluation = run_cfg.evaluation
+    if federation.volumes is None or evaluation.volume_every is None:
         return []
     patch_size = federation.input_shape[-1]
     return [
-        VolumeEvaluation(federation.volumes, patch_size, every, run_cfg.trainer.rounds, run_cfg.evaluation.volume_batch_size, progress)
+        VolumeEvaluation(
+            federation.volumes, patch_size, evaluation.volume_every, run_cfg.trainer.rounds, evaluation.volume_batch_size, progress,
+            lesion_wise=evaluation.wants_lesion_wise(),
+        )
     ]
+
+
+def _class_weight(resolved: ResolvedRun) -> Any:
+    """``model.class_weight`` where the model has one (a classifier's), else None."""
+    return getattr(resolved.model_options, "class_weight", None)
 
 
 def _status(message: str) -> None:

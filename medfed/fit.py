@@ -15,12 +15,15 @@ import errno
 import shlex
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from medfed.components import resolve
 from medfed.config import load_config, to_yaml
 from medfed.console import error_line
 from medfed.errors import INTERRUPTED, RunFailed, SiteFailure
+from medfed.output_dir import check_output_dir, hold_output_dir
 
 
 def fit(
@@ -43,7 +46,18 @@ def fit(
     if print_config:
         print(to_yaml(resolved.config), end="")
         return 0
-    from medfed.experiment import run  # torch, Lightning and MONAI: only for a run
+    output_dir = Path(resolved.run.output_dir)
+    with hold_output_dir(output_dir):  # a folder another run writes, or an earlier run in it: refused before the heavy imports
+        check_output_dir(output_dir, resume=resume, overwrite=overwrite)
+    if not quiet:
+        run_cfg = resolved.run
+        print(
+            f"medfed: fit {Path(config).stem}: {resolved.strategy_name} on {resolved.task_name}, {run_cfg.trainer.rounds} rounds, "
+            f"seed {run_cfg.trainer.seed} (config checked)",
+            file=sys.stderr,
+            flush=True,
+        )
+    run = import_run(progress=not quiet)
 
     try:
         run(cfg, resume=resume, overwrite=overwrite, progress=not quiet, config_name=Path(config).stem)
@@ -62,6 +76,26 @@ def fit(
         print(error_line(f"{full_disk(error, Path(cfg.output_dir))}; {how_to_resume(config, overrides, Path(cfg.output_dir))}"), file=sys.stderr)
         return 2
     return 0
+
+
+HEAVY_IMPORTS = (("torch", "torch"), ("lightning.fabric", "Lightning"), ("monai.networks.nets", "MONAI"), ("medfed.experiment", "medfed"))
+"""What a run imports before its first step, in order, with the name the loading bar shows (about 10 s on a busy 2-core VM)."""
+
+
+def import_run(progress: bool = True) -> Callable[..., Any]:
+    """:func:`medfed.experiment.run`, its heavy imports (torch, Lightning, MONAI) under a labelled bar on stderr."""
+    import importlib
+
+    from tqdm import tqdm  # text bars: tqdm.auto warns in a notebook without ipywidgets
+
+    bar = tqdm(HEAVY_IMPORTS, desc="loading", unit="package", leave=False, disable=not progress, file=sys.stderr)
+    for module, name in bar:
+        bar.set_description_str(f"loading {name}")
+        importlib.import_module(module)
+    bar.close()
+    from medfed.experiment import run
+
+    return run
 
 
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)

@@ -26,6 +26,9 @@ deployment's ServerApp (:mod:`medfed.deploy.server_app`), write one schema,
   trained on, as the engine saw it, and the ``precision`` and ``compile``
   they trained with: ``trainer.precision``, ``trainer.compile``), and
   ``outcome`` when nothing was learned (:func:`learned_nothing`);
+* the simulator's also, where whole volumes were evaluated, ``volume_metrics``
+  (:func:`volume_metrics`: which code computed each whole-volume score, with
+  its version, and every patient's scores);
 * last, ``integrity``: the SHA-256 of everything before it (:func:`write_results`),
   so that a results.json changed by hand or by a damaged disk is refused by name
   where it is read back (``compare``, :func:`results_fault`).
@@ -115,6 +118,7 @@ def timing_summary(
         wall_s: seconds since the run (this part of a resumed run) started.
         device: where the loop's tensors live.
         steps: the steps outside the rounds that the engine timed: ``data_s`` (building the federation),
+            ``setup_s`` (round 0: the sites' setup replies, the server's setup, the first delivery),
             ``checkpoint_s`` (on the training path: copying each round's state, waiting for a write),
             ``checkpoint_write_s`` (the background writer's, beside the training), ``figures_s``.
         tracker_s: the loggers' own time (starting and finishing them, W&B images).
@@ -125,6 +129,7 @@ def timing_summary(
     codec_s = sum(r["timing"]["codec_s"] for r in history)
     return {
         "data_s": steps.get("data_s", 0.0),
+        "setup_s": steps.get("setup_s", 0.0),
         "train_s": sum(r["timing"].get("train_s", 0.0) for r in history),
         "patch_eval_s": sum(r["timing"].get("eval_s", 0.0) for r in history),
         "volume_eval_s": sum(r["timing"].get("volume_eval_s", 0.0) for r in history),
@@ -163,6 +168,20 @@ def summarise(history: list[dict[str, Any]], site_sizes: dict[str, int], split: 
     return {"sites": rows, "mean": mean}
 
 
+def volume_metrics(history: list[dict[str, Any]], lesion_wise: bool) -> dict[str, Any]:
+    """results.json's ``volume_metrics``: the code (and version) behind each whole-volume score, and every patient's scores.
+
+    Returns:
+        ``{"code": ..., "round": r, "patients": {site: {case: {metric: value}}}}`` of the last round with
+        whole-volume scores (``round`` null and no patients before any); the site means are in ``sites``.
+    """
+    from medfed.evaluation.lesion_wise import metric_code
+
+    evaluated = [record for record in history if "volumes" in record]
+    last = evaluated[-1] if evaluated else None
+    return {"code": metric_code(lesion_wise), "round": last["round"] if last else None, "patients": last["volumes"] if last else {}}
+
+
 def learned_nothing(history: list[dict[str, Any]]) -> str | None:
     """Why the run learned nothing, or None: every round's participants all failed (no reply was aggregated in any round).
 
@@ -192,6 +211,12 @@ def communication_totals(links: list) -> dict[str, Any]:
     return totals
 
 
+VOLUME_METRIC = re.compile(r"(lesion_dice|lesion_nsd|lesion_hd95|dice|iou|hd95)_(wt|tc|et)")
+"""A whole-volume score's key: ``<metric>_<region>`` (:mod:`medfed.evaluation.volume`, :mod:`medfed.evaluation.lesion_wise`)."""
+VOLUME_COLUMNS = ("dice", "iou", "hd95", "lesion_dice", "lesion_nsd", "lesion_hd95")
+REGION_TITLES = {"wt": "WT, whole tumour", "tc": "TC, tumour core", "et": "ET, enhancing tumour"}
+
+
 def format_table(results: dict[str, Any]) -> str:
     """Plain-text table: one row per site, then the mean over sites; data provenance on top.
 
@@ -199,20 +224,20 @@ def format_table(results: dict[str, Any]) -> str:
     and in the size column's name (``n_validation``). A site excluded for
     failing is marked ``*`` and a line under the table says when and why. A
     pooled run (``results["pooled"]``) says above the table that it is the
-    centralised reference, not a federated result.
+    centralised reference, not a federated result. Whole-volume scores follow
+    in one block per region (:func:`volume_blocks`).
     """
     split = results["federation"].get("holdout", "test")
     size = f"n_{split}"
     rows = results["sites"]
     names = [k for k in rows[0] if k not in ("site", size)]
+    volume = [name for name in names if VOLUME_METRIC.fullmatch(name)]
+    names = [name for name in names if name not in volume]
     header = ["site", *names, size]
     excluded = results.get("excluded", {})
     mark = lambda site: site + ("*" if site in excluded else "")
-    body = [[mark(row["site"]), *(f"{row[n]:.4f}" for n in names), str(row[size])] for row in rows]
-    body.append(["mean", *(f"{results['mean'][n]:.4f}" for n in names), str(sum(r[size] for r in rows))])
-    widths = [max(len(header[i]), *(len(r[i]) for r in body)) for i in range(len(header))]
-    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-    rule = "-" * (sum(widths) + 2 * (len(widths) - 1))
+    body = [[mark(row["site"]), *(format_cell(row[n]) for n in names), str(row[size])] for row in rows]
+    body.append(["mean", *(format_cell(results["mean"][n]) for n in names), str(sum(r[size] for r in rows))])
     title = f"{results['strategy']} on {results['federation']['task']}, data: {results['federation']['description']}"
     if split != "test":
         title += f"; metrics on the {split.upper()} split (test split set aside)"
@@ -233,25 +258,63 @@ def format_table(results: dict[str, Any]) -> str:
     pooled = results.get("pooled")
     if pooled:  # not a federated result: say so above the table
         title += f"\n{pooled['reference']} ({pooled['n_train']} training samples, held at {pooled['pool_site']})"
-    notes += _volume_note(names, size, results["federation"])
-    return "\n".join([title, rule, line(header), rule, *map(line, body[:-1]), rule, line(body[-1]), *notes])
+    if volume:
+        notes.append(f"{', '.join(names)}: over all {split} patches of a site ({size} = patches)")
+    lines = [title, *text_grid(header, body, ruled_last=True), *notes]
+    if volume:
+        lines += volume_blocks(rows, results["mean"], volume, split, results["federation"], results.get("volume_metrics", {}).get("code"))
+    return "\n".join(lines)
 
 
-def _volume_note(names: list[str], size: str, federation: dict[str, Any]) -> list[str]:
-    """Where whole-volume metrics sit beside patch metrics: a line saying what each counts (patches vs patients), HD95 in mm."""
-    volume = [name for name in names if re.fullmatch(r"(dice|iou|hd95)_(wt|tc|et)", name)]
-    if not volume:
-        return []
-    split = size.removeprefix("n_")
+def volume_blocks(
+    rows: list[dict[str, Any]], mean: dict[str, float], names: list[str], split: str, federation: dict[str, Any], code: dict[str, Any] | None
+) -> list[str]:
+    """The whole-volume scores as one small table per region: a row per site and the mean, a column per score.
+
+    Args:
+        rows, mean: the table's site rows and means (``<metric>_<region>`` keys among them).
+        names: the whole-volume keys present.
+        split: the evaluated split (its patients are averaged).
+        federation: results.json's ``federation`` (each site's ``<split>_cases`` count the patients).
+        code: results.json's ``volume_metrics.code`` (which code computed what), if known.
+    """
     patients = sorted({len(site.get(f"{split}_cases", [])) for site in federation.get("sites", [])})
     per_site = ""
     if patients and patients[-1]:
         per_site = f" ({patients[0]} per site)" if len(patients) == 1 else f" ({patients[0]}-{patients[-1]} per site)"
-    patch = [name for name in names if name not in volume]
-    return [
-        f"{', '.join(patch)}: over all {split} patches of a site ({size} = patches); "
-        f"{', '.join(volume)}: whole volumes, mean over the site's {split} patients{per_site}; hd95 in mm"
+    lesion = (code or {}).get("lesion_wise")
+    by = f"lesion_*: brats-evaluation {lesion['version']} (panoptica {lesion['panoptica']}), a missed lesion's HD95 = {lesion['miss_hd95_mm']:g} mm" if lesion else ""
+    lines = [
+        f"whole volumes: mean over each site's {split} patients{per_site}; HD95 in mm; dice, iou, hd95: medfed's whole-volume "
+        f"(legacy) scores" + (f"; {by}" if by else "")
     ]
+    note = (code or {}).get("lesion_wise_note")
+    if note and not lesion:
+        lines[0] += f"; no lesion-wise scores ({note})"
+    for region in REGION_TITLES:
+        columns = [column for column in VOLUME_COLUMNS if f"{column}_{region}" in names]
+        if not columns:
+            continue
+        header = [REGION_TITLES[region], *columns]
+        body = [[row["site"], *(format_cell(row[f"{column}_{region}"]) for column in columns)] for row in rows]
+        body.append(["mean", *(format_cell(mean[f"{column}_{region}"]) for column in columns)])
+        lines += text_grid(header, body, ruled_last=True)
+    return lines
+
+
+def format_cell(value: Any) -> str:
+    """A table cell: 4 decimals, or ``-`` where a score is undefined (NaN, null)."""
+    return "-" if value is None or value != value else f"{value:.4f}"
+
+
+def text_grid(header: list[str], body: list[list[str]], ruled_last: bool = False) -> list[str]:
+    """Aligned text rows: a rule, the header, a rule, the body (the last row under a rule of its own with ``ruled_last``)."""
+    widths = [max(len(header[i]), *(len(r[i]) for r in body)) for i in range(len(header))]
+    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    rule = "-" * (sum(widths) + 2 * (len(widths) - 1))
+    if ruled_last:
+        return [rule, line(header), rule, *map(line, body[:-1]), rule, line(body[-1])]
+    return [rule, line(header), rule, *map(line, body)]
 
 
 def _mean_of_reported(values: list[float]) -> float:

@@ -21,6 +21,7 @@ site's ROC curve and confusion matrix on its final test scores.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,9 +45,10 @@ CHANNEL_NAMES = {"brats": ("FLAIR", "T1", "T1ce", "T2")}
 """Input channel names per task, in channel order (BraTS: :data:`medfed.data.brats.MODALITIES`)."""
 
 CLASS_LABELS = {"brats": {0: "background", 1: "whole tumour"}, "luna16": {0: "not a nodule", 1: "nodule"}}
-REGION_LABELS = {0: "background", 1: "oedema (WT, not TC)", 2: "core (TC, not ET)", 3: "enhancing tumour"}
-"""Overlay classes of ``model.target: regions``: the number of nested regions (WT, TC, ET) a pixel is in."""
 """Target class names per task (the clinical task's come from ``data.positive``)."""
+REGION_LABELS = {0: "background", 1: "whole tumour (WT)", 2: "tumour core (TC)", 3: "enhancing tumour (ET)"}
+"""Overlay classes of ``task.regions: brats``: region r (WT, TC, ET) is drawn as class r + 1 in a mask of its own, so
+each region has its own colour and the overlapping regions can be shown one at a time."""
 
 EXAMPLES_PER_SITE = 4
 """Test patches per site shown as W&B segmentation overlays."""
@@ -62,7 +64,8 @@ class Tracker:
         strategy: the strategy's name (W&B tag and default run name).
         resume: continue the run in ``output_dir``: the same W&B run, the same metrics.csv.
         config_name: the config file's name, for the default W&B group.
-        quiet: W&B prints nothing (``--quiet``); otherwise it prints its run's folder and summary.
+        quiet: W&B prints nothing (``--quiet``); otherwise, offline, one line says where the W&B run is and how to sync
+            it (W&B's own start lines and run summary are left out); online, W&B prints its own lines and the run's URL.
 
     ``seconds`` adds up the time spent logging images, starting and finishing the run.
     """
@@ -84,11 +87,13 @@ class Tracker:
         self.rounds = run_cfg.trainer.rounds
         self.image_every = run_cfg.logger.image_every
         self.class_labels = class_labels(config, federation.num_classes)
-        self.segmentation = federation.sites[0].test.tensors[1].ndim == 3  # the targets are images
+        self.segmentation = federation.sites[0].test.tensors[1].ndim in (3, 4)  # the targets are images: classes or region masks
         self.channel_names = CHANNEL_NAMES.get(federation.task, tuple(f"channel {c}" for c in range(federation.input_shape[0])))
         self.csv = CSVLogger(root_dir=self.output_dir, name="csv", version=0, flush_logs_every_n_steps=1)
         self.loggers: list = [self.csv]
         self.wandb = None
+        self.mode, self.progress = run_cfg.logger.wandb, not quiet
+        self.offline_line = run_cfg.logger.wandb == "offline" and not quiet
         if run_cfg.logger.wandb != "disabled":
             import wandb
             from lightning.pytorch.loggers import WandbLogger
@@ -104,7 +109,9 @@ class Tracker:
                 save_dir=str(self.output_dir),
                 offline=run_cfg.logger.wandb == "offline",
                 id=run_id_file.read_text().strip() if resume and run_id_file.is_file() else None,
-                **({"settings": wandb.Settings(silent=True, quiet=True)} if quiet else {}),  # else W&B's own (WANDB_SILENT ...)
+                # --quiet: nothing; offline (the default): quiet, no run summary (medfed's table follows, and finish() says
+                # where the run is and how to sync it); online: W&B's own lines, with the run's URL.
+                **({"settings": wandb.Settings(silent=True, quiet=True)} if quiet or run_cfg.logger.wandb == "offline" else {}),
             )
             # Lightning passes W&B's deprecated `anonymous` setting (as None) to wandb.init, which then warns on every
             # run about a setting medfed never sets; left out, W&B's default is the same.
@@ -124,8 +131,13 @@ class Tracker:
         for record in history:  # the rows exactly as the loop logged them
             self.csv.log_metrics(_flatten_for_logging(record), step=record["round"])
         if self.wandb is not None:
-            self.wandb.log_hyperparams(self.config)  # a resumed run's segment gets it too
+            from tqdm import tqdm
+
+            bar = tqdm(total=1, desc=f"starting W&B ({self.mode})", unit="step", leave=False, disable=not self.progress, file=sys.stderr)
+            self.wandb.log_hyperparams(self.config)  # a resumed run's segment gets it too (this starts W&B: seconds)
             (self.output_dir / RUN_ID_FILE).write_text(self.wandb.experiment.id + "\n")
+            bar.update()
+            bar.close()
         self.seconds += time.perf_counter() - tic
 
     def on_round_end(self, loop: FederatedLoop, record: dict[str, Any]) -> None:
@@ -154,7 +166,10 @@ class Tracker:
 
             if figures:
                 self.wandb.log_metrics({f"figures/{path.stem}": wandb.Image(str(path), caption=path.name) for path in figures}, step=step)
+            folder = Path(self.wandb.experiment.dir).parent  # <output_dir>/wandb/offline-run-<time>-<id>
             self.wandb.experiment.finish(exit_code=exit_code)
+            if self.offline_line:
+                _status(f"W&B run (offline) in {folder}; upload it with: wandb sync {folder}")
         self.seconds += time.perf_counter() - tic
 
 
@@ -163,7 +178,7 @@ def class_labels(config: dict[str, Any], num_classes: int) -> dict[int, str]:
     data = config["data"]
     if data["task"] == "clinical":
         named = {0: f"not {data['positive']}", 1: data["positive"]}
-    elif config["model"].get("target") == "regions":
+    elif config.get("task", {}).get("regions") == "brats":
         return REGION_LABELS
     else:
         named = CLASS_LABELS.get(data["task"], {})
@@ -183,26 +198,38 @@ def segmentation_overlays(site: Site, channel_names: tuple[str, ...], labels: di
 
     The channel shown is the first (FLAIR for BraTS) unless it is all zero at
     the site (a missing sequence); the caption names it. Images are oriented
-    as in ``examples.png`` (anterior up).
+    as in ``examples.png`` (anterior up). With one region (the whole tumour)
+    the ground truth and the prediction are one mask each; with the BraTS
+    regions every region is a mask of its own (``truth WT``, ``prediction
+    TC``, ...) holding class r + 1 of :data:`REGION_LABELS`, one colour per
+    region, each shown or hidden on its own in W&B.
     """
     import wandb
 
     indices = example_indices(site.n_test)
     x, y = (tensor[indices] for tensor in site.data.test.tensors)
     site.module.eval()
-    # One class map per patch: the number of nested regions each pixel is in (wt: 0/1; regions: 0..3).
-    prediction = site.module.region_masks(site.module(site.fabric.to_device(x))).sum(dim=1).cpu()
-    y = y.sum(dim=1) if y.ndim == 4 else y
+    prediction = site.module.region_masks(site.module(site.fabric.to_device(x))).cpu()  # (B, R, P, P) bool
+    truth = y.bool() if y.ndim == 4 else (y == 1).unsqueeze(1)
+    regions = site.module.region_names
     shown = displayed_channel(x, 0)
     name = channel_names[shown] if shown == 0 else f"{channel_names[shown]} (no {channel_names[0]} at {site.name})"
     overlays = []
-    for index, image, truth, predicted in zip(indices, x[:, shown], y, prediction):
+    for row, index in enumerate(indices):
+        image = x[row, shown]
         low, high = image.min(), image.max()
         grey = ((image - low) / (high - low) * 255 if high > low else torch.zeros_like(image)).to(torch.uint8)
-        masks = {
-            "ground_truth": {"mask_data": _anterior_up(truth), "class_labels": labels},
-            "prediction": {"mask_data": _anterior_up(predicted), "class_labels": labels},
-        }
+        if len(regions) == 1:
+            masks = {
+                "ground_truth": {"mask_data": _anterior_up(truth[row, 0]), "class_labels": labels},
+                "prediction": {"mask_data": _anterior_up(prediction[row, 0]), "class_labels": labels},
+            }
+        else:
+            masks = {
+                f"{kind} {region.upper()}": {"mask_data": _anterior_up(mask[row, r] * (r + 1)), "class_labels": labels}
+                for kind, mask in (("truth", truth), ("prediction", prediction))
+                for r, region in enumerate(regions)
+            }
         overlays.append(wandb.Image(_anterior_up(grey), caption=f"{site.name} test patch {index}: {name}", masks=masks))
     return overlays
 
@@ -230,3 +257,10 @@ def classification_figures(sites: list[Site], title: str, labels: dict[int, str]
         "roc_curves": plot_roc_curves(scores, title),
         "confusion_matrices": plot_confusion_matrices(scores, title, (labels[0], labels[1])),
     }
+
+
+def _status(message: str) -> None:
+    """One line on stderr (``medfed: ...``), beside the progress bars."""
+    from tqdm import tqdm
+
+    tqdm.write(f"medfed: {message}", file=sys.stderr)

@@ -168,7 +168,7 @@ def test_sites_without_any_tumour_voxel_are_named(tiny_brats_root, tmp_path, emp
 def test_region_targets_are_nested_masks_whose_whole_tumour_is_the_wt_target(tiny_brats_root):
     federation_config = FederationConfig(n_sites=3)
     wt = brats.build_federation(_options(tiny_brats_root), federation_config, seed=0, progress=False)
-    regions = brats.build_federation(_options(tiny_brats_root), federation_config, seed=0, progress=False, target="regions")
+    regions = brats.build_federation(_options(tiny_brats_root), federation_config, seed=0, progress=False, regions="brats")
     assert (wt.num_classes, regions.num_classes) == (2, 3)
     for a, b in zip(wt.sites, regions.sites):
         y = b.train.tensors[1]

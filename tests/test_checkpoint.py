@@ -8,7 +8,6 @@ import shutil
 import pytest
 import torch
 
-import medfed.checkpoint as checkpoint_module
 from medfed.checkpoint import FOLDER, checkpoints, read_checkpoint, resume_state, save_checkpoint
 from medfed.cli import main
 from medfed.errors import DataError
@@ -146,7 +145,7 @@ def test_a_checkpoint_that_cannot_be_written_is_one_error_naming_it_and_the_earl
         file.write(b"partial")
         raise failure
 
-    monkeypatch.setattr(checkpoint_module.torch, "save", failing_save)
+    monkeypatch.setattr(torch, "save", failing_save)  # the torch medfed.checkpoint imports when it saves
     with pytest.raises(DataError) as raised:
         save_checkpoint(tmp_path, {"round": 2, "config": {}, "sites": []}, keep=2)
     message = str(raised.value)

@@ -94,8 +94,8 @@ def test_the_torch_free_options_are_the_components_own():
     assert TASK_SPECS.keys() == TASKS.keys()
     for name, task in TASKS.items():
         spec = TASK_SPECS[name]
-        assert (spec.name, spec.Options, spec.default_model, spec.models, spec.targets) == (
-            task.name, task.Options, task.default_model, task.models, task.targets
+        assert (spec.name, spec.Options, spec.default_model, spec.models, spec.regions) == (
+            task.name, task.Options, task.default_model, task.models, task.regions
         )
 
 
@@ -104,3 +104,48 @@ def test_a_resolved_run_hands_out_the_registered_components(tiny_run_config):
     assert resolved.strategy_cls is STRATEGIES["pgfedmo"] and resolved.strategy_options == STRATEGIES["pgfedmo"].Options(beta=0.25)
     assert resolved.model_cls is MODELS[resolved.model_name] and isinstance(resolved.model_options, resolved.model_cls.Options)
     assert resolved.task is TASKS[resolved.task_name] and isinstance(resolved.data_options, resolved.task.Options)
+
+
+def test_an_earlier_run_in_the_output_folder_is_refused_before_torch_is_imported(tmp_path):
+    earlier = tmp_path / "run"
+    earlier.mkdir()
+    (earlier / "results.json").write_text("{}")
+    report = tmp_path / "imported.txt"
+    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY), "MEDFED_PROBE": str(report)}
+    arguments = ["fit", "--config", "brats_lack0", f"output_dir={earlier}"]
+    done = subprocess.run([sys.executable, "-c", PROBE, *arguments], cwd=tmp_path, env=environment, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith("medfed: error: ") and str(earlier) in done.stderr, done.stderr
+    assert report.read_text() == "", f"imported {report.read_text()}"
+
+
+FIRST_LINE = """  # runs ``python -m medfed <arguments>``; writes which of HEAVY were imported when stderr got its first line
+import os, runpy, sys
+class Spy:
+    def __init__(self, stream):
+        self.stream, self.first = stream, None
+    def write(self, text):
+        if self.first is None and text.strip():
+            self.first = [name for name in {heavy!r} if name in sys.modules]
+            with open(os.environ["MEDFED_PROBE"], "w") as report:
+                report.write(repr((text.strip().splitlines()[0], self.first)))
+        return self.stream.write(text)
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+sys.stderr = Spy(sys.stderr)
+sys.argv = ["medfed", *sys.argv[1:]]
+try:
+    runpy.run_module("medfed", run_name="__main__", alter_sys=True)
+except SystemExit as exit:
+    sys.exit(exit.code)
+""".format(heavy=HEAVY)
+
+
+def test_a_runs_first_line_comes_before_torch_lightning_and_monai_load(tiny_run_config, tmp_path):
+    report = tmp_path / "first.txt"
+    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY), "MEDFED_PROBE": str(report)}
+    arguments = ["fit", "--config", str(tiny_run_config), "trainer.rounds=1", "logger.wandb=disabled", f"output_dir={tmp_path / 'out'}"]
+    done = subprocess.run([sys.executable, "-c", FIRST_LINE, *arguments], cwd=tmp_path, env=environment, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    line, imported = eval(report.read_text())  # noqa: S307 - the probe's own repr
+    assert line == "medfed: fit tiny: pfednet on brats, 1 rounds, seed 0 (config checked)" and imported == []
+    assert "loading torch" in done.stderr and "loading MONAI" in done.stderr  # then the wait for them, under a labelled bar

@@ -37,20 +37,20 @@ def test_a_label_ratio_cannot_be_imposed_by_one_site(tmp_path):
         clinical.build_site(options, federation, 0, 0, tmp_path)
 
 
-@pytest.mark.parametrize("target", ["wt", "regions"])
-def test_a_brats_site_built_from_its_own_cases_is_the_simulators_member(tmp_path, tiny_brats_root, target):
+@pytest.mark.parametrize("regions", ["wt", "brats"])
+def test_a_brats_site_built_from_its_own_cases_is_the_simulators_member(tmp_path, tiny_brats_root, regions):
     options = brats.Options(
         root=str(tiny_brats_root), generate=None, patch_size=32, tumour_patches_per_case=4, background_patches_per_case=2,
         cache=False,
     )
     federation = FederationConfig(n_sites=3, missing_channel=MissingChannelConfig(channel=1, sites=[2]))
-    whole = brats.build_federation(options, federation, seed=0, progress=False, target=target)
+    whole = brats.build_federation(options, federation, seed=0, progress=False, regions=regions)
     folders = brats.site_cases(options, federation, 0, tmp_path / "sites", progress=False)
     assert [folder.name for folder in folders] == ["site0", "site1", "site2"]
     found = [sorted(case.case_id for case in find_cases(folder)) for folder in folders]
     assert sorted(sum(found, [])) == sorted(case.case_id for case in find_cases(tiny_brats_root))  # each case at one site
     for index, simulated in enumerate(whole.sites):
-        alone = brats.build_site(options, federation, 0, index, folders[index], progress=False, target=target)
+        alone = brats.build_site(options, federation, 0, index, folders[index], progress=False, regions=regions)
         assert len(alone.sites) == 1 and alone.sites[0].name == simulated.name
         assert (alone.input_shape, alone.num_classes) == (whole.input_shape, whole.num_classes)
         assert alone.sites[0].info == simulated.info

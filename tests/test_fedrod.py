@@ -69,8 +69,8 @@ def test_the_unet_balanced_loss_shifts_every_pixel_by_the_log_pixel_counts_of_th
 
 def test_a_log_odds_output_is_shifted_by_the_log_ratio_of_positives_to_negatives():
     # U-Net regions (one sigmoid per region) and the logistic regression: the two-logit BSM as a log-odds.
-    options = UNetSegmenter.Options(channels=[4, 8], strides=[2], num_res_units=0, target="regions")
-    unet = seeded(UNetSegmenter, 4, 3, options)
+    options = UNetSegmenter.Options(channels=[4, 8], strides=[2], num_res_units=0)
+    unet = seeded(UNetSegmenter, 4, 3, options, regions="brats")
     generator = torch.Generator().manual_seed(2)
     x = torch.randn(2, 4, 8, 8, generator=generator)
     masks = (torch.rand(2, 3, 8, 8, generator=generator) < torch.tensor([0.4, 0.2, 0.1])[:, None, None]).to(torch.uint8)

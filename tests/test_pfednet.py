@@ -178,7 +178,9 @@ def test_model_space_graph_is_built_from_trained_personal_parts_and_refreshed():
     strategy.aggregate(RoundContext(1, "personal"), dict(swapped))  # round 3: refreshed
     assert strategy.graph.edges == [(0, 1), (2, 3)] and [at for at, _ in strategy.graph_history] == [1, 3]
     figure = strategy.figures()["similarity_graph"]
-    assert [axis.get_title() for axis in figure.axes] == ["built at round 1: 2 edges", "built at round 3: 2 edges"]
+    assert [axis.get_title() for axis in figure.axes] == [
+        "built in round 1, used in rounds 1-2: 2 edges", "built in round 3, used from round 3 on: 2 edges",
+    ]  # each graph serves the fusion of the round it is built in, then each round until the next
     restored = PFedNet(strategy.options, SPLIT, N, seed=0).server
     restored.load_state_dict(strategy.state_dict())
     assert [(at, g.edges) for at, g in restored.graph_history] == [(1, [(0, 2), (1, 3)]), (3, [(0, 1), (2, 3)])]

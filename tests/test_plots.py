@@ -100,11 +100,50 @@ def test_learning_curves_have_readable_axes_whole_rounds_a_legend_off_the_data_a
     assert "GENERATED" in figure.get_suptitle()
 
 
-def test_a_metric_of_the_last_round_only_shares_the_rounds_axis_of_the_others():
+def test_a_metric_of_one_round_of_many_gets_no_one_dot_panel_but_a_word_in_the_title():
     figure = plot_learning_curves(_history(rounds=20, volume_rounds=(20,)), TITLE)
-    limits = {axis.get_xlim() for axis in figure.axes}
-    assert len(limits) == 1 and next(iter(limits))[0] <= 1 and next(iter(limits))[1] >= 20
+    assert [axis.get_ylabel() for axis in figure.axes] == [metric_label("iou"), metric_label("label_iou")]
+    assert "dice_wt, hd95_wt: evaluated after round 20 only (no curve): see the table and results.json" in " ".join(figure.get_suptitle().split())
+    assert all(len(line.get_xdata()) == 20 for axis in figure.axes for line in axis.get_lines())
     assert _texts_outside(figure) == []
+    one_round = plot_learning_curves(_history(rounds=1, volume_rounds=(1,)), TITLE)  # a 1-round run: every metric has its dot
+    assert len(one_round.axes) == 4
+
+
+def test_similarity_graph_panels_say_which_rounds_each_graph_served():
+    from medfed.federated.strategies.pfednet import _served
+
+    assert _served(0, None) == "built before training, used in every round"  # the data space's graph: the only one
+    assert [_served(0, 5), _served(5, 6), _served(6, None)] == [
+        "built before training, used in rounds 1-4", "built in round 5, used in round 5", "built in round 6, used from round 6 on",
+    ]
+
+
+def test_segmentation_examples_say_why_a_site_shows_another_sequence_and_draw_every_region():
+    from types import SimpleNamespace
+
+    from medfed.viz.plots import plot_segmentation_examples
+
+    class Regions(torch.nn.Module):
+        region_names = ("wt", "tc", "et")
+
+        def forward(self, x):
+            return torch.stack([x[:, 1], x[:, 1] - 0.5, x[:, 1] - 1.5], dim=1)
+
+        def region_masks(self, output):
+            return output > 0
+
+    x = torch.zeros(2, 4, 16, 16)
+    x[:, 1, 4:12, 4:12] = 1.0  # T1 only: FLAIR (channel 0) is missing at this site
+    y = torch.zeros(2, 3, 16, 16, dtype=torch.uint8)
+    y[:, 0, 4:12, 4:12] = y[:, 1, 6:10, 6:10] = y[:, 2, 7:9, 7:9] = 1
+    site = SimpleNamespace(name="site3", data=SimpleNamespace(test=SimpleNamespace(tensors=(x, y))), module=Regions(),
+                           fabric=SimpleNamespace(to_device=lambda t: t))
+    figure = plot_segmentation_examples([site], TITLE, per_site=2, channel_names=("FLAIR", "T1", "T1ce", "T2"))
+    assert figure.axes[0].get_ylabel() == "site3\n(T1: no FLAIR\nat this site)"
+    assert "solid: truth, dashed: prediction; WT yellow, TC red, ET cyan" in figure.get_suptitle()
+    contours = [collection for collection in figure.axes[0].collections]
+    assert len(contours) == 5  # truth WT, TC, ET; predicted WT and TC (the ET logit never passes 0)
 
 
 def test_a_similarity_graph_gets_the_data_source_and_its_title_fits():

@@ -66,13 +66,6 @@ def test_an_existing_output_is_kept_without_overwrite(finished_run, tiny_brats_r
     assert main([*arguments, "--overwrite"]) == 0 and nib.load(out).shape == nib.load(case.image_files[0]).shape
 
 
-def test_region_masks_become_brats_labels():
-    from medfed.predict import _brats_labels
-
-    masks = np.array([[0, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 1]], dtype=bool).reshape(3, 4, 1, 1)  # (WT, TC, ET) per voxel
-    assert _brats_labels(masks).ravel().tolist() == [0, 2, 1, 4]  # background, oedema, necrotic core, enhancing
-
-
 def _bomb():
     lines = ['{"a": &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"],']
     lines += [f'"{chr(98 + k)}": &{chr(98 + k)} [{",".join(["*" + chr(97 + k)] * 9)}],' for k in range(8)]

@@ -36,9 +36,9 @@ def crop_sites(tiny_brats_root):
     return _federation(tiny_brats_root, train_sampling="random_crops").sites
 
 
-def _with(site, augmentation, target="wt"):
-    """Site ``site``'s crops under other augmentation settings (or target: the reference patches stay those of ``wt``)."""
-    return RandomCrops(site.train.tensors, site.train_volumes, TUMOUR, BACKGROUND, P, target, augmentation)
+def _with(site, augmentation, regions="wt"):
+    """Site ``site``'s crops under other augmentation settings (or regions: the reference patches stay those of ``wt``)."""
+    return RandomCrops(site.train.tensors, site.train_volumes, TUMOUR, BACKGROUND, P, regions, augmentation)
 
 
 def _passes(dataset, seed, n_passes):
@@ -85,13 +85,13 @@ def test_flips_mirror_image_and_label_and_intensity_changes_only_non_zero_values
     site = crop_sites[2]  # T1 missing
     plain, flipped = _with(site, NO_AUGMENTATION), _with(site, Augmentation(flip_prob=1.0, scale=0.0, shift=0.0))
     intensity = _with(site, Augmentation(flip_prob=0.0, scale=0.2, shift=0.3))
-    for target in ("wt", "regions"):
-        plain_t, flipped_t = _with(site, NO_AUGMENTATION, target), _with(site, flipped.augmentation, target)
+    for regions in ("wt", "brats"):
+        plain_t, flipped_t = _with(site, NO_AUGMENTATION, regions), _with(site, flipped.augmentation, regions)
         for slot in range(len(plain)):
             x, y = plain_t[(slot, 7)]
             x_flipped, y_flipped = flipped_t[(slot, 7)]
             assert torch.equal(x_flipped, x.flip((-2, -1))) and torch.equal(y_flipped, y.flip((-2, -1)))
-        assert y.shape == ((P, P) if target == "wt" else (3, P, P))
+        assert y.shape == ((P, P) if regions == "wt" else (3, P, P))
 
     slopes, intercepts = [], []
     for seed in range(40):

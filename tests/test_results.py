@@ -67,18 +67,28 @@ def test_an_excluded_site_is_marked_and_the_table_says_when_and_why():
     assert lines[-1] == "* site1: excluded after round 4, its last failure: RuntimeError: no GPU"
 
 
-def test_a_table_with_whole_volume_metrics_says_they_average_patients_and_the_size_counts_patches():
-    history = [{"metrics": {"site0": {"iou": 0.8, "label_iou": 0.6, "dice_wt": 0.7, "hd95_wt": 12.5},
-                            "site1": {"iou": 0.6, "label_iou": 0.4, "dice_wt": 0.5, "hd95_wt": 20.0}}}]
+def test_whole_volume_scores_are_a_block_per_region_that_says_it_averages_patients_and_which_code_scored():
+    history = [{"metrics": {"site0": {"iou": 0.8, "label_iou": 0.6, "dice_wt": 0.7, "hd95_wt": 12.5, "lesion_dice_wt": 0.9,
+                                      "dice_et": 0.5, "lesion_dice_et": float("nan")},
+                            "site1": {"iou": 0.6, "label_iou": 0.4, "dice_wt": 0.5, "hd95_wt": 20.0, "lesion_dice_wt": 0.7,
+                                      "dice_et": 0.3, "lesion_dice_et": 0.2}}}]
     sites = [{"name": "site0", "test_cases": ["a", "b"]}, {"name": "site1", "test_cases": ["c", "d", "e"]}]
-    results = {**summarise(history, {"site0": 32, "site1": 48}), "strategy": "fedavg",
+    code = {"lesion_wise": {"version": "0.0.10", "panoptica": "2.1.7", "miss_hd95_mm": 373.0}}
+    results = {**summarise(history, {"site0": 32, "site1": 48}), "strategy": "fedavg", "volume_metrics": {"code": code},
                "federation": {"task": "brats", "description": "GENERATED BraTS-like data", "sites": sites}}
     lines = format_table(results).splitlines()
-    assert lines[-2].split() == ["mean", "0.7000", "0.5000", "0.6000", "16.2500", "80"]
-    assert lines[-1] == (
-        "iou, label_iou: over all test patches of a site (n_test = patches); "
-        "dice_wt, hd95_wt: whole volumes, mean over the site's test patients (2-3 per site); hd95 in mm"
-    )
+    patch_mean = next(line for line in lines if line.startswith("mean"))
+    assert patch_mean.split() == ["mean", "0.7000", "0.5000", "80"]  # the patch table holds the patch metrics only
+    assert "iou, label_iou: over all test patches of a site (n_test = patches)" in lines
+    intro = next(line for line in lines if line.startswith("whole volumes"))
+    assert "mean over each site's test patients (2-3 per site); HD95 in mm" in intro
+    assert "brats-evaluation 0.0.10 (panoptica 2.1.7), a missed lesion's HD95 = 373 mm" in intro
+    wt = lines.index(next(line for line in lines if line.startswith("WT, whole tumour")))
+    assert lines[wt].split()[3:] == ["dice", "hd95", "lesion_dice"]
+    assert lines[wt + 5].split() == ["mean", "0.6000", "16.2500", "0.8000"]
+    et = lines.index(next(line for line in lines if line.startswith("ET, enhancing tumour")))
+    assert lines[et + 2].split() == ["site0", "0.5000", "-"]  # undefined (no lesion on either side): shown as such
+    assert lines[et + 5].split() == ["mean", "0.4000", "0.2000"]  # the mean over the sites where it is defined
 
 
 def test_the_final_mean_is_over_the_sites_that_reported_a_metric():

@@ -12,16 +12,16 @@ def test_region_masks_of_each_target():
     wt = UNetSegmenter(4, 2, UNetSegmenter.Options(**TINY))
     logits = torch.tensor([[[[2.0, -1.0]], [[1.0, 3.0]]]], device="cpu")  # (1, 2, 1, 2): pixel 1 is tumour
     assert wt.region_names == ("wt",) and wt.region_masks(logits).tolist() == [[[[False, True]]]]
-    regions = UNetSegmenter(4, 3, UNetSegmenter.Options(**TINY, target="regions"))
+    regions = UNetSegmenter(4, 3, UNetSegmenter.Options(**TINY), regions="brats")
     outputs = torch.tensor([[[[1.0]], [[-0.5]], [[0.2]]]], device="cpu")  # (1, 3, 1, 1)
     assert regions.region_names == ("wt", "tc", "et") and regions.region_masks(outputs).flatten().tolist() == [True, False, True]
     with pytest.raises(ValueError, match="needs 3 outputs"):
-        UNetSegmenter(4, 2, UNetSegmenter.Options(**TINY, target="regions"))
+        UNetSegmenter(4, 2, UNetSegmenter.Options(**TINY), regions="brats")
 
 
 def test_regions_train_on_masks_and_report_one_iou_per_region():
     torch.manual_seed(0)
-    model = UNetSegmenter(4, 3, UNetSegmenter.Options(**TINY, target="regions"))
+    model = UNetSegmenter(4, 3, UNetSegmenter.Options(**TINY), regions="brats")
     x = torch.randn(2, 4, 16, 16, device="cpu")
     y = torch.zeros(2, 3, 16, 16, dtype=torch.uint8, device="cpu")
     y[:, 0, 4:12, 4:12] = 1
@@ -40,7 +40,7 @@ def test_regions_train_on_masks_and_report_one_iou_per_region():
 
 def test_the_region_loss_rewards_nested_regions_predicted_together():
     """Where a pixel is in all three regions, all three outputs high is right: no softmax across the regions."""
-    model = UNetSegmenter(4, 3, UNetSegmenter.Options(**TINY, target="regions"))
+    model = UNetSegmenter(4, 3, UNetSegmenter.Options(**TINY), regions="brats")
     masks = torch.zeros(1, 3, 8, 8, device="cpu")
     masks[:, :, 2:6, 2:6] = 1.0  # WT = TC = ET here
     perfect = torch.where(masks > 0, 20.0, -20.0)

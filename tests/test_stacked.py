@@ -35,13 +35,13 @@ def _segmentation_batch(generator, n=5, classes=2, side=16):
     return x, torch.randint(0, classes, (n, side, side), generator=generator)
 
 
-@pytest.mark.parametrize("target", ["wt", "regions"])
-def test_a_padded_unet_batch_has_the_loss_and_gradients_of_the_real_samples(target):
+@pytest.mark.parametrize("regions", ["wt", "brats"])
+def test_a_padded_unet_batch_has_the_loss_and_gradients_of_the_real_samples(regions):
     generator = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    model = UNetSegmenter(4, 2 if target == "wt" else 3, UNetOptions(channels=[4, 8], strides=[2], num_res_units=0, target=target))
+    model = UNetSegmenter(4, 2 if regions == "wt" else 3, UNetOptions(channels=[4, 8], strides=[2], num_res_units=0), regions=regions)
     x, labels = _segmentation_batch(generator)
-    y = labels if target == "wt" else torch.stack([labels, labels, 1 - labels], dim=1).to(torch.uint8)
+    y = labels if regions == "wt" else torch.stack([labels, labels, 1 - labels], dim=1).to(torch.uint8)
     unpadded = model.training_step((x, y), 0)
     (expected,) = torch.autograd.grad(unpadded, [model.unet.model[0].conv.weight])
     padded = (pad_to(x, 8), pad_to(y, 8))

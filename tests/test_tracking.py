@@ -166,13 +166,18 @@ def _fit_output(config, *arguments):
     return done.stdout, done.stderr
 
 
-def test_quiet_prints_nothing_and_a_normal_run_says_its_threads_first_and_its_results_folder_last(tiny_run_config, tmp_path):
+def test_quiet_prints_nothing_and_a_normal_run_says_what_it_runs_first_and_its_results_folder_last(tiny_run_config, tmp_path):
     stdout, stderr = _fit_output(tiny_run_config, "--quiet", f"output_dir={tmp_path / 'quiet'}")
     assert stdout == stderr == ""  # W&B's ~30 lines included
     assert (tmp_path / "quiet" / "results.json").is_file() and list((tmp_path / "quiet" / "wandb").glob("offline-run-*"))
     stdout, stderr = _fit_output(tiny_run_config, f"output_dir={tmp_path / 'loud'}")
-    assert stderr.splitlines()[0] == f"medfed: 1 torch thread(s) (trainer.num_threads); results go to {tmp_path / 'loud'}"
+    lines = [line.rsplit("\r", 1)[-1] for line in stderr.splitlines()]  # what a terminal shows once the bars are redrawn
+    assert lines[0] == "medfed: fit tiny: pfednet on brats, 1 rounds, seed 0 (config checked)"
+    assert f"medfed: 1 torch thread(s) (trainer.num_threads); results go to {tmp_path / 'loud'}" in lines
     assert "anonymous" not in stderr  # W&B's warning about a setting medfed never sets
+    assert not [line for line in lines if line.startswith("wandb:")]  # offline: no W&B start lines, no run summary
+    (segment,) = (tmp_path / "loud" / "wandb").glob("offline-run-*")
+    assert f"medfed: W&B run (offline) in {segment}; upload it with: wandb sync {segment}" in lines
     assert stderr.splitlines()[-1].startswith(f"medfed: results in {tmp_path / 'loud'}: results.json, learning_curves.png")
     assert "site2" in stdout and "mean" in stdout
 

@@ -86,6 +86,9 @@ class _Volumes:
     def __init__(self, label, shift=0):
         self.label, self.shift = label, shift
 
+    def n_volumes(self, site):
+        return 1
+
     def site_volumes(self, site):
         predicted = np.roll(self.label > 0, self.shift, axis=0)
         image = np.stack([np.where(predicted, 5.0, -5.0), np.zeros(self.label.shape)]).astype(np.float32)
@@ -101,9 +104,9 @@ def test_the_round_evaluation_scores_a_perfect_and_a_shifted_model_on_a_whole_vo
     label[10:20, 8:18, 1:5] = TumourLabel.OEDEMA
     label[12:16, 10:14, 2:4] = TumourLabel.ENHANCING
     evaluation = VolumeEvaluation(_Volumes(label), patch_size=16, every=2, last_round=5, batch_size=4)
-    assert evaluation.evaluate_site(_site(_ChannelZeroModule())) == {"dice_wt": 1.0, "iou_wt": 1.0, "hd95_wt": 0.0}
+    assert evaluation.evaluate_site(_site(_ChannelZeroModule())) == {"case": {"dice_wt": 1.0, "iou_wt": 1.0, "hd95_wt": 0.0}}
     shifted = VolumeEvaluation(_Volumes(label, shift=3), patch_size=16, every=2, last_round=5, batch_size=4)
-    scores = shifted.evaluate_site(_site(_ChannelZeroModule()))
+    scores = shifted.evaluate_site(_site(_ChannelZeroModule()))["case"]
     assert scores["dice_wt"] == pytest.approx(7 / 10)  # a 10-voxel extent moved 3 voxels: 7 / 10 of it overlaps
     assert scores["hd95_wt"] == pytest.approx(_brute_force_hd95(np.roll(label > 0, 3, axis=0), label > 0, (1.0, 1.0, 2.0)), rel=1e-5)
     assert [evaluation.due(r) for r in range(1, 6)] == [False, True, False, True, True]
@@ -166,4 +169,6 @@ def test_a_due_round_gets_the_site_scores_their_mean_and_the_evaluation_time_in_
     evaluation.on_round_end(loop, record)
     assert record["metrics"]["site0"]["dice_wt"] == pytest.approx(7 / 10) == record["mean"]["dice_wt"]
     assert set(record["mean"]) == {"iou", "dice_wt", "iou_wt", "hd95_wt"}
+    assert record["volumes"] == {"site0": {"case": {"dice_wt": pytest.approx(7 / 10), "iou_wt": pytest.approx(7 / 13),
+                                                     "hd95_wt": record["metrics"]["site0"]["hd95_wt"]}}}  # each patient's scores
     assert 0 < record["timing"]["volume_eval_s"] < 60

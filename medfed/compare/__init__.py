@@ -136,7 +136,7 @@ def compare(
         if tune is not None:
             return _tune_and_compare(grid, overrides, tune, jobs, source, progress, reference, allow_unequal_compute, fuse)
         if budgets is None:
-            runs = plan_runs(grid, overrides, jobs)
+            runs = plan_runs(grid, overrides, jobs, progress=progress)
             return _run_and_tabulate(grid, overrides, runs, jobs, source, progress, reference, allow_unequal_compute, fuse=fuse)[0]
         return _compare_budgets(grid, overrides, budgets, jobs, source, progress, reference, allow_unequal_compute, fuse)
 

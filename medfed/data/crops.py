@@ -102,7 +102,7 @@ class RandomCrops(TensorDataset):
         tumour_per_case, background_per_case: slots per case of each kind
             (a kind without candidates has none).
         patch_size: side P of a crop.
-        target: ``wt`` (y int64 ``(P, P)``, 1 = whole tumour) or ``regions``
+        regions: ``wt`` (y int64 ``(P, P)``, 1 = whole tumour) or ``brats``
             (y uint8 ``(3, P, P)``, WT/TC/ET masks), as the reference patches.
         augmentation: the flips and intensity changes.
 
@@ -117,13 +117,13 @@ class RandomCrops(TensorDataset):
         tumour_per_case: int,
         background_per_case: int,
         patch_size: int,
-        target: str,
+        regions: str,
         augmentation: Augmentation,
     ) -> None:
         super().__init__(*reference)
         self.volumes = volumes
         self.patch_size = patch_size
-        self.target = target
+        self.regions = regions
         self.augmentation = augmentation
         cases, tumour = [], []
         for case, volume in enumerate(volumes):
@@ -167,7 +167,7 @@ class RandomCrops(TensorDataset):
         shift = self.augmentation.shift * (2.0 * offsets - 1.0)
         image = torch.where(image != 0, image * scale[:, None, None] + shift[:, None, None], 0.0)
 
-        if self.target == "wt":
+        if self.regions == "wt":
             return image, (label > 0).long()
         return image, torch.from_numpy(tumour_regions(label.numpy()))
 

@@ -90,6 +90,10 @@ class VolumeSource(Protocol):
         """The volumes of site ``site``'s evaluation split (test, or validation), in case order."""
         ...
 
+    def n_volumes(self, site: int) -> int:
+        """How many volumes :meth:`site_volumes` yields for site ``site`` (without reading them)."""
+        ...
+
 
 @dataclass(frozen=True)
 class EvaluationVolume:

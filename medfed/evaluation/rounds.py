@@ -9,32 +9,29 @@ and in checkpoints), to choose a round without looking at the test split.
 
 :class:`VolumeEvaluation` is a Fabric callback (``on_round_end``). On the
 rounds it runs, it segments every evaluation volume of every site with that
-site's model (:func:`~medfed.evaluation.volume.segment_volume`), scores each
-region the model predicts per patient (:func:`~medfed.evaluation.volume.region_scores`)
-and adds the site means (``dice_wt``, ``iou_wt``, ``hd95_wt``, and ``_tc``,
-``_et`` for ``model.target: regions``) and their mean over sites to the
-round's record before the loop logs it, so they reach the loggers, the
-history, the final table and results.json beside the patch metrics, and its
-time as ``record["timing"]["volume_eval_s"]``. The loop itself knows nothing of it.
+site's model (:func:`~medfed.evaluation.volume.segment_volume`), makes the
+prediction one label map and scores each region the model predicts per
+patient (:func:`~medfed.evaluation.volume.patient_scores`: Dice, IoU, HD95
+and, where ``brats-evaluation`` runs, the official lesion-wise Dice, NSD and
+HD95). Each patient's scores go to ``record["volumes"][site][case]``; the
+site means (``dice_wt``, ``lesion_dice_wt``, ..., and ``_tc``, ``_et`` for
+``task.regions: brats``) and their mean over sites join the round's metrics
+before the loop logs it, so they reach the loggers, the history, the final
+table and results.json beside the patch metrics, and its time as
+``record["timing"]["volume_eval_s"]``. The loop itself knows nothing of it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm  # text bars: tqdm.auto warns in a notebook without ipywidgets
 
-from medfed.data.brats import enhancing_tumour, tumour_core, whole_tumour
 from medfed.data.federation import VolumeSource
-from medfed.evaluation.volume import mean_over_patients, region_scores, segment_volume
-
-REGION_MASKS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"wt": whole_tumour, "tc": tumour_core, "et": enhancing_tumour}
-"""Ground-truth mask of each region from a TumourLabel array."""
+from medfed.evaluation.volume import mean_over_patients, nan_mean, patient_scores, segment_volume, tumour_labels
 
 
 class ValidationEvaluation:
@@ -67,11 +64,19 @@ class VolumeEvaluation:
         every: run on rounds divisible by ``every`` (0: only on the last round).
         last_round: the run's last round (``trainer.rounds``), always evaluated.
         batch_size: windows per forward pass.
-        progress: show a progress bar (one step per site) on stderr while it runs.
+        progress: show a progress bar (one step per patient) on stderr while it runs.
+        lesion_wise: add the official lesion-wise scores (:mod:`medfed.evaluation.lesion_wise`).
     """
 
     def __init__(
-        self, volumes: VolumeSource, patch_size: int, every: int, last_round: int, batch_size: int, progress: bool = False
+        self,
+        volumes: VolumeSource,
+        patch_size: int,
+        every: int,
+        last_round: int,
+        batch_size: int,
+        progress: bool = False,
+        lesion_wise: bool = False,
     ) -> None:
         self.volumes = volumes
         self.patch_size = patch_size
@@ -79,6 +84,7 @@ class VolumeEvaluation:
         self.last_round = last_round
         self.batch_size = batch_size
         self.progress = progress
+        self.lesion_wise = lesion_wise
 
     def due(self, round_index: int) -> bool:
         return round_index == self.last_round or (self.every > 0 and round_index % self.every == 0)
@@ -87,28 +93,30 @@ class VolumeEvaluation:
         if not self.due(record["round"]):
             return
         tic = time.perf_counter()
-        description = f"round {record['round']}: whole-volume evaluation"
-        bar = tqdm(loop.sites, desc=description, unit="site", leave=False, disable=not self.progress)
-        per_site = {site.name: self.evaluate_site(site) for site in bar}
+        n_patients = sum(self.volumes.n_volumes(site.index) for site in loop.sites)
+        bar = tqdm(total=n_patients, desc=f"round {record['round']}: whole volumes", unit="patient", leave=False, disable=not self.progress)
+        per_patient = {site.name: self.evaluate_site(site, bar) for site in loop.sites}
         bar.close()
-        for name, scores in per_site.items():
-            record["metrics"][name].update(scores)
-        means = {metric: float(np.mean([scores[metric] for scores in per_site.values()])) for metric in next(iter(per_site.values()))}
-        record["mean"].update(means)  # the loop logs the record after its callbacks
-        record["timing"]["volume_eval_s"] = time.perf_counter() - tic
+        record["volumes"] = per_patient
+        for name, patients in per_patient.items():
+            record["metrics"][name].update(mean_over_patients(list(patients.values())))
+        names = list(next(iter(record["metrics"].values())))
+        volume = [name for name in names if name not in record["mean"]]
+        record["mean"].update({name: nan_mean([record["metrics"][site][name] for site in per_patient]) for name in volume})
+        record["timing"]["volume_eval_s"] = time.perf_counter() - tic  # the loop logs the record after its callbacks
 
     @torch.no_grad()
-    def evaluate_site(self, site: Any) -> dict[str, float]:
-        """Mean over the site's evaluation patients of each region's Dice, IoU and HD95 (``<metric>_<region>``)."""
+    def evaluate_site(self, site: Any, bar: Any = None) -> dict[str, dict[str, float]]:
+        """Each of the site's evaluation patients' scores (:func:`~medfed.evaluation.volume.patient_scores`), by case id."""
         site.module.eval()
-        per_patient = []
+        regions = site.module.region_names
+        scores = {}
         for volume in self.volumes.site_volumes(site.index):
             image = torch.from_numpy(volume.image).to(site.fabric.device)
             output = segment_volume(site.module, image, self.patch_size, self.batch_size)  # (K, X, Y, Z)
             masks = site.module.region_masks(output.movedim(-1, 0)).movedim(0, -1).cpu().numpy()  # (R, X, Y, Z)
-            scores = {}
-            for mask, region in zip(masks, site.module.region_names):
-                for metric, value in region_scores(mask, REGION_MASKS[region](volume.label), volume.spacing_mm).items():
-                    scores[f"{metric}_{region}"] = value
-            per_patient.append(scores)
-        return mean_over_patients(per_patient)
+            labels = tumour_labels(masks, regions)
+            scores[volume.case_id] = patient_scores(labels, volume.label, volume.spacing_mm, regions, self.lesion_wise)
+            if bar is not None:
+                bar.update()
+        return scores

@@ -1,5 +1,11 @@
 """Whole-volume evaluation of a 2-D segmentation model: per-patient Dice, IoU and HD95 per tumour region.
 
+A patient's prediction is first made one label map (:func:`tumour_labels`,
+what ``predict`` writes), and every region is scored from it; beside these
+"legacy" scores, :func:`patient_scores` adds the BraTS challenge's lesion-wise
+Dice, NSD and HD95 computed by the official package
+(:mod:`medfed.evaluation.lesion_wise`).
+
 The paper's patch metrics answer "how well are 64x64 patches segmented";
 BraTS users report per-patient scores over the whole volume for the tumour
 regions (Menze et al., IEEE TMI 2015; Bakas et al., arXiv 1811.02629):
@@ -45,12 +51,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import math
+
 import numpy as np
 import torch
+from monai.data.utils import dense_patch_slices
 from monai.inferers import sliding_window_inference
 from scipy.ndimage import binary_erosion, distance_transform_edt
+from tqdm import tqdm  # text bars: tqdm.auto warns in a notebook without ipywidgets
+
+from medfed.data.brats import TumourLabel, enhancing_tumour, tumour_core, whole_tumour
+from medfed.evaluation.lesion_wise import lesion_wise_scores
+
+OVERLAP = 0.25
+"""Overlap of neighbouring sliding windows (a share of the window side)."""
 
 METRICS = ("dice", "iou", "hd95")
+REGION_MASKS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"wt": whole_tumour, "tc": tumour_core, "et": enhancing_tumour}
+"""Each region's mask of a :class:`~medfed.data.brats.TumourLabel` array."""
 
 
 def segment_volume(
@@ -58,6 +76,7 @@ def segment_volume(
     image: torch.Tensor,
     patch_size: int,
     batch_size: int = 16,
+    progress: str | None = None,
 ) -> torch.Tensor:
     """The predictor's per-voxel output over a whole volume, slice by slice.
 
@@ -68,15 +87,77 @@ def segment_volume(
             as in training.
         patch_size: P, the training patch side in voxels.
         batch_size: windows per predictor call.
+        progress: the label of a bar over the predictor calls on stderr (None: no bar).
 
     Returns:
         float32 ``(K, X, Y, Z)`` on ``image``'s device.
     """
     slices = image.permute(3, 0, 1, 2)  # (Z, C, X, Y): axial slices as a batch
+    bar = None
+    if progress is not None:
+        size = [max(side, patch_size) for side in slices.shape[2:]]  # MONAI pads a slice smaller than a window
+        interval = [patch_size if side == patch_size else max(int(patch_size * (1 - OVERLAP)), 1) for side in size]
+        windows = len(dense_patch_slices(size, (patch_size, patch_size), interval)) * slices.shape[0]
+        bar = tqdm(total=math.ceil(windows / batch_size), desc=progress, unit="batch", leave=False)
+        predictor = _counted(predictor, bar)
     output = sliding_window_inference(
-        slices, roi_size=(patch_size, patch_size), sw_batch_size=batch_size, predictor=predictor, overlap=0.25, mode="gaussian"
+        slices, roi_size=(patch_size, patch_size), sw_batch_size=batch_size, predictor=predictor, overlap=OVERLAP, mode="gaussian"
     )
+    if bar is not None:
+        bar.close()
     return output.permute(1, 2, 3, 0)
+
+
+def _counted(predictor: Callable[[torch.Tensor], torch.Tensor], bar: tqdm) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``predictor`` that advances ``bar`` by one per call."""
+
+    def counted(patches: torch.Tensor) -> torch.Tensor:
+        output = predictor(patches)
+        bar.update()
+        return output
+
+    return counted
+
+
+def tumour_labels(masks: np.ndarray, regions: Sequence[str]) -> np.ndarray:
+    """A model's region masks as one uint8 :class:`~medfed.data.brats.TumourLabel` map (the BraTS labels' hierarchy).
+
+    Args:
+        masks: bool ``(R, X, Y, Z)``, one mask per region of ``regions``.
+        regions: ``("wt",)`` or ``("wt", "tc", "et")``.
+
+    Returns:
+        ``(X, Y, Z)``: with the three regions, enhancing (3) where ET, else necrotic core (1) where TC, else oedema
+        (2) where WT, else 0, so the regions read back from it are nested (a TC voxel outside the predicted WT
+        joins the WT); with the whole tumour alone, 1 = tumour (only its WT is scored).
+    """
+    if tuple(regions) == ("wt",):
+        return masks[0].astype(np.uint8)
+    wt, tc, et = masks
+    labels = (TumourLabel.ENHANCING, TumourLabel.NECROTIC_CORE, TumourLabel.OEDEMA)
+    return np.select([et, tc, wt], [int(label) for label in labels], default=0).astype(np.uint8)
+
+
+def patient_scores(
+    labels: np.ndarray, truth: np.ndarray, spacing_mm: Sequence[float], regions: Sequence[str], lesion_wise: bool
+) -> dict[str, float]:
+    """Every score of one patient: ``dice_<r>``, ``iou_<r>``, ``hd95_<r>`` and, with ``lesion_wise``, the official
+    ``lesion_dice_<r>``, ``lesion_nsd_<r>``, ``lesion_hd95_<r>`` for each region ``r``.
+
+    Args:
+        labels, truth: ``(X, Y, Z)`` TumourLabel arrays, the prediction (:func:`tumour_labels`) and the ground truth.
+        spacing_mm: the voxel size along X, Y, Z.
+        regions: the regions the model predicts.
+        lesion_wise: add the ``brats-evaluation`` scores (:mod:`medfed.evaluation.lesion_wise`).
+    """
+    scores = {}
+    for region in regions:
+        mask = REGION_MASKS[region]
+        for metric, value in region_scores(mask(labels), mask(truth), spacing_mm).items():
+            scores[f"{metric}_{region}"] = value
+    if lesion_wise:
+        scores.update(lesion_wise_scores(labels, truth, spacing_mm, regions))
+    return scores
 
 
 def region_scores(prediction: np.ndarray, truth: np.ndarray, spacing_mm: Sequence[float]) -> dict[str, float]:
@@ -127,7 +208,13 @@ def bounding_box(mask: np.ndarray) -> tuple[slice, ...]:
 
 
 def mean_over_patients(per_patient: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Mean of every metric over patients (BraTS's per-site aggregate)."""
+    """Mean of every metric over the patients where it is defined (BraTS's per-site aggregate; NaN where none is)."""
     if not per_patient:
         return {}
-    return {name: float(np.mean([scores[name] for scores in per_patient])) for name in per_patient[0]}
+    return {name: nan_mean([scores[name] for scores in per_patient]) for name in per_patient[0]}
+
+
+def nan_mean(values: Sequence[float]) -> float:
+    """The mean of the values that are not NaN; NaN when all are."""
+    defined = [value for value in values if value == value]
+    return float(np.mean(defined)) if defined else float("nan")

@@ -1,7 +1,7 @@
 """2-D tumour segmentation with MONAI's U-Net (the BraTS task).
 
 Input patches are ``(B, 4, 64, 64)`` float32 (FLAIR, T1, T1ce, T2, each
-z-scored per case). ``target`` picks what the model learns:
+z-scored per case). ``regions`` (config ``task.regions``) picks what the model learns:
 
 ``wt`` (the paper's task)
     targets ``(B, 64, 64)`` int64, 1 = whole tumour, 0 = background; two
@@ -9,7 +9,7 @@ z-scored per case). ``target`` picks what the model learns:
     ``shared/design/algorithms.md`` (bug 3): IoU is the mean Jaccard index
     over the two classes, label IoU the tumour Jaccard index, both
     accumulated over the whole test split.
-``regions`` (the BraTS challenge's regions)
+``brats`` (the BraTS challenge's regions)
     targets ``(B, 3, 64, 64)`` uint8 masks of whole tumour, tumour core and
     enhancing tumour (:func:`medfed.data.brats.tumour_regions`); three
     sigmoid outputs, Dice + binary cross-entropy per region (MONAI's
@@ -112,15 +112,15 @@ class UNetSegmenter(FederatedModule):
     default_personal_patterns = (UNET_DECODER_PATTERN,)
     pads = True
 
-    def __init__(self, in_channels: int, num_classes: int, options: Options | None = None) -> None:
+    def __init__(self, in_channels: int, num_classes: int, options: Options | None = None, regions: str = "wt") -> None:
         super().__init__()
         options = options or self.Options()
         self.options = options
         self.num_classes = num_classes
-        self.target = options.target
-        if options.target == "regions" and num_classes != len(REGIONS):
-            raise ValueError(f"target 'regions' needs {len(REGIONS)} outputs (WT, TC, ET), got num_classes={num_classes}")
-        self.region_names = ("wt",) if options.target == "wt" else REGIONS
+        self.regions = regions
+        if regions == "brats" and num_classes != len(REGIONS):
+            raise ValueError(f"regions 'brats' needs {len(REGIONS)} outputs (WT, TC, ET), got num_classes={num_classes}")
+        self.region_names = ("wt",) if regions == "wt" else REGIONS
         self.unet = UNet(
             spatial_dims=2,
             in_channels=in_channels,
@@ -132,7 +132,7 @@ class UNetSegmenter(FederatedModule):
         )
         if options.dropout > 0:
             use_keyed_dropout(self.unet)  # masks both executors draw alike (medfed.models.dropout)
-        if options.target == "wt":
+        if regions == "wt":
             self.loss = DiceCrossEntropy()
             self.test_metrics = MulticlassJaccardIndex(num_classes=num_classes, average="none")
         else:
@@ -147,14 +147,14 @@ class UNetSegmenter(FederatedModule):
 
     def region_masks(self, output: torch.Tensor) -> torch.Tensor:
         """``(B, K, H, W)`` outputs -> bool ``(B, R, H, W)`` masks of :attr:`region_names` (R = 1 or 3)."""
-        if self.target == "wt":
+        if self.regions == "wt":
             return (output.argmax(dim=1) == 1).unsqueeze(1)
         return output > 0  # sigmoid(output) > 1/2
 
     def log_prior(self, data: SiteData) -> torch.Tensor:
-        """``wt``: log n_c of the training pixels of each class, ``(2, 1, 1)``; ``regions``: log(n_1 / n_0) of
+        """``wt``: log n_c of the training pixels of each class, ``(2, 1, 1)``; ``brats``: log(n_1 / n_0) of
         each region's training pixels, ``(3, 1, 1)`` (its output is a log-odds per region)."""
-        if self.target == "wt":
+        if self.regions == "wt":
             return super().log_prior(data)
         masks = data.train.tensors[1]  # (n, 3, P, P) 0/1
         positives = masks.to(torch.int64).sum(dim=(0, 2, 3))
@@ -163,19 +163,19 @@ class UNetSegmenter(FederatedModule):
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         """The loss of the batch (of its real samples in a padded one: :mod:`medfed.models.padding`)."""
         x, y = batch
-        target = y if self.target == "wt" else y.float()
+        target = y if self.regions == "wt" else y.float()
         if padded():
             return sample_mean(self.loss.per_sample(self(x), target))
         return self.loss(self(x), target)
 
     def update_test_metrics(self, outputs: torch.Tensor, y: torch.Tensor) -> None:
-        if self.target == "wt":
+        if self.regions == "wt":
             self.test_metrics.update(outputs.argmax(dim=1), y)
         else:
             self.test_metrics.update(self.region_masks(outputs).long(), y.long())
 
     def compute_test_metrics(self) -> dict[str, torch.Tensor]:
         per_class = self.test_metrics.compute()
-        if self.target == "wt":
+        if self.regions == "wt":
             return {"iou": per_class.mean(), "label_iou": per_class[1]}
         return dict(zip(self.metric_names, per_class))

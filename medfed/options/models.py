@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 
 from medfed.config import require
 
-TARGETS = ("wt", "regions")
-"""What a U-Net may learn (``model.target``): whole tumour, or the WT/TC/ET regions."""
 CLASS_WEIGHTS = ("balanced",)
 """What ``model.class_weight`` may be besides null (two-class models)."""
 OPTIMIZERS = ("adam", "sgd")
@@ -86,8 +84,6 @@ class UNetOptions(ModelOptions):
     strides: list[int] = field(default_factory=lambda: [2, 2, 2, 2])
     num_res_units: int = 2
     dropout: float = 0.0
-    target: str = "wt"
-    """``wt`` (whole tumour, two softmax classes) or ``regions`` (WT, TC, ET sigmoid outputs)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -101,7 +97,6 @@ class UNetOptions(ModelOptions):
         require(all(s >= 1 for s in self.strides), "strides", self.strides, "positive integers")
         require(self.num_res_units >= 0, "num_res_units", self.num_res_units, "an integer >= 0")
         require(0.0 <= self.dropout < 1.0, "dropout", self.dropout, "a number in [0, 1)")
-        require(self.target in TARGETS, "target", self.target, " or ".join(TARGETS))
 
     def check_input_size(self, size: int, key: str) -> None:
         """Refuse a patch side ``size`` (config key ``key``) the U-Net cannot take back to its own size.

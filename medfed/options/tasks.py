@@ -2,7 +2,7 @@
 
 Each task module takes its ``Options`` from here, so
 :func:`medfed.components.resolve` checks a config's ``data`` group, its
-``model.name`` and ``model.target`` against the task, and fills in every
+``model.name`` and ``task.regions`` against the task, and fills in every
 default, before torch is imported. :data:`TASK_SPECS` names the tasks
 (``data.task``); :data:`medfed.tasks.TASKS` adds to each spec the functions
 that build its federation.
@@ -12,11 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from medfed.config import require
+from medfed.config import REGION_SETS, require
 from medfed.errors import ConfigError
 
-BRATS_TARGETS = ("wt", "regions")
-"""What the BraTS task may label samples for (``model.target``): whole tumour, or the WT/TC/ET regions."""
 TRAIN_SAMPLING = ("fixed", "random_crops")
 """``data.train_sampling`` of BraTS: the patches cut once, or fresh augmented crops every epoch."""
 EMBEDDED_TABLES = ("breast_cancer",)
@@ -170,14 +168,14 @@ class TaskSpec:
         name: the ``data.task`` value.
         Options: the ``data`` group's dataclass.
         default_model: the ``model.name`` used when the config names none.
-        targets: the ``model.target`` values the task can label samples for
+        regions: the ``task.regions`` values the task can label samples for
             (empty: one fixed target, no choice).
     """
 
     name: str
     Options: type
     default_model: str
-    targets: tuple[str, ...] = ()
+    regions: tuple[str, ...] = ()
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -188,7 +186,7 @@ class TaskSpec:
 TASK_SPECS: dict[str, TaskSpec] = {
     spec.name: spec
     for spec in (
-        TaskSpec("brats", BratsOptions, "unet", BRATS_TARGETS),
+        TaskSpec("brats", BratsOptions, "unet", REGION_SETS),
         TaskSpec("luna16", Luna16Options, "densenet"),
         TaskSpec("clinical", ClinicalOptions, "logreg"),
     )

@@ -17,7 +17,7 @@ from medfed.tasks import brats, clinical, luna16
 
 @dataclass(frozen=True)
 class Task:
-    """A task: its :class:`~medfed.options.tasks.TaskSpec` (name, ``Options``, models, targets) and how it builds its data."""
+    """A task: its :class:`~medfed.options.tasks.TaskSpec` (name, ``Options``, models, regions) and how it builds its data."""
 
     name: str
     Options: type
@@ -29,14 +29,14 @@ class Task:
     default_model: str
     models: tuple[str, ...]
     """The model names whose input the task's samples fit (``default_model`` first)."""
-    targets: tuple[str, ...] = ()
-    """The ``model.target`` values the task can label samples for (``build_federation(..., target=...)``);
-    empty: one fixed target, no ``target`` argument."""
+    regions: tuple[str, ...] = ()
+    """The ``task.regions`` values the task can label samples for (``build_federation(..., regions=...)``);
+    empty: one fixed target, no ``regions`` argument."""
 
 
 TASKS: dict[str, Task] = {
     module.NAME: Task(
-        spec.name, spec.Options, module.build_federation, module.build_site, spec.default_model, spec.models, spec.targets
+        spec.name, spec.Options, module.build_federation, module.build_site, spec.default_model, spec.models, spec.regions
     )
     for module in (brats, luna16, clinical)
     for spec in (task_spec(module.NAME),)

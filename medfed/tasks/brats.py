@@ -1,4 +1,4 @@
-"""The BraTS task: federated whole-tumour segmentation on 64x64 axial patches.
+"""The BraTS task: federated segmentation of the whole tumour (or the three BraTS regions) on 64x64 axial patches.
 
 Cases are read through :mod:`medfed.data.brats` (BraTS 2017-2019,
 2020/2021, 2023 and MSD Task01 layouts, labelled cases only), placed at sites
@@ -82,7 +82,7 @@ PREPROCESSING_VERSION = 1
 
 
 def build_federation(
-    options: Options, federation: FederationConfig, seed: int, progress: bool = True, target: str = "wt"
+    options: Options, federation: FederationConfig, seed: int, progress: bool = True, regions: str = "wt"
 ) -> Federation:
     """Generate the data if asked, plan sites and splits from the file names, then read and cut (or take the cache's) patches.
 
@@ -96,7 +96,7 @@ def build_federation(
     root = Path(options.root)
     held = _data_set(root, options.generate, federation.n_sites, progress)
     with held():
-        return _plan_and_read(root, held, options, federation, seed, progress, target)
+        return _plan_and_read(root, held, options, federation, seed, progress, regions)
 
 
 def _data_set(root: Path, generate: GeneratedBrats | None, n_sites: int, progress: bool) -> Callable[[], AbstractContextManager]:
@@ -121,7 +121,7 @@ def _plan_and_read(
     federation: FederationConfig,
     seed: int,
     progress: bool,
-    target: str,
+    regions: str,
 ) -> Federation:
     """:func:`build_federation` while the data set at ``root`` is held."""
     cases = {case.case_id: case for case in find_cases(root)}
@@ -134,22 +134,22 @@ def _plan_and_read(
 
     input_files = [path for case in cases.values() for path in (*case.image_files, case.label_file)]
     input_files += [path for path in (partition_file, root / MARKER) if path is not None and path.is_file()]
-    settings = {**key_settings(options, federation, seed, not_stored=("augment",), placement=placement), "target": target}
+    settings = {**key_settings(options, federation, seed, not_stored=("augment",), placement=placement), "regions": regions}
     key = cache_key(NAME, PREPROCESSING_VERSION, root, input_files, settings)
     built = load_or_build(
         key,
-        lambda: _read_federation(root, cases, site_splits, range(federation.n_sites), drops, options, federation, seed, progress, target),
+        lambda: _read_federation(root, cases, site_splits, range(federation.n_sites), drops, options, federation, seed, progress, regions),
         task=NAME,
         enabled=options.cache,
         cache_dir=options.cache_dir,
     )
     built.volumes = BratsVolumes(cases, [split.evaluation for split in site_splits], drops, held, options.resample)
     built.site_sizes = placement.summary(federation, seed, "cases")
-    _train_on_random_crops(built, options, target)
+    _train_on_random_crops(built, options, regions)
     return built
 
 
-def _train_on_random_crops(built: Federation, options: Options, target: str) -> None:
+def _train_on_random_crops(built: Federation, options: Options, regions: str) -> None:
     """With ``train_sampling: random_crops``, each site trains on fresh crops of its kept volumes (:class:`RandomCrops`)."""
     if options.train_sampling != "random_crops":
         return
@@ -160,14 +160,14 @@ def _train_on_random_crops(built: Federation, options: Options, target: str) -> 
             options.tumour_patches_per_case,
             options.background_patches_per_case,
             options.patch_size,
-            target,
+            regions,
             options.augment,
         )
 
 
 def build_site(
     options: Options, federation: FederationConfig, seed: int, site_index: int, data_root: Path, progress: bool = True,
-    target: str = "wt",
+    regions: str = "wt",
 ) -> Federation:
     """One site's member alone, from its own cases (a deployed hospital, :mod:`medfed.deploy`).
 
@@ -197,8 +197,8 @@ def build_site(
     split = split_site(sorted(cases), _draw_cases, federation, seed, site_index)
     missing_sites, missing_channel = missing_channel_sites(federation)
     drop = missing_channel if site_index in missing_sites else None
-    built = _read_federation(root, cases, [split], [site_index], [drop], options, federation, seed, progress, target)
-    _train_on_random_crops(built, options, target)
+    built = _read_federation(root, cases, [split], [site_index], [drop], options, federation, seed, progress, regions)
+    _train_on_random_crops(built, options, regions)
     return built
 
 
@@ -253,6 +253,9 @@ class BratsVolumes:
     resample: bool = False
     """As ``data.resample``: files on another grid than the first modality's are resampled onto it."""
 
+    def n_volumes(self, site: int) -> int:
+        return len(self.evaluation_cases[site])
+
     def site_volumes(self, site: int) -> Iterator[EvaluationVolume]:
         with self.held():
             for case_id in self.evaluation_cases[site]:
@@ -272,7 +275,7 @@ def _read_federation(
     federation: FederationConfig,
     seed: int,
     progress: bool,
-    target: str,
+    regions: str,
 ) -> Federation:
     """Read every train, evaluation and validation case of the plan and cut its patches (set-aside cases are never read).
 
@@ -296,7 +299,7 @@ def _read_federation(
                 image = _normalised(volume, drop)
                 tumour = volume.label > 0
                 background = tumour_free_centres((volume.image != 0).any(axis=0), tumour, options.patch_size)
-                x, y = _case_patches(image, volume.label, tumour, background, options, rng, target)
+                x, y = _case_patches(image, volume.label, tumour, background, options, rng, regions)
                 xs.append(x)
                 ys.append(y)
                 if split_name == "train" and options.train_sampling == "random_crops":
@@ -323,7 +326,7 @@ def _read_federation(
         task=NAME,
         sites=sites,
         input_shape=(len(MODALITIES), options.patch_size, options.patch_size),
-        num_classes=2 if target == "wt" else len(REGIONS),
+        num_classes=2 if regions == "wt" else len(REGIONS),
         description=generated if generated is not None else f"BraTS data read from {root}",
         generated=generated is not None,
         holdout=federation.holdout,
@@ -381,14 +384,14 @@ def _case_patches(
     background: np.ndarray,
     options: Options,
     rng: np.random.Generator,
-    target: str,
+    regions: str,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Patches of one labelled case: ``x`` float32 (n, 4, P, P) and its targets.
 
     ``tumour_patches_per_case`` centres drawn from the ``tumour`` mask, then
     ``background_patches_per_case`` from the ``background`` mask (tumour-free
-    crops), none of a kind whose mask is empty. Targets: ``wt``: int64
-    (n, P, P), 1 = whole tumour; ``regions``: uint8 (n, 3, P, P) masks of WT,
+    crops), none of a kind whose mask is empty. Targets (``regions``): ``wt``: int64
+    (n, P, P), 1 = whole tumour; ``brats``: uint8 (n, 3, P, P) masks of WT,
     TC, ET (:func:`~medfed.data.brats.tumour_regions`).
     """
     centres = np.concatenate(
@@ -397,7 +400,7 @@ def _case_patches(
             sample_centres(background, options.background_patches_per_case, rng),
         ]
     )
-    if target == "wt":
+    if regions == "wt":
         return extract_axial_patches(image, tumour.astype(np.int64), centres, options.patch_size)
     x, labels = extract_axial_patches(image, label.astype(np.int64), centres, options.patch_size)
     return x, np.moveaxis(tumour_regions(labels), 0, 1)

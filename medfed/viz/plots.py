@@ -80,10 +80,18 @@ def plot_learning_curves(history: list[dict[str, Any]], title: str) -> Figure:
 
     Args:
         history: the loop's per-round records (``record["metrics"][site][name]``); a metric
-            evaluated on some rounds only (whole-volume scores) is drawn on those rounds, with markers.
+            evaluated on some rounds only (whole-volume scores) is drawn on those rounds, with markers;
+            one evaluated on a single round of several (the default job's whole volumes, after the last)
+            has no curve: the title names it and the round (its values are in the table and results.json).
         title: figure title (strategy, task, data provenance).
     """
     names = list(dict.fromkeys(name for record in history for name in record["mean"]))  # some only on some rounds
+    rounds_of = {name: [record["round"] for record in history if name in record["mean"]] for name in names}
+    once = [name for name in names if len(rounds_of[name]) == 1 and len(history) > 1]
+    names = [name for name in names if name not in once]
+    if once:
+        at = sorted({rounds_of[name][0] for name in once})
+        title += f"\n{', '.join(once)}: evaluated after round {', '.join(map(str, at))} only (no curve): see the table and results.json"
     figure = Figure(figsize=(3.6 * len(names) + 1.2, 3.8), layout="constrained")
     axes = figure.subplots(1, len(names), squeeze=False, sharex=True)  # one round axis: a metric of the last round only sits there
     for axis, name in zip(axes[0], names):
@@ -107,7 +115,12 @@ def plot_learning_curves(history: list[dict[str, Any]], title: str) -> Figure:
 def plot_segmentation_examples(
     sites: list, title: str, per_site: int = 4, channel: int = 0, channel_names: tuple[str, ...] | None = None
 ) -> Figure | None:
-    """Test patches of every site with the true (red) and predicted (cyan) tumour outlines.
+    """Test patches of every site with the true (solid) and predicted (dashed) outlines of each region.
+
+    With the whole tumour alone the truth is red and the prediction cyan; with
+    the BraTS regions each region has its colour (WT yellow, TC red, ET cyan).
+    A site without the displayed sequence (a missing channel) shows its first
+    non-zero one, and its row label says so.
 
     Args:
         sites: the run's sites; each site's model predicts on its own first test patches.
@@ -127,21 +140,29 @@ def plot_segmentation_examples(
         return None
     figure = Figure(figsize=(2.1 * per_site, 2.2 * len(sites) + 0.6), layout="constrained")
     axes = figure.subplots(len(sites), per_site, squeeze=False)
+    name = (lambda c: channel_names[c]) if channel_names else (lambda c: f"channel {c}")
+    regions = sites[0].module.region_names
+    colours = {"wt": "yellow", "tc": "red", "et": "cyan"} if len(regions) > 1 else None
     for row, site in zip(axes, sites):
         x, y = (t[:per_site] for t in site.data.test.tensors)
         site.module.eval()
-        prediction = site.module.region_masks(site.module(site.fabric.to_device(x)))[:, 0].cpu()  # whole tumour
-        y = y[:, 0] if y.ndim == 4 else y
+        prediction = site.module.region_masks(site.module(site.fabric.to_device(x))).cpu()  # (B, R, P, P)
+        truth = y.bool() if y.ndim == 4 else (y == 1).unsqueeze(1)
         shown = displayed_channel(x, channel)
-        for axis, image, truth, predicted in zip(row, x[:, shown], y, prediction):
+        for axis, image, true_masks, predicted_masks in zip(row, x[:, shown], truth, prediction):
             axis.imshow(image.numpy().T, cmap="gray", origin="lower")
-            for mask, colour in ((truth, "red"), (predicted, "cyan")):
-                if mask.any():
-                    axis.contour(mask.numpy().T.astype(float), levels=[0.5], colors=colour, linewidths=1.0, origin="lower")
+            for region, true_mask, predicted_mask in zip(regions, true_masks, predicted_masks):
+                drawn = ((true_mask, "red", "solid"), (predicted_mask, "cyan", "dashed" if colours else "solid"))
+                for mask, colour, style in drawn:
+                    if mask.any():
+                        axis.contour(mask.numpy().T.astype(float), levels=[0.5], colors=colours[region] if colours else colour,
+                                     linewidths=1.0, linestyles=style, origin="lower")
             axis.set_xticks([])
             axis.set_yticks([])
-        row[0].set_ylabel(f"{site.name}\n({channel_names[shown] if channel_names else f'channel {shown}'})", fontsize=8)
-    figure.suptitle(wrap_to_width(title, figure, 8) + "\nred: truth, cyan: prediction", fontsize=8)
+        label = name(shown) if shown == channel else f"{name(shown)}: no {name(channel)}\nat this site"
+        row[0].set_ylabel(f"{site.name}\n({label})", fontsize=8)
+    legend = "solid: truth, dashed: prediction; WT yellow, TC red, ET cyan" if colours else "red: truth, cyan: prediction"
+    figure.suptitle(wrap_to_width(title, figure, 8) + f"\n{legend}", fontsize=8)
     return figure
 
 

@@ -50,7 +50,7 @@ gamma log N is exactly the paper's BSM for a cross-entropy; for the U-Net
 it is BSM per pixel, N counting the training pixels of each class
 (:meth:`~medfed.models.base.FederatedModule.log_prior`), and the Dice term
 sees the same shifted probabilities. A log-odds output (logistic regression,
-the U-Net's ``regions`` target) is shifted by gamma log(N_1 / N_0), which is
+the U-Net's ``task.regions: brats`` outputs) is shifted by gamma log(N_1 / N_0), which is
 the two-logit BSM written as a log-odds; a class absent from a site's
 training labels counts as 1.
 

@@ -275,7 +275,8 @@ class PFedNetServer(ServerHalf):
             return {}
         from medfed.viz.plots import plot_similarity_graphs
 
-        panels = [("before training" if at == 0 else f"built at round {at}", graph) for at, graph in self.graph_history]
+        built = [at for at, _ in self.graph_history]
+        panels = [(_served(at, end), graph) for (at, graph), end in zip(self.graph_history, [*built[1:], None])]
         title = f"pFedNet similarity network, {self.options.graph_space} space, k={self.options.knn_k} ({self.options.knn_rule})"
         return {"similarity_graph": plot_similarity_graphs(panels, title)}
 
@@ -369,3 +370,18 @@ class PFedNet(Strategy):
         super().__init__(options, split, n_sites, seed)
         if options.schedule == "joint":
             self.phases = (JOINT,)  # one phase: this run's round shape (the class's is the alternating one)
+
+
+def _served(built_at: int, next_built_at: int | None) -> str:
+    """A similarity graph's panel label: when it was built and the rounds whose server steps it served.
+
+    A graph built in round k (from that round's personal parts) serves round k's fusion already and each
+    round after until the next graph is built; one built at setup (round 0, before training) serves from round 1.
+    """
+    when = "built before training" if built_at == 0 else f"built in round {built_at}"
+    first = max(built_at, 1)
+    if next_built_at is None:
+        return f"{when}, used in every round" if built_at == 0 else f"{when}, used from round {first} on"
+    last = next_built_at - 1
+    rounds = f"round {first}" if last == first else f"rounds {first}-{last}"
+    return f"{when}, used in {rounds}"
