@@ -33,7 +33,8 @@ from medfed.checkpoint import FOLDER, resume_state, round_checkpoints
 from medfed.components import ResolvedRun, resolve
 from medfed.config import RunConfig, check_wandb_key
 from medfed.errors import RunFailed, SiteFailure, warn
-from medfed.evaluation.rounds import ValidationEvaluation, VolumeEvaluation
+from medfed.evaluation.baselines import site_baselines
+from medfed.evaluation.rounds import PlateauStop, ValidationEvaluation, VolumeEvaluation
 from medfed.federated.executor import InProcessSites, executor_for, planned_steps
 from medfed.federated.loop import FederatedLoop
 from medfed.federated.privacy import ClientDP, PrivacyBudgetSpent, PrivacyRecord, SiteDP, privacy_summary
@@ -85,13 +86,18 @@ def _run(
     prototype, strategy = assembly.prototype, assembly.strategy
     for fix in assembly.model_changes:
         warn(f"privacy.dp: {fix}")
+    with _timed(seconds, "data_s"):
+        baselines = site_baselines(prototype, federation.sites)  # the trivial predictors every table shows beside the methods
     if strategy.pools_data and run_cfg.federation.participation < 1:
         warn(f"strategy {strategy.name!r} pools the training data at one site: it trains only in the rounds that site takes part in")
 
     tracker = Tracker(run_cfg, config, federation, strategy.name, resume=resume, config_name=config_name, quiet=not progress)
     validation = [ValidationEvaluation()] if any(site.validation is not None for site in federation.sites) else []
+    if validation and trainer.patience is not None:
+        validation.append(PlateauStop(prototype.metric_names[0], trainer.patience, trainer.min_delta))
     privacy = [PrivacyRecord(dp.on_budget)] if dp.enabled else []
-    callbacks = [*_volume_evaluation(federation, run_cfg, progress), *validation, *privacy, tracker]  # scores join the round before the tracker logs
+    # scores join the round before the tracker logs; a plateau is seen before the volumes are, so a run's last round gets them
+    callbacks = [*validation, *_volume_evaluation(federation, run_cfg, progress), *privacy, tracker]
     fabric = make_fabric(trainer, loggers=tracker.loggers, callbacks=callbacks)
     sites = assembly.sites(fabric, federation)
     if dp.enabled:
@@ -146,6 +152,9 @@ def _run(
             pooled=pooled_reference(federation.sites) if strategy.pools_data else None,
         )
         results["execution"] = {"device": str(fabric.device), "precision": trainer.precision, "compile": trainer.compile}
+        results["baselines"] = baselines
+        if loop.history and "stopped" in loop.history[-1]:
+            results["stopped"] = {"round": loop.history[-1]["round"], **loop.history[-1]["stopped"]}
         if dp.enabled or run_cfg.privacy.client_dp.enabled:
             results["privacy"] = {**privacy_summary(loop.history), "model_changes": list(assembly.model_changes)}
         return results
@@ -163,6 +172,8 @@ def _run(
             raise RunFailed(f"{error}; the {len(loop.history)} rounds' results are in {output_dir / 'results.json'}") from None
         raise
     bar.close()
+    if loop.stop_reason is not None and progress:
+        _status(f"stopped after round {loop.round} of at most {trainer.rounds}: {loop.stop_reason}")
 
     results = results_so_far()
     failed = learned_nothing(loop.history)

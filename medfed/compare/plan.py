@@ -119,12 +119,11 @@ def plan_runs(
                 fixed = [*grid.overrides, *own, *overrides, *extra, f"strategy.name={strategy}", f"trainer.seed={seed}", f"output_dir={output_dir}"]
                 where = f"{folder}/seed{seed}"
                 try:
-                    resolved = resolve(load_config(path, [*fixed, f"trainer.num_threads={threads}"]))
-                    if resolved.run.federation.validation_fraction <= 0:
+                    if not _has_validation_split(load_config(path, fixed)):  # (checked before resolving: trainer.patience needs one)
                         fixed.append(VALIDATION_SPLIT)
-                        resolved = resolve(load_config(path, [*fixed, f"trainer.num_threads={threads}"]))
                         if label not in without_validation:
                             without_validation.append(label)
+                    resolved = resolve(load_config(path, [*fixed, f"trainer.num_threads={threads}"]))
                     _check_selectable(resolved.run.federation)
                     if holdout != "test":
                         fixed.append(f"federation.holdout={holdout}")
@@ -142,6 +141,15 @@ def plan_runs(
             file=sys.stderr,
         )
     return runs
+
+
+def _has_validation_split(config: Any) -> bool:
+    """Whether a loaded (not yet resolved) run config asks for a validation split (``federation.validation_fraction`` > 0)."""
+    federation = config.get("federation") or {}
+    try:
+        return float(federation.get("validation_fraction") or 0) > 0
+    except (TypeError, ValueError):
+        return True  # not a number: resolving names the key
 
 
 def _check_selectable(federation: Any) -> None:
