@@ -6,6 +6,7 @@ subprocess; the later tests read its outputs or work on a copy.
 """
 
 import csv
+import dataclasses
 import json
 import os
 import re
@@ -25,7 +26,7 @@ from medfed.cli import main
 from medfed.compare.grid import Grid, make_grid, read_grid
 from medfed.compare.plan import VALIDATION_SPLIT, Run, plan_runs
 from medfed.compare.tables import Finished, format_cell, markdown, resolve_reference, selected_round
-from medfed.config import load_config
+from medfed.config import find_config, load_config
 from medfed.evaluation.rounds import ValidationEvaluation
 
 from toy_federation import LinearClassifier, build_loop, seeded, two_group_federation
@@ -853,3 +854,25 @@ def test_a_run_made_before_a_key_existed_counts_as_done_where_the_key_is_at_its_
     assert main([*arguments, "trainer.executor=batched"]) == 2  # not the default: the old run is not this run
     error = capsys.readouterr().err
     assert "holds a run of another config (it differs at trainer.executor)" in error and error.count("\n") == 1
+
+
+def test_new_data_per_seed_gives_each_seed_its_own_generated_data_set_and_leaves_read_data_alone(tmp_path, capsys):
+    from medfed.errors import ConfigError
+
+    grid = make_grid(["brats_lack0", "clinical_delta1"], ["fedavg"], [0, 3], [], [], tmp_path / "out", new_data_per_seed=True)
+    runs = plan_runs(grid)
+    brats = {run.seed: run.overrides for run in runs if run.setting == "brats_lack0"}
+    for seed, overrides in brats.items():
+        assert f"data.generate.seed={seed}" in overrides and f"data.root=data/generated/brats2017-draw{seed}" in overrides
+        resolved = load_config(find_config("brats_lack0"), list(overrides))
+        assert resolved.data.generate.seed == seed and resolved.data.root == f"data/generated/brats2017-draw{seed}"
+    assert all(not any(o.startswith("data.") for o in run.overrides) for run in runs if run.setting == "clinical_delta1")  # real data
+    assert all("data.generate.seed" not in " ".join(run.overrides) for run in plan_runs(dataclasses.replace(grid, new_data_per_seed=False)))
+    with pytest.raises(ConfigError, match="data.generate.seed=7' with new_data_per_seed"):
+        plan_runs(grid, ["data.generate.seed=7"])
+    grid_file = tmp_path / "g.yaml"
+    grid_file.write_text(f"configs: [brats_lack0]\nstrategies: [fedavg]\nnew_data_per_seed: true\noutput: {tmp_path / 'o'}\n")
+    assert read_grid(grid_file).new_data_per_seed is True
+    grid_file.write_text("configs: [brats_lack0]\nnew_data_per_seed: sometimes\n")
+    with pytest.raises(ConfigError, match="grid key 'new_data_per_seed' = 'sometimes': expected true or false"):
+        read_grid(grid_file)

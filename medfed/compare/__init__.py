@@ -71,7 +71,9 @@ from medfed.compare.tables import (
     BUDGET_TOLERANCE, Finished, baseline_rows, collect, comparison_rows, markdown, reported_metrics, resolve_reference, snapshot_tag,
     terminal_table, unequal_compute, write_csv,
 )
-from medfed.compare.tune import TuneSpec, check_tune, choose, chosen_overrides, collect_trials, plan_tuning, tuning_rows, tuning_section
+from medfed.compare.tune import (
+    TuneSpec, check_tune, choose, chosen_overrides, collect_trials, edge_extensions, plan_candidates, plan_tuning, tuning_rows, tuning_section,
+)
 from medfed.errors import ConfigError
 
 
@@ -162,6 +164,23 @@ def _tune_and_compare(
         raise ConfigError("compare --tune: no tuning run finished, nothing to choose from (their logs are in the tuning folder's logs/)")
     trials = collect_trials(found, tuning_runs, finished, metric)
     chosen = choose(trials)
+    steps: dict[tuple[str, str, str], int] = {}
+    while tune.extend:  # the chosen value at an edge of what was tried: one step beyond, and choose again
+        more, more_runs = [], []
+        for candidate, key in edge_extensions(trials, chosen, steps, tune.extend):
+            try:
+                more_runs += plan_candidates(grid, overrides, tune, jobs, [candidate])
+                more.append(candidate)
+            except ConfigError:  # the key's allowed range ends here
+                steps[(candidate.setting, candidate.strategy, key)] = tune.extend
+        if not more:
+            break
+        print(f"medfed: compare: {len(more)} configurations one step beyond the edge of their space", file=sys.stderr)
+        failed.update({f"tuning/{name}": tail for name, tail in execute(more_runs, jobs, progress).items()})
+        found, tuning_runs = [*found, *more], [*tuning_runs, *more_runs]
+        finished = collect(tuning_runs)
+        trials = collect_trials(found, tuning_runs, finished, metric)
+        chosen = choose(trials)
     grid.output.mkdir(parents=True, exist_ok=True)
     write_csv(tuning_rows(trials, chosen), grid.output / "tuning.csv")
     extra = chosen_overrides(chosen)
@@ -173,7 +192,7 @@ def _tune_and_compare(
             runs += plan_runs(one, overrides, jobs, announce=strategy == grid.strategies[0], extra=extra[(setting, strategy)])
     settings = list(dict.fromkeys(run.setting for run in runs))
     rounds = ", ".join(str(value) for value in sorted({item.results["config"]["trainer"]["rounds"] for item in finished}))
-    section = tuning_section(trials, chosen, settings, grid.strategies, metric, tune, seeds, rounds)
+    section = tuning_section(trials, chosen, settings, grid.strategies, metric, tune, seeds, rounds, steps)
     cells = {key: (trial.candidate.values if trial is not None else "config's values") for key, trial in chosen.items()}
     failed.update(_run_and_tabulate(grid, overrides, runs, jobs, source, progress, reference, allow_unequal_compute, (section, cells))[0])
     return failed
