@@ -236,6 +236,8 @@ class TrainerConfig:
     ``rounds`` then being the cap. null: every round is run. Needs a validation split (``federation.validation_fraction`` > 0)."""
     min_delta: float = 0.0
     """The gain over the best validation score so far that counts as improving (``patience``)."""
+    patience_metric: str | None = None
+    """The validation metric ``patience`` watches (null: the model's first, e.g. ``iou``, ``accuracy``)."""
 
     def __post_init__(self) -> None:
         require(self.rounds >= 1, "trainer.rounds", self.rounds, "an integer >= 1")

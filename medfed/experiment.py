@@ -32,7 +32,7 @@ from medfed.assembly import RunAssembly, make_fabric
 from medfed.checkpoint import FOLDER, resume_state, round_checkpoints
 from medfed.components import ResolvedRun, resolve
 from medfed.config import RunConfig, check_wandb_key
-from medfed.errors import RunFailed, SiteFailure, warn
+from medfed.errors import ConfigError, RunFailed, SiteFailure, warn
 from medfed.evaluation.baselines import site_baselines
 from medfed.evaluation.rounds import PlateauStop, ValidationEvaluation, VolumeEvaluation
 from medfed.federated.executor import InProcessSites, executor_for, planned_steps
@@ -91,10 +91,13 @@ def _run(
     if strategy.pools_data and run_cfg.federation.participation < 1:
         warn(f"strategy {strategy.name!r} pools the training data at one site: it trains only in the rounds that site takes part in")
 
+    watched = trainer.patience_metric or prototype.metric_names[0]  # checked before anything is written
+    if trainer.patience is not None and watched not in prototype.metric_names:
+        raise ConfigError(f"config key 'trainer.patience_metric' = {watched!r}: expected one of the model's metrics ({', '.join(prototype.metric_names)})")
     tracker = Tracker(run_cfg, config, federation, strategy.name, resume=resume, config_name=config_name, quiet=not progress)
     validation = [ValidationEvaluation()] if any(site.validation is not None for site in federation.sites) else []
     if validation and trainer.patience is not None:
-        validation.append(PlateauStop(prototype.metric_names[0], trainer.patience, trainer.min_delta))
+        validation.append(PlateauStop(watched, trainer.patience, trainer.min_delta))
     privacy = [PrivacyRecord(dp.on_budget)] if dp.enabled else []
     # scores join the round before the tracker logs; a plateau is seen before the volumes are, so a run's last round gets them
     callbacks = [*validation, *_volume_evaluation(federation, run_cfg, progress), *privacy, tracker]

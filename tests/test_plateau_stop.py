@@ -62,3 +62,18 @@ def test_a_clinical_run_stops_on_its_plateau_before_the_cap_and_says_so(tmp_path
     assert max(curve[best:]) <= curve[best - 1]
     assert results["stopped"] == {"round": len(history), **history[-1]["stopped"]} and results["stopped"]["best_round"] == best
     assert f"stopped after round {len(history)} of at most 200" in capsys.readouterr().err
+
+
+def test_the_watched_metric_may_be_any_of_the_models_and_an_unknown_one_is_refused_before_any_round(tmp_path, capsys):
+    arguments = [
+        "fit", "--config", "clinical_delta2", "strategy.name=local", "trainer.rounds=60", "trainer.patience=3",
+        "federation.validation_fraction=0.2", "logger.wandb=disabled",
+    ]
+    assert main([*arguments, "trainer.patience_metric=dice", f"output_dir={tmp_path / 'bad'}"]) == 2
+    assert "config key 'trainer.patience_metric' = 'dice': expected one of the model's metrics (accuracy, balanced_accuracy, auroc)" in capsys.readouterr().err
+    assert not any((tmp_path / "bad").rglob("*.*"))  # nothing written in the run folder
+    assert main([*arguments, "trainer.patience_metric=auroc", f"output_dir={tmp_path / 'run'}"]) == 0
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    curve = validation_curve(results["history"], "auroc")
+    assert "validation auroc plateaued" in results["stopped"]["reason"]
+    assert len(curve) == PlateauStop("auroc", 3).best_round(curve) + 3
