@@ -377,14 +377,16 @@ def coverage(method: str, n_seeds: int, n_sites: int, correlation: float, replic
     return float(np.mean((low <= 0.0) & (0.0 <= high)))
 
 
-def validation_curve(history: Sequence[dict[str, Any]], metric: str) -> list[float]:
-    """A run's validation curve: per round, the mean over sites of ``record["validation"][site][metric]``.
+def validation_curve(history: Sequence[dict[str, Any]], metric: str, key: str = "validation") -> list[float]:
+    """A run's validation curve: per round, the mean over sites of ``record[key][site][metric]`` (``key``
+    ``"validation"``: the validation split beside the test split; ``"metrics"`` for a run whose evaluated split
+    is its validation split, ``holdout: validation``).
 
     Non-finite or missing scores are left out of a round's mean; a round with none is left out.
     """
     curve = []
     for record in history:
-        scores = [s.get(metric) for s in record.get("validation", {}).values()]
+        scores = [s.get(metric) for s in record.get(key, {}).values()]
         scores = [float(s) for s in scores if s is not None and math.isfinite(s)]
         if scores:
             curve.append(float(np.mean(scores)))

@@ -96,8 +96,9 @@ def _run(
         raise ConfigError(f"config key 'trainer.patience_metric' = {watched!r}: expected one of the model's metrics ({', '.join(prototype.metric_names)})")
     tracker = Tracker(run_cfg, config, federation, strategy.name, resume=resume, config_name=config_name, quiet=not progress)
     validation = [ValidationEvaluation()] if any(site.validation is not None for site in federation.sites) else []
-    if validation and trainer.patience is not None:
-        validation.append(PlateauStop(watched, trainer.patience, trainer.min_delta))
+    if trainer.patience is not None:  # beside the test split its validation scores, or the evaluated validation split's own
+        source = "validation" if validation else "metrics" if federation.holdout == "validation" else None
+        validation += [PlateauStop(watched, trainer.patience, trainer.min_delta, source)] if source else []
     privacy = [PrivacyRecord(dp.on_budget)] if dp.enabled else []
     # scores join the round before the tracker logs; a plateau is seen before the volumes are, so a run's last round gets them
     callbacks = [*validation, *_volume_evaluation(federation, run_cfg, progress), *privacy, tracker]

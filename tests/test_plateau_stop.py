@@ -77,3 +77,16 @@ def test_the_watched_metric_may_be_any_of_the_models_and_an_unknown_one_is_refus
     curve = validation_curve(results["history"], "auroc")
     assert "validation auroc plateaued" in results["stopped"]["reason"]
     assert len(curve) == PlateauStop("auroc", 3).best_round(curve) + 3
+
+
+def test_a_tuning_run_on_the_validation_split_stops_on_its_own_scores(tmp_path):
+    output = tmp_path / "run"
+    arguments = [
+        "fit", "--config", "clinical_delta2", "strategy.name=fedavg", "trainer.rounds=200", "trainer.patience=4",
+        "federation.validation_fraction=0.2", "federation.holdout=validation", "logger.wandb=disabled", f"output_dir={output}",
+    ]
+    assert main(arguments) == 0
+    results = json.loads((output / "results.json").read_text())
+    curve = validation_curve(results["history"], "accuracy", "metrics")  # the evaluated split is the validation split
+    assert "validation" not in results["history"][0] and len(curve) < 200
+    assert len(curve) == PlateauStop("accuracy", 4).best_round(curve) + 4 and results["stopped"]["round"] == len(curve)

@@ -68,7 +68,10 @@ class PlateauStop:
     """End the run once the validation curve has plateaued: ``patience`` rounds without a gain over ``min_delta``.
 
     The curve is the mean over sites of each round's validation ``metric``
-    (:func:`~medfed.compare_stats.validation_curve`, higher is better). Its
+    (:func:`~medfed.compare_stats.validation_curve`, higher is better): the
+    validation split's scores beside the test split's (``source``
+    ``"validation"``), or the round's own scores when the evaluated split is
+    the validation split (``"metrics"``, ``holdout: validation``: a tuning run). Its
     *best round* is the last round that beat every earlier best by more
     than ``min_delta``; the run stops after round r when ``r − best round >=
     patience``. It reads only the history (so a resumed run stops where it
@@ -76,10 +79,11 @@ class PlateauStop:
     "reason"}`` in the round it ends.
     """
 
-    def __init__(self, metric: str, patience: int, min_delta: float = 0.0) -> None:
+    def __init__(self, metric: str, patience: int, min_delta: float = 0.0, source: str = "validation") -> None:
         self.metric = metric
         self.patience = patience
         self.min_delta = min_delta
+        self.source = source
 
     def best_round(self, curve: list[float]) -> int:
         """The 1-based position of the curve's best round (0 for an empty curve)."""
@@ -92,7 +96,7 @@ class PlateauStop:
     def on_round_end(self, loop: Any, record: dict[str, Any]) -> None:
         from medfed.compare_stats import validation_curve
 
-        curve = validation_curve(loop.history, self.metric)
+        curve = validation_curve(loop.history, self.metric, self.source)
         best = self.best_round(curve)
         if curve and len(curve) - best >= self.patience:
             reason = (
