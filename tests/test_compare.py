@@ -876,3 +876,22 @@ def test_new_data_per_seed_gives_each_seed_its_own_generated_data_set_and_leaves
     grid_file.write_text("configs: [brats_lack0]\nnew_data_per_seed: sometimes\n")
     with pytest.raises(ConfigError, match="grid key 'new_data_per_seed' = 'sometimes': expected true or false"):
         read_grid(grid_file)
+
+
+def test_the_same_algorithm_twice_is_indistinguishable_from_itself_at_the_seed_level(tmp_path, capsys):
+    """The null the intervals must pass on real runs: FedAvg against FedAvg on new seeds (seeds 5-9 as the second arm,
+    paired with 0-4 by rank and with each site by name): the seed-level interval of the difference contains 0 and the
+    twin stays in the best group."""
+    from medfed.compare_stats import table_statistics
+
+    grid = write_grid(tmp_path, tmp_path / "out", strategies="[fedavg]", seeds="[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]", metrics="[auroc]")
+    assert main(["compare", "--grid", str(grid), "--jobs", "2", "--quiet"]) == 0
+    rows = [row for row in read_rows(tmp_path / "out") if row["strategy"] == "fedavg"]
+    twins = [
+        {**row, "strategy": "fedavg" if int(row["seed"]) < 5 else "fedavg again", "seed": int(row["seed"]) % 5, "last_auroc": float(row["last_auroc"])}
+        for row in rows
+    ]
+    table = table_statistics(twins, "last_auroc", ["tiny_clinical"], ["fedavg", "fedavg again"], "fedavg")
+    paired = table.cells[("tiny_clinical", "fedavg again")].versus_reference
+    assert paired.n == 5 and paired.low <= 0.0 <= paired.high, paired
+    assert all(table.cells[("tiny_clinical", m)].with_best for m in ("fedavg", "fedavg again"))
