@@ -28,6 +28,7 @@ it is fixed). Ctrl-C ends with one line saying how to resume (exit status 130).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -85,6 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("--tune-rounds", type=int, metavar="R", help="with --tune: the tuning runs' trainer.rounds (default: the grid's)")
     compare.add_argument("--tune-seeds", nargs="+", type=int, metavar="S", help="with --tune: the tuning runs' seeds (default: the grid's first)")
+    compare.add_argument(
+        "--new-data-per-seed", action="store_true",
+        help="each seed draws its own generated data set (data.generate.seed = the seed): the seeds' intervals cover new patients",
+    )
+    compare.add_argument(
+        "--tune-budget", type=int, metavar="K",
+        help="with --tune: exactly K configurations for every method (a larger space sampled evenly, a smaller one's learning rates widened)",
+    )
+    compare.add_argument(
+        "--tune-extend", type=int, default=0, metavar="N",
+        help="with --tune: where a chosen value is the largest or smallest tried, try up to N steps beyond it, one at a time",
+    )
     compare.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for every run, after the grid's (anywhere on the line)")
     predict = commands.add_parser("predict", help="segment a new scan with one site's personalised model from a run")
     predict.add_argument("--run", required=True, type=Path, help="the run's output_dir (config.json and checkpoints/)")
@@ -188,18 +201,23 @@ def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
         changes = {key: getattr(args, key) for key in ("strategies", "seeds", "metrics", "output") if getattr(args, key) is not None}
         if changes:
             values = {**vars(grid), **changes}
-            grid = make_grid(values["configs"], values["strategies"], values["seeds"], values["overrides"], values["metrics"], values["output"], grid.settings)
+            grid = make_grid(
+                values["configs"], values["strategies"], values["seeds"], values["overrides"], values["metrics"], values["output"], grid.settings,
+                grid.new_data_per_seed,
+            )
     else:
         output = args.output or f"outputs/compare/{'+'.join(Path(config).stem for config in args.config)}"
         grid, source = make_grid(args.config, args.strategies or "all", args.seeds or [0], [], args.metrics or [], output), "command line"
+    if args.new_data_per_seed:
+        grid = dataclasses.replace(grid, new_data_per_seed=True)
     tune = None
     if args.tune:
         from medfed.compare.tune import TuneSpec, parse_space
 
         seeds = None if args.tune_seeds is None else tuple(args.tune_seeds)
-        tune = TuneSpec(parse_space(args.tune_space), args.tune_rounds, seeds)
-    elif args.tune_space or args.tune_rounds is not None or args.tune_seeds is not None:
-        raise ConfigError("--tune-space, --tune-rounds and --tune-seeds shape the tuning: add --tune")
+        tune = TuneSpec(parse_space(args.tune_space), args.tune_rounds, seeds, args.tune_budget, args.tune_extend)
+    elif args.tune_space or args.tune_rounds is not None or args.tune_seeds is not None or args.tune_budget is not None or args.tune_extend:
+        raise ConfigError("--tune-space, --tune-rounds, --tune-seeds, --tune-budget and --tune-extend shape the tuning: add --tune")
     try:
         failed = compare(grid, overrides, jobs=args.jobs, source=source, progress=not args.quiet, reference=args.reference,
                          allow_unequal_compute=args.allow_unequal_compute, budgets=args.budgets, tune=tune, fuse=args.fuse)

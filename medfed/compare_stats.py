@@ -7,23 +7,34 @@ site, ``{"config": setting, "strategy": method, "seed": int, "site": str,
 metric missing at a round) is left out. Numbers are in the metric's own
 units (a 0-1 score: 0.005 is half a percentage point).
 
-For each setting and method:
+**The seed is the unit of replication.** The sites of one run train in one
+federation, on one data draw, from one initialisation: their values are
+correlated, and a t interval over the (seed, site) pairs taken as
+independent draws is too narrow (:func:`coverage`: with 5 seeds of 5 sites
+and an intra-seed correlation of 0.1 it covers the true difference about
+90% of the time, at 0.3 about 80%, at 0.7 about 64%, instead of 95%).
+Every interval here is therefore over seeds: each seed's sites are first
+averaged, and the seeds' values are taken as independent normal draws (the
+t over S seeds has S - 1 degrees of freedom and keeps its 95% whatever the
+correlation of a seed's sites; for a balanced table it is the fixed-effect
+test of a mixed model with a random intercept per seed). A percentile
+bootstrap that resamples whole seeds covers about 84% with 5 seeds and 75%
+with 3 (too few clusters for a bootstrap): all measured by :func:`coverage`,
+which tests/test_compare_stats.py runs. For each setting and method:
 
 - **over seeds** (:func:`summarise`): the *run value* of a seed is the mean
   over its sites; the cell is the mean and sample standard deviation
   (ddof 1) of the run values and a 95% Student t interval for their mean,
-  ``mean ± t(0.975, n - 1) · std / √n`` — it assumes the seeds' run values
-  are independent draws from a normal distribution (with 3 seeds, t(0.975,
-  2) = 4.30: the interval is wide on purpose).
-- **paired against a reference method** (:func:`paired_difference`): on
-  every (seed, site) both methods have a value, ``d = method − reference``
-  (same seed: the same data split, initialisation and sampler draws); the
-  mean of d with a 95% t interval over the pairs, and the win/tie/loss
-  counts (tie: ``|d| <= tolerance``). The interval treats the n pairs as
-  independent normal draws. Sites of one run are not independent (they
-  train in the same federation), so it is narrower than an interval that
-  modelled that correlation would be: read it as a screen, not a test at
-  exactly 5%.
+  ``mean ± t(0.975, S - 1) · std / √S``.
+- **the worst site** (:func:`worst_site_values`): per seed, the lowest of
+  its sites' values; summarised over seeds as above.
+- **paired against another method** (:func:`pair_up`): per seed, the mean
+  over the sites both have of ``d = method − other`` (same seed: the same
+  data draw and split, initialisation and sampler draws), then the mean of
+  those S seed differences with a 95% t interval over them (``S - 1``
+  degrees of freedom) and the two-sided p value of the paired t test of
+  mean 0; the win/tie/loss counts describe the (seed, site) pairs (tie:
+  ``|d| <= tolerance``) and are no test.
 - **average rank** (:func:`average_ranks`): in each setting the methods are
   ranked by their mean over seeds, rank 1 the highest, equal means sharing
   the average of their ranks (``scipy.stats.rankdata``); a method's average
@@ -32,10 +43,13 @@ For each setting and method:
   so all averages are over the same settings).
 - **indistinguishable from the best** (:func:`best_group`): the *best*
   method of a setting has the highest mean over seeds (of equal ones, the
-  first in the grid's order); a method belongs to the best group when the
-  95% paired interval of ``method − best`` (as above, over the (seed,
-  site) pairs both have) contains 0, ends included. The best is in its own
-  group; a method with fewer than 2 pairs has no interval and is not in it.
+  first in the grid's order); every other method is tested against it
+  (the seed-level paired t test above), and Holm's step-down correction
+  over those M - 1 tests (Holm 1979) keeps the chance of calling any method
+  worse than the best when it is not at most 5%: a method is in the best
+  group unless its test is rejected after the correction. The best is in its
+  own group; a method with fewer than 2 seeds paired with the best has no
+  test and is not in it.
 
 Per run, from its validation curve (:func:`plateau_status`): whether it had
 stopped improving by its last round.
@@ -107,19 +121,25 @@ def summarise(values: Sequence[float]) -> Summary:
 
 @dataclass(frozen=True)
 class Paired:
-    """A method against another on the (seed, site) pairs both have: ``d = method − other``.
+    """A method against another: ``d = method − other`` per seed (mean over the sites both have), then over seeds.
 
     Attributes:
-        n: the pairs.
-        mean: the mean of d (nan for no pair).
-        low, high: the 95% t interval of the mean of d over the pairs (nan for fewer than 2).
-        wins, ties, losses: pairs with ``d > tolerance``, ``|d| <= tolerance``, ``d < −tolerance``.
+        n: the seeds paired (the replication unit: the interval's S).
+        mean: the mean of the seed differences (nan for none).
+        low, high: the 95% t interval of that mean over the seeds (nan for fewer than 2).
+        p_value: two-sided p of the paired t test of mean 0 over the seeds (nan for fewer than 2; 1 when every
+            seed difference is 0, 0 when they are all one other value).
+        pairs: the (seed, site) pairs behind them.
+        wins, ties, losses: pairs with ``d > tolerance``, ``|d| <= tolerance``, ``d < −tolerance`` (a description,
+            not a test: the pairs of one seed are correlated).
     """
 
     n: int
     mean: float
     low: float
     high: float
+    p_value: float
+    pairs: int
     wins: int
     ties: int
     losses: int
@@ -130,12 +150,27 @@ class Paired:
         return self.low <= 0.0 <= self.high
 
 
-def paired_difference(differences: Sequence[float], tolerance: float = TIE_TOLERANCE) -> Paired:
-    """:class:`Paired` from the per-pair differences ``d = method − other``."""
-    d = np.asarray(differences, dtype=np.float64)
+def t_test_p(values: Sequence[float]) -> float:
+    """Two-sided p of the one-sample t test of mean 0 (nan for fewer than 2 values; 1 for all 0, 0 for all one other value)."""
+    values = np.asarray(values, dtype=np.float64)
+    if values.size < 2:
+        return math.nan
+    std = values.std(ddof=1)
+    if std == 0:
+        return 1.0 if values[0] == 0 else 0.0
+    t = values.mean() / (std / math.sqrt(values.size))
+    return float(2 * stats.t.sf(abs(t), values.size - 1))
+
+
+def paired_difference(
+    seed_differences: Sequence[float], pair_differences: Sequence[float] = (), tolerance: float = TIE_TOLERANCE
+) -> Paired:
+    """:class:`Paired` from each seed's mean difference and the (seed, site) pairs' differences (for W/T/L)."""
+    d = np.asarray(seed_differences, dtype=np.float64)
+    pairs = np.asarray(pair_differences, dtype=np.float64)
+    wins, losses = int((pairs > tolerance).sum()), int((pairs < -tolerance).sum())
     mean = float(d.mean()) if d.size else math.nan
-    wins, losses = int((d > tolerance).sum()), int((d < -tolerance).sum())
-    return Paired(int(d.size), mean, *t_interval(d), wins, int(d.size) - wins - losses, losses)
+    return Paired(int(d.size), mean, *t_interval(d), t_test_p(d), int(pairs.size), wins, int(pairs.size) - wins - losses, losses)
 
 
 def site_values(rows: Iterable[dict[str, Any]], column: str) -> dict[Key, dict[tuple[int, str], float]]:
@@ -147,20 +182,32 @@ def site_values(rows: Iterable[dict[str, Any]], column: str) -> dict[Key, dict[t
     return values
 
 
+def by_seed(values: dict[tuple[int, str], float]) -> dict[int, list[float]]:
+    """``{seed: its sites' values}`` of one cell's ``{(seed, site): value}``, seeds in the cell's order."""
+    per_seed: dict[int, list[float]] = {}
+    for (seed, _), value in values.items():
+        per_seed.setdefault(seed, []).append(value)
+    return per_seed
+
+
 def seed_values(rows: Iterable[dict[str, Any]], column: str) -> dict[Key, dict[int, float]]:
     """``{(setting, method): {seed: the mean over its sites of column}}`` (the run values), seeds in row order."""
-    means: dict[Key, dict[int, float]] = {}
-    for key, by_pair in site_values(rows, column).items():
-        per_seed: dict[int, list[float]] = {}
-        for (seed, _), value in by_pair.items():
-            per_seed.setdefault(seed, []).append(value)
-        means[key] = {seed: float(np.mean(values)) for seed, values in per_seed.items()}
-    return means
+    return {key: {seed: float(np.mean(v)) for seed, v in by_seed(pairs).items()} for key, pairs in site_values(rows, column).items()}
+
+
+def worst_site_values(rows: Iterable[dict[str, Any]], column: str) -> dict[Key, dict[int, float]]:
+    """``{(setting, method): {seed: the lowest of its sites' values of column}}``."""
+    return {key: {seed: float(np.min(v)) for seed, v in by_seed(pairs).items()} for key, pairs in site_values(rows, column).items()}
 
 
 def pair_up(method: dict[tuple[int, str], float], other: dict[tuple[int, str], float], tolerance: float = TIE_TOLERANCE) -> Paired:
-    """:func:`paired_difference` of ``method − other`` on the (seed, site) pairs both have (in ``method``'s order)."""
-    return paired_difference([value - other[pair] for pair, value in method.items() if pair in other], tolerance)
+    """``method − other`` on the (seed, site) pairs both have (in ``method``'s order), at the seed level (:class:`Paired`)."""
+    per_seed: dict[int, list[float]] = {}
+    for (seed, site), value in method.items():
+        if (seed, site) in other:
+            per_seed.setdefault(seed, []).append(value - other[(seed, site)])
+    pairs = [d for values in per_seed.values() for d in values]
+    return paired_difference([float(np.mean(values)) for values in per_seed.values()], pairs, tolerance)
 
 
 def average_ranks(means: dict[Key, float], settings: Sequence[str], strategies: Sequence[str]) -> tuple[dict[str, float], list[str]]:
@@ -181,10 +228,25 @@ def average_ranks(means: dict[Key, float], settings: Sequence[str], strategies: 
     return {m: float(rank) for m, rank in zip(strategies, ranks.mean(axis=0))}, ranked
 
 
+def holm_rejected(p_values: dict[str, float], alpha: float = 1 - CONFIDENCE) -> set[str]:
+    """The hypotheses Holm's step-down procedure rejects at family-wise level ``alpha`` (nan p values are never rejected).
+
+    Sorted ascending, ``p_(k)`` (k = 1..M) is rejected while ``p_(j) <= alpha / (M - j + 1)`` for every j <= k.
+    """
+    finite = sorted((p, name) for name, p in p_values.items() if math.isfinite(p))
+    m = len(p_values)
+    rejected = set()
+    for k, (p, name) in enumerate(finite):
+        if p > alpha / (m - k):
+            break
+        rejected.add(name)
+    return rejected
+
+
 def best_group(
     values: dict[Key, dict[tuple[int, str], float]], means: dict[Key, float], setting: str, strategies: Sequence[str]
 ) -> tuple[str | None, set[str]]:
-    """The best method of ``setting`` and the methods indistinguishable from it (itself included).
+    """The best method of ``setting`` and the methods indistinguishable from it (itself included; Holm-corrected).
 
     Args:
         values: :func:`site_values`.
@@ -199,8 +261,9 @@ def best_group(
     if not present:
         return None, set()
     best = max(present, key=lambda m: means[(setting, m)])  # max keeps the first of equal ones
-    group = {m for m in present if m == best or pair_up(values[(setting, m)], values[(setting, best)]).contains_zero}
-    return best, group
+    tests = {m: pair_up(values[(setting, m)], values[(setting, best)]) for m in present if m != best}
+    rejected = holm_rejected({m: paired.p_value for m, paired in tests.items()})
+    return best, {best} | {m for m, paired in tests.items() if paired.n >= 2 and m not in rejected}
 
 
 @dataclass(frozen=True)
@@ -209,11 +272,13 @@ class Cell:
 
     Attributes:
         summary: over seeds.
+        worst: the worst site's value per seed, over seeds.
         versus_reference: paired against the reference method (None when the reference has no value in this setting).
         with_best: in the setting's best group.
     """
 
     summary: Summary
+    worst: Summary
     versus_reference: Paired | None
     with_best: bool
 
@@ -242,31 +307,86 @@ def table_statistics(
     strategies: Sequence[str],
     reference: str,
     tolerance: float = TIE_TOLERANCE,
+    extra: Sequence[str] = (),
 ) -> TableStatistics:
-    """Summaries, paired differences against ``reference``, ranks and best groups of ``column`` (see the module's docstring)."""
+    """Summaries, worst sites, paired differences against ``reference``, ranks and best groups of ``column`` (see the module's docstring).
+
+    ``extra``: rows (the baselines) that get cells and paired differences but no rank and no place in a best group.
+    """
     rows = list(rows)
-    values, per_seed = site_values(rows, column), seed_values(rows, column)
-    summaries = {(s, m): summarise(list(per_seed.get((s, m), {}).values())) for s in settings for m in strategies}
+    values, per_seed, worst = site_values(rows, column), seed_values(rows, column), worst_site_values(rows, column)
+    everything = [*strategies, *extra]
+    summaries = {(s, m): summarise(list(per_seed.get((s, m), {}).values())) for s in settings for m in everything}
     means = {key: summary.mean for key, summary in summaries.items()}
     ranks, ranked = average_ranks(means, settings, strategies)
     cells, best = {}, {}
     for s in settings:
         best[s], group = best_group(values, means, s, strategies)
         against = values.get((s, reference))
-        for m in strategies:
+        for m in everything:
             paired = pair_up(values[(s, m)], against, tolerance) if against is not None and (s, m) in values else None
-            cells[(s, m)] = Cell(summaries[(s, m)], paired, m in group)
+            lowest = summarise(list(worst.get((s, m), {}).values()))
+            cells[(s, m)] = Cell(summaries[(s, m)], lowest, paired, m in group)
     return TableStatistics(cells, ranks, ranked, best)
 
 
-def validation_curve(history: Sequence[dict[str, Any]], metric: str) -> list[float]:
-    """A run's validation curve: per round, the mean over sites of ``record["validation"][site][metric]``.
+INTERVALS = ("pairs_t", "seeds_t", "seed_bootstrap")
+"""The interval methods :func:`coverage` measures: a t over the (seed, site) pairs taken as independent (what
+medfed's tables used before), a t over the seeds' mean differences (what they use), a percentile bootstrap that
+resamples whole seeds."""
+
+
+def simulated_differences(
+    n_seeds: int, n_sites: int, correlation: float, replicates: int, rng: np.random.Generator, difference: float = 0.0
+) -> np.ndarray:
+    """``(replicates, n_seeds, n_sites)`` paired differences of a comparison whose sites share their seed.
+
+    ``d[s, i] = difference + a_s + e_{s,i}`` with ``a_s ~ N(0, ρ)`` (what a seed's federation, data draw and
+    initialisation give all its sites) and ``e_{s,i} ~ N(0, 1 − ρ)``: unit variance, intra-seed correlation ρ.
+    """
+    shared = rng.normal(0.0, math.sqrt(correlation), size=(replicates, n_seeds, 1))
+    own = rng.normal(0.0, math.sqrt(1.0 - correlation), size=(replicates, n_seeds, n_sites))
+    return difference + shared + own
+
+
+def interval_bounds(d: np.ndarray, method: str, rng: np.random.Generator, resamples: int = 2000) -> tuple[np.ndarray, np.ndarray]:
+    """95% intervals for the mean difference of each replicate of ``d`` (``(replicates, seeds, sites)``) by ``method`` (:data:`INTERVALS`)."""
+    replicates, n_seeds, n_sites = d.shape
+    quantile = (1 + CONFIDENCE) / 2
+    if method == "pairs_t":
+        flat = d.reshape(replicates, -1)
+        half = stats.t.ppf(quantile, flat.shape[1] - 1) * flat.std(axis=1, ddof=1) / math.sqrt(flat.shape[1])
+        return flat.mean(axis=1) - half, flat.mean(axis=1) + half
+    seeds = d.mean(axis=2)  # (replicates, seeds)
+    if method == "seeds_t":
+        half = stats.t.ppf(quantile, n_seeds - 1) * seeds.std(axis=1, ddof=1) / math.sqrt(n_seeds)
+        return seeds.mean(axis=1) - half, seeds.mean(axis=1) + half
+    if method == "seed_bootstrap":
+        draws = rng.integers(0, n_seeds, size=(replicates, resamples, n_seeds))
+        means = np.take_along_axis(seeds[:, None, :], draws, axis=2).mean(axis=2)
+        return np.quantile(means, 1 - quantile, axis=1), np.quantile(means, quantile, axis=1)
+    raise ValueError(f"interval method {method!r}: expected one of {', '.join(INTERVALS)}")
+
+
+def coverage(method: str, n_seeds: int, n_sites: int, correlation: float, replicates: int = 4000, seed: int = 0) -> float:
+    """The share of simulated comparisons (:func:`simulated_differences`, true difference 0) whose 95% interval
+    by ``method`` contains the true difference: 0.95 for an interval that means what it says."""
+    rng = np.random.default_rng(seed)
+    d = simulated_differences(n_seeds, n_sites, correlation, replicates, rng)
+    low, high = interval_bounds(d, method, rng)
+    return float(np.mean((low <= 0.0) & (0.0 <= high)))
+
+
+def validation_curve(history: Sequence[dict[str, Any]], metric: str, key: str = "validation") -> list[float]:
+    """A run's validation curve: per round, the mean over sites of ``record[key][site][metric]`` (``key``
+    ``"validation"``: the validation split beside the test split; ``"metrics"`` for a run whose evaluated split
+    is its validation split, ``holdout: validation``).
 
     Non-finite or missing scores are left out of a round's mean; a round with none is left out.
     """
     curve = []
     for record in history:
-        scores = [s.get(metric) for s in record.get("validation", {}).values()]
+        scores = [s.get(metric) for s in record.get(key, {}).values()]
         scores = [float(s) for s in scores if s is not None and math.isfinite(s)]
         if scores:
             curve.append(float(np.mean(scores)))

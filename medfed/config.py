@@ -254,6 +254,14 @@ class TrainerConfig:
     sequential elsewhere). Both give the same models to float tolerance."""
     keep_checkpoints: int = 2
     """How many of the newest round checkpoints stay in ``<output_dir>/checkpoints`` (the one before the newest in case that is damaged)."""
+    patience: int | None = None
+    """Stop on a validation plateau: after ``patience`` rounds in a row that did not beat the best validation score so far
+    by more than ``min_delta`` (the model's first metric, mean over sites; :class:`~medfed.evaluation.rounds.PlateauStop`),
+    ``rounds`` then being the cap. null: every round is run. Needs a validation split (``federation.validation_fraction`` > 0)."""
+    min_delta: float = 0.0
+    """The gain over the best validation score so far that counts as improving (``patience``)."""
+    patience_metric: str | None = None
+    """The validation metric ``patience`` watches (null: the model's first, e.g. ``iou``, ``accuracy``)."""
 
     def __post_init__(self) -> None:
         require(1 <= self.rounds <= MAX_ROUNDS, "trainer.rounds", self.rounds, f"an integer from 1 to {MAX_ROUNDS}")
@@ -266,6 +274,8 @@ class TrainerConfig:
         require(self.precision in PRECISIONS, "trainer.precision", self.precision, f"one of {', '.join(PRECISIONS)}")
         require(self.executor in EXECUTORS, "trainer.executor", self.executor, f"one of {', '.join(EXECUTORS)}")
         require(self.keep_checkpoints >= 1, "trainer.keep_checkpoints", self.keep_checkpoints, "an integer >= 1")
+        require(self.patience is None or self.patience >= 1, "trainer.patience", self.patience, "null or an integer >= 1 (rounds)")
+        require(self.min_delta >= 0, "trainer.min_delta", self.min_delta, "a number >= 0")
 
 
 REGION_SETS = ("wt", "brats")
@@ -581,6 +591,14 @@ class RunConfig:
     attack: AttackConfig = field(default_factory=AttackConfig)
     deploy: DeployConfig = field(default_factory=DeployConfig)
     output_dir: str = "outputs/run"
+
+    def __post_init__(self) -> None:
+        require(
+            self.trainer.patience is None or self.federation.validation_fraction > 0,
+            "trainer.patience",
+            self.trainer.patience,
+            "null without a validation split to watch (set federation.validation_fraction > 0, e.g. 0.2)",
+        )
 
 
 def require(ok: bool, key: str, value: Any, expected: str) -> None:

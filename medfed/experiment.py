@@ -35,8 +35,9 @@ from medfed.assembly import RunAssembly, federated_loop, make_fabric
 from medfed.checkpoint import FOLDER, BackgroundCheckpoints, resume_state
 from medfed.components import ResolvedRun, resolve
 from medfed.config import RunConfig, check_wandb_key
-from medfed.errors import RunFailed, SiteFailure, warn
-from medfed.evaluation.rounds import ValidationEvaluation, VolumeEvaluation
+from medfed.errors import ConfigError, RunFailed, SiteFailure, warn
+from medfed.evaluation.baselines import site_baselines
+from medfed.evaluation.rounds import PlateauStop, ValidationEvaluation, VolumeEvaluation
 from medfed.data.federation import Federation
 from medfed.data.pooling import pooled_reference
 from medfed.federated.attack import Attack
@@ -95,6 +96,8 @@ class _Run:
     write_checkpoint: BackgroundCheckpoints
     #: the whole-volume evaluation callback, where the run has one (empty: none)
     volume_evaluation: list[VolumeEvaluation]
+    #: each site's trivial predictors' test scores (:func:`~medfed.evaluation.baselines.site_baselines`)
+    baselines: dict[str, Any]
     #: time of the steps outside the loop's rounds (results.json "timing")
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     loop: FederatedLoop | None = None
@@ -126,6 +129,9 @@ class _Run:
             device=str(self.fabric.device),
             pooled=pooled_reference(self.federation.sites) if self.assembly.strategy.pools_data else None,
         )
+        results["baselines"] = self.baselines
+        if loop.history and "stopped" in loop.history[-1]:
+            results["stopped"] = {"round": loop.history[-1]["round"], **loop.history[-1]["stopped"]}
         if self.volume_evaluation:
             results["volume_metrics"] = volume_metrics(loop.history, self.volume_evaluation[0].lesion_wise)
         if run_cfg.privacy.dp.enabled or run_cfg.privacy.client_dp.enabled:
@@ -158,13 +164,23 @@ def _build(
         skewed = imbalance_warning({site.name: site.train.tensors[1] for site in federation.sites}, _class_weight(resolved))
         if skewed is not None:
             warn(skewed)
+    with _timed(seconds, "data_s"):
+        baselines = site_baselines(assembly.prototype, federation.sites)  # the trivial predictors every table shows beside the methods
     if strategy.pools_data and run_cfg.federation.participation < 1:
         warn(f"strategy {strategy.name!r} pools the training data at one site: it trains only in the rounds that site takes part in")
+    metric_names = assembly.prototype.metric_names
+    watched = trainer.patience_metric or metric_names[0]  # checked before anything is written
+    if trainer.patience is not None and watched not in metric_names:
+        raise ConfigError(f"config key 'trainer.patience_metric' = {watched!r}: expected one of the model's metrics ({', '.join(metric_names)})")
     tracker = Tracker(run_cfg, config, federation, strategy.name, resume=resume, config_name=config_name, quiet=not progress)
     validation = [ValidationEvaluation()] if any(site.validation is not None for site in federation.sites) else []
+    if trainer.patience is not None:  # beside the test split its validation scores, or the evaluated validation split's own
+        source = "validation" if validation else "metrics" if federation.holdout == "validation" else None
+        validation += [PlateauStop(watched, trainer.patience, trainer.min_delta, source)] if source else []
     privacy = [PrivacyRecord(dp.on_budget)] if dp.enabled else []
     volume_evaluation = _volume_evaluation(federation, run_cfg, progress)
-    callbacks = [*volume_evaluation, *validation, *privacy, tracker]  # scores join the round before the tracker logs
+    # scores join the round before the tracker logs; a plateau is seen before the volumes are, so a run's last round gets them
+    callbacks = [*validation, *volume_evaluation, *privacy, tracker]
     fabric = make_fabric(trainer, loggers=tracker.loggers, callbacks=callbacks)
     sites = assembly.sites(fabric, federation)
     if dp.enabled:
@@ -179,7 +195,7 @@ def _build(
     in_process = InProcessSites(sites, links, executor, attack)
     run = _Run(
         resolved, output_dir, started, progress, threads, federation, assembly, tracker, fabric, in_process,
-        BackgroundCheckpoints(output_dir, config, trainer.keep_checkpoints), volume_evaluation, seconds,
+        BackgroundCheckpoints(output_dir, config, trainer.keep_checkpoints), volume_evaluation, baselines, seconds,
     )
     run.loop = federated_loop(run_cfg, fabric, strategy, in_process, initial, run.save_checkpoint, output_dir / FOLDER)
     if resumed is not None:
@@ -226,6 +242,8 @@ def _train(run: _Run) -> None:
             raise RunFailed(f"{error}; the {len(loop.history)} rounds' results are in {run.output_dir / 'results.json'}") from None
         raise
     run.bar.close()
+    if loop.stop_reason is not None and run.progress:
+        _status(f"stopped after round {loop.round} of at most {trainer.rounds}: {loop.stop_reason}")
 
 
 def _report(run: _Run, *, resume: bool, overwrite: bool) -> dict[str, Any]:

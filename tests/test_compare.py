@@ -6,6 +6,7 @@ subprocess; the later tests read its outputs or work on a copy.
 """
 
 import csv
+import dataclasses
 import json
 import os
 import re
@@ -25,7 +26,7 @@ from medfed.cli import main
 from medfed.compare.grid import Grid, make_grid, read_grid
 from medfed.compare.plan import VALIDATION_SPLIT, Run, plan_runs
 from medfed.compare.tables import Finished, format_cell, markdown, resolve_reference, selected_round
-from medfed.config import load_config
+from medfed.config import find_config, load_config
 from medfed.evaluation.rounds import ValidationEvaluation
 from medfed.results import INTEGRITY, write_results
 
@@ -60,8 +61,9 @@ output: {output}
 STRATEGIES, SEEDS, SITES, METRICS = ["local", "fedavg"], [0, 1], ["site0", "site1", "site2"], ["auroc", "balanced_accuracy"]
 COLUMNS = [
     "config", "strategy", "seed", "site", "last_auroc", "last_balanced_accuracy", "selected_round", "validation_auroc",
-    "selected_auroc", "selected_balanced_accuracy", "training_epochs_per_round", "wall_s",
+    "selected_auroc", "selected_balanced_accuracy", "rounds_run", "stopped_round", "training_epochs_per_round", "wall_s",
 ]
+BASELINES = ["baseline:majority", "baseline:one_feature"]
 
 
 def write_grid(folder: Path, output: Path, **changes: str) -> Path:
@@ -105,8 +107,18 @@ def results_of(folder: Path, strategy: str, seed: int) -> dict:
 def test_every_run_of_the_grid_gets_its_folder_and_one_csv_row_per_site(compared):
     _, out, stderr = compared
     assert "4 runs, 0 already finished, 0 to resume; 2 at a time" in stderr
-    rows = read_rows(out)
+    every = read_rows(out)
+    rows = [row for row in every if row["strategy"] in STRATEGIES]
     assert list(rows[0]) == COLUMNS and len(rows) == len(STRATEGIES) * len(SEEDS) * len(SITES)
+    # the baselines: one row per baseline, seed and site, as every run of that seed computed them on its test split
+    baselines = [row for row in every if row["strategy"] not in STRATEGIES]
+    assert len(baselines) == len(BASELINES) * len(SEEDS) * len(SITES) and {row["strategy"] for row in baselines} == set(BASELINES)
+    for row in baselines:
+        for strategy in STRATEGIES:
+            scores = results_of(out, strategy, int(row["seed"]))["baselines"][row["strategy"].split(":")[1]]["metrics"][row["site"]]
+            assert float(row["last_auroc"]) == float(row["selected_auroc"]) == scores["auroc"]
+    majority = [float(row["last_balanced_accuracy"]) for row in baselines if row["strategy"] == "baseline:majority"]
+    assert majority == [0.5] * len(majority)
     for strategy in STRATEGIES:
         for seed in SEEDS:
             results = results_of(out, strategy, seed)
@@ -121,29 +133,41 @@ def test_every_run_of_the_grid_gets_its_folder_and_one_csv_row_per_site(compared
     assert (out / "comparison.png").stat().st_size > 10_000
 
 
-def test_the_validation_chosen_round_is_the_first_argmax_of_the_recorded_validation_scores(compared):
+def test_the_validation_chosen_round_is_the_last_argmax_of_the_recorded_validation_scores(compared):
     _, out, _ = compared
     for row in read_rows(out):
+        if row["strategy"] not in STRATEGIES:
+            continue
         history = results_of(out, row["strategy"], int(row["seed"]))["history"]
         scores = [record["validation"][row["site"]]["auroc"] for record in history]
-        chosen = int(np.argmax(scores))  # the first of equal maxima
+        chosen = len(scores) - 1 - int(np.argmax(scores[::-1]))  # the last of equal maxima
         assert int(row["selected_round"]) == history[chosen]["round"] == chosen + 1
         assert float(row["validation_auroc"]) == scores[chosen]
         for metric in METRICS:  # the TEST metrics of that round
             assert float(row[f"selected_{metric}"]) == history[chosen]["metrics"][row["site"]][metric]
 
 
-def test_selected_round_breaks_ties_by_the_earliest_round_and_skips_missing_scores():
+def test_selected_round_breaks_ties_by_the_latest_round_and_skips_missing_scores():
     history = [
         {"round": 1, "validation": {"a": {"auroc": 0.7}}},
         {"round": 2, "validation": {"a": {"auroc": 0.9}}},
         {"round": 3, "validation": {"a": {"auroc": None}}},
         {"round": 4, "validation": {"a": {"auroc": 0.9}}},
+        {"round": 5, "validation": {"a": {"auroc": 0.8}}},
     ]
-    assert selected_round(history, "a", "auroc")["round"] == 2
+    assert selected_round(history, "a", "auroc")["round"] == 4
 
 
-def test_each_md_cell_is_mean_and_std_over_seeds_of_the_mean_over_sites_from_the_csv(compared):
+def test_a_flat_validation_curve_selects_the_trained_model_not_round_one():
+    # a small validation split whose accuracy never moves (the clinical tables' site4): the earliest of the equal
+    # rounds was round 1, the untrained model (selected .867 against .943 at the last round); the latest is the last
+    history = [{"round": r, "validation": {"a": {"accuracy": 0.833}}, "metrics": {"a": {"accuracy": 0.5 + 0.1 * r}}} for r in (1, 2, 3, 4)]
+    assert selected_round(history, "a", "accuracy")["metrics"]["a"]["accuracy"] == pytest.approx(0.9)
+
+
+def test_each_md_cell_is_the_mean_and_t_interval_over_seeds_of_the_mean_over_sites_from_the_csv(compared):
+    from scipy import stats
+
     _, out, _ = compared
     rows, md = read_rows(out), (out / "comparison.md").read_text()
     assert md.startswith("# Method comparison\n") and "GENERATED" not in md  # the breast-cancer table is real data
@@ -152,12 +176,15 @@ def test_each_md_cell_is_mean_and_std_over_seeds_of_the_mean_over_sites_from_the
         for when, column in (("last round", f"last_{metric}"), ("validation-selected round", f"selected_{metric}")):
             table = sections[f"{metric}, {when}"]
             assert "| method | tiny_clinical |" in table
-            for strategy in STRATEGIES:
+            for strategy in STRATEGIES + BASELINES:
                 per_seed = [
                     np.mean([float(r[column]) for r in rows if r["strategy"] == strategy and r["seed"] == str(seed)]) for seed in SEEDS
                 ]
-                mean, std = np.mean(per_seed), np.std(per_seed, ddof=1)
-                assert re.search(rf"\| {strategy} \| (\*\*)?{mean:.4f} ± {std:.4f} \[", table), table
+                low, high = stats.t.interval(0.95, len(SEEDS) - 1, loc=np.mean(per_seed), scale=stats.sem(per_seed))
+                if np.std(per_seed) == 0:  # all equal (the majority class's balanced accuracy): the interval is the value
+                    low = high = per_seed[0]
+                name = strategy if strategy in STRATEGIES else f"*{strategy}*"
+                assert re.search(rf"\| {re.escape(name)} \| (\*\*)?{np.mean(per_seed):.3f} \[{low:.3f}, {high:.3f}\]", table), table
     assert "| local |" in sections["Wall time per run, seconds (timing.wall_s; a resumed run's counts its last part only)"]
 
 
@@ -253,12 +280,15 @@ def test_bundled_grids_are_found_by_name_and_list_every_strategy():
 
 
 def test_md_cells_count_the_seeds_and_generated_data_are_named_in_every_heading():
-    assert format_cell([0.5, 0.7], 2) == "0.6000 ± 0.1414"
-    assert format_cell([0.5], 3) == "0.5000 (1/3)"
+    assert format_cell([0.5, 0.7], 2) == "0.600 ± 0.141"
+    assert format_cell([0.5], 3) == "0.500 (1/3)"
     assert format_cell([], 3) == "—"
     run = Run("lack0", Path("lack0.yaml"), "fedavg", 0, Path("o"), (), 1, Path("l"), "done")
     history = [{"round": r, "validation": {"site0": {"iou": 0.5}}} for r in (1, 2, 3)]
-    results = {"federation": {"description": "GENERATED BraTS-like data", "generated": True}, "config": {"trainer": {"rounds": 3}}, "history": history}
+    results = {
+        "federation": {"description": "GENERATED BraTS-like data", "generated": True}, "config": {"trainer": {"rounds": 3}}, "history": history,
+        "timing": {"wall_s": 2.0},
+    }
     rows = [{"config": "lack0", "strategy": "fedavg", "seed": 0, "site": "site0", "last_iou": 0.5, "selected_iou": 0.6, "wall_s": 2.0}]
     grid = Grid(["lack0"], ["fedavg"], [0], metrics=["iou"])
     md = markdown(grid, "test", ["lack0"], rows, [Finished(run, results)], {"lack1/fedavg/seed0": "boom"}, ["iou"])
@@ -266,8 +296,8 @@ def test_md_cells_count_the_seeds_and_generated_data_are_named_in_every_heading(
     assert headings[0] == "# Method comparison (GENERATED data)"
     assert all("(GENERATED data)" in h for h in headings if h.startswith("## iou"))
     # one seed of one: the mean alone, the best of its setting (bold), the reference, rank 1, a 3-round run is early
-    assert "| fedavg | **0.5000** | reference | ? | 1.00 |" in md and "| fedavg | **0.6000** | reference | ? | 1.00 |" in md
-    assert "| *runs' validation curves* | early-training snapshot | | | |" in md and "- lack1/fedavg/seed0: boom" in md
+    assert "| fedavg | **0.500** | 0.500 | reference | ? · 2 s | 1.00 |" in md and "| fedavg | **0.600** | 0.600 | reference | ? · 2 s | 1.00 |" in md
+    assert "| *runs' validation curves* | early-training snapshot | | | | |" in md and "- lack1/fedavg/seed0: boom" in md
     assert "lack0/fedavg/seed0 has no compute record" in md  # results without compute (a run from before it was counted)
 
 
@@ -444,13 +474,13 @@ FAKE_ROUNDS = {"tiny_a": 7, "tiny_b": 3}
 
 
 def fake_history(setting: str, strategy: str, seed: int, gain: float = 0.0) -> list[dict]:
-    """Validation AUROC rising to a plateau at round 2 (fedavg seed 2 in tiny_a: rising to the end); test AUROC = the
-    last round's (plus ``gain``) minus 0.01 per round before it."""
+    """Validation AUROC rising to its peak at round 2 and sinking by 0.001 a round after it (fedavg seed 2 in tiny_a:
+    rising to the end); test AUROC = the last round's (plus ``gain``) minus 0.01 per round before it."""
     rounds = FAKE_ROUNDS[setting]
     improving = (setting, strategy, seed) == ("tiny_a", "fedavg", 2)
     history = []
     for r in range(1, rounds + 1):
-        validation = 0.5 + 0.05 * r if improving else 0.5 + 0.1 * min(r, 2)
+        validation = 0.5 + 0.05 * r if improving else 0.5 + 0.1 * min(r, 2) - 0.001 * max(r - 2, 0)
         last = [value + gain for value in LAST_AUROC[setting][strategy][seed]]
         history.append(
             {
@@ -511,7 +541,8 @@ def fake_comparison(tmp_path):
 
 
 def expected_rows(column: str, reference: str) -> dict[tuple[str, str], str]:
-    """``{(setting, method): "mean ± std [t interval] | Δ [ttest_rel interval] W/T/L"}`` from scipy, bold by ttest_rel's p."""
+    """``{(setting, method): "mean [t interval] | worst [t interval] | Δ [interval] W/T/L"}`` from scipy over the seeds'
+    means, bold where Holm (by hand) keeps the method with the best."""
     from scipy import stats
 
     shift = {"last": {"tiny_a": 0.0, "tiny_b": 0.0}, "selected": {"tiny_a": 0.05, "tiny_b": 0.01}}[column.split("_")[0]]
@@ -522,25 +553,34 @@ def expected_rows(column: str, reference: str) -> dict[tuple[str, str], str]:
             return table - np.array([[0.05], [0.05], [0.0]])  # seed 2's chosen round is its last
         return table - shift[setting]
 
+    def interval(per_seed):
+        low, high = stats.t.interval(0.95, 2, loc=per_seed.mean(), scale=stats.sem(per_seed))
+        return f"{per_seed.mean():.3f} [{low:.3f}, {high:.3f}]"
+
     cells = {}
     for setting in LAST_AUROC:
         means = {m: values(setting, m).mean() for m in LAST_AUROC[setting]}
         best = max(means, key=means.get)
+        p = {m: stats.ttest_rel(values(setting, m).mean(axis=1), values(setting, best).mean(axis=1)).pvalue for m in means if m != best}
+        rejected = set()
+        for k, m in enumerate(sorted(p, key=p.get)):  # Holm
+            if p[m] > 0.05 / (len(p) - k):
+                break
+            rejected.add(m)
         for method in LAST_AUROC[setting]:
-            per_seed = values(setting, method).mean(axis=1)
-            low, high = stats.t.interval(0.95, 2, loc=per_seed.mean(), scale=stats.sem(per_seed))
-            cell = f"{per_seed.mean():.4f} ± {np.std(per_seed, ddof=1):.4f} [{low:.4f}, {high:.4f}]"
-            a, b = values(setting, method).ravel(), values(setting, best).ravel()
-            if method == best or stats.ttest_rel(a, b).pvalue >= 0.05:
+            cell = interval(values(setting, method).mean(axis=1))
+            if method not in rejected:
                 cell = f"**{cell}**"
+            worst = interval(values(setting, method).min(axis=1))
             if method == reference:
                 paired = "reference"
             else:
                 d = values(setting, method).ravel() - values(setting, reference).ravel()
-                interval = stats.ttest_rel(values(setting, method).ravel(), values(setting, reference).ravel()).confidence_interval(0.95)
+                per_seed = values(setting, method).mean(axis=1) - values(setting, reference).mean(axis=1)
+                ci = stats.ttest_rel(values(setting, method).mean(axis=1), values(setting, reference).mean(axis=1)).confidence_interval(0.95)
                 counts = f"{(d > 0.005).sum()}/{(abs(d) <= 0.005).sum()}/{(d < -0.005).sum()}"
-                paired = f"{d.mean():+.4f} [{interval.low:+.4f}, {interval.high:+.4f}] {counts}"
-            cells[(setting, method)] = f"{cell} | {paired}"
+                paired = f"{per_seed.mean():+.3f} [{ci.low:+.3f}, {ci.high:+.3f}] {counts}"
+            cells[(setting, method)] = f"{cell} | {worst} | {paired}"
     return cells
 
 
@@ -549,35 +589,47 @@ def test_the_tables_give_intervals_paired_differences_ranks_the_best_group_and_p
 
     grid, out = fake_comparison
     assert main(["compare", "--grid", str(grid), "--reference", "local", "--quiet"]) == 0
-    assert "18 runs, 18 already finished, 0 to resume" in capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert "18 runs, 18 already finished, 0 to resume" in printed.err
     assert len(read_rows(out)) == 2 * 3 * 3 * 3  # comparison.csv: still one row per run and site
     md = (out / "comparison.md").read_text()
+    assert md.count("Training status") == 1  # said once, under the title
     sections = {section.split("\n", 1)[0]: section for section in md.split("\n## ")[1:]}
     for column, heading in (("last_auroc", "auroc, last round"), ("selected_auroc", "auroc, validation-selected round")):
         table = sections[heading]
-        assert "| method | tiny_a | Δ vs local | epochs | tiny_b | Δ vs local | epochs | average rank |" in table
+        assert (
+            "| method | tiny_a | worst site | Δ vs local | epochs · wall | tiny_b | worst site | Δ vs local | epochs · wall | average rank |"
+            in table
+        )
         cells = expected_rows(column, "local")
         rows = {line.split(" | ")[0][2:]: line for line in table.splitlines() if line.startswith("| ")}
         for method in ("local", "fedavg", "ditto"):
-            epochs = "1.00 +0.50 aux" if method == "ditto" else "1.00"
+            epochs = "1.00 +0.50 aux · 2 s" if method == "ditto" else "1.00 · 2 s"  # wall: seeds 0-2 ran 1, 2, 3 s
             expected = f"| {method} | {cells[('tiny_a', method)]} | {epochs} | {cells[('tiny_b', method)]} | {epochs} | "
-            assert rows[method].startswith(expected), (rows[method], cells)
+            assert rows[method].startswith(expected), (rows[method], expected)
         # ranks: the selected round shifts every method of a setting alike (fedavg's seed 2 aside), so both tables rank alike
         ranks = np.mean([stats.rankdata([-np.mean(LAST_AUROC[s][m]) for m in ("local", "fedavg", "ditto")]) for s in LAST_AUROC], axis=0)
         assert list(ranks) == [2.0, 2.5, 1.5]  # by hand: tiny_a local 1, ditto 2, fedavg 3; tiny_b ditto 1, fedavg 2, local 3
         assert [rows[m].rsplit(" | ", 1)[1] for m in ("local", "fedavg", "ditto")] == ["2.00 |", "2.50 |", "1.50 |"]
-        assert "| *runs' validation curves* | 8/9 plateaued, 1 improving | | | early-training snapshot | | | |" in table
+        assert "| *runs' validation curves* | 8/9 plateaued, 1 improving | | | | early-training snapshot | | | | |" in table
     assert "**" not in rows["fedavg"].split(" | ")[1] and "**" in rows["ditto"].split(" | ")[1]  # tiny_a: ditto with the best, fedavg not
     status = sections["Runs' validation curves (auroc, last 5 rounds against the earlier best)"]
     assert "| fedavg | 2/3 plateaued, 1 improving | early-training snapshot |" in status
     assert "| local | 3/3 plateaued | early-training snapshot |" in status
     assert "| local | 2.0 ± 1.0 | 2.0 ± 1.0 |" in sections["Wall time per run, seconds (timing.wall_s; a resumed run's counts its last part only)"]
+    # the terminal: the main table, methods by average rank, the best group starred
+    lines = printed.out.splitlines()
+    assert lines[0].startswith("auroc, last round, test: mean over seeds [95% t interval over seeds]")
+    body = [line.split()[0] for line in lines[4:-1]]
+    assert body == ["ditto", "local", "fedavg"]
+    tiny_a = expected_rows("last_auroc", "local")
+    assert tiny_a[("tiny_a", "ditto")].split(" | ")[0].strip("*") in lines[4] and lines[4].rstrip().endswith("1.5")
 
 
 def test_the_reference_defaults_to_fedavg_and_an_unknown_one_is_refused_before_anything_runs(fake_comparison, capsys):
     grid, out = fake_comparison
     assert main(["compare", "--grid", str(grid), "--quiet"]) == 0
-    assert "| tiny_a | Δ vs fedavg |" in (out / "comparison.md").read_text()
+    assert "| tiny_a | worst site | Δ vs fedavg |" in (out / "comparison.md").read_text()
     (out / "comparison.md").unlink()
     capsys.readouterr()
     assert main(["compare", "--grid", str(grid), "--reference", "fedprox", "--quiet"]) == 2
@@ -586,9 +638,10 @@ def test_the_reference_defaults_to_fedavg_and_an_unknown_one_is_refused_before_a
     assert not (out / "comparison.md").exists()
 
 
-def test_the_figure_draws_every_site_value_as_a_dot_over_bars_of_the_mean_with_the_std_over_seeds():
-    from matplotlib.collections import PathCollection
-    from matplotlib.container import BarContainer
+def test_the_figure_draws_each_methods_mean_and_seed_interval_over_every_site_value_on_axes_fitted_to_the_data():
+    from matplotlib.collections import LineCollection, PathCollection
+    from matplotlib.container import ErrorbarContainer
+    from scipy import stats
 
     from medfed.viz.plots import plot_comparison
 
@@ -597,26 +650,38 @@ def test_the_figure_draws_every_site_value_as_a_dot_over_bars_of_the_mean_with_t
         {"config": s, "strategy": m, "seed": seed, "site": f"site{i}", "last_auroc": v, "selected_auroc": v - 0.01}
         for s in settings for m in methods for seed, values in enumerate(LAST_AUROC[s][m]) for i, v in enumerate(values)
     ]
+    rows += [
+        {"config": s, "strategy": "baseline:majority", "seed": seed, "site": "site0", "last_auroc": 0.5, "selected_auroc": 0.5}
+        for s in settings for seed in range(3)
+    ]
     figure = plot_comparison(rows, ["auroc"], settings, methods, title="fake")
     for axis, shift in zip(figure.axes[:2], (0.0, 0.01)):
-        bars = [c for c in axis.containers if isinstance(c, BarContainer)]
+        marks = [c for c in axis.containers if isinstance(c, ErrorbarContainer)]
         dots = [c for c in axis.collections if isinstance(c, PathCollection)]
-        assert [bar.get_label() for bar in bars] == methods and len(dots) == len(methods) * len(settings)
-        for index, (method, bar) in enumerate(zip(methods, bars)):
+        assert [mark.get_label() for mark in marks] == methods and len(dots) == len(methods) * len(settings)
+        drawn = []
+        for index, (method, mark) in enumerate(zip(methods, marks)):
             per_seed = [np.array(LAST_AUROC[s][method]).mean(axis=1) - shift for s in settings]
-            assert [patch.get_height() for patch in bar.patches] == pytest.approx([v.mean() for v in per_seed])
-            lower_caps = bar.errorbar.lines[1][0].get_ydata()  # (data line, (lower caps, upper caps), bars)
-            assert list(lower_caps) == pytest.approx([v.mean() - np.std(v, ddof=1) for v in per_seed])
-            for position, setting, patch in zip(range(len(settings)), settings, bar.patches):
+            x, y = mark.lines[0].get_data()
+            assert list(y) == pytest.approx([v.mean() for v in per_seed])
+            lower_caps = mark.lines[1][0].get_ydata()  # (data line, (lower caps, upper caps), bars)
+            expected = [stats.t.interval(0.95, 2, loc=v.mean(), scale=stats.sem(v))[0] for v in per_seed]
+            assert list(lower_caps) == pytest.approx(expected)
+            for position, setting in enumerate(settings):
                 points = dots[index * len(settings) + position].get_offsets()
                 assert sorted(points[:, 1]) == pytest.approx(sorted(np.ravel(LAST_AUROC[setting][method]) - shift))
-                assert np.all(np.abs(points[:, 0] - (patch.get_x() + patch.get_width() / 2)) <= patch.get_width() / 2)
+                assert np.all(np.abs(points[:, 0] - x[position]) <= 0.4 / len(methods))
+                drawn += list(points[:, 1])
+        baselines = [c for c in axis.collections if isinstance(c, LineCollection) and c.get_label() == "baseline:majority"]
+        assert len(baselines) == 1 and baselines[0].get_segments()[0][0][1] == pytest.approx(0.5)
+        low, high = axis.get_ylim()  # the data's range (dots, intervals, baselines) with a margin of 5%, not 0-1
+        assert 0.3 < low < min(drawn) and max(drawn) < high < 0.95
 
 
 def test_without_fedavg_the_reference_is_the_first_method_and_a_setting_missing_a_method_is_left_out_of_the_ranks():
     assert resolve_reference(None, ["local", "ditto"]) == "local" and resolve_reference(None, ["local", "fedavg"]) == "fedavg"
     assert resolve_reference("ditto", ["local", "ditto"]) == "ditto"
-    results = {"federation": {"description": "d", "generated": False}, "config": {"trainer": {"rounds": 1}}, "history": []}
+    results = {"federation": {"description": "d", "generated": False}, "config": {"trainer": {"rounds": 1}}, "history": [], "timing": {"wall_s": 1.0}}
     finished = [Finished(Run(s, Path(f"{s}.yaml"), m, 0, Path("o"), (), 1, Path("l"), "done"), results) for s, m in
                 [("a", "local"), ("a", "ditto"), ("b", "local")]]
     rows = [
@@ -624,9 +689,9 @@ def test_without_fedavg_the_reference_is_the_first_method_and_a_setting_missing_
         for s, m, v in [("a", "local", 0.5), ("a", "ditto", 0.6), ("b", "local", 0.7)]
     ]
     md = markdown(Grid(["a", "b"], ["local", "ditto"], [0], metrics=["iou"]), "test", ["a", "b"], rows, finished, {}, ["iou"])
-    assert "| method | a | Δ vs local | epochs | b | Δ vs local | epochs | average rank |" in md
-    assert "| ditto | **0.6000** | +0.1000 (1 pair) 1/0/0 | ? | — | — | — | 1.00 |" in md  # ranked over a alone
-    assert "| local | 0.5000 | reference | ? | **0.7000** | reference | ? | 2.00 |" in md
+    assert "| method | a | worst site | Δ vs local | epochs · wall | b | worst site | Δ vs local | epochs · wall | average rank |" in md
+    assert "| ditto | **0.600** | 0.600 | +0.100 (1 seed) 1/0/0 | ? · 1 s | — | — | — | — | 1.00 |" in md  # ranked over a alone
+    assert "| local | 0.500 | 0.500 | reference | ? · 1 s | **0.700** | 0.700 | reference | ? · 1 s | 2.00 |" in md
     assert "Average rank over a (the settings where every method has a value)." in md
 
 
@@ -652,7 +717,7 @@ def test_runs_of_unequal_compute_are_refused_by_name_unless_allowed(fake_compari
     md = (out / "comparison.md").read_text()
     assert "**Unequal compute** (tabulated with --allow-unequal-compute; tolerance 5%): tiny_b/ditto/seed1 trained 2.00" in md
     ditto = next(line for line in md.splitlines() if line.startswith("| ditto |"))
-    assert ditto.split(" | ")[6] == "1.33 +0.50 aux"  # tiny_b's epochs: the mean over its three runs, (2 + 1 + 1) / 3
+    assert ditto.split(" | ")[8] == "1.33 +0.50 aux · 2 s"  # tiny_b's epochs: the mean over its three runs, (2 + 1 + 1) / 3
 
 
 def test_a_grid_file_larger_than_any_grid_is_refused_by_its_size_before_it_is_read(tmp_path, monkeypatch):
@@ -797,3 +862,44 @@ def test_a_run_made_before_a_key_existed_counts_as_done_where_the_key_is_at_its_
     assert main([*arguments, "trainer.executor=batched"]) == 2  # not the default: the old run is not this run
     error = capsys.readouterr().err
     assert "holds a run of another config (it differs at trainer.executor)" in error and error.count("\n") == 1
+
+
+def test_new_data_per_seed_gives_each_seed_its_own_generated_data_set_and_leaves_read_data_alone(tmp_path, capsys):
+    from medfed.errors import ConfigError
+
+    grid = make_grid(["brats_lack0", "clinical_delta1"], ["fedavg"], [0, 3], [], [], tmp_path / "out", new_data_per_seed=True)
+    runs = plan_runs(grid)
+    brats = {run.seed: run.overrides for run in runs if run.setting == "brats_lack0"}
+    for seed, overrides in brats.items():
+        assert f"data.generate.seed={seed}" in overrides and f"data.root=data/generated/brats2017-draw{seed}" in overrides
+        resolved = load_config(find_config("brats_lack0"), list(overrides))
+        assert resolved.data.generate.seed == seed and resolved.data.root == f"data/generated/brats2017-draw{seed}"
+    assert all(not any(o.startswith("data.") for o in run.overrides) for run in runs if run.setting == "clinical_delta1")  # real data
+    assert all("data.generate.seed" not in " ".join(run.overrides) for run in plan_runs(dataclasses.replace(grid, new_data_per_seed=False)))
+    with pytest.raises(ConfigError, match="data.generate.seed=7' with new_data_per_seed"):
+        plan_runs(grid, ["data.generate.seed=7"])
+    grid_file = tmp_path / "g.yaml"
+    grid_file.write_text(f"configs: [brats_lack0]\nstrategies: [fedavg]\nnew_data_per_seed: true\noutput: {tmp_path / 'o'}\n")
+    assert read_grid(grid_file).new_data_per_seed is True
+    grid_file.write_text("configs: [brats_lack0]\nnew_data_per_seed: sometimes\n")
+    with pytest.raises(ConfigError, match="grid key 'new_data_per_seed' = 'sometimes': expected true or false"):
+        read_grid(grid_file)
+
+
+def test_the_same_algorithm_twice_is_indistinguishable_from_itself_at_the_seed_level(tmp_path, capsys):
+    """The null the intervals must pass on real runs: FedAvg against FedAvg on new seeds (seeds 5-9 as the second arm,
+    paired with 0-4 by rank and with each site by name): the seed-level interval of the difference contains 0 and the
+    twin stays in the best group."""
+    from medfed.compare_stats import table_statistics
+
+    grid = write_grid(tmp_path, tmp_path / "out", strategies="[fedavg]", seeds="[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]", metrics="[auroc]")
+    assert main(["compare", "--grid", str(grid), "--jobs", "2", "--quiet"]) == 0
+    rows = [row for row in read_rows(tmp_path / "out") if row["strategy"] == "fedavg"]
+    twins = [
+        {**row, "strategy": "fedavg" if int(row["seed"]) < 5 else "fedavg again", "seed": int(row["seed"]) % 5, "last_auroc": float(row["last_auroc"])}
+        for row in rows
+    ]
+    table = table_statistics(twins, "last_auroc", ["tiny_clinical"], ["fedavg", "fedavg again"], "fedavg")
+    paired = table.cells[("tiny_clinical", "fedavg again")].versus_reference
+    assert paired.n == 5 and paired.low <= 0.0 <= paired.high, paired
+    assert all(table.cells[("tiny_clinical", m)].with_best for m in ("fedavg", "fedavg again"))

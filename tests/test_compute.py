@@ -129,6 +129,21 @@ def test_auxiliary_and_forward_passes_are_counted_apart_from_the_plans():
     # the budget counts the training plans; PGFed's estimate is reported beside it
     summary = compute_summary(pgfed.history, pgfed.site_names)
     assert summary["mean_training_epochs_per_round"] == 1.0 and summary["mean_auxiliary_epochs_per_round"] == 1.0
+    assert summary["mean_forward_epochs_per_round"] == 0.0
+    # IFCA's forward-only cluster choice is summarised too, and a comparison's cost column shows both beside the budget
+    summary = compute_summary(ifca.history, ifca.site_names)
+    assert summary["mean_forward_epochs_per_round"] == 3.0 and summary["mean_auxiliary_epochs_per_round"] == 0.0
+    from pathlib import Path
+
+    from medfed.compare.plan import Run
+    from medfed.compare.tables import Finished, compute_cells
+
+    def finished(strategy, loop):
+        run = Run("s", Path("s.yaml"), strategy, 0, Path("o"), (), 1, Path("l"), "done")
+        return Finished(run, {"compute": compute_summary(loop.history, loop.site_names), "timing": {"wall_s": 12.0}})
+
+    cells = compute_cells([finished("ifca", ifca), finished("pgfed", pgfed)])
+    assert cells == {("s", "ifca"): "1.00 +3.00 fwd · 12 s", ("s", "pgfed"): "1.00 +1.00 aux · 12 s"}
 
 
 def test_the_results_summary_adds_up_the_rounds_and_the_loggers_see_each_count():

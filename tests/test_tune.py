@@ -76,7 +76,7 @@ def test_the_tuner_never_reads_the_test_split_and_the_tables_name_the_chosen_val
     config = tiny_config(tmp_path)
     executed: list[Run] = []
 
-    def in_process(runs, jobs, progress=True):  # compare's runner, in this process: the tuning runs under the armed records
+    def in_process(runs, jobs, progress=True, fuse="auto"):  # compare's runner, in this process: the tuning runs under the armed records
         for run in runs:
             if run.action != "done":
                 executed.append(run)
@@ -218,6 +218,8 @@ def test_every_default_space_names_options_of_its_strategy_with_values_they_acce
         (["--tune-space", "model.lr=0.1,0.1"], "none empty or repeated"),
         (["strategy.fedprox.mu=0.1"], "override 'strategy.fedprox.mu=0.1' with --tune: --tune chooses strategy.fedprox.mu"),
         (["--budgets", "1", "2"], "--tune with --budgets"),
+        (["--tune-budget", "0"], "--tune-budget 0: expected an integer >= 1 (configurations per method)"),
+        (["--tune-extend", "-1"], "--tune-extend -1: expected an integer >= 0"),
     ],
 )
 def test_a_bad_tuning_is_refused_in_one_line_with_exit_status_2_before_any_run(tmp_path, capsys, monkeypatch, arguments, message):
@@ -273,3 +275,108 @@ def test_the_count_of_a_plan_is_said_before_planning_and_a_plan_over_the_bound_i
         bound_plan(many, None, None)
     with pytest.raises(ConfigError, match=r" x 3 budgets = "):
         bound_plan(replace(many, seeds=list(range(MAX_RUNS // 6 + 1))), [1.0, 2.0, 4.0], None)
+
+
+def test_the_learning_rate_is_widened_by_factors_of_three_alternately_until_the_space_fills_the_budget():
+    from medfed.compare.tune import widen_learning_rate
+
+    space = {"model.lr": ("x0.3", "x1", "x3")}
+    assert widen_learning_rate(space, 6)["model.lr"] == ("x0.1", "x0.3", "x1", "x3", "x9", "x27")  # +9, /3 -> 0.1, +27
+    assert widen_learning_rate(space, 3) == space
+    two_keys = {"strategy.fedprox.mu": (0.01, 0.1, 1.0), "model.lr": ("x0.3", "x1", "x3")}
+    assert widen_learning_rate(two_keys, 6) == two_keys  # 9 >= 6 already
+    assert widen_learning_rate({"model.lr": (0.001, 0.01)}, 3)["model.lr"] == (0.001, 0.01, 0.03)
+    assert widen_learning_rate({"model.lr": ("x1",)}, 6) == {"model.lr": ("x1",)}  # pinned: left alone
+
+
+def test_a_budget_gives_every_method_the_same_number_of_configurations_each_value_used_evenly(tmp_path):
+    from medfed.compare.tune import balanced_sample, space_of, widen_learning_rate
+
+    for strategy in STRATEGY_NAMES:  # every registered method's default space, sampled or widened to 6
+        found = candidates("s", strategy, widen_learning_rate(space_of(strategy, TuneSpec()), 6), {"model": {"lr": 0.01}})
+        chosen = balanced_sample(found, 6, seed=1)
+        assert len(chosen) == 6 and len({c.overrides for c in chosen}) == 6, strategy  # no configuration twice
+        for key in {o.partition("=")[0] for c in chosen for o in c.overrides}:
+            tried = {o for c in found for o in c.overrides if o.startswith(key + "=")}
+            counts = [sum(o in c.overrides for c in chosen) for o in tried]
+            assert max(counts) - min(counts) <= 1, (strategy, key, counts)  # e.g. pFedNet: 3 lam x 2 k x 3 lr -> each lam twice
+    config = tiny_config(tmp_path)
+    grid = make_grid([str(config)], ["fedavg", "pfednet", "ifca"], [0], [], ["auroc"], tmp_path / "out")
+    found, runs = plan_tuning(grid, [], TuneSpec(budget=6), jobs=1)
+    assert [c.strategy for c in found] == ["fedavg"] * 6 + ["pfednet"] * 6 + ["ifca"] * 6 and len(runs) == 18
+    assert [c.values for c in found[:6]] == [f"lr={v:g}" for v in (0.001, 0.003, 0.01, 0.03, 0.09, 0.27)]  # x0.1 .. x27 of 0.01
+    again, _ = plan_tuning(grid, [], TuneSpec(budget=6), jobs=1)
+    assert again == found  # the sample is seeded by the setting's and method's names
+
+
+def _lr_trial(lr, score, strategy="fedprox", mu="0.1"):
+    candidate = Candidate("s", strategy, (("mu", mu), ("lr", lr)), (f"strategy.{strategy}.mu={mu}", f"model.lr={lr}"))
+    return Trial(candidate, {0: score}, 1, 1.0, 1.0)
+
+
+def test_an_edge_choice_gets_one_step_beyond_on_its_float_keys_only_up_to_the_limit():
+    from medfed.compare.tune import at_an_edge, edge_extensions
+
+    trials = [_lr_trial("0.001", 0.5), _lr_trial("0.003", 0.6), _lr_trial("0.01", 0.7), _lr_trial("0.01", 0.4, mu="1")]
+    chosen = choose(trials)
+    assert at_an_edge(chosen[("s", "fedprox")], trials) == ["mu=0.1 (bottom)", "lr=0.01 (top)"]
+    steps = {}
+    more = edge_extensions(trials, chosen, steps, limit=2)
+    assert [(c.overrides, key) for c, key in more] == [
+        (("strategy.fedprox.mu=0.01", "model.lr=0.01"), "strategy.fedprox.mu"),  # mu: 0.1 / (1 / 0.1)
+        (("strategy.fedprox.mu=0.1", "model.lr=0.0333333"), "model.lr"),  # lr: 0.01 x (0.01 / 0.003)
+    ]
+    assert steps == {("s", "fedprox", "strategy.fedprox.mu"): 1, ("s", "fedprox", "model.lr"): 1}
+    assert edge_extensions(trials, chosen, {key: 2 for key in steps}, limit=2) == []  # the limit reached
+    inside = [_lr_trial("0.001", 0.5), _lr_trial("0.003", 0.8), _lr_trial("0.01", 0.7)]
+    assert edge_extensions(inside, choose(inside), {}, limit=2) == []  # no float key at an edge (mu has one value)
+    knn = [Trial(Candidate("s", "pfednet", (("knn_k", k),), (f"strategy.pfednet.knn_k={k}",)), {0: float(k)}, 1, 1.0, 1.0) for k in (1, 2)]
+    assert edge_extensions(knn, choose(knn), {}, limit=2) == []  # a count is not extended
+
+
+@pytest.mark.parametrize("limit, chosen_lr, steps, still", [(3, "0.081", 3, False), (1, "0.027", 1, True)])
+def test_compare_extends_the_learning_rate_beyond_the_top_until_the_choice_is_inside_and_says_so(
+    tmp_path, monkeypatch, capsys, limit, chosen_lr, steps, still
+):
+    import medfed.compare.tune as tune
+    from medfed.components import resolve
+    from medfed.results import write_results
+    from medfed.config import load_config
+
+    config = tiny_config(tmp_path)
+
+    def fake_runs(runs, jobs, progress=True, fuse="auto"):  # each run's results.json, without training: its config and one round
+        for run in runs:
+            if run.action != "done":
+                run.output_dir.mkdir(parents=True)
+                scores = {"site0": {"auroc": 0.7}}
+                results = {
+                    "config": resolve(load_config(run.config_path, list(run.overrides))).config,
+                    "history": [{"round": 1, "metrics": scores, "validation": scores}],
+                    "federation": {"description": "fake", "generated": False}, "timing": {"wall_s": 1.0},
+                }
+                write_results(run.output_dir / "results.json", results)
+        return {}
+
+    def score(finished, metric):  # a validation score peaking at lr 0.09: the space's top (0.009) is far below it
+        lr = finished.results["config"]["model"]["lr"]
+        return 1.0 - (math.log(lr) - math.log(0.09)) ** 2 / 100
+
+    monkeypatch.setattr(medfed.compare, "execute", fake_runs)
+    monkeypatch.setattr(tune, "run_values", score)
+    out = tmp_path / "out"
+    command = [
+        "compare", "--config", str(config), "--strategies", "fedavg", "--seeds", "0", "--metrics", "auroc", "--output", str(out),
+        "--tune", "--tune-space", "model.lr=0.001,0.003,0.009", "--tune-rounds", "1", "--tune-extend", str(limit), "--quiet",
+        "trainer.rounds=1", "--allow-unequal-compute",
+    ]
+    assert main(command) == 0, capsys.readouterr().err
+    with (out / "tuning.csv").open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    tried = [row["configuration"] for row in rows]
+    assert tried == ["lr=0.001", "lr=0.003", "lr=0.009", "lr=0.027", "lr=0.081", "lr=0.243"][: 3 + steps]
+    assert [row["configuration"] for row in rows if row["chosen"] == "True"] == [f"lr={chosen_lr}"]
+    md = (out / "comparison.md").read_text()
+    line = next(line for line in md.splitlines() if line.startswith("| fedavg | lr="))
+    assert f"beyond an edge: lr {steps} step" in line and ("still at an edge: lr=0.027 (top)" in line) == still
+    assert f"up to {limit} steps per key" in md

@@ -33,12 +33,15 @@ given on the command line (:mod:`medfed.compare.grid`). :func:`compare`
    ``allow_unequal_compute`` (``--allow-unequal-compute``);
 4. writes (:mod:`medfed.compare.tables`) ``comparison.csv`` (one row per run and site), ``comparison.md``
    (methods x settings per metric, for the last round and for the
-   validation-selected round: ``mean ± std [95% interval]`` over seeds of the
-   mean over sites, the paired difference against a reference method with
-   wins/ties/losses, the compute each method got, the average rank, the
-   methods indistinguishable from the best in bold, whether the runs had
-   plateaued; wall times) and
-   ``comparison.png`` (bars and every site's value) from every run that finished;
+   validation-selected round: the mean over seeds of the mean over sites with
+   a 95% interval over seeds, the worst site, the paired difference against a
+   reference method (interval over seeds) with wins/ties/losses, the compute
+   and wall time each method got, the average rank, the methods
+   indistinguishable from the best in bold (Holm-corrected), the trivial
+   baselines as reference rows, whether the runs had plateaued; wall times),
+   ``comparison.png`` (each method's mean and interval and every site's value,
+   on axes fitted to the data) from every run that finished, and prints the main
+   table (the primary metric at the last round, ranked) on stdout;
 5. with ``tune`` (``--tune``, :mod:`medfed.compare.tune`), first runs every method's search space on the
    validation split only (tuning runs in ``<output>/tuning/``, the test split set aside unread), picks each
    (setting, method)'s configuration of the highest validation score, then runs the grid with it (every seed,
@@ -51,7 +54,7 @@ given on the command line (:mod:`medfed.compare.grid`). :func:`compare`
 
 The validation-selected round of a site (:func:`~medfed.compare.tables.selected_round`) is the round
 whose validation score of the *primary* metric (the first of ``metrics``;
-higher is better) is highest, the earliest of equal ones; the site's *test*
+higher is better) is highest, the latest of equal ones; the site's *test*
 metrics at that round are reported. The test split never takes part in the
 choice.
 """
@@ -70,10 +73,12 @@ from medfed.compare.grid import Grid, check_overrides, setting_of
 from medfed.compare.plan import Run, default_jobs, plan_runs
 from medfed.compare.runner import execute
 from medfed.compare.tables import (
-    BUDGET_TOLERANCE, Finished, collect, comparison_rows, markdown, reported_metrics, resolve_reference, snapshot_tag, unequal_compute,
-    write_csv,
+    BUDGET_TOLERANCE, Finished, baseline_rows, collect, comparison_rows, markdown, reported_metrics, resolve_reference, snapshot_tag,
+    terminal_table, unequal_compute, write_csv,
 )
-from medfed.compare.tune import TuneSpec, check_tune, choose, chosen_overrides, collect_trials, plan_tuning, tuning_rows, tuning_section
+from medfed.compare.tune import (
+    TuneSpec, check_tune, choose, chosen_overrides, collect_trials, edge_extensions, plan_candidates, plan_tuning, tuning_rows, tuning_section,
+)
 from medfed.errors import ConfigError
 from medfed.output_dir import hold_output_dir
 
@@ -192,6 +197,23 @@ def _tune_and_compare(
         raise ConfigError("compare --tune: no tuning run finished, nothing to choose from (their logs are in the tuning folder's logs/)")
     trials = collect_trials(found, tuning_runs, finished, metric)
     chosen = choose(trials)
+    steps: dict[tuple[str, str, str], int] = {}
+    while tune.extend:  # the chosen value at an edge of what was tried: one step beyond, and choose again
+        more, more_runs = [], []
+        for candidate, key in edge_extensions(trials, chosen, steps, tune.extend):
+            try:
+                more_runs += plan_candidates(grid, overrides, tune, jobs, [candidate])
+                more.append(candidate)
+            except ConfigError:  # the key's allowed range ends here
+                steps[(candidate.setting, candidate.strategy, key)] = tune.extend
+        if not more:
+            break
+        print(f"medfed: compare: {len(more)} configurations one step beyond the edge of their space", file=sys.stderr)
+        failed.update({f"tuning/{name}": tail for name, tail in execute(more_runs, jobs, progress).items()})
+        found, tuning_runs = [*found, *more], [*tuning_runs, *more_runs]
+        finished = collect(tuning_runs)
+        trials = collect_trials(found, tuning_runs, finished, metric)
+        chosen = choose(trials)
     grid.output.mkdir(parents=True, exist_ok=True)
     write_csv(tuning_rows(trials, chosen), grid.output / "tuning.csv")
     extra = chosen_overrides(chosen)
@@ -203,7 +225,7 @@ def _tune_and_compare(
             runs += plan_runs(one, overrides, jobs, announce=strategy == grid.strategies[0], extra=extra[(setting, strategy)])
     settings = list(dict.fromkeys(run.setting for run in runs))
     rounds = ", ".join(str(value) for value in sorted({item.results["config"]["trainer"]["rounds"] for item in finished}))
-    section = tuning_section(trials, chosen, settings, grid.strategies, metric, tune, seeds, rounds)
+    section = tuning_section(trials, chosen, settings, grid.strategies, metric, tune, seeds, rounds, steps)
     cells = {key: (trial.candidate.values if trial is not None else "config's values") for key, trial in chosen.items()}
     failed.update(_run_and_tabulate(grid, overrides, runs, jobs, source, progress, reference, allow_unequal_compute, (section, cells), fuse)[0])
     return failed
@@ -244,6 +266,8 @@ def _run_and_tabulate(
         )
     metrics = grid.metrics or reported_metrics(finished)
     rows = comparison_rows(finished, metrics) if metrics else []
+    if rows:
+        rows += baseline_rows(finished, metrics, list(rows[0]))
     if tuning is not None:
         rows = [{**row, "tuned": tuning[1].get((row["config"], row["strategy"]), "")} for row in rows]
     settings = list(dict.fromkeys(run.setting for run in runs))
@@ -259,6 +283,8 @@ def _run_and_tabulate(
     if rows:
         figure = plot_comparison(rows, metrics, settings, grid.strategies, title=source + generated_tag(finished) + snapshot_tag(finished, metrics[0]))
         save_figure(figure, grid.output / "comparison.png")
+    if rows:
+        print(terminal_table(rows, settings, grid.strategies, metrics[0], reference) + generated_tag(finished))
     print(f"medfed: compare: wrote {grid.output / 'comparison.md'}, comparison.csv and comparison.png", file=sys.stderr)
     return failed, finished, rows, metrics
 

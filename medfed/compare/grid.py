@@ -9,6 +9,13 @@ or, in a grid file, a mapping ``{name: <label>, config: <config>, overrides:
 [...]}``: the config under a label of its own with overrides of its own
 (after the grid's, before the command line's), so one grid can put variants
 of one config side by side as columns (``configs/ablation/pfednet_brats.yaml``).
+
+``new_data_per_seed: true`` (``--new-data-per-seed``) makes the generated
+data set part of the replication unit: each seed's runs of a setting whose
+config generates its data (``data.generate``) train and test on a data set
+drawn with that seed (``data.generate.seed`` = the seed, in a folder of its
+own, ``<data.root>-draw<seed>``), so the seeds' intervals cover new patients,
+not a reshuffle of the same ones (:func:`~medfed.compare.plan.data_draw_overrides`).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from medfed.components import STRATEGY_NAMES
 from medfed.config import BUNDLED_CONFIGS, find_config, read_yaml_mapping, read_yaml_text
 from medfed.errors import ConfigError
 
-GRID_KEYS = ("configs", "strategies", "seeds", "overrides", "metrics", "output")
+GRID_KEYS = ("configs", "strategies", "seeds", "overrides", "metrics", "output", "new_data_per_seed")
 BUNDLED_GRIDS = BUNDLED_CONFIGS / "paper"
 """Grids shipped with medfed (``configs/paper`` in the repository): ``--grid table3_brats`` finds them."""
 SET_BY_COMPARE = {
@@ -60,6 +67,7 @@ class Grid:
             validation round); empty: every metric the runs report.
         output: the comparison folder.
         settings: ``{label: Setting}`` for the entries of ``configs`` that are labels of mappings.
+        new_data_per_seed: each seed draws its own generated data set (the module's docstring).
     """
 
     configs: list[str]
@@ -69,6 +77,7 @@ class Grid:
     metrics: list[str] = field(default_factory=list)
     output: Path = Path("outputs/compare")
     settings: dict[str, Setting] = field(default_factory=dict)
+    new_data_per_seed: bool = False
 
 
 def setting_of(grid: Grid, entry: str) -> tuple[str, Path, tuple[str, ...]]:
@@ -108,6 +117,7 @@ def read_grid(name: str | Path) -> Grid:
             metrics=values.get("metrics") or [],
             output=values.get("output") or f"outputs/compare/{path.stem}",
             settings=settings,
+            new_data_per_seed=values.get("new_data_per_seed", False),
         )
     except ConfigError as error:
         raise ConfigError(f"{path}: {error}") from None
@@ -134,7 +144,8 @@ def _settings(entries: Any) -> tuple[Any, dict[str, Setting]]:
 
 
 def make_grid(
-    configs: Any, strategies: Any, seeds: Any, overrides: Any, metrics: Any, output: Any, settings: dict[str, Setting] | None = None
+    configs: Any, strategies: Any, seeds: Any, overrides: Any, metrics: Any, output: Any, settings: dict[str, Setting] | None = None,
+    new_data_per_seed: Any = False,
 ) -> Grid:
     """A checked :class:`Grid` from plain values (a grid file's, or the command line's; ``settings``: its labelled ones).
 
@@ -155,7 +166,9 @@ def make_grid(
     for key, values in (("configs", configs), ("strategies", strategies), ("seeds", seeds)):
         if not values or len(set(values)) != len(values):
             raise ConfigError(f"grid key '{key}' = {values!r}: expected a non-empty list without repeats")
-    return Grid(configs, strategies, seeds, overrides, metrics, Path(output), dict(settings or {}))
+    if not isinstance(new_data_per_seed, bool):
+        raise ConfigError(f"grid key 'new_data_per_seed' = {new_data_per_seed!r}: expected true or false")
+    return Grid(configs, strategies, seeds, overrides, metrics, Path(output), dict(settings or {}), new_data_per_seed)
 
 
 def check_overrides(overrides: list[str] | tuple[str, ...], where: str = "") -> None:

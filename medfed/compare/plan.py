@@ -128,12 +128,13 @@ def plan_runs(
                 fixed = [*grid.overrides, *own, *overrides, *extra, f"strategy.name={strategy}", f"trainer.seed={seed}", f"output_dir={output_dir}"]
                 where = f"{folder}/seed{seed}"
                 try:
-                    resolved = resolve(load_config(path, [*fixed, f"trainer.num_threads={threads}"]))
-                    if resolved.run.federation.validation_fraction <= 0:
+                    if grid.new_data_per_seed:
+                        fixed += data_draw_overrides(load_config(path, fixed), seed, fixed)
+                    if not _has_validation_split(load_config(path, fixed)):  # (checked before resolving: trainer.patience needs one)
                         fixed.append(VALIDATION_SPLIT)
-                        resolved = resolve(load_config(path, [*fixed, f"trainer.num_threads={threads}"]))
                         if label not in without_validation:
                             without_validation.append(label)
+                    resolved = resolve(load_config(path, [*fixed, f"trainer.num_threads={threads}"]))
                     _check_selectable(resolved.run.federation)
                     if holdout != "test":
                         fixed.append(f"federation.holdout={holdout}")
@@ -152,6 +153,38 @@ def plan_runs(
             file=sys.stderr,
         )
     return runs
+
+
+DRAW_FOLDER = "{root}-draw{seed}"
+"""Where a seed's own generated data set goes (``new_data_per_seed``): beside the config's ``data.root``."""
+
+
+def data_draw_overrides(config: Any, seed: int, overrides: list[str]) -> list[str]:
+    """With ``new_data_per_seed``: the overrides that give a run of ``seed`` its own draw of the generated data set.
+
+    ``data.generate.seed`` = ``seed`` and ``data.root`` = :data:`DRAW_FOLDER` (runs of different draws never share a
+    folder, so two of them side by side do not take turns regenerating one). Nothing for a config that reads data
+    rather than generating it (``data.generate`` null): its seed reshuffles the same records.
+
+    Raises:
+        ConfigError: an override of ``data.generate.seed`` (the seed sets it).
+    """
+    data = config.get("data") or {}
+    if not data.get("generate"):
+        return []
+    for override in overrides:
+        if override.partition("=")[0].strip() == "data.generate.seed":
+            raise ConfigError(f"override {override!r} with new_data_per_seed: each seed's data set is drawn with that seed; drop the override")
+    return [f"data.generate.seed={seed}", f"data.root={DRAW_FOLDER.format(root=data.get('root'), seed=seed)}"]
+
+
+def _has_validation_split(config: Any) -> bool:
+    """Whether a loaded (not yet resolved) run config asks for a validation split (``federation.validation_fraction`` > 0)."""
+    federation = config.get("federation") or {}
+    try:
+        return float(federation.get("validation_fraction") or 0) > 0
+    except (TypeError, ValueError):
+        return True  # not a number: resolving names the key
 
 
 def _check_selectable(federation: Any) -> None:

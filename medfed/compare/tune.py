@@ -23,12 +23,32 @@ that method and setting (every seed, on the test split) then get the chosen
 configuration's overrides; the tables name it and the tuning's cost (runs,
 training epochs per site, wall time: :func:`tuning_section`).
 
+**The same budget for every method** (``--tune-budget K``): each method
+gets exactly K configurations, whatever the size of its space. A space of
+more than K combinations is sampled (:func:`balanced_sample`: seeded, each
+value of each key used as evenly as K allows); a smaller one first has its
+learning rate's values widened by factors of 3 (:func:`widen_learning_rate`,
+alternately above and below) until it holds K. Without a budget every
+combination of every method's space is run (3-18 a method by default: the
+methods with more keys get more configurations).
+
+**Edges** (``--tune-extend N``): when a method's chosen value of a numeric
+key is the largest (or smallest) value tried for it, the space did not
+bracket the best: :func:`edge_extensions` tries one configuration one step
+further (the chosen one with that key times the ratio of its two outermost
+values tried), runs it, chooses again, and repeats, up to N steps per key,
+until the chosen value sits inside. A step whose configuration does not
+resolve (the key's allowed range ends) ends that key's extension. The
+tuning section says, per method, which keys were extended how far, and
+names a choice still at an edge after N steps.
+
 Only the validation split takes part in the choice; :func:`collect_trials`
 refuses a tuning run whose results were not evaluated on it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 from dataclasses import dataclass, field, fields, replace
@@ -62,11 +82,15 @@ class TuneSpec:
             values as a config takes them, or ``"x<f>"``: f times the run config's own value (:func:`parse_space`).
         rounds: the tuning runs' ``trainer.rounds`` (None: the grid's).
         seeds: the tuning runs' seeds (None: the grid's first seed).
+        budget: configurations per method, the same for every method (None: every combination of its space).
+        extend: steps beyond an edge per key (0: none; :func:`edge_extensions`).
     """
 
     space: dict[str, tuple[str, ...]] = field(default_factory=dict)
     rounds: int | None = None
     seeds: tuple[int, ...] | None = None
+    budget: int | None = None
+    extend: int = 0
 
 
 @dataclass(frozen=True)
@@ -146,6 +170,10 @@ def check_tune(spec: TuneSpec, strategies: list[str], overrides: list[str] | tup
         raise ConfigError(f"--tune-rounds {spec.rounds}: expected an integer >= 1 (the tuning runs' trainer.rounds)")
     if spec.seeds is not None and (not spec.seeds or len(set(spec.seeds)) != len(spec.seeds) or min(spec.seeds) < 0):
         raise ConfigError(f"--tune-seeds {' '.join(map(str, spec.seeds))}: expected seeds >= 0 without repeats")
+    if spec.budget is not None and spec.budget < 1:
+        raise ConfigError(f"--tune-budget {spec.budget}: expected an integer >= 1 (configurations per method)")
+    if spec.extend < 0:
+        raise ConfigError(f"--tune-extend {spec.extend}: expected an integer >= 0 (steps beyond an edge per key)")
 
 
 def parse_space(entries: list[str]) -> dict[str, tuple[str, ...]]:
@@ -254,10 +282,76 @@ def candidates(setting: str, strategy: str, space: dict[str, tuple[Any, ...]], c
     return found
 
 
+LEARNING_RATE_KEY = "model.lr"
+"""The key :func:`widen_learning_rate` widens to fill a budget."""
+
+
+def widen_learning_rate(space: dict[str, tuple[Any, ...]], budget: int) -> dict[str, tuple[Any, ...]]:
+    """``space`` with ``model.lr``'s values widened by factors of 3 until it holds ``budget`` combinations.
+
+    Relative values (``x<f>``) stay relative; absolute ones stay absolute. A step adds the largest value x 3,
+    the next the smallest / 3, and so on. A space without ``model.lr``, or whose lr holds one value (pinned on
+    purpose), is left as it is.
+    """
+    values = list(space.get(LEARNING_RATE_KEY, ()))
+    if len(values) < 2:
+        return space
+    others = math.prod(len(v) for key, v in space.items() if key != LEARNING_RATE_KEY)
+    relative = all(isinstance(v, str) and v.startswith("x") for v in values)
+    numbers = sorted(float(v[1:]) if relative else float(v) for v in values)
+    upward = True
+    while others * len(numbers) < budget:
+        numbers = [*numbers, numbers[-1] * 3] if upward else [numbers[0] / 3, *numbers]
+        upward = not upward
+    return {**space, LEARNING_RATE_KEY: tuple(f"x{n:.6g}" if relative else n for n in numbers)}
+
+
+def balanced_sample(found: list[Candidate], budget: int, seed: int, attempts: int = 200) -> list[Candidate]:
+    """``budget`` of the configurations ``found`` (all of them when there are no more), each value of each key used as
+    evenly as the budget allows (at most ceil(budget / its key's values) times).
+
+    One at a time, among the configurations that keep every value within that cap, one of those whose values are the
+    least used so far (a seeded draw); a draw that runs out of such configurations starts again (up to ``attempts``
+    times; the last draw is kept). The result keeps ``found``'s order.
+    """
+    if len(found) <= budget:
+        return list(found)
+    rng = np.random.default_rng(seed)
+    keys = {override.partition("=")[0] for candidate in found for override in candidate.overrides}
+    values = {key: {o for c in found for o in c.overrides if o.partition("=")[0] == key} for key in keys}
+    cap = {key: math.ceil(budget / len(v)) for key, v in values.items()}
+    chosen: list[Candidate] = []
+    for _ in range(attempts):
+        used: dict[str, int] = {}
+        left, chosen = list(found), []
+        while len(chosen) < budget:
+            allowed = [c for c in left if all(used.get(o, 0) < cap[o.partition("=")[0]] for o in c.overrides)]
+            if not allowed:
+                break
+            load = [sum(used.get(o, 0) for o in c.overrides) for c in allowed]
+            lightest = [c for c, weight in zip(allowed, load) if weight == min(load)]
+            pick = lightest[int(rng.integers(len(lightest)))]
+            left.remove(pick)
+            chosen.append(pick)
+            for override in pick.overrides:
+                used[override] = used.get(override, 0) + 1
+        if len(chosen) == budget:
+            break
+    return [candidate for candidate in found if candidate in chosen]
+
+
+def budget_seed(setting: str, strategy: str) -> int:
+    """The seed of a (setting, method)'s sample: a stable function of their names (not Python's salted ``hash``)."""
+    return int.from_bytes(hashlib.sha256(f"{setting}/{strategy}".encode()).digest()[:8], "little")
+
+
 def plan_tuning(
     grid: Grid, overrides: list[str] | tuple[str, ...], spec: TuneSpec, jobs: int | None
 ) -> tuple[list[Candidate], list[Run]]:
     """Every tuning run of ``grid`` (a grid run on the validation split, :func:`~medfed.compare.plan.plan_runs`), checked.
+
+    Each (setting, method)'s configurations are its space's combinations (:func:`candidates`), or with
+    ``spec.budget`` that many of them (:func:`widen_learning_rate`, :func:`balanced_sample`).
 
     Returns:
         ``(candidates, runs)``: each (setting, method)'s configurations in order, and their runs
@@ -266,20 +360,29 @@ def plan_tuning(
     Raises:
         ConfigError: a configuration that does not resolve (naming the run and key), as :func:`plan_runs` does.
     """
-    tuning = replace(grid, output=grid.output / TUNING_FOLDER, seeds=list(spec.seeds or grid.seeds[:1]))
-    rounds = [f"trainer.rounds={spec.rounds}"] if spec.rounds is not None else []
-    found, runs = [], []
+    found = []
     for config in grid.configs:
         label, path, own = setting_of(grid, config)
         for strategy in grid.strategies:
             base = resolve(load_config(path, [*grid.overrides, *own, *overrides, f"strategy.name={strategy}"])).config
-            for candidate in candidates(label, strategy, space_of(strategy, spec), base):
-                found.append(candidate)
-                one = replace(tuning, configs=[config], strategies=[strategy])
-                runs += plan_runs(
-                    one, overrides, jobs, announce=False, extra=[*candidate.overrides, *rounds], variant=candidate.label, holdout="validation"
-                )
-    return found, runs
+            space = space_of(strategy, spec)
+            found_here = candidates(label, strategy, space if spec.budget is None else widen_learning_rate(space, spec.budget), base)
+            if spec.budget is not None:
+                found_here = balanced_sample(found_here, spec.budget, budget_seed(label, strategy))
+            found += found_here
+    return found, plan_candidates(grid, overrides, spec, jobs, found)
+
+
+def plan_candidates(grid: Grid, overrides: list[str] | tuple[str, ...], spec: TuneSpec, jobs: int | None, found: list[Candidate]) -> list[Run]:
+    """The tuning runs of the configurations ``found`` (one per tuning seed), as :func:`plan_tuning` plans them."""
+    tuning = replace(grid, output=grid.output / TUNING_FOLDER, seeds=list(spec.seeds or grid.seeds[:1]))
+    rounds = [f"trainer.rounds={spec.rounds}"] if spec.rounds is not None else []
+    entries = {setting_of(grid, config)[0]: config for config in grid.configs}
+    runs = []
+    for candidate in found:
+        one = replace(tuning, configs=[entries[candidate.setting]], strategies=[candidate.strategy])
+        runs += plan_runs(one, overrides, jobs, announce=False, extra=[*candidate.overrides, *rounds], variant=candidate.label, holdout="validation")
+    return runs
 
 
 def run_values(finished: Finished, metric: str) -> float:
@@ -298,6 +401,82 @@ def run_values(finished: Finished, metric: str) -> float:
         raise ConfigError(f"grid key 'metrics': {metric!r} is not reported by tuning run {finished.run.name}")
     finite = [float(score) for score in scores if score is not None and math.isfinite(score)]
     return float(np.mean(finite)) if finite else math.nan
+
+
+def is_continuous(key: str) -> bool:
+    """Whether dotted ``key`` (``model.<option>``, ``strategy.<name>.<option>``) is an option declared ``float``."""
+    from medfed.options.models import MODEL_OPTIONS
+    from medfed.options.strategies import STRATEGY_OPTIONS
+
+    parts = key.split(".")
+    if parts[0] == "model" and len(parts) == 2:
+        groups = list(MODEL_OPTIONS.values())
+    elif parts[0] == "strategy" and len(parts) == 3 and parts[1] in STRATEGY_OPTIONS:
+        groups = [STRATEGY_OPTIONS[parts[1]]]
+    else:
+        return False
+    return any(f.name == parts[-1] and str(f.type).split(" |")[0] in ("float", "<class 'float'>") for group in groups for f in fields(group))
+
+
+def numeric_values(candidate: Candidate) -> dict[str, float]:
+    """The candidate's values of continuous keys (:func:`is_continuous`: lr, mu, lam ...; counts and words are not extended)."""
+    values = {}
+    for override in candidate.overrides:
+        key, _, text = override.partition("=")
+        if is_continuous(key):
+            try:
+                values[key] = float(text)
+            except ValueError:
+                continue
+    return values
+
+
+def edge_extensions(trials: list[Trial], chosen: dict[tuple[str, str], Trial | None], steps_taken: dict[tuple[str, str, str], int],
+                    limit: int) -> list[tuple[Candidate, str]]:
+    """One configuration beyond the edge for every (setting, method) whose chosen value of a float key is the largest
+    or smallest value of that key tried, while that key has taken fewer than ``limit`` steps.
+
+    The step: the chosen configuration with the key's value times (or over) the ratio of the two outermost values
+    tried on that side (a geometric grid goes on as it was; ``steps_taken`` counts per (setting, method, key) and is
+    updated). A configuration already tried is not proposed again. Returns ``(configuration, the key it moves)`` pairs.
+    """
+    tried: dict[tuple[str, str], list[Candidate]] = {}
+    for trial in trials:
+        tried.setdefault((trial.candidate.setting, trial.candidate.strategy), []).append(trial.candidate)
+    extensions = []
+    for key, trial in chosen.items():
+        if trial is None:
+            continue
+        best = trial.candidate
+        known = {tuple(c.overrides) for c in tried[key]}
+        for name, value in numeric_values(best).items():
+            seen = sorted({numeric_values(c).get(name) for c in tried[key]} - {None})
+            if len(seen) < 2 or steps_taken.get((*key, name), 0) >= limit or value not in (seen[0], seen[-1]):
+                continue
+            if value <= 0 or seen[0] <= 0:
+                continue
+            step = seen[-1] / seen[-2] if value == seen[-1] else seen[0] / seen[1]
+            new_value = format_value(value * step)
+            overrides = tuple(f"{name}={new_value}" if o.partition("=")[0] == name else o for o in best.overrides)
+            if overrides in known:
+                continue
+            short = name.rsplit(".", 1)[1]
+            shown = tuple((n, new_value) if n in (short, name) else (n, v) for n, v in best.shown)
+            extensions.append((Candidate(best.setting, best.strategy, shown, overrides), name))
+            steps_taken[(*key, name)] = steps_taken.get((*key, name), 0) + 1
+            known.add(overrides)
+    return extensions
+
+
+def at_an_edge(trial: Trial, trials: list[Trial]) -> list[str]:
+    """The float keys whose chosen value is the largest or smallest tried for its (setting, method)."""
+    mine = [t.candidate for t in trials if (t.candidate.setting, t.candidate.strategy) == (trial.candidate.setting, trial.candidate.strategy)]
+    edges = []
+    for name, value in numeric_values(trial.candidate).items():
+        seen = sorted({numeric_values(c).get(name) for c in mine} - {None})
+        if len(seen) > 1 and value in (seen[0], seen[-1]):
+            edges.append(f"{name.rsplit('.', 1)[1]}={format_value(value)} ({'top' if value == seen[-1] else 'bottom'})")
+    return edges
 
 
 def collect_trials(found: list[Candidate], runs: list[Run], finished: list[Finished], metric: str) -> list[Trial]:
@@ -354,9 +533,11 @@ def tuning_rows(trials: list[Trial], chosen: dict[tuple[str, str], Trial | None]
 
 def tuning_section(
     trials: list[Trial], chosen: dict[tuple[str, str], Trial | None], settings: list[str], strategies: list[str], metric: str, spec: TuneSpec,
-    seeds: list[int], rounds: str,
+    seeds: list[int], rounds: str, steps_taken: dict[tuple[str, str, str], int] | None = None,
 ) -> list[str]:
-    """comparison.md's section on the tuning: how it chose, then per method and setting the chosen values and the cost."""
+    """comparison.md's section on the tuning: how it chose, then per method and setting the chosen values and the cost
+    (``steps_taken``: the steps beyond an edge per (setting, method, key), :func:`edge_extensions`)."""
+    steps_taken = steps_taken or {}
     cost: dict[tuple[str, str], list[Trial]] = {}
     for trial in trials:
         cost.setdefault((trial.candidate.setting, trial.candidate.strategy), []).append(trial)
@@ -369,10 +550,15 @@ def tuning_section(
             f"{len(spent)} configurations, {runs}/{planned} runs, {sum(t.training_epochs for t in spent):.0f} epochs, "
             f"{sum(t.wall_s for t in spent):.0f} s"
         )
+        extended = [f"{key.rsplit('.', 1)[1]} {n} step{'s' * (n > 1)}" for (s_, m, key), n in steps_taken.items() if (s_, m) == (setting, strategy)]
+        if extended:
+            price += f"; beyond an edge: {', '.join(extended)}"
         trial = chosen.get((setting, strategy))
         if trial is None:
             return f"the config's values (no configuration finished every tuning seed; {price})"
-        return f"{trial.candidate.values} (validation {trial.score:.4f}; {price})"
+        edges = at_an_edge(trial, trials)
+        still = f"; **still at an edge: {', '.join(edges)}**" if edges else ""
+        return f"{trial.candidate.values} (validation {trial.score:.4f}; {price}{still})"
 
     lines = [
         "## Hyperparameters, chosen on the validation split (compare --tune)",
@@ -380,10 +566,15 @@ def tuning_section(
         f"Every method's search space (medfed/options/search.py{', changed by --tune-space' if spec.space else ''}) was run on "
         f"each setting's validation split only (federation.holdout=validation: the test split set aside, unread) with seeds "
         f"{seeds} and {rounds} rounds; the configuration with the highest last-round validation {metric} (mean over sites, "
-        "then over the tuning seeds) was run on the test split for every seed of the tables above. Each cell: the chosen "
-        "values (validation score) and the tuning's cost: configurations, tuning runs finished/planned, training epochs per "
-        "site summed over them, wall time (summed over runs; a resumed run's counts its last part only). Every tuning "
-        "run's score is in tuning.csv.",
+        "then over the tuning seeds) was run on the test split for every seed of the tables above. "
+        + (f"Every method got the same budget of {spec.budget} configurations (a larger space sampled evenly, a smaller "
+           "one's learning rates widened by factors of 3). " if spec.budget is not None else "")
+        + (f"Where a chosen value was the largest or smallest of its key tried, one more configuration one step beyond was "
+           f"run and the choice made again, up to {spec.extend} steps per key (listed as beyond an edge; a choice still at "
+           "an edge after them is named). " if spec.extend else "")
+        + "Each cell: the chosen values (validation score) and the tuning's cost: configurations, tuning runs "
+        "finished/planned, training epochs per site summed over them, wall time (summed over runs; a resumed run's counts "
+        "its last part only). Every tuning run's score is in tuning.csv.",
         "",
         "| method | " + " | ".join(settings) + " |",
         "|---|" + "---|" * len(settings),

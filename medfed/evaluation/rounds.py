@@ -19,6 +19,12 @@ site means (``dice_wt``, ``lesion_dice_wt``, ..., and ``_tc``, ``_et`` for
 before the loop logs it, so they reach the loggers, the history, the final
 table and results.json beside the patch metrics, and its time as
 ``record["timing"]["volume_eval_s"]``. The loop itself knows nothing of it.
+
+:class:`PlateauStop` (``trainer.patience``), after the validation scores
+joined the round, ends the run once its validation curve has not improved
+for ``patience`` rounds: it sets the loop's ``stop_reason``, and the loop
+stops after that round (checkpointed and logged as every round is);
+``trainer.rounds`` is then the cap.
 """
 
 from __future__ import annotations
@@ -55,6 +61,49 @@ class ValidationEvaluation:
         return self.loaders[site.index]
 
 
+class PlateauStop:
+    """End the run once the validation curve has plateaued: ``patience`` rounds without a gain over ``min_delta``.
+
+    The curve is the mean over sites of each round's validation ``metric``
+    (:func:`~medfed.compare_stats.validation_curve`, higher is better): the
+    validation split's scores beside the test split's (``source``
+    ``"validation"``), or the round's own scores when the evaluated split is
+    the validation split (``"metrics"``, ``holdout: validation``: a tuning run). Its
+    *best round* is the last round that beat every earlier best by more
+    than ``min_delta``; the run stops after round r when ``r − best round >=
+    patience``. It reads only the history (so a resumed run stops where it
+    would have), and records the stop as ``record["stopped"]`` = ``{"best_round",
+    "reason"}`` in the round it ends.
+    """
+
+    def __init__(self, metric: str, patience: int, min_delta: float = 0.0, source: str = "validation") -> None:
+        self.metric = metric
+        self.patience = patience
+        self.min_delta = min_delta
+        self.source = source
+
+    def best_round(self, curve: list[float]) -> int:
+        """The 1-based position of the curve's best round (0 for an empty curve)."""
+        best, at = -float("inf"), 0
+        for index, value in enumerate(curve, start=1):
+            if value > best + self.min_delta:
+                best, at = value, index
+        return at
+
+    def on_round_end(self, loop: Any, record: dict[str, Any]) -> None:
+        from medfed.compare_stats import validation_curve
+
+        curve = validation_curve(loop.history, self.metric, self.source)
+        best = self.best_round(curve)
+        if curve and len(curve) - best >= self.patience:
+            reason = (
+                f"validation {self.metric} plateaued: no gain over {self.min_delta:g} on round {best}'s "
+                f"{curve[best - 1]:.4f} in the {len(curve) - best} rounds after it (trainer.patience={self.patience})"
+            )
+            record["stopped"] = {"best_round": best, "reason": reason}
+            loop.stop_reason = reason
+
+
 class VolumeEvaluation:
     """Evaluate every site on its whole evaluation volumes on chosen rounds.
 
@@ -86,11 +135,11 @@ class VolumeEvaluation:
         self.progress = progress
         self.lesion_wise = lesion_wise
 
-    def due(self, round_index: int) -> bool:
-        return round_index == self.last_round or (self.every > 0 and round_index % self.every == 0)
+    def due(self, round_index: int, stopping: bool = False) -> bool:
+        return stopping or round_index == self.last_round or (self.every > 0 and round_index % self.every == 0)
 
     def on_round_end(self, loop: Any, record: dict[str, Any]) -> None:
-        if not self.due(record["round"]):
+        if not self.due(record["round"], getattr(loop, "stop_reason", None) is not None):  # a run's last round, also on a plateau
             return
         tic = time.perf_counter()
         n_patients = sum(self.volumes.n_volumes(site.index) for site in loop.sites)

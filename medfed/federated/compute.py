@@ -81,6 +81,11 @@ def auxiliary_epochs(counts: dict[str, float]) -> float:
     return sum(epochs for key, epochs in counts.items() if key.split("/", 1)[0] in AUXILIARY_KINDS)
 
 
+def forward_epochs(counts: dict[str, float]) -> float:
+    """The forward-only epochs of ``counts`` (``forward/*``: IFCA's cluster choice), reported beside the budget."""
+    return sum(epochs for key, epochs in counts.items() if key.split("/", 1)[0] == FORWARD)
+
+
 def compute_summary(history: Iterable[dict[str, Any]], site_names: list[str]) -> dict[str, Any]:
     """The ``compute`` section of ``results.json``, from the round records' ``compute``.
 
@@ -96,8 +101,9 @@ def compute_summary(history: Iterable[dict[str, Any]], site_names: list[str]) ->
         runs of equal budget share, ``trainer.local_epochs`` when the budget
         is kept, whatever the participation (a site that skips a round, or
         gave its data to a pool, trains in none of it);
-        ``mean_auxiliary_epochs_per_round``: the auxiliary epochs over the
-        same pairs.
+        ``mean_auxiliary_epochs_per_round``, ``mean_forward_epochs_per_round``: the
+        auxiliary (:func:`auxiliary_epochs`) and forward-only (:func:`forward_epochs`)
+        epochs over the same pairs.
     """
     rounds = list(history)
     per_round: dict[str, list[dict[str, Any]]] = {name: [] for name in site_names}
@@ -111,6 +117,7 @@ def compute_summary(history: Iterable[dict[str, Any]], site_names: list[str]) ->
     keys = sorted({key for counts in totals.values() for key in counts})
     training = {name: training_epochs(counts) for name, counts in totals.items()}
     auxiliary = {name: auxiliary_epochs(counts) for name, counts in totals.items()}
+    forward = {name: forward_epochs(counts) for name, counts in totals.items()}
     pairs = max(sum(trained_in.values()), 1)
     return {
         "unit": "epochs of each site's training split (samples passed / training samples)",
@@ -122,4 +129,5 @@ def compute_summary(history: Iterable[dict[str, Any]], site_names: list[str]) ->
         "training_rounds": trained_in,
         "mean_training_epochs_per_round": sum(training.values()) / pairs,
         "mean_auxiliary_epochs_per_round": sum(auxiliary.values()) / pairs,
+        "mean_forward_epochs_per_round": sum(forward.values()) / pairs,
     }

@@ -131,6 +131,7 @@ class FederatedLoop:
         self.history: list[dict[str, Any]] = []
         self.failure_streaks = [0] * len(self.site_names)  # rounds in a row each site has failed
         self.excluded: dict[str, dict[str, Any]] = {}  # site name -> {"round", "reason"}
+        self.stop_reason: str | None = None  # set by a round-end callback to end the run after this round
 
     # ------------------------------------------------------------------ public
     def setup(self) -> None:
@@ -182,6 +183,8 @@ class FederatedLoop:
                     self.save_checkpoint(self.state_dict())
                 if progress is not None:
                     progress(record)
+                if self.stop_reason is not None:  # a callback ended the run (e.g. a validation plateau)
+                    break
         finally:
             self.sites.close_round_starts()
         return self.history

@@ -271,23 +271,25 @@ def save_figure(figure: Figure, path: Path) -> None:
 def plot_comparison(
     rows: list[dict[str, Any]], metrics: list[str], settings: list[str], strategies: list[str], title: str, jitter_seed: int = 0
 ) -> Figure:
-    """Grouped bars with every site's value as a dot, one panel per metric (rows) and round choice (columns).
+    """Each method's mean with its 95% interval over seeds and every site's value, one panel per metric (rows) and round choice (columns).
 
     Args:
         rows: compare's long table (one row per run and site, columns
-            ``last_<metric>`` and ``selected_<metric>``; see :mod:`medfed.compare_stats`).
+            ``last_<metric>`` and ``selected_<metric>``; see :mod:`medfed.compare_stats`);
+            rows whose strategy is ``baseline:<name>`` (the trivial baselines) are drawn as dashed lines across their setting.
         metrics: the metrics, one row of panels each.
         settings: the groups along x (the grid's configs).
-        strategies: the bars in each group, one colour each: height the mean
-            over seeds of the mean over sites, error bar their standard
-            deviation (ddof 1; none for one seed; the tables give the t
-            intervals, which with 2-3 seeds would dwarf the panel); dots: every (seed, site) value,
-            spread sideways across the bar at random (``jitter_seed``) so
-            equal values stay visible.
+        strategies: the methods in each group, one colour each: a marker at the mean over seeds of the mean over
+            sites and a bar of the 95% t interval over seeds (none for one seed); dots: every (seed, site) value,
+            spread sideways at random (``jitter_seed``) so equal values stay visible.
         title: the figure's title (the data's provenance included).
+
+    The y axis spans the drawn values (means, intervals, dots, baselines) with a margin, not 0-1, so that
+    differences of 0.01 between methods are visible.
     """
     from medfed.compare_stats import seed_values, site_values, summarise
 
+    baselines = list(dict.fromkeys(r["strategy"] for r in rows if str(r["strategy"]).startswith("baseline:")))
     figure = Figure(figsize=(max(8.0, 2.4 * len(settings)), 3.2 * len(metrics) + 1.4), layout="constrained")
     axes = figure.subplots(len(metrics), 2, squeeze=False)
     width = 0.8 / max(len(strategies), 1)
@@ -297,23 +299,38 @@ def plot_comparison(
         for column, (prefix, when) in enumerate((("last", "last round"), ("selected", "validation-selected round"))):
             axis = axes[row][column]
             runs, sites = seed_values(rows, f"{prefix}_{metric}"), site_values(rows, f"{prefix}_{metric}")
+            drawn: list[float] = []
             for index, strategy in enumerate(strategies):
                 x = np.arange(len(settings)) - 0.4 + width * (index + 0.5)
                 summaries = [summarise(list(runs.get((setting, strategy), {}).values())) for setting in settings]
-                heights = np.array([s.mean for s in summaries])
-                errors = [s.std if s.n > 1 else 0.0 for s in summaries]
-                axis.bar(x, heights, width, yerr=errors, capsize=2, color=colours[index], alpha=0.55, label=strategy)
+                means = np.array([s.mean for s in summaries])
+                below = [s.mean - s.low if s.n > 1 else 0.0 for s in summaries]
+                above = [s.high - s.mean if s.n > 1 else 0.0 for s in summaries]
+                axis.errorbar(x, means, yerr=[below, above], fmt="o", markersize=5, capsize=3, color=colours[index], label=strategy, zorder=4)
+                drawn += [v for s in summaries for v in (s.mean, s.low, s.high) if np.isfinite(v)]
                 for position, setting in zip(x, settings):
                     points = np.array(list(sites.get((setting, strategy), {}).values()))
                     spread = jitter.uniform(-0.3 * width, 0.3 * width, points.size)
-                    axis.scatter(position + spread, points, s=9, color=colours[index], edgecolors="black", linewidths=0.4, zorder=3)
+                    axis.scatter(position + spread, points, s=7, color=colours[index], alpha=0.5, linewidths=0, zorder=3)
+                    drawn += [float(v) for v in points if np.isfinite(v)]
+            for style, baseline in zip(("--", ":", "-."), baselines):
+                for position, setting in enumerate(settings):
+                    summary = summarise(list(runs.get((setting, baseline), {}).values()))
+                    if summary.n:
+                        axis.hlines(summary.mean, position - 0.45, position + 0.45, colors="grey", linestyles=style,
+                                    label=baseline if position == 0 else None, zorder=2)
+                        drawn.append(summary.mean)
+            if drawn:
+                low, high = min(drawn), max(drawn)
+                margin = max(0.05 * (high - low), 0.005)
+                axis.set_ylim(low - margin, high + margin)
             axis.set_xticks(np.arange(len(settings)), settings, rotation=20, ha="right")
             axis.set_title(f"{metric}, {when}", fontsize=9)
             axis.set_ylabel(metric_label(metric), fontsize=9)
             axis.grid(axis="y", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="outside lower center", ncols=min(len(strategies), 8), fontsize=8)
-    caption = "bars: mean over seeds of the mean over sites; error bars: std over seeds; dots: each seed's sites"
+    figure.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 8), fontsize=8)
+    caption = "markers: mean over seeds of the mean over sites, bars: 95% t interval over seeds; dots: each seed's sites; grey lines: trivial baselines"
     figure.suptitle(wrap_to_width(f"{title}; {caption}", figure, 9), fontsize=9)
     return figure
 
