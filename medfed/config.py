@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import importlib.util
 import math
 import netrc
 import os
@@ -299,6 +300,15 @@ class TaskConfig:
         require(self.regions in REGION_SETS, "task.regions", self.regions, " or ".join(REGION_SETS))
 
 
+LESION_WISE_INSTALL = 'pip install -e ".[brats]"'
+"""How to install ``brats-evaluation`` (:mod:`medfed.evaluation.lesion_wise`), the optional lesion-wise scorer."""
+
+
+def lesion_wise_available() -> bool:
+    """Whether ``brats-evaluation`` (and so panoptica) can be imported, without importing it."""
+    return importlib.util.find_spec("brats_evaluation") is not None and importlib.util.find_spec("panoptica") is not None
+
+
 @dataclass
 class EvaluationConfig:
     """Whole-volume evaluation, for tasks whose samples are cut from volumes (BraTS).
@@ -318,13 +328,11 @@ class EvaluationConfig:
 
     def wants_lesion_wise(self) -> bool:
         """Whether whole volumes get the lesion-wise scores (the package checked for, not imported)."""
-        from medfed.evaluation.lesion_wise import INSTALL, available
-
         if self.lesion_wise is False:
             return False
-        present = available()
+        present = lesion_wise_available()
         require(present or self.lesion_wise is None, "evaluation.lesion_wise", True,
-                f"null or false: the brats-evaluation package is not installed ({INSTALL})")
+                f"null or false: the brats-evaluation package is not installed ({LESION_WISE_INSTALL})")
         return present
 
     def __post_init__(self) -> None:
