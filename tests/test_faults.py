@@ -291,13 +291,23 @@ def test_a_site_claiming_more_samples_than_it_declared_or_replying_a_wrong_sized
 
 
 def _declarations_checked(loop):
-    """Record, for every reply the server checks, its keys and what the server half declared: ``[(ctx, index, keys, declared)]``."""
-    last_reply, checked = {}, []
+    """Record, for every reply the server checks, its keys and what the server half declared: ``[(ctx, index, keys, declared)]``.
+
+    The server half declares a phase's keys before the sites work (the loop hands them to the replies' checks) and
+    a setup's after its replies: each entry is made when the second of the two, reply and declaration, arrives."""
+    replies, declarations, checked = {}, {}, []
+
+    def pair(index):
+        if index in replies and index in declarations:
+            ctx, declared = declarations.pop(index)
+            checked.append((ctx, index, replies.pop(index), declared))
+
     for index, link in enumerate(loop.links):
         def send(direction, payload, index=index, link_send=link.send):
             received = link_send(direction, payload)
             if direction == "up":
-                last_reply[index] = frozenset(received)
+                replies[index] = frozenset(received)
+                pair(index)
             return received
 
         link.send = send
@@ -305,7 +315,8 @@ def _declarations_checked(loop):
 
     def reply_keys(ctx, index):
         declared = declare(ctx, index)
-        checked.append((ctx, index, last_reply.pop(index), declared))
+        declarations[index] = (ctx, declared)
+        pair(index)
         return declared
 
     loop.server.reply_keys = reply_keys
