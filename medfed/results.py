@@ -26,7 +26,10 @@ deployment's ServerApp (:mod:`medfed.deploy.server_app`), write one schema,
   trained on, as the engine saw it, and the ``precision`` and ``compile``
   they trained with: ``trainer.precision``, ``trainer.compile``), and
   ``outcome`` when nothing was learned (:func:`learned_nothing`);
-* the simulator's also, where whole volumes were evaluated, ``volume_metrics``
+* the simulator's also ``baselines`` (the trivial predictors' scores on each
+  site's evaluated split, :func:`~medfed.evaluation.baselines.site_baselines`:
+  they read every site's data, which a deployment's server never sees) and,
+  where whole volumes were evaluated, ``volume_metrics``
   (:func:`volume_metrics`: which code computed each whole-volume score, with
   its version, and every patient's scores);
 * last, ``integrity``: the SHA-256 of everything before it (:func:`write_results`),
