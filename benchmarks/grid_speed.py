@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> GridTiming:
     parser.add_argument("--tune-rounds", type=int)
     parser.add_argument("--device", choices=("cpu", "cuda"), help="trainer.device of every run (default: the configs')")
     parser.add_argument("--jobs", type=int, default=None, help="runs at once (default: the cores)")
-    parser.add_argument("--output", type=Path, help="the comparison folder (default: a fresh temporary one, removed after)")
+    parser.add_argument("--output", type=Path, help="the comparison folder (default: a fresh temporary one, removed after); with --baseline, the baseline's "
+        "is kept beside it as OUTPUT-baseline")
     parser.add_argument("--compare-args", action="append", default=[], help="one more argument for compare, as it is (repeatable)")
     parser.add_argument("--json", type=Path, help="also write the split and the run's conditions to this JSON file")
     parser.add_argument(
@@ -261,7 +262,10 @@ def main(argv: list[str] | None = None) -> GridTiming:
     with tempfile.TemporaryDirectory(prefix="grid_speed-") as scratch:
         if args.baseline is not None:
             plain = [argument for argument in arguments if argument not in args.compare_args] + args.baseline_args
-            baseline = run_compare(plain, jobs, Path(scratch) / "baseline", _environment(args.baseline.resolve()))
+            kept = args.output.with_name(args.output.name + "-baseline") if args.output else None
+            if kept is not None:
+                kept.parent.mkdir(parents=True, exist_ok=True)
+            baseline = run_compare(plain, jobs, kept or Path(scratch) / "baseline", _environment(args.baseline.resolve()))
             print(f"# baseline {args.baseline}: {len(baseline.results)} runs in {baseline.wall_s:.1f} s; {machine()}")
         output = args.output or Path(scratch) / "grid"
         output.parent.mkdir(parents=True, exist_ok=True)
