@@ -29,13 +29,13 @@ share of its process's time, so the sums stay the grid's.
 Run from the repository root (on a shared machine, nice'd, in a slot)::
 
     PYTHONPATH=$PWD python benchmarks/grid_speed.py --config clinical_delta1 --strategies fedavg fedprox --seeds 0 1 2 --tune
-    PYTHONPATH=$PWD python benchmarks/grid_speed.py --grid table5_clinical --strategies fedavg ditto [key=value ...]
+    PYTHONPATH=$PWD python benchmarks/grid_speed.py --grid table5_clinical --strategies fedavg ditto [-- key=value ...]
     PYTHONPATH=$PWD python benchmarks/grid_speed.py --quick [--device cuda]
 
 ``--quick``: a CI-sized grid (clinical_delta1, FedAvg and FedProx, 2 seeds,
 3 rounds, 2-point tuning of FedProx's learning rate), on ``--device``
 (default: cuda where present, else cpu). Extra ``key=value`` arguments go to compare
-unchanged, ``--compare-args`` to this checkout's only. ``--baseline CHECKOUT`` runs
+unchanged (after ``--`` where they follow ``--strategies`` or ``--seeds``, which would take them), ``--compare-args`` to this checkout's only. ``--baseline CHECKOUT`` runs
 the same grid with another checkout first (its own ``--baseline-args``), and the
 table sets the two splits side by side: main against this branch, or this checkout
 against itself, ``--baseline $PWD --baseline-args=--fuse=off``.
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> GridTiming:
         "(--compare-args go to this checkout only)",
     )
     parser.add_argument("--baseline-args", action="append", default=[], help="one more argument for the baseline's compare only (repeatable)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="for compare; after -- where they follow --strategies or --seeds")
     args = parser.parse_args(argv)
     if not (args.quick or args.grid or args.config):
         parser.error("give --grid, --config or --quick")
