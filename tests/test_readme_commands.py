@@ -58,7 +58,7 @@ def test_a_compare_command_plans_its_whole_grid(command, capsys, monkeypatch, tm
     monkeypatch.chdir(REPO)
     planned = []
 
-    def plan_only(grid, overrides, runs, *rest):
+    def plan_only(grid, overrides, runs, *rest, **options):
         planned.extend(runs)
         return {}, [], [], []
 
