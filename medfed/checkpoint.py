@@ -29,10 +29,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from medfed.atomic import atomic_write, remove_stale_temporaries
 from medfed.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    import torch
 
 FOLDER = "checkpoints"
 """The checkpoints' folder inside ``output_dir``."""
@@ -81,6 +84,8 @@ def state_on_device(state: Any, device: torch.device) -> Any:
     byte tensors (counters, generator states, indices) stay where they are:
     medfed keeps those on the CPU on purpose.
     """
+    import torch  # here, as in the rest of this module: listing checkpoints needs no torch
+
     if isinstance(state, torch.Tensor):
         return state.to(device) if state.is_floating_point() else state
     if isinstance(state, dict):

@@ -3,7 +3,9 @@
 Input is compare's long table (``comparison.csv``): one row per run and
 site, ``{"config": setting, "strategy": method, "seed": int, "site": str,
 <column>: float or None, ...}``; a *column* is one of its metric columns
-(``last_<m>`` or ``selected_<m>``), higher is better. A value of None (a
+(``last_<m>`` or ``selected_<m>``), higher is better but for distances and
+losses (:func:`lower_is_better`: HD95 in mm, a loss), whose best, ranks and
+worst site go the other way. A value of None (a
 metric missing at a round) is left out. Numbers are in the metric's own
 units (a 0-1 score: 0.005 is half a percentage point).
 
@@ -27,14 +29,14 @@ which tests/test_compare_stats.py runs. For each setting and method:
   (ddof 1) of the run values and a 95% Student t interval for their mean,
   ``mean ± t(0.975, S - 1) · std / √S``.
 - **the worst site** (:func:`worst_site_values`): per seed, the lowest of
-  its sites' values; summarised over seeds as above.
+  its sites' values (the highest, where lower is better); summarised over seeds as above.
 - **paired against another method** (:func:`pair_up`): per seed, the mean
   over the sites both have of ``d = method − other`` (same seed: the same
   data draw and split, initialisation and sampler draws), then the mean of
   those S seed differences with a 95% t interval over them (``S - 1``
   degrees of freedom) and the two-sided p value of the paired t test of
   mean 0; the win/tie/loss counts describe the (seed, site) pairs (tie:
-  ``|d| <= tolerance``) and are no test.
+  ``|d| <= tolerance``; a win is d > 0, d < 0 where lower is better) and are no test.
 - **average rank** (:func:`average_ranks`): in each setting the methods are
   ranked by their mean over seeds, rank 1 the highest, equal means sharing
   the average of their ranks (``scipy.stats.rankdata``); a method's average
@@ -59,6 +61,7 @@ Only numpy and scipy: the tables are written (and these tested) without torch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -78,6 +81,13 @@ PLATEAU_TOLERANCE = 0.005
 
 Key = tuple[str, str]
 """``(setting, method)``: a cell of the tables."""
+LOWER_IS_BETTER = ("hd95", "loss")
+"""A metric whose name holds one of these is better when lower (a Hausdorff distance in mm, a loss)."""
+
+
+def lower_is_better(column: str) -> bool:
+    """Whether a metric column (``last_hd95_wt``, ``selected_lesion_hd95_et``, ``last_auroc``) is better when lower."""
+    return any(word in column for word in LOWER_IS_BETTER)
 
 
 def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
@@ -196,8 +206,9 @@ def seed_values(rows: Iterable[dict[str, Any]], column: str) -> dict[Key, dict[i
 
 
 def worst_site_values(rows: Iterable[dict[str, Any]], column: str) -> dict[Key, dict[int, float]]:
-    """``{(setting, method): {seed: the lowest of its sites' values of column}}``."""
-    return {key: {seed: float(np.min(v)) for seed, v in by_seed(pairs).items()} for key, pairs in site_values(rows, column).items()}
+    """``{(setting, method): {seed: the worst of its sites' values of column}}``: the lowest, the highest where lower is better."""
+    worst = np.max if lower_is_better(column) else np.min
+    return {key: {seed: float(worst(v)) for seed, v in by_seed(pairs).items()} for key, pairs in site_values(rows, column).items()}
 
 
 def pair_up(method: dict[tuple[int, str], float], other: dict[tuple[int, str], float], tolerance: float = TIE_TOLERANCE) -> Paired:
@@ -210,12 +221,16 @@ def pair_up(method: dict[tuple[int, str], float], other: dict[tuple[int, str], f
     return paired_difference([float(np.mean(values)) for values in per_seed.values()], pairs, tolerance)
 
 
-def average_ranks(means: dict[Key, float], settings: Sequence[str], strategies: Sequence[str]) -> tuple[dict[str, float], list[str]]:
-    """Each method's mean rank over settings (1 = the highest mean; equal means share their average rank).
+def average_ranks(
+    means: dict[Key, float], settings: Sequence[str], strategies: Sequence[str], lower_better: bool = False
+) -> tuple[dict[str, float], list[str]]:
+    """Each method's mean rank over settings (1 = the highest mean, the lowest with ``lower_better``; equal means
+    share their average rank).
 
     Args:
         means: ``{(setting, method): mean over seeds}``; a missing or nan entry is no value.
         settings, strategies: the table's columns and rows.
+        lower_better: the metric is better when lower (:func:`lower_is_better`).
 
     Returns:
         ``({method: average rank}, the settings ranked)``; only settings where
@@ -224,7 +239,8 @@ def average_ranks(means: dict[Key, float], settings: Sequence[str], strategies: 
     ranked = [s for s in settings if all(math.isfinite(means.get((s, m), math.nan)) for m in strategies)]
     if not ranked:
         return {m: math.nan for m in strategies}, []
-    ranks = np.stack([stats.rankdata([-means[(s, m)] for m in strategies], method="average") for s in ranked])
+    sign = 1.0 if lower_better else -1.0
+    ranks = np.stack([stats.rankdata([sign * means[(s, m)] for m in strategies], method="average") for s in ranked])
     return {m: float(rank) for m, rank in zip(strategies, ranks.mean(axis=0))}, ranked
 
 
@@ -244,7 +260,8 @@ def holm_rejected(p_values: dict[str, float], alpha: float = 1 - CONFIDENCE) -> 
 
 
 def best_group(
-    values: dict[Key, dict[tuple[int, str], float]], means: dict[Key, float], setting: str, strategies: Sequence[str]
+    values: dict[Key, dict[tuple[int, str], float]], means: dict[Key, float], setting: str, strategies: Sequence[str],
+    lower_better: bool = False,
 ) -> tuple[str | None, set[str]]:
     """The best method of ``setting`` and the methods indistinguishable from it (itself included; Holm-corrected).
 
@@ -253,6 +270,7 @@ def best_group(
         means: ``{(setting, method): mean over seeds}``.
         setting: the setting.
         strategies: the methods in the grid's order (the first of equal best means wins).
+        lower_better: the best mean is the lowest (:func:`lower_is_better`).
 
     Returns:
         ``(best, group)``: ``(None, set())`` when no method has a value.
@@ -260,7 +278,8 @@ def best_group(
     present = [m for m in strategies if math.isfinite(means.get((setting, m), math.nan))]
     if not present:
         return None, set()
-    best = max(present, key=lambda m: means[(setting, m)])  # max keeps the first of equal ones
+    sign = -1.0 if lower_better else 1.0
+    best = max(present, key=lambda m: sign * means[(setting, m)])  # max keeps the first of equal ones
     tests = {m: pair_up(values[(setting, m)], values[(setting, best)]) for m in present if m != best}
     rejected = holm_rejected({m: paired.p_value for m, paired in tests.items()})
     return best, {best} | {m for m, paired in tests.items() if paired.n >= 2 and m not in rejected}
@@ -318,13 +337,16 @@ def table_statistics(
     everything = [*strategies, *extra]
     summaries = {(s, m): summarise(list(per_seed.get((s, m), {}).values())) for s in settings for m in everything}
     means = {key: summary.mean for key, summary in summaries.items()}
-    ranks, ranked = average_ranks(means, settings, strategies)
+    lower_better = lower_is_better(column)
+    ranks, ranked = average_ranks(means, settings, strategies, lower_better)
     cells, best = {}, {}
     for s in settings:
-        best[s], group = best_group(values, means, s, strategies)
+        best[s], group = best_group(values, means, s, strategies, lower_better)
         against = values.get((s, reference))
         for m in everything:
             paired = pair_up(values[(s, m)], against, tolerance) if against is not None and (s, m) in values else None
+            if paired is not None and lower_better:  # a win is a lower value
+                paired = dataclasses.replace(paired, wins=paired.losses, losses=paired.wins)
             lowest = summarise(list(worst.get((s, m), {}).values()))
             cells[(s, m)] = Cell(summaries[(s, m)], lowest, paired, m in group)
     return TableStatistics(cells, ranks, ranked, best)

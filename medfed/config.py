@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import importlib.util
 import math
 import netrc
 import os
@@ -299,6 +300,15 @@ class TaskConfig:
         require(self.regions in REGION_SETS, "task.regions", self.regions, " or ".join(REGION_SETS))
 
 
+LESION_WISE_INSTALL = 'pip install -e ".[brats]"'
+"""How to install ``brats-evaluation`` (:mod:`medfed.evaluation.lesion_wise`), the optional lesion-wise scorer."""
+
+
+def lesion_wise_available() -> bool:
+    """Whether ``brats-evaluation`` (and so panoptica) can be imported, without importing it."""
+    return importlib.util.find_spec("brats_evaluation") is not None and importlib.util.find_spec("panoptica") is not None
+
+
 @dataclass
 class EvaluationConfig:
     """Whole-volume evaluation, for tasks whose samples are cut from volumes (BraTS).
@@ -318,13 +328,11 @@ class EvaluationConfig:
 
     def wants_lesion_wise(self) -> bool:
         """Whether whole volumes get the lesion-wise scores (the package checked for, not imported)."""
-        from medfed.evaluation.lesion_wise import INSTALL, available
-
         if self.lesion_wise is False:
             return False
-        present = available()
+        present = lesion_wise_available()
         require(present or self.lesion_wise is None, "evaluation.lesion_wise", True,
-                f"null or false: the brats-evaluation package is not installed ({INSTALL})")
+                f"null or false: the brats-evaluation package is not installed ({LESION_WISE_INSTALL})")
         return present
 
     def __post_init__(self) -> None:
@@ -910,9 +918,38 @@ def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
     return sizes[id(node)]
 
 
+def _too_deep_flow(text: str) -> tuple[int, int] | None:
+    """``(line, column)`` (0-based) of the first ``[`` or ``{`` nested deeper than :data:`MAX_YAML_DEPTH`, outside
+    quotes and comments, or None. PyYAML's pure-Python scanner looks up to 1024 characters ahead for a possible
+    key at every flow level, quadratic in the depth (a second for 50,000 ``[`` at load 5): this finds such a
+    document first, in one pass."""
+    if text.count("[") + text.count("{") <= MAX_YAML_DEPTH:
+        return None
+    depth, quote, comment, line, start = 0, "", False, 0, 0
+    for index, character in enumerate(text):
+        if character == "\n":
+            line, start, comment = line + 1, index + 1, False
+        elif comment or (quote and character != quote):
+            continue
+        elif character in "'\"":
+            quote = "" if quote == character else character if not quote else quote
+        elif character == "#" and (index == 0 or text[index - 1] in " \t"):
+            comment = True
+        elif character in "[{":
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                return line, index - start
+        elif character in "]}":
+            depth -= 1
+    return None
+
+
 def _read_yaml(text: str, source: str) -> Any:
     if len(text) > MAX_YAML_BYTES:
         raise ConfigError(f"{source}: {len(text)} characters, more than any config medfed reads ({MAX_YAML_BYTES})")
+    deep = _too_deep_flow(text)
+    if deep is not None:
+        raise ConfigError(f"{source}: not valid YAML at line {deep[0] + 1}, column {deep[1] + 1}: nested deeper than {MAX_YAML_DEPTH} levels")
     try:
         return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a safe loader
     except yaml.YAMLError as error:

@@ -193,6 +193,8 @@ def _build(
     executor = executor_for(trainer.executor, fabric.device, dp.enabled, compile=trainer.compile, fused=fused.current())
     attack = Attack(run_cfg.attack, strategy.coded_keys, trainer.seed) if run_cfg.attack.sites else None  # evaluation only
     in_process = InProcessSites(sites, links, executor, attack)
+    for evaluation in volume_evaluation:  # sites that train stacked are segmented stacked too
+        evaluation.stacked = executor.name == "batched"
     run = _Run(
         resolved, output_dir, started, progress, threads, federation, assembly, tracker, fabric, in_process,
         BackgroundCheckpoints(output_dir, config, trainer.keep_checkpoints), volume_evaluation, baselines, seconds,

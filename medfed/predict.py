@@ -185,13 +185,15 @@ def check_out(out: Path, overwrite: bool) -> None:
         raise ConfigError(f"--out {out}: cannot write in {existing} (permission denied)")
 
 
-def write_out(image: nib.Nifti1Image, out: Path) -> None:
-    """Write ``image`` to a hidden temporary file beside ``out`` and rename it into place (an existing ``out`` stays
-    whole until then).
+def write_out(image: Any, out: Path) -> None:
+    """Write ``image`` (a ``nibabel.Nifti1Image``) to a hidden temporary file beside ``out`` and rename it into place
+    (an existing ``out`` stays whole until then).
 
     Raises:
         ConfigError: the folder or the file cannot be written (a full disk, permissions changed since the check).
     """
+    import nibabel as nib
+
     partial = out.with_name(f".{out.name}.partial{''.join(out.suffixes)}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

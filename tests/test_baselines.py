@@ -78,3 +78,20 @@ def test_classification_baselines_are_the_majority_class_and_the_best_single_fea
 
 def test_a_model_of_no_known_kind_has_no_baselines():
     assert site_baselines(torch.nn.Linear(2, 2), []) == {}
+
+
+def test_region_baselines_score_every_region_with_the_three_output_models_metrics():
+    # task.regions=brats: the masks are (n, 3, H, W); here WT is the site's tumour, TC its part left of column 2, ET empty
+    def regions(y):
+        tc = y.clone()
+        tc[:, :, 2:] = 0
+        return torch.stack([y, tc, torch.zeros_like(y)], dim=1).to(torch.uint8)
+
+    (x_train, y_train), (x_test, y_test) = segmentation_site().train.tensors, segmentation_site().test.tensors
+    site = SiteData("site0", TensorDataset(x_train, regions(y_train)), TensorDataset(x_test, regions(y_test)))
+    model = UNetSegmenter(4, 3, UNetOptions(channels=[4, 8], strides=[2], num_res_units=0), regions="brats")
+    found = site_baselines(model, [site])
+    every = found["all_foreground"]["metrics"]["site0"]
+    # all foreground: each region's IoU is its share of the 128 test pixels: WT 16, TC 8 (rows 0-3, columns 0-1), ET 0
+    assert (every["label_iou"], every["label_iou_tc"], every["label_iou_et"]) == pytest.approx((16 / 128, 8 / 128, 0.0))
+    assert found["threshold"]["rules"]["site0"].startswith("wt: channel 2 > ") and "; tc: " in found["threshold"]["rules"]["site0"]

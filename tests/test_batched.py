@@ -356,7 +356,7 @@ def test_stacked_evaluation_gives_each_site_its_own_metrics_over_ragged_test_spl
     from torch.utils.data import TensorDataset
 
     from medfed.data.federation import Federation, SiteData
-    from medfed.federated.batched import evaluate_group
+    from medfed.federated.stacked_evaluation import evaluate_group
     from medfed.models.segmentation import UNetSegmenter
     from medfed.options.models import UNetOptions
 

@@ -16,7 +16,7 @@ import torch
 from medfed.checkpoint import checkpoints, read_checkpoint
 from medfed.cli import main
 from medfed.data.brats import find_cases
-from medfed.evaluation.lesion_wise import available
+from medfed.config import lesion_wise_available as available
 
 REGIONS = ("wt", "tc", "et")
 

@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+import medfed.checkpoint as checkpoint_module
 from medfed.checkpoint import FOLDER, checkpoints, read_checkpoint, resume_state, save_checkpoint
 from medfed.cli import main
 from medfed.errors import DataError
@@ -229,7 +230,7 @@ def test_a_background_write_that_fails_raises_at_the_next_checkpoint_and_the_ear
         file.write(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint_module.torch, "save", failing_save)
+    monkeypatch.setattr(torch, "save", failing_save)  # the module imports torch where it writes
     writer({"round": 2, "sites": [], "links": []})  # the training thread goes on
     with pytest.raises(DataError, match="round-2.ckpt could not be written.*No space left"):
         writer({"round": 3, "sites": [], "links": []})

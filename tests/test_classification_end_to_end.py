@@ -48,7 +48,7 @@ output_dir: {output}
 # what experiment.run writes for every task (the BraTS end-to-end test checks the same run)
 RESULT_KEYS = {
     "medfed_version", "engine", "strategy", "seed", "num_threads", "federation", "sites", "mean", "failures", "excluded", "communication",
-    "compute", "timing", "executor", "execution", "config", "history", "integrity",
+    "compute", "timing", "executor", "execution", "config", "history", "baselines", "integrity",
 }
 METRICS = ["accuracy", "balanced_accuracy", "auroc"]
 

@@ -66,7 +66,9 @@ def test_a_failed_runs_reason_is_its_error_line_not_the_info_line_before_it(tmp_
 
     run = Run("tiny", tmp_path / "tiny.yaml", "fedavg", 0, tmp_path / "run", (), 1, tmp_path / "logs" / "seed0.log", "new")
     reader, _ = multiprocessing.Pipe(duplex=False)
-    assert _fit(_LoggingContext(lines, 2), run, reader, {}, threading.Lock(), threading.Event()) == (2, reason)
+    ended = []
+    _fit(_LoggingContext(lines, 2), [run], reader, {}, threading.Lock(), threading.Event(), lambda *status: ended.append(status))
+    assert ended == [(run, 2, reason)]
 
 
 @pytest.mark.slow  # a real first compare: its run server and one 2-round run (15-35 s on two busy cores)

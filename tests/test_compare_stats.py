@@ -30,6 +30,7 @@ from medfed.compare_stats import (
     table_statistics,
     validation_curve,
     worst_site_values,
+    lower_is_better,
 )
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -279,3 +280,24 @@ def test_the_module_imports_without_torch():
     code = "import sys, medfed.compare_stats; sys.exit('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPOSITORY, env={"PYTHONPATH": str(REPOSITORY)}, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_distance_is_better_lower_its_best_ranks_worst_site_and_wins_turned_round():
+    # HD95 in mm: the same numbers as an IoU table read the other way (medfed ranked HD95 columns as if higher were better)
+    distance = long_table(column="last_hd95_wt")
+    score = long_table(column="last_iou")
+    assert lower_is_better("last_hd95_wt") and lower_is_better("selected_lesion_hd95_et") and not lower_is_better("last_iou")
+    low = table_statistics(distance, "last_hd95_wt", ["A", "B"], METHODS, "fedavg")
+    high = table_statistics(score, "last_iou", ["A", "B"], METHODS, "fedavg")
+    for setting in ("A", "B"):
+        means = {m: high.cells[(setting, m)].summary.mean for m in METHODS}
+        assert low.best[setting] == min(means, key=means.get) and high.best[setting] == max(means, key=means.get)
+    # ranks reversed: with 3 methods a rank r becomes 4 - r in each setting, so the averages too
+    assert {m: 4 - r for m, r in low.ranks.items()} == pytest.approx(high.ranks)
+    # the worst site of a distance is each seed's highest value
+    by_hand = {seed: max(values) for seed, values in zip(SEEDS, TABLE["B"]["local"])}
+    assert low.cells[("B", "local")].worst.mean == pytest.approx(np.mean(list(by_hand.values())))
+    # a win is a lower value: the counts swap, the difference keeps its sign
+    for m in METHODS:
+        a, b = low.cells[("A", m)].versus_reference, high.cells[("A", m)].versus_reference
+        assert (a.wins, a.ties, a.losses, a.mean) == (b.losses, b.ties, b.wins, pytest.approx(b.mean))

@@ -321,3 +321,18 @@ def test_wandb_online_without_a_key_is_refused_and_with_one_accepted(tmp_path, m
     netrc_file.unlink()
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
     check_wandb_key("online")
+
+
+def test_flow_nesting_past_the_depth_bound_is_refused_before_pyyaml_scans_it_and_quoted_brackets_are_text():
+    import time
+
+    from medfed.config import MAX_YAML_DEPTH, _read_yaml
+
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match=rf"^x: not valid YAML at line 2, column {MAX_YAML_DEPTH + 4}: nested deeper than {MAX_YAML_DEPTH} levels$"):
+        _read_yaml("a: 1\nb: " + "[" * 50_000, "x")
+    assert time.perf_counter() - start < 0.1  # PyYAML's own scanner took a second at load 5
+    deep = "[" * (MAX_YAML_DEPTH - 1) + "]" * (MAX_YAML_DEPTH - 1)  # at the bound (the document's mapping is a level): read
+    assert _read_yaml(f"a: {deep}", "x")["a"] == eval(deep.replace("][", "],["))  # noqa: S307 - nested empty lists
+    brackets = "[" * (MAX_YAML_DEPTH + 1)
+    assert _read_yaml(f"a: '{brackets}'\nb: \"{brackets}\"  # {brackets}\n", "x") == {"a": brackets, "b": brackets}

@@ -142,7 +142,7 @@ def test_an_unusable_out_is_one_line_naming_it_before_anything_is_read(finished_
     (tmp_path / "locked").mkdir()
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path / "locked" and real_access(path, mode))
-    monkeypatch.setattr(medfed.predict, "load_case", lambda *args: pytest.fail("the scan was read"))
+    monkeypatch.setattr("medfed.data.brats.load_case", lambda *args: pytest.fail("the scan was read"))
     case = find_cases(tiny_brats_root)[0]
     arguments = ["predict", "--run", str(finished_run), "--site", "site0", "--input", str(case.image_files[0].parent),
                  "--out", str(tmp_path / out), *(["--overwrite"] if overwrite else [])]
@@ -162,7 +162,7 @@ def test_a_full_disk_while_the_mask_is_written_is_one_line_and_the_earlier_mask_
         Path(path).write_bytes(b"half")
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(medfed.predict.nib, "save", no_space)
+    monkeypatch.setattr(nib, "save", no_space)  # predict imports nibabel where it writes
     out = tmp_path / "pred.nii.gz"
     out.write_bytes(b"earlier")
     case = find_cases(tiny_brats_root)[0]

@@ -172,3 +172,51 @@ def test_a_due_round_gets_the_site_scores_their_mean_and_the_evaluation_time_in_
     assert record["volumes"] == {"site0": {"case": {"dice_wt": pytest.approx(7 / 10), "iou_wt": pytest.approx(7 / 13),
                                                      "hd95_wt": record["metrics"]["site0"]["hd95_wt"]}}}  # each patient's scores
     assert 0 < record["timing"]["volume_eval_s"] < 60
+
+
+class _SiteVolumes:
+    """Random 4-channel volumes per site: sites 0 and 1 two of one shape, site 2 one of another (a ragged group)."""
+
+    def __init__(self):
+        generator = np.random.default_rng(0)
+        shapes = {0: [(20, 18, 3), (20, 18, 3)], 1: [(20, 18, 3), (20, 18, 3)], 2: [(24, 18, 3)]}
+        self.volumes = {}
+        for site, site_shapes in shapes.items():
+            self.volumes[site] = []
+            for k, shape in enumerate(site_shapes):
+                label = np.zeros(shape, dtype=np.uint8)
+                label[4:12, 5:11, 1:3] = TumourLabel.OEDEMA
+                image = generator.normal(size=(4, *shape)).astype(np.float32)
+                self.volumes[site].append(EvaluationVolume(f"case{site}{k}", image, label, (1.0, 1.0, 2.0)))
+
+    def n_volumes(self, site):
+        return len(self.volumes[site])
+
+    def site_volumes(self, site):
+        yield from self.volumes[site]
+
+
+def test_sites_segmented_stacked_get_the_scores_and_outputs_each_gets_alone():
+    from medfed.evaluation.volume import segment_volumes
+    from medfed.models.segmentation import UNetSegmenter
+
+    sites = []
+    for index in range(3):
+        torch.manual_seed(index)  # each site its own model
+        module = UNetSegmenter(4, 2, UNetSegmenter.Options(channels=[4, 8], strides=[2], num_res_units=1)).eval()
+        sites.append(SimpleNamespace(index=index, name=f"site{index}", module=module, fabric=SimpleNamespace(device=torch.device("cpu"))))
+    volumes = _SiteVolumes()
+    evaluation = VolumeEvaluation(volumes, patch_size=16, every=0, last_round=1, batch_size=3)
+    alone = {site.name: evaluation.evaluate_site(site) for site in sites}
+    stacked = evaluation.evaluate_stacked(sites)
+    assert list(stacked) == ["site0", "site1", "site2"] and {name: list(cases) for name, cases in stacked.items()} == {
+        name: list(cases) for name, cases in alone.items()}
+    for name in alone:
+        for case, scores in alone[name].items():
+            assert stacked[name][case] == pytest.approx(scores, rel=1e-6), (name, case)
+    images = [torch.from_numpy(volumes.volumes[i][0].image) for i in (0, 1)]
+    joined = segment_volumes([sites[0].module, sites[1].module], images, 16, 3)
+    for site, image, output in zip(sites, images, joined):
+        with torch.no_grad():
+            torch.testing.assert_close(output, segment_volume(site.module, image, 16, 3), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(joined[0], joined[1])  # each its own model

@@ -490,7 +490,8 @@ def markdown(
         "",
         *(f"- {setting}: {text}" + (f". Patients per split: {sizes[setting]}." if setting in sizes else "") for setting, text in descriptions.items()),
         "",
-        "How to read the tables (95% intervals are Student t intervals over seeds, the unit of replication; higher is better):",
+        "How to read the tables (95% intervals are Student t intervals over seeds, the unit of replication; higher is better, "
+        "but for HD95 and losses, where lower is: their best, ranks, worst site and wins go the other way):",
         "",
         "- Each setting's first column: the mean over seeds of each seed's mean over sites of the site's TEST metric, and "
         f"[a 95% t interval for it over the seeds] (the mean alone for one seed); (k/{n_seeds}) marks a cell with only k of "

@@ -8,7 +8,7 @@ baseline's number means what a method's does:
 
 Segmentation (a model with ``region_masks``, e.g. the BraTS U-Net)
     * ``all_foreground``: every pixel foreground (whole tumour; every region
-      with ``target: regions``). Its tumour IoU is the share of foreground
+      with ``task.regions: brats``). Its tumour IoU is the share of foreground
       pixels; its background IoU 0.
     * ``threshold``: one input channel and one threshold per site and
       region, ``pixel ∈ region ⇔ s · x_c > s · t`` (s = ±1), the (c, t, s)
@@ -87,7 +87,7 @@ def site_baselines(prototype: torch.nn.Module, sites: list[Any]) -> dict[str, di
 # ---------------------------------------------------------------------------------------------- segmentation
 def _region_targets(module: Any, y: torch.Tensor) -> torch.Tensor:
     """Bool ``(R, n, H, W)`` masks of the module's regions from its targets (class indices, or ``(n, R, H, W)`` masks)."""
-    if getattr(module, "target", "wt") == "wt":
+    if getattr(module, "regions", "wt") == "wt":
         return (y == 1).unsqueeze(0)
     return y.bool().movedim(1, 0)
 
@@ -152,7 +152,7 @@ def _segmentation_scores(module: Any, predict: Any, data: Any) -> dict[str, floa
 
     def outputs(batch: torch.Tensor) -> torch.Tensor:
         masks = predict(batch)
-        if getattr(module, "target", "wt") == "wt":  # two softmax logits whose argmax is the mask
+        if getattr(module, "regions", "wt") == "wt":  # two softmax logits whose argmax is the mask
             return torch.stack([(~masks[:, 0]).float(), masks[:, 0].float()], dim=1)
         return masks.float() * 2 - 1  # log-odds > 0 where the region is
 

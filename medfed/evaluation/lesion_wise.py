@@ -47,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import io
-import importlib.util
 import math
 import warnings
 from collections.abc import Sequence
@@ -56,21 +55,17 @@ from typing import Any
 
 import numpy as np
 
+from medfed.config import LESION_WISE_INSTALL, lesion_wise_available
+
 PACKAGE = "brats-evaluation"
 CONFIG = "gli"
 """The package's bundled config medfed uses: adult glioma (the BraTS 2023+ GLI task, whose regions are WT, TC, ET)."""
 MISS_HD95_MM = 373.0
 """The package's HD95 for a region with no matched lesion (``brats_evaluation.metrics_parser``: "diameter of the cube in SRI space")."""
 METRICS = ("lesion_dice", "lesion_nsd", "lesion_hd95")
-INSTALL = 'pip install -e ".[brats]"'
 _PANOPTICA_KEYS = {"lesion_dice": "sq_dsc", "lesion_nsd": "sq_nsd", "lesion_hd95": "sq_hd95"}
 _OTHER_GROUPS = ("netc", "snfh", "rc")
 """The config's single-label groups, not BraTS regions: never evaluated."""
-
-
-def available() -> bool:
-    """Whether ``brats-evaluation`` (and so panoptica) can be imported, without importing it."""
-    return importlib.util.find_spec("brats_evaluation") is not None and importlib.util.find_spec("panoptica") is not None
 
 
 def metric_code(lesion_wise: bool) -> dict[str, Any]:
@@ -84,8 +79,8 @@ def metric_code(lesion_wise: bool) -> dict[str, Any]:
         "percentiles of the edge-to-edge distances (MONAI's definition, scipy's exact EDT; the grid's diagonal when one mask is empty)"
     )
     if not lesion_wise:
-        reason = "not installed" if not available() else "evaluation.lesion_wise is false"
-        return {"legacy": legacy, "lesion_wise": None, "lesion_wise_note": f"{PACKAGE}: {reason} ({INSTALL})"}
+        reason = "not installed" if not lesion_wise_available() else "evaluation.lesion_wise is false"
+        return {"legacy": legacy, "lesion_wise": None, "lesion_wise_note": f"{PACKAGE}: {reason} ({LESION_WISE_INSTALL})"}
     return {
         "legacy": legacy,
         "lesion_wise": {

@@ -29,6 +29,7 @@ stops after that round (checkpointed and logged as every round is);
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -37,7 +38,8 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm  # text bars: tqdm.auto warns in a notebook without ipywidgets
 
 from medfed.data.federation import VolumeSource
-from medfed.evaluation.volume import mean_over_patients, nan_mean, patient_scores, segment_volume, tumour_labels
+from medfed.models.base import unwrap
+from medfed.evaluation.volume import mean_over_patients, nan_mean, patient_scores, segment_volume, segment_volumes, tumour_labels
 
 
 class ValidationEvaluation:
@@ -115,6 +117,8 @@ class VolumeEvaluation:
         batch_size: windows per forward pass.
         progress: show a progress bar (one step per patient) on stderr while it runs.
         lesion_wise: add the official lesion-wise scores (:mod:`medfed.evaluation.lesion_wise`).
+        stacked: segment the sites' k-th volumes together (:func:`~medfed.evaluation.volume.segment_volumes`), where
+            their models and volumes have one shape: the run's sites train stacked (the batched executor).
     """
 
     def __init__(
@@ -126,6 +130,7 @@ class VolumeEvaluation:
         batch_size: int,
         progress: bool = False,
         lesion_wise: bool = False,
+        stacked: bool = False,
     ) -> None:
         self.volumes = volumes
         self.patch_size = patch_size
@@ -134,6 +139,7 @@ class VolumeEvaluation:
         self.batch_size = batch_size
         self.progress = progress
         self.lesion_wise = lesion_wise
+        self.stacked = stacked
 
     def due(self, round_index: int, stopping: bool = False) -> bool:
         return stopping or round_index == self.last_round or (self.every > 0 and round_index % self.every == 0)
@@ -144,7 +150,10 @@ class VolumeEvaluation:
         tic = time.perf_counter()
         n_patients = sum(self.volumes.n_volumes(site.index) for site in loop.sites)
         bar = tqdm(total=n_patients, desc=f"round {record['round']}: whole volumes", unit="patient", leave=False, disable=not self.progress)
-        per_patient = {site.name: self.evaluate_site(site, bar) for site in loop.sites}
+        if self.stacked:
+            per_patient = self.evaluate_stacked(list(loop.sites), bar)
+        else:
+            per_patient = {site.name: self.evaluate_site(site, bar) for site in loop.sites}
         bar.close()
         record["volumes"] = per_patient
         for name, patients in per_patient.items():
@@ -163,9 +172,43 @@ class VolumeEvaluation:
         for volume in self.volumes.site_volumes(site.index):
             image = torch.from_numpy(volume.image).to(site.fabric.device)
             output = segment_volume(site.module, image, self.patch_size, self.batch_size)  # (K, X, Y, Z)
-            masks = site.module.region_masks(output.movedim(-1, 0)).movedim(0, -1).cpu().numpy()  # (R, X, Y, Z)
-            labels = tumour_labels(masks, regions)
-            scores[volume.case_id] = patient_scores(labels, volume.label, volume.spacing_mm, regions, self.lesion_wise)
+            scores[volume.case_id] = self._scores(site, volume, output, regions)
             if bar is not None:
                 bar.update()
         return scores
+
+    @torch.no_grad()
+    def evaluate_stacked(self, sites: list[Any], bar: Any = None) -> dict[str, dict[str, dict[str, float]]]:
+        """:meth:`evaluate_site` of every site, the k-th volumes of the sites whose models share a shape (and whose
+        volumes do) segmented in one pass (:func:`~medfed.evaluation.volume.segment_volumes`); ``{site: {case: scores}}``."""
+        groups: dict[Any, list[Any]] = {}
+        for site in sites:
+            site.module.eval()
+            groups.setdefault(_model_key(unwrap(site.module)), []).append(site)
+        scores: dict[str, dict[str, dict[str, float]]] = {site.name: {} for site in sites}
+        for group in groups.values():
+            regions = group[0].module.region_names
+            for volumes in itertools.zip_longest(*(self.volumes.site_volumes(site.index) for site in group)):
+                by_shape: dict[tuple[int, ...], list[tuple[Any, Any]]] = {}
+                for site, volume in zip(group, volumes):
+                    if volume is not None:
+                        by_shape.setdefault(volume.image.shape, []).append((site, volume))
+                for members in by_shape.values():
+                    images = [torch.from_numpy(volume.image).to(site.fabric.device) for site, volume in members]
+                    outputs = segment_volumes([unwrap(site.module) for site, _ in members], images, self.patch_size, self.batch_size)
+                    for (site, volume), output in zip(members, outputs):
+                        scores[site.name][volume.case_id] = self._scores(site, volume, output, regions)
+                        if bar is not None:
+                            bar.update()
+        return scores
+
+    def _scores(self, site: Any, volume: Any, output: torch.Tensor, regions: Any) -> dict[str, float]:
+        """One patient's scores of a site's model output ``(K, X, Y, Z)`` (:func:`~medfed.evaluation.volume.patient_scores`)."""
+        masks = site.module.region_masks(output.movedim(-1, 0)).movedim(0, -1).cpu().numpy()  # (R, X, Y, Z)
+        return patient_scores(tumour_labels(masks, regions), volume.label, volume.spacing_mm, regions, self.lesion_wise)
+
+
+def _model_key(module: Any) -> tuple[Any, ...]:
+    """What models segmented together share: type, parameter and buffer shapes and dtypes, per-site constants."""
+    tensors = itertools.chain(module.named_parameters(), module.named_buffers())
+    return (type(module), tuple((name, tuple(t.shape), t.dtype) for name, t in tensors), module.site_constants())

@@ -49,6 +49,7 @@ generated 2 mm volumes (this shared 2-core x86_64 CPU VM).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import math
@@ -106,6 +107,33 @@ def segment_volume(
     if bar is not None:
         bar.close()
     return output.permute(1, 2, 3, 0)
+
+
+def segment_volumes(modules: Sequence[torch.nn.Module], images: Sequence[torch.Tensor], patch_size: int, batch_size: int = 16) -> list[torch.Tensor]:
+    """Each module's :func:`segment_volume` of its image, the S modules' windows in one vmapped forward pass.
+
+    The modules are models of one type and shape (the sites of a batched run); the images ``(C, X, Y, Z)`` are
+    of one shape. They are joined along the channel axis, ``(S·C, X, Y, Z)``, so that one sliding-window pass
+    cuts every site's windows at the same places; each window batch ``(B, S·C, P, P)`` is split into the sites'
+    ``(S, B, C, P, P)``, run as ``vmap(functional_call)`` with each module's parameters and buffers, and joined
+    back as ``(B, S·K, P, P)``. MONAI blends every output channel with the same Gaussian weights, so site s's
+    channels of the result are its own :func:`segment_volume` (up to the float order of a vmapped convolution).
+
+    Returns:
+        float32 ``(K, X, Y, Z)`` per module, on the images' device.
+    """
+    count, channels = len(modules), images[0].shape[0]
+    tensors = [dict(itertools.chain(m.named_parameters(), m.named_buffers())) for m in modules]
+    stacked = {name: torch.stack([t[name].detach() for t in tensors]) for name in tensors[0]}
+    forward = torch.func.vmap(lambda state, x: torch.func.functional_call(modules[0], state, (x,), strict=True))
+
+    def predictor(windows: torch.Tensor) -> torch.Tensor:
+        b = windows.shape[0]
+        out = forward(stacked, windows.reshape(b, count, channels, *windows.shape[2:]).transpose(0, 1))  # (S, B, K, P, P)
+        return out.transpose(0, 1).reshape(b, -1, *out.shape[3:])
+
+    joined = segment_volume(predictor, torch.cat(list(images)), patch_size, batch_size)  # (S·K, X, Y, Z)
+    return list(joined.reshape(count, -1, *joined.shape[1:]).unbind(0))
 
 
 def _counted(predictor: Callable[[torch.Tensor], torch.Tensor], bar: tqdm) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -8,10 +8,10 @@ each step of the rule (:mod:`medfed.federated.step`) is one call of
     grads_s, loss_s = vmap(grad_and_value(f))(theta_s, frozen_s, buffers_s, state_s, aux_s, batch_s, key_s)
     f(...) = template_half.loss(template_view, ctx, plan, batch)        through functional_call
 
-``f`` is the first row's half's ``loss``, its slot modules (:class:`_Slots`)
+``f`` is the first row's half's ``loss``, its slot modules (:class:`Slots`)
 run with the row's parameters and buffers swapped in and the half's declared
 ``loss_state`` and auxiliary attributes set to the row's slices for the
-call; nothing in it tells two sites of one federation from the same site in
+call (:mod:`medfed.federated.stacked_step`); nothing in it tells two sites of one federation from the same site in
 two runs. Per row, exactly what it does trained alone: its own parameters,
 buffers and optimiser state (functional Adam / SGD,
 :mod:`medfed.federated.stacked_optimizers`, per-row step counts and
@@ -44,28 +44,23 @@ brats_lack0 round: mean IoU 0.2266 / 0.2269).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from medfed.errors import warn
 from medfed.federated.compute import batch_samples
 from medfed.federated.executor import Outcome, Row, SequentialExecutor, restore_position, saved_position
-from medfed.federated.protocol import Auxiliary, RoundContext, TrainingPlan
+from medfed.federated.protocol import RoundContext, TrainingPlan
 from medfed.federated.site import Site
 from medfed.federated.stacked import Layout, StaticStep, calls
 from medfed.federated.stacked_optimizers import SUPPORTED_OPTIMIZERS, FlatGroup, flat_groups, optimizer_kind
+from medfed.federated.stacked_step import Slots, StackedState, StackedStep, batch_signature, functional_loss, stack_batches
 from medfed.federated.step import step
 from medfed.models.base import unwrap
-from medfed.models.dropout import keyed
 from medfed.models.padding import can_pad
 
 
@@ -79,7 +74,7 @@ class BatchedExecutor(SequentialExecutor):
         #: why plans trained one row at a time, ``{"<phase>/<plan label>": reason}``
         self.sequential_plans: dict[str, str] = {}
         #: with ``compile`` (``trainer.compile``): the compiled static-shape steps, kept from plan to plan
-        self.compiled: dict[Any, tuple[_Slots, StaticStep]] | None = {} if compile else None
+        self.compiled: dict[Any, tuple[Slots, StaticStep]] | None = {} if compile else None
 
     def train(self, rows: list[Row]) -> list[Outcome]:
         outcomes: list[Outcome] = [None] * len(rows)
@@ -172,157 +167,7 @@ def group_key(site: Site, ctx: RoundContext, plan: TrainingPlan) -> tuple[Any, .
 
 
 
-class _Slots(nn.Module):
-    """The template site's slot modules under one root, so one ``functional_call`` swaps every slot's tensors.
-
-    ``forward(batch)`` is the template half's loss of one step of the plan ``ctx`` and ``plan`` name (set
-    before each plan: a compiled step keeps its wrapper from plan to plan).
-    """
-
-    def __init__(self, site: Site, ctx: RoundContext, plan: TrainingPlan) -> None:
-        super().__init__()
-        self.slots = nn.ModuleDict({name: unwrap(slot.module) for name, slot in site.slots.items()})
-        self.site = site
-        self.ctx = ctx
-        self.plan = plan
-
-    def forward(self, batch: Any) -> torch.Tensor:
-        return self.site.strategy.loss(self.site.view, self.ctx, self.plan, batch)
-
-
-def functional_loss(wrapper: _Slots, template: Site) -> Any:
-    """One row's loss of one step as a function of its tensors (names without the wrapper's ``slots.``)::
-
-        loss(theta, frozen, buffers, state, aux, batch, key)
-
-    the template half's loss through ``functional_call`` with the row's tensors swapped in, its declared loss
-    state and auxiliary attributes set to the row's for the call, its dropout keyed by ``key``, in the run's precision.
-    """
-    half = template.strategy
-
-    def loss(theta, fixed, buffer, state, extra, batch, key):
-        tensors = {f"slots.{name}": t for part in (fixed, buffer, theta) for name, t in part.items()}
-        with _attributes(half, {**state, **extra}), keyed(key), template.fabric.autocast():  # the forward in the run's precision
-            return torch.func.functional_call(wrapper, tensors, (batch,), strict=True)
-
-    return loss
-
-
-@contextmanager
-def _attributes(obj: Any, values: dict[str, Any]) -> Iterator[None]:
-    """Inside the block, ``obj``'s attributes ``values`` names hold those values; after it, what they held before."""
-    saved = {name: getattr(obj, name) for name in values}
-    try:
-        for name, value in values.items():
-            setattr(obj, name, value)
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(obj, name, value)
-
-
-def _signature(batch: Any) -> tuple[Any, ...]:
-    """What batches stacked together must share: the structure, and each tensor's shape and dtype."""
-    leaves, spec = tree_flatten(batch)
-    return (str(spec), *((tuple(leaf.shape), leaf.dtype) for leaf in leaves))
-
-
-def _stack_batches(batches: list[Any]) -> Any:
-    """Device batches of one signature stacked leaf by leaf, ``(S, *leaf shape)``."""
-    flat = [tree_flatten(batch) for batch in batches]
-    spec = flat[0][1]
-    return tree_unflatten([torch.stack(leaves) for leaves in zip(*(leaves for leaves, _ in flat))], spec)
-
-
-
-@dataclass
-class StackedState:
-    """What a stacked step reads and writes: each tensor with the rows first.
-
-    Attributes:
-        flat: per :class:`~medfed.federated.stacked_optimizers.FlatGroup`, its trained parameters ``(S, D)``.
-        optimizer: per group, its optimiser state (``(S, D)`` moments, ``(S,)`` step counts).
-        hyper: per group, each row's optimiser options ``(S,)`` float64 (read only).
-        frozen: the parameters not trained, ``"<slot>.<name>"`` (read only).
-        buffers: the slots' buffers (a forward in training mode updates BatchNorm statistics in place).
-        loss_state: the half's declared loss state (read only).
-        auxiliary: the half's auxiliary parameters.
-    """
-
-    flat: list[torch.Tensor]
-    optimizer: list[dict[str, torch.Tensor]]
-    hyper: list[dict[str, torch.Tensor]]
-    frozen: dict[str, torch.Tensor]
-    buffers: dict[str, torch.Tensor]
-    loss_state: dict[str, torch.Tensor]
-    auxiliary: dict[str, torch.Tensor]
-
-    def rows(self, index: torch.Tensor) -> StackedState:
-        """The rows ``index`` (copies)."""
-        take = lambda tensors: {name: value[index] for name, value in tensors.items()}  # noqa: E731
-        return StackedState(
-            [flat[index] for flat in self.flat], [take(state) for state in self.optimizer], [take(hyper) for hyper in self.hyper],
-            take(self.frozen), take(self.buffers), take(self.loss_state), take(self.auxiliary),
-        )
-
-    def put(self, index: torch.Tensor, rows: StackedState) -> None:
-        """Write what a step of the rows ``index`` changed (:meth:`rows`' result, stepped) back into these tensors."""
-        for flat, state, new_flat, new_state in zip(self.flat, self.optimizer, rows.flat, rows.optimizer, strict=True):
-            flat[index] = new_flat
-            for key, value in new_state.items():
-                state[key][index] = value
-        for mine, theirs in ((self.buffers, rows.buffers), (self.auxiliary, rows.auxiliary)):
-            for name, value in theirs.items():
-                mine[name][index] = value
-
-
-class StackedStep:
-    """The step rule's lines (:mod:`medfed.federated.step`) on stacked rows: ``torch.func`` and functional optimisers.
-
-    Args:
-        template: the site whose half's loss and slot modules run every row's step.
-        ctx, plan: the rows' round context and plan.
-        groups: the trained parameters' layout (:func:`~medfed.federated.stacked_optimizers.flat_groups`).
-        auxiliary: the half's auxiliary parameters' rules.
-    """
-
-    def __init__(self, template: Site, ctx: RoundContext, plan: TrainingPlan, groups: list[FlatGroup], auxiliary: dict[str, Auxiliary]) -> None:
-        self.plan, self.groups, self.auxiliary = plan, groups, auxiliary
-        #: the sites of the rows the next step counts passes for (set by the caller per step and batch shape)
-        self.counted: list[Site] = []
-        self.compute: str | None = None
-        row_loss = functional_loss(_Slots(template, ctx, plan), template)
-        self._differentiate = torch.func.vmap(torch.func.grad_and_value(row_loss, argnums=(0, 4)), randomness="error")
-
-    def gradients(self, state: StackedState, batch: Any, key: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        theta = {name: view for group, flat in zip(self.groups, state.flat, strict=True) for name, view in group.views(flat).items()}
-        (grads, aux_grads), loss = self._differentiate(theta, state.frozen, state.buffers, state.loss_state, state.auxiliary, batch, key)
-        return loss, (grads, aux_grads)
-
-    def privatise(self, gradients: Any) -> Any:
-        return gradients  # DP-SGD trains one site at a time (group_key)
-
-    def count(self, batch: Any) -> None:
-        if self.compute is not None:
-            samples = self.plan.data_pass * batch_samples(tree_flatten(batch)[0][0][0])  # one row's batch
-            for site in self.counted:
-                site.passes.add(self.compute, samples)
-
-    def optimise(self, state: StackedState, gradients: Any) -> StackedState:
-        grads = gradients[0]
-        stepped = [
-            group.step(flat, optimizer, hyper, {name: grads[name] for name in group.names})
-            for group, flat, optimizer, hyper in zip(self.groups, state.flat, state.optimizer, state.hyper, strict=True)
-        ]
-        return dataclasses.replace(state, flat=[flat for flat, _ in stepped], optimizer=[optimizer for _, optimizer in stepped])
-
-    def auxiliaries(self, state: StackedState, gradients: Any) -> StackedState:
-        aux_grads = gradients[1]
-        stepped = {name: torch.func.vmap(rule.step)(state.auxiliary[name], aux_grads[name]) for name, rule in self.auxiliary.items()}
-        return dataclasses.replace(state, auxiliary={**state.auxiliary, **stepped})
-
-
-def train_group(rows: list[Row], compiled: dict[Any, tuple[_Slots, StaticStep]] | None = None) -> list[tuple[float, int | None]]:
+def train_group(rows: list[Row], compiled: dict[Any, tuple[Slots, StaticStep]] | None = None) -> list[tuple[float, int | None]]:
     """Train the rows (equal :func:`group_key`) stacked, ``rows[i].steps`` steps of row i, by the step rule.
 
     Args:
@@ -367,11 +212,11 @@ def _train_eager(
         by_shape: dict[tuple[Any, ...], list[tuple[int, Any]]] = {}
         for i in (i for i in range(len(rows)) if t < steps[i]):
             batch = next(streams[i])
-            by_shape.setdefault(_signature(batch), []).append((i, batch))
+            by_shape.setdefault(batch_signature(batch), []).append((i, batch))
         for members in by_shape.values():
             chosen = tuple(i for i, _ in members)
             ops.counted = [sites[i] for i in chosen]
-            batch = _stack_batches([b for _, b in members])
+            batch = stack_batches([b for _, b in members])
             if len(members) == len(rows):  # every row: the tensors themselves
                 loss, state = step(ops, state, batch, keys[:, t])
                 totals += loss.detach().to(totals.dtype)
@@ -437,7 +282,7 @@ def _stacked(rows: list[Row]) -> Iterator[tuple[StackedStep, StackedState, Any]]
             own[plan.slot].set_trainable("all")
 
 
-def _static_step(rows: list[Row], groups: list[FlatGroup], compiled: dict[Any, tuple[_Slots, StaticStep]]) -> StaticStep:
+def _static_step(rows: list[Row], groups: list[FlatGroup], compiled: dict[Any, tuple[Slots, StaticStep]]) -> StaticStep:
     """The compiled static-shape step of the rows' group and parameter layout, made at its first plan and kept (the
     template's wrapper told each plan's context and plan)."""
     template, ctx, plan = rows[0].site, rows[0].ctx, rows[0].plan
@@ -445,7 +290,7 @@ def _static_step(rows: list[Row], groups: list[FlatGroup], compiled: dict[Any, t
     layouts = tuple(Layout(tuple(g.names), tuple(g.shapes[name] for name in g.names), g.step_fn) for g in groups)
     key = (tuple(id(row.site) for row in rows), group_key(template, ctx, plan), pads, layouts)
     if key not in compiled:
-        wrapper = _Slots(template, ctx, plan)
+        wrapper = Slots(template, ctx, plan)
         compiled[key] = wrapper, StaticStep(functional_loss(wrapper, template), template.strategy.auxiliary(ctx, plan), layouts, pads,
                                              template.batch_size, True, template.fabric.device)
     wrapper, step = compiled[key]
@@ -468,9 +313,9 @@ def _train_static(
             rows[i].site.passes.add(rows[i].compute, plan.data_pass * batch_samples(batch))
             last[i], masks[i] = stacked.padded(batch) if stacked.pads else (batch, None)
             drawn[i] = last[i]
-        for members, active in calls(drawn, last, stacked.pads, _signature):
+        for members, active in calls(drawn, last, stacked.pads, batch_signature):
             mask = torch.stack(masks) if stacked.pads else None
-            stacked.run(state, _stack_batches(members), mask, stacked.active(tuple(active)), keys[:, t], totals)
+            stacked.run(state, stack_batches(members), mask, stacked.active(tuple(active)), keys[:, t], totals)
         _note_first_bad(first_bad, totals, t)
 
 
@@ -478,64 +323,3 @@ def _note_first_bad(first_bad: torch.Tensor, totals: torch.Tensor, t: int) -> No
     """Mark step ``t + 1`` in ``first_bad`` (S,) for the rows whose summed loss ``totals`` (S,) turned non-finite
     there (a sum stays non-finite; 0: not yet), on the device."""
     first_bad.copy_(torch.where((first_bad == 0) & ~torch.isfinite(totals), t + 1, first_bad))
-
-
-# ---------------------------------------------------------------------------------------------------- evaluation
-class _TestOutputs(nn.Module):
-    """A model's :meth:`~medfed.models.base.FederatedModule.test_outputs` as ``forward``, for ``functional_call``."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module.test_outputs(x)
-
-
-def evaluation_key(site: Site) -> tuple[Any, ...]:
-    """What sites evaluated together share: the evaluated module's type, tensor shapes, modes and per-site constants."""
-    module = unwrap(site.module)
-    shapes = tuple((key, tuple(t.shape), t.dtype) for key, t in itertools.chain(module.named_parameters(), module.named_buffers()))
-    return (type(module), shapes, module.site_constants(), site.test_loader.batch_size)
-
-
-def evaluate_group(sites: list[Site], count: Callable[[Site, Any], None]) -> list[dict[str, float]]:
-    """Each site's metrics over its whole test split, the group's forward passes stacked (equal :func:`evaluation_key`).
-
-    The k-th test batches of the sites that have one (grouped by shape: a split's last batch may be smaller) run as
-    one vmapped ``test_outputs`` with each site's parameters and buffers, in the run's precision; each site's metrics
-    take its own outputs (:meth:`~medfed.models.base.FederatedModule.update_test_metrics`), as
-    :meth:`~medfed.federated.site.Site.evaluate` gives them. ``count(site, batch)`` counts each batch's passes.
-    """
-    template = sites[0]
-    modules = [unwrap(site.module) for site in sites]
-    for module in modules:
-        module.eval()
-    wrapper = _TestOutputs(modules[0])
-    tensors = [{f"module.{name}": t for name, t in itertools.chain(m.named_parameters(), m.named_buffers())} for m in modules]
-    stacked = {name: torch.stack([t[name].detach() for t in tensors]) for name in tensors[0]}
-
-    def outputs(state: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        return torch.func.functional_call(wrapper, state, (x,), strict=True)
-
-    forward = torch.func.vmap(outputs)
-    iterators = {i: iter(site.test_loader) for i, site in enumerate(sites)}
-    everyone = torch.arange(len(sites), device=template.fabric.device)
-    with torch.no_grad():
-        while iterators:
-            by_shape: dict[tuple[Any, ...], list[tuple[int, Any]]] = {}
-            for i in list(iterators):
-                batch = next(iterators[i], None)
-                if batch is None:
-                    del iterators[i]
-                    continue
-                batch = template.fabric.to_device(batch)
-                by_shape.setdefault(_signature(batch), []).append((i, batch))
-            for members in by_shape.values():
-                rows = everyone if len(members) == len(sites) else everyone[[i for i, _ in members]]
-                with template.fabric.autocast():
-                    out = forward({name: value[rows] for name, value in stacked.items()}, torch.stack([batch[0] for _, batch in members]))
-                for j, (i, batch) in enumerate(members):
-                    modules[i].update_test_metrics(out[j], batch[1])
-                    count(sites[i], batch)
-    return [module.test_results() for module in modules]

@@ -27,7 +27,8 @@ import torch
 
 from medfed.errors import MessageError, warn
 from medfed.federated.attack import Attack
-from medfed.federated.batched import BatchedExecutor, evaluate_group, evaluation_key
+from medfed.federated.batched import BatchedExecutor
+from medfed.federated.stacked_evaluation import evaluate_group, evaluation_key
 from medfed.federated.compute import EVALUATION, batch_samples
 from medfed.federated.executor import Executor, SequentialExecutor
 from medfed.federated.faults import RoundStartStates
@@ -260,7 +261,7 @@ class InProcessSites:
 
     def _evaluate_stacked(self, round_index: int) -> dict[str, SiteEvaluation]:
         """:func:`~medfed.federated.site_work.site_evaluation` of every site, the adapt steps one site at a time, the
-        evaluations' forward passes stacked over the sites of equal evaluation key (:func:`~medfed.federated.batched.evaluate_group`)."""
+        evaluations' forward passes stacked over the sites of equal evaluation key (:func:`~medfed.federated.stacked_evaluation.evaluate_group`)."""
         adapted = {}
         for site in self.sites:
             site.passes.take(site.n_train)

@@ -83,7 +83,7 @@ class Layout:
     Attributes:
         names: the parameters, in flat order (``"<slot>.<parameter name>"``).
         shapes: each one's shape.
-        step_fn: the stacked optimiser step (:func:`~medfed.federated.batched.adam_step` or ``sgd_step``).
+        step_fn: the stacked optimiser step (:func:`~medfed.federated.stacked_optimizers.adam_step` or ``sgd_step``).
     """
 
     names: tuple[str, ...]
@@ -194,7 +194,7 @@ class StaticStep:
     def run(self, state: Any, batch: Any, mask: torch.Tensor | None, active: torch.Tensor, keys: torch.Tensor, totals: torch.Tensor) -> None:
         """:meth:`step` (compiled where asked) on a plan's stacked tensors, its results copied into them.
 
-        ``state``: the plan's :class:`~medfed.federated.batched.StackedState` (its ``flat``, ``optimizer`` and
+        ``state``: the plan's :class:`~medfed.federated.stacked_step.StackedState` (its ``flat``, ``optimizer`` and
         ``hyper`` in :attr:`layouts` order); ``totals`` ``(R,)`` += each active row's loss. A step torch.compile
         cannot capture (a graph break it cannot trace through) runs eagerly from then on, said once (:attr:`not_compiled`).
         """

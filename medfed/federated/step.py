@@ -16,7 +16,7 @@ one federation, or the same site in several runs; the rule cannot tell)::
 one site's modules, autograd, torch.optim and Opacus (:class:`SiteStep`,
 which ``Site.train`` runs), or the rows' stacked tensors, ``torch.func`` and
 functional optimisers
-(:class:`medfed.federated.batched.StackedStep`), whose ``step`` is a
+(:class:`medfed.federated.stacked_step.StackedStep`), whose ``step`` is a
 function of tensors only: (state, batch, keys) -> (losses, state).
 """
 

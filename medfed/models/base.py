@@ -96,7 +96,7 @@ class FederatedModule(PersonalizationSplit, L.LightningModule):
 
     def test_outputs(self, x: torch.Tensor) -> torch.Tensor:
         """What the test metrics are computed from, for inputs ``x``; a function of the parameters and buffers only
-        (the batched executor evaluates a group of sites at once through it, :func:`~medfed.federated.batched.evaluate_group`)."""
+        (the batched executor evaluates a group of sites at once through it, :func:`~medfed.federated.stacked_evaluation.evaluate_group`)."""
         return self(x)
 
     def update_test_metrics(self, outputs: torch.Tensor, y: torch.Tensor) -> None:

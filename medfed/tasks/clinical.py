@@ -48,6 +48,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -94,23 +95,7 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
         exclude_columns=tuple(options.exclude_columns),
     )
     site_of_record, site_names = _sites(data, federation, seed, path, options.site_column)
-    evaluated = np.zeros(len(data), dtype=bool)
-    set_aside = np.zeros(len(data), dtype=bool)
-    in_validation = np.zeros(len(data), dtype=bool)
-    set_aside_of_site = []
-    for index in range(federation.n_sites):
-        draw = partial(_draw_records, labels=data.labels, site=f"site{index}", path=path)
-        records = np.flatnonzero(site_of_record == index)
-        try:
-            split = split_site(records, draw, federation, seed, index)
-        except DataError as error:
-            if options.site_column is None and federation.site_sizes != "equal":
-                raise site_too_small(federation, f"site{index} gets {len(records)} of the {len(data)} records", error) from None
-            raise
-        evaluated[split.evaluation] = True
-        set_aside[split.set_aside] = True
-        in_validation[np.asarray(split.validation, dtype=np.int64)] = True  # (a bare () would index every record)
-        set_aside_of_site.append(np.asarray(split.set_aside, dtype=np.int64).tolist())
+    evaluated, set_aside, in_validation, set_aside_of_site = _split_sites(data, site_of_record, federation, seed, path, options)
     kept = sites_at_label_ratio(
         data.labels,
         site_of_record,
@@ -125,26 +110,7 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
         in_validation=in_validation if in_validation.any() else None,
     )
 
-    sites = []
-    for index, samples in enumerate(kept):
-        lo, hi = fit_minmax(data.features[samples.train])
-        validation = [] if samples.validation is None else samples.validation.tolist()
-        records = SiteSplit(federation.holdout, samples.train.tolist(), samples.test.tolist(), set_aside_of_site[index], validation)
-        info = {
-            "source_site": site_names[index],
-            **records.info("records"),
-            **samples.info,
-            "scaling": f"min/max per feature fitted on this site's {len(samples.train)} training records only",
-        }
-        sites.append(
-            SiteData(
-                name=f"site{index}",
-                train=_dataset(data, samples.train, lo, hi),
-                test=_dataset(data, samples.test, lo, hi),
-                info=info,
-                validation=None if samples.validation is None else _dataset(data, samples.validation, lo, hi),
-            )
-        )
+    sites = [_site_data(data, index, samples, site_names[index], set_aside_of_site[index], federation.holdout) for index, samples in enumerate(kept)]
     origin = (
         "REAL data: scikit-learn's Wisconsin diagnostic breast-cancer table"
         if options.embedded == "breast_cancer"
@@ -170,6 +136,51 @@ def build_federation(options: Options, federation: FederationConfig, seed: int, 
         holdout=federation.holdout,
         features=features,
         site_sizes=site_sizes_summary(federation, np.bincount(site_of_record, minlength=federation.n_sites), "records"),
+    )
+
+
+def _split_sites(
+    data: Any, site_of_record: np.ndarray, federation: FederationConfig, seed: int, path: Path, options: Options
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[int]]]:
+    """Each site's records split (:func:`split_site`): the masks over all records of the evaluated, set-aside and
+    validation ones, and each site's set-aside record indices."""
+    evaluated = np.zeros(len(data), dtype=bool)
+    set_aside = np.zeros(len(data), dtype=bool)
+    in_validation = np.zeros(len(data), dtype=bool)
+    set_aside_of_site = []
+    for index in range(federation.n_sites):
+        draw = partial(_draw_records, labels=data.labels, site=f"site{index}", path=path)
+        records = np.flatnonzero(site_of_record == index)
+        try:
+            split = split_site(records, draw, federation, seed, index)
+        except DataError as error:
+            if options.site_column is None and federation.site_sizes != "equal":
+                raise site_too_small(federation, f"site{index} gets {len(records)} of the {len(data)} records", error) from None
+            raise
+        evaluated[split.evaluation] = True
+        set_aside[split.set_aside] = True
+        in_validation[np.asarray(split.validation, dtype=np.int64)] = True  # (a bare () would index every record)
+        set_aside_of_site.append(np.asarray(split.set_aside, dtype=np.int64).tolist())
+    return evaluated, set_aside, in_validation, set_aside_of_site
+
+
+def _site_data(data: Any, index: int, samples: Any, source_site: str, set_aside: list[int], holdout: str) -> SiteData:
+    """Site ``index``'s splits of the records ``samples`` keeps, min/max-scaled on its own training records."""
+    lo, hi = fit_minmax(data.features[samples.train])
+    validation = [] if samples.validation is None else samples.validation.tolist()
+    records = SiteSplit(holdout, samples.train.tolist(), samples.test.tolist(), set_aside, validation)
+    info = {
+        "source_site": source_site,
+        **records.info("records"),
+        **samples.info,
+        "scaling": f"min/max per feature fitted on this site's {len(samples.train)} training records only",
+    }
+    return SiteData(
+        name=f"site{index}",
+        train=_dataset(data, samples.train, lo, hi),
+        test=_dataset(data, samples.test, lo, hi),
+        info=info,
+        validation=None if samples.validation is None else _dataset(data, samples.validation, lo, hi),
     )
 
 

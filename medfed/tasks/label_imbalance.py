@@ -130,6 +130,27 @@ def sites_at_label_ratio(
         member["validation"] = np.asarray(in_validation, dtype=bool) & used
         splits += ("validation",)
     member["train"] = used & ~np.any([member[split] for split in splits[1:]], axis=0)
+    pools, kept = _draw_splits(labels, site_of_sample, member, splits, n_sites, label_ratio, seed, source)
+
+    targets = None if label_ratio is None else site_ratios(label_ratio.delta, n_sites, label_ratio.spread)
+    sites = []
+    for site in range(n_sites):
+        info: dict[str, Any] = {"target_ratio": None if targets is None else float(targets[site])}
+        for split in splits:
+            info.update(_split_counts(split, labels[kept[split][site]], int((site_of_sample[pools[split]] == site).sum())))
+        validation = kept["validation"][site] if in_validation is not None else None
+        sites.append(SiteSamples(train=kept["train"][site], test=kept[evaluation_split][site], info=info, validation=validation))
+    if label_ratio is not None:
+        _report_drops(sites, site_of_sample[used], labels[used], splits, label_ratio, noun)
+    return sites
+
+
+def _draw_splits(
+    labels: np.ndarray, site_of_sample: np.ndarray, member: dict[str, np.ndarray], splits: tuple[str, ...], n_sites: int,
+    label_ratio: LabelRatioConfig | None, seed: int, source: str,
+) -> tuple[dict[str, np.ndarray], dict[str, list[np.ndarray]]]:
+    """Each split's pool (the indices of its members) and each site's kept indices of it: the split's samples at
+    that site, or (with ``label_ratio``) a draw at the site's ratio, seeded per split (:func:`sites_at_label_ratio`)."""
     pools: dict[str, np.ndarray] = {}
     kept: dict[str, list[np.ndarray]] = {}
     for number, split in enumerate(splits):  # the seed's stream number: train 0, evaluation 1, validation 2
@@ -152,23 +173,20 @@ def sites_at_label_ratio(
                 f"{label_ratio.spread}) on the {split} split: {error}"
             ) from None
         kept[split] = [pool[indices] for indices in partition.site_indices]
+    return pools, kept
 
-    targets = None if label_ratio is None else site_ratios(label_ratio.delta, n_sites, label_ratio.spread)
-    sites = []
-    for site in range(n_sites):
-        info: dict[str, Any] = {"target_ratio": None if targets is None else float(targets[site])}
-        for split in splits:
-            n_positive = int(labels[kept[split][site]].sum())
-            n_negative = len(kept[split][site]) - n_positive
-            info[f"n_{split}_positive"] = n_positive
-            info[f"n_{split}_negative"] = n_negative
-            info[f"{split}_ratio"] = n_negative / n_positive if n_positive else None
-            info[f"n_{split}_dropped"] = int((site_of_sample[pools[split]] == site).sum()) - len(kept[split][site])
-        validation = kept["validation"][site] if in_validation is not None else None
-        sites.append(SiteSamples(train=kept["train"][site], test=kept[evaluation_split][site], info=info, validation=validation))
-    if label_ratio is not None:
-        _report_drops(sites, site_of_sample[used], labels[used], splits, label_ratio, noun)
-    return sites
+
+def _split_counts(split: str, kept_labels: np.ndarray, available: int) -> dict[str, Any]:
+    """A site's ``info`` entries of one split: positives and negatives kept (``kept_labels``, 0/1), their ratio
+    negatives / positives (None without positives), and how many of the ``available`` samples were dropped."""
+    n_positive = int(kept_labels.sum())
+    n_negative = len(kept_labels) - n_positive
+    return {
+        f"n_{split}_positive": n_positive,
+        f"n_{split}_negative": n_negative,
+        f"{split}_ratio": n_negative / n_positive if n_positive else None,
+        f"n_{split}_dropped": available - len(kept_labels),
+    }
 
 
 def _report_drops(
