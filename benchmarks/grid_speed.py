@@ -29,13 +29,13 @@ share of its process's time, so the sums stay the grid's.
 Run from the repository root (on a shared machine, nice'd, in a slot)::
 
     PYTHONPATH=$PWD python benchmarks/grid_speed.py --config clinical_delta1 --strategies fedavg fedprox --seeds 0 1 2 --tune
-    PYTHONPATH=$PWD python benchmarks/grid_speed.py --grid table5_clinical --strategies fedavg ditto [key=value ...]
+    PYTHONPATH=$PWD python benchmarks/grid_speed.py --grid table5_clinical --strategies fedavg ditto [-- key=value ...]
     PYTHONPATH=$PWD python benchmarks/grid_speed.py --quick [--device cuda]
 
 ``--quick``: a CI-sized grid (clinical_delta1, FedAvg and FedProx, 2 seeds,
 3 rounds, 2-point tuning of FedProx's learning rate), on ``--device``
 (default: cuda where present, else cpu). Extra ``key=value`` arguments go to compare
-unchanged, ``--compare-args`` to this checkout's only. ``--baseline CHECKOUT`` runs
+unchanged (after ``--`` where they follow ``--strategies`` or ``--seeds``, which would take them), ``--compare-args`` to this checkout's only. ``--baseline CHECKOUT`` runs
 the same grid with another checkout first (its own ``--baseline-args``), and the
 table sets the two splits side by side: main against this branch, or this checkout
 against itself, ``--baseline $PWD --baseline-args=--fuse=off``.
@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> GridTiming:
     parser.add_argument("--tune-rounds", type=int)
     parser.add_argument("--device", choices=("cpu", "cuda"), help="trainer.device of every run (default: the configs')")
     parser.add_argument("--jobs", type=int, default=None, help="runs at once (default: the cores)")
-    parser.add_argument("--output", type=Path, help="the comparison folder (default: a fresh temporary one, removed after)")
+    parser.add_argument("--output", type=Path, help="the comparison folder (default: a fresh temporary one, removed after); with --baseline, the baseline's "
+        "is kept beside it as OUTPUT-baseline")
     parser.add_argument("--compare-args", action="append", default=[], help="one more argument for compare, as it is (repeatable)")
     parser.add_argument("--json", type=Path, help="also write the split and the run's conditions to this JSON file")
     parser.add_argument(
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> GridTiming:
         "(--compare-args go to this checkout only)",
     )
     parser.add_argument("--baseline-args", action="append", default=[], help="one more argument for the baseline's compare only (repeatable)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="for compare; after -- where they follow --strategies or --seeds")
     args = parser.parse_args(argv)
     if not (args.quick or args.grid or args.config):
         parser.error("give --grid, --config or --quick")
@@ -261,7 +262,10 @@ def main(argv: list[str] | None = None) -> GridTiming:
     with tempfile.TemporaryDirectory(prefix="grid_speed-") as scratch:
         if args.baseline is not None:
             plain = [argument for argument in arguments if argument not in args.compare_args] + args.baseline_args
-            baseline = run_compare(plain, jobs, Path(scratch) / "baseline", _environment(args.baseline.resolve()))
+            kept = args.output.with_name(args.output.name + "-baseline") if args.output else None
+            if kept is not None:
+                kept.parent.mkdir(parents=True, exist_ok=True)
+            baseline = run_compare(plain, jobs, kept or Path(scratch) / "baseline", _environment(args.baseline.resolve()))
             print(f"# baseline {args.baseline}: {len(baseline.results)} runs in {baseline.wall_s:.1f} s; {machine()}")
         output = args.output or Path(scratch) / "grid"
         output.parent.mkdir(parents=True, exist_ok=True)

@@ -35,8 +35,8 @@ sys.modules["throughput"] = throughput
 _spec.loader.exec_module(throughput)
 
 from medfed.assembly import RunAssembly, make_fabric  # noqa: E402
-from medfed.federated.executor import InProcessSites  # noqa: E402
 from medfed.federated.loop import FederatedLoop  # noqa: E402
+from medfed.federated.sites import InProcessSites, executor_for  # noqa: E402
 from medfed.federated.strategies import strategy_from_config  # noqa: E402
 
 
@@ -51,8 +51,9 @@ def _loop(setting: throughput.Setting, n_sites: int, executor: str) -> tuple[Fed
     sites = assembly.sites(fabric, federation)
     initial = assembly.initial_values(fabric.device)
     links = [assembly.link(initial, fabric.device, site.name) for site in sites]
-    sites_part = InProcessSites(sites, links, "sequential" if executor == "sequential" else "batched", compile=compiled)
-    return FederatedLoop(fabric, sites, strategy, links, initial, 1, 1.0, 0, executor=sites_part), sites_part
+    option = "sequential" if executor == "sequential" else "batched"
+    sites_part = InProcessSites(sites, links, executor_for(option, fabric.device, dp_sgd=False, compile=compiled))
+    return FederatedLoop(fabric, strategy, sites_part, initial, 1, 1.0, 0), sites_part
 
 
 def profiled_round(setting: throughput.Setting, n_sites: int, executor: str, warmup: int = 2) -> dict:
