@@ -83,7 +83,7 @@ def table(output: Path) -> str:
         for rule in RULES:
             cells = []
             for attack in ATTACKS:
-                chosen = [row for row in rows if row["config"] == f"{rule}-{attack}"]
+                chosen = [row for row in rows if row["config"] == f"{rule}-{attack}" and row["strategy"] == "fedavg"]  # not the baselines
                 per_seed: dict[str, list[float]] = {}
                 for row in chosen:
                     per_seed.setdefault(row["seed"], []).append(float(row[f"last_{metric}"]))
