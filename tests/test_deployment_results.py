@@ -76,12 +76,16 @@ class InProcessGrid:
 @pytest.fixture(scope="module")
 def two_engines(tmp_path_factory) -> tuple[Path, Path]:
     """The output folders of a 2-round fedavg run with a validation split: deployed (in-process grid), simulated."""
-    tmp = tmp_path_factory.mktemp("engines")
+    return _both_engines(tmp_path_factory.mktemp("engines"))
+
+
+def _both_engines(tmp: Path, *more: str) -> tuple[Path, Path]:
+    """A 2-round fedavg run with a validation split and the overrides ``more``, deployed and simulated: their folders."""
     csv = tmp / "all" / "breast_cancer.csv"
     files = clinical.site_records(clinical.Options(csv=str(csv)), FederationConfig(n_sites=3), 0, tmp / "sites")
     overrides = [
         f"data.csv={csv}", "federation.n_sites=3", "federation.label_ratio=null", "federation.validation_fraction=0.2",
-        "trainer.rounds=2", "trainer.num_threads=1", "logger.wandb=disabled", "strategy.name=fedavg",
+        "trainer.rounds=2", "trainer.num_threads=1", "logger.wandb=disabled", "strategy.name=fedavg", *more,
     ]
     deployed, simulated = tmp / "deployed", tmp / "simulated"
     run_config = {
@@ -104,6 +108,16 @@ def two_engines(tmp_path_factory) -> tuple[Path, Path]:
 
 def _results(folder: Path) -> dict:
     return json.loads((folder / "results.json").read_text())
+
+
+def test_a_robust_rule_runs_on_flower_as_in_the_simulator(two_engines, tmp_path):
+    # (issue 32: aggregation.name is the server half's policy in both engines, set where the loop is assembled)
+    deployed, simulated = map(_results, _both_engines(tmp_path, "aggregation.name=median"))
+    assert deployed["config"]["aggregation"]["name"] == simulated["config"]["aggregation"]["name"] == "median"
+    for key in ("metrics", "validation", "train_loss"):
+        assert [r[key] for r in deployed["history"]] == [r[key] for r in simulated["history"]], key
+    mean = _results(two_engines[1])
+    assert [r["metrics"] for r in mean["history"]] != [r["metrics"] for r in simulated["history"]]  # the rule was applied
 
 
 def test_a_deployment_writes_the_simulators_schema_and_numbers(two_engines):
