@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Issue 33's GPU measurements in one call, for a machine with one CUDA GPU (H100 or H200) and torch, but not
-# medfed's other dependencies: run from the repository root with the wheels of /work/shared/tools/device-wheels.sh
+# medfed's other dependencies: run from the repository root with the wheels of the team's tools/device-wheels.sh (carried as .whl/)
 # in .whl/ (carried), in two calls of under ten minutes each (a device call's limit):
 #     bash benchmarks/gpu_check.sh throughput      (parts 1; about 6 minutes on an H100, most of it compilation)
 #     bash benchmarks/gpu_check.sh rest            (parts 2-5; about 7 minutes)
-# (no argument: both). OUT: where the results go (default a temporary folder). Extends /work/shared/tools/gpu-check.sh.
+# (no argument: both). OUT: where the results go (default a temporary folder). Extends the team's tools/gpu-check.sh.
 # Every part is time-boxed and appends to at most six files under $OUT: parts.txt (one line per part: exit status,
 # seconds), throughput.txt, profile.txt, main.txt, grid.txt and tests.txt. The parts, most important first:
 #   1. throughput, U-Net 64 x 64, batch 16 a site, N = 5 20 50: sequential, batched, batched compiled (CUDA graphs),
@@ -16,16 +16,18 @@
 #   5. the GPU tests of the compiled step and a dense strategy.
 set -u
 OUT=${OUT:-$(mktemp -d)}; mkdir -p "$OUT"
+SITE=$(mktemp -d)  # the wheels' packages, for this check only
+RUNS=$(mktemp -d)  # the main job's run folders
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/medfed-site .whl/*.whl \
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
     || { echo "wheels did not install" | tee -a "$OUT/parts.txt"; exit 1; }
 fi
-export PYTHONPATH=/tmp/medfed-site:$PWD PYTHONUNBUFFERED=1 WANDB_MODE=disabled MPLBACKEND=Agg
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 WANDB_MODE=disabled MPLBACKEND=Agg
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$OUT/parts.txt" 2>&1
 part() { local name=$1 file=$2 limit=$3; shift 3; local s=$SECONDS
   echo "===== $name: $*" >> "$OUT/$file"; timeout "$limit" "$@" >> "$OUT/$file" 2>&1; local rc=$?
   echo "$name rc=$rc $((SECONDS - s)) s" | tee -a "$OUT/parts.txt"; }
-splits() { for r in "$@"; do python3 -c "import json,sys; d=json.load(open(sys.argv[1])); t=d['timing']; print(sys.argv[2], d['executor'], {k: round(v, 2) for k, v in t.items() if isinstance(v, (int, float))})" /tmp/medfed-gpu/$r/results.json $r >> "$OUT/main.txt" 2>&1; done; }
+splits() { for r in "$@"; do python3 -c "import json,sys; d=json.load(open(sys.argv[1])); t=d['timing']; print(sys.argv[2], d['executor'], {k: round(v, 2) for k, v in t.items() if isinstance(v, (int, float))})" $RUNS/$r/results.json $r >> "$OUT/main.txt" 2>&1; done; }
 
 WHICH=${1:-all}
 if [ "$WHICH" = throughput ] || [ "$WHICH" = all ]; then
@@ -36,9 +38,9 @@ if [ "$WHICH" = rest ] || [ "$WHICH" = all ]; then
   part profile profile.txt 120 python3 benchmarks/step_profile.py --device cuda --model unet --sites 5
   part stacked_conv profile.txt 30 python3 benchmarks/stacked_conv.py --device cuda --side 64
   main=(python3 -m medfed fit --config configs/brats_lack0.yaml --quiet trainer.device=cuda logger.wandb=disabled)
-  part main_cold main.txt 80 "${main[@]}" output_dir=/tmp/medfed-gpu/cold
-  part main_warm main.txt 50 "${main[@]}" output_dir=/tmp/medfed-gpu/warm
-  part main_compiled main.txt 100 "${main[@]}" trainer.executor=batched trainer.compile=true output_dir=/tmp/medfed-gpu/compiled
+  part main_cold main.txt 80 "${main[@]}" output_dir=$RUNS/cold
+  part main_warm main.txt 50 "${main[@]}" output_dir=$RUNS/warm
+  part main_compiled main.txt 100 "${main[@]}" trainer.executor=batched trainer.compile=true output_dir=$RUNS/compiled
   splits cold warm compiled
   part grid_quick grid.txt 90 python3 benchmarks/grid_speed.py --quick --device cuda
   part gpu_tests tests.txt 60 python3 -m pytest -q -m gpu tests/test_gpu.py -k "compiled or (dense and fedavg)" -p no:cacheprovider

@@ -94,7 +94,7 @@ def _region_targets(module: Any, y: torch.Tensor) -> torch.Tensor:
 
 def _all_foreground_masks(module: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[Any, str]:
     regions = len(getattr(module, "region_names", ("wt",)))
-    return (lambda batch: torch.ones((len(batch), regions, *batch.shape[2:]), dtype=torch.bool)), "all foreground"
+    return (lambda batch: torch.ones((len(batch), regions, *batch.shape[2:]), dtype=torch.bool, device=batch.device)), "all foreground"
 
 
 def best_threshold(values: torch.Tensor, target: torch.Tensor) -> tuple[float, float, int]:
@@ -111,7 +111,7 @@ def best_threshold(values: torch.Tensor, target: torch.Tensor) -> tuple[float, f
     last[:-1] = v[1:] != v[:-1]  # the last position of each distinct value: a cut between values
     best = (-1.0, float(v[-1]), 1)
     below_true = torch.cumsum(truth, 0)[last]  # targets at or below each distinct value
-    below_all = torch.arange(1, len(v) + 1, dtype=torch.float64)[last]
+    below_all = torch.arange(1, len(v) + 1, dtype=torch.float64, device=v.device)[last]
     cuts = v[last]
     for sign in (1, -1):
         if sign == 1:  # predicted: strictly above the cut
@@ -162,7 +162,7 @@ def _segmentation_scores(module: Any, predict: Any, data: Any) -> dict[str, floa
 # ---------------------------------------------------------------------------------------------- classification
 def _majority_scores(module: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[Any, str]:
     positive = int((y == 1).sum()) > int((y == 0).sum())
-    return (lambda batch: torch.full((len(batch),), float(positive), dtype=torch.float64)), f"class {int(positive)} for every record"
+    return (lambda batch: torch.full((len(batch),), float(positive), dtype=torch.float64, device=batch.device)), f"class {int(positive)} for every record"
 
 
 def _one_feature_scores(module: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[Any, str]:
@@ -175,7 +175,7 @@ def _one_feature_scores(module: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[
         last = torch.ones_like(v, dtype=torch.bool)
         last[:-1] = v[1:] != v[:-1]
         below_positive = torch.cumsum(t, 0)[last]
-        below_all = torch.arange(1, len(v) + 1, dtype=torch.float64)[last]
+        below_all = torch.arange(1, len(v) + 1, dtype=torch.float64, device=v.device)[last]
         n, positives = float(len(v)), float(t.sum())
         above = (positives - below_positive) + (below_all - below_positive)  # s = +1: positives above, negatives at or below
         cuts = torch.cat([(v[last][:-1] + v[last][1:]) / 2, v[last][-1:] + 1])  # midpoints; past the largest: all negative
