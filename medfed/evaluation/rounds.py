@@ -184,7 +184,7 @@ class VolumeEvaluation:
         groups: dict[Any, list[Any]] = {}
         for site in sites:
             site.module.eval()
-            groups.setdefault(_model_key(unwrap(site.module)), []).append(site)
+            groups.setdefault(unwrap(site.module).shape_key(), []).append(site)
         scores: dict[str, dict[str, dict[str, float]]] = {site.name: {} for site in sites}
         for group in groups.values():
             regions = group[0].module.region_names
@@ -206,9 +206,3 @@ class VolumeEvaluation:
         """One patient's scores of a site's model output ``(K, X, Y, Z)`` (:func:`~medfed.evaluation.volume.patient_scores`)."""
         masks = site.module.region_masks(output.movedim(-1, 0)).movedim(0, -1).cpu().numpy()  # (R, X, Y, Z)
         return patient_scores(tumour_labels(masks, regions), volume.label, volume.spacing_mm, regions, self.lesion_wise)
-
-
-def _model_key(module: Any) -> tuple[Any, ...]:
-    """What models segmented together share: type, parameter and buffer shapes and dtypes, per-site constants."""
-    tensors = itertools.chain(module.named_parameters(), module.named_buffers())
-    return (type(module), tuple((name, tuple(t.shape), t.dtype) for name, t in tensors), module.site_constants())

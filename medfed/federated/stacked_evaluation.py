@@ -33,9 +33,7 @@ class TestOutputs(nn.Module):
 
 def evaluation_key(site: Site) -> tuple[Any, ...]:
     """What sites evaluated together share: the evaluated module's type, tensor shapes, modes and per-site constants."""
-    module = unwrap(site.module)
-    shapes = tuple((key, tuple(t.shape), t.dtype) for key, t in itertools.chain(module.named_parameters(), module.named_buffers()))
-    return (type(module), shapes, module.site_constants(), site.test_loader.batch_size)
+    return (*unwrap(site.module).shape_key(), site.test_loader.batch_size)
 
 
 def evaluate_group(sites: list[Site], count: Callable[[Site, Any], None]) -> list[dict[str, float]]:

@@ -11,6 +11,7 @@ once, through :meth:`FederatedModule.prepare_for_site`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, ClassVar
 
@@ -77,6 +78,12 @@ class FederatedModule(PersonalizationSplit, L.LightningModule):
         The batched executor (:mod:`medfed.federated.batched`) trains sites together only where these are equal.
         """
         return ()
+
+    def shape_key(self) -> tuple[Hashable, ...]:
+        """What models run stacked together (one vmapped forward over their tensors) share: the type, every
+        parameter's and buffer's name, shape and dtype, and :meth:`site_constants`."""
+        tensors = itertools.chain(self.named_parameters(), self.named_buffers())
+        return (type(self), tuple((name, tuple(t.shape), t.dtype) for name, t in tensors), self.site_constants())
 
     def _like_parameters(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` in the parameters' dtype and on their device."""
