@@ -157,6 +157,32 @@ def test_target_epsilon_noise_and_the_budget_stop():
     assert "site0" not in loop.history[-1]["train_loss"]  # it trained no more
 
 
+def test_a_historys_epsilon_is_opacus_to_the_bit_and_sites_sharing_q_and_steps_search_sigma_once(monkeypatch):
+    """history_epsilon (one step's RDP cached per (q, sigma), times the steps) gives what Opacus's accountants give for a
+    history of several (sigma, q, steps) entries; five sites with one (q, steps) run Opacus's sigma search once."""
+    import opacus.accountants.utils
+
+    from medfed.federated.privacy import history_epsilon, noise_multiplier_for
+
+    history = ((1.3, 0.4, 17), (2.0, 0.25, 5), (1.3, 0.4, 3))
+    for name, accountant in (("rdp", RDPAccountant()), ("prv", PRVAccountant())):
+        accountant.history = list(history)
+        assert history_epsilon(name, history, 1e-5) == accountant.get_epsilon(1e-5)
+    assert history_epsilon("rdp", history, 1e-5) > history_epsilon("rdp", history[:2], 1e-5) > history_epsilon("rdp", history[:1], 1e-5)
+
+    searches = []
+
+    def counted(**kwargs):
+        searches.append(kwargs)
+        return get_noise_multiplier(**kwargs)
+
+    monkeypatch.setattr(opacus.accountants.utils, "get_noise_multiplier", counted)
+    noise_multiplier_for.cache_clear()
+    config = DPConfig(target_epsilon=5.0, delta=1e-5)
+    sigmas = {SiteDP(config, f"site{k}", 160, 64, 30, seed=0, index=k).noise_multiplier for k in range(5)}
+    assert len(searches) == 1 and sigmas == {get_noise_multiplier(target_epsilon=5.0, target_delta=1e-5, sample_rate=0.4, steps=30)}
+
+
 def test_a_dp_run_reports_opacus_epsilon_per_site_and_round(tmp_path):
     rounds, batch, sigma = 2, 16, 1.3
     results = _fit(tmp_path / "dp", "strategy.name=fedavg", f"trainer.rounds={rounds}", f"privacy.dp.noise_multiplier={sigma}")
