@@ -224,7 +224,10 @@ def _formatted(runs: list[dict], metric: str) -> str:
 def table(name: str, rows: list[dict], heading: str = "##") -> str:
     """One setting: its metrics (methods x levels, then the trivial baselines) and the epsilon reached with sigma."""
     setting, mine = SETTINGS[name], [row for row in rows if row["setting"] == name]
-    lines = [f"{heading} {name}", "", f"Data: {mine[0]['data']}.", ""]
+    data = mine[0]["data"]
+    if setting.new_data_per_seed:  # each seed its own draw: say which, not the first run's seed alone
+        data = re.sub(r", seed \d+$", f", data.generate.seed = the run's seed ({sorted({row['seed'] for row in mine})})", data)
+    lines = [f"{heading} {name}", "", f"Data: {data}.", ""]
     if setting.reductions:
         lines += [f"Settings: {' '.join(setting.reductions)}" + (" (each seed its own generated data set)" if setting.new_data_per_seed else "") + ".", ""]
     levels = [level for level in LEVELS if any(row["level"] == level for row in mine)]
