@@ -1,9 +1,8 @@
 """Utility against privacy: DP-SGD at each site (``privacy.dp``) at epsilon about 1, 3 and 8, against no DP.
 
-For each setting (clinical_delta2 as shipped; brats_lack0 reduced so that
-the grid fits a shared 2-core CPU: 2D patches of 32 instead of 64, 6 tumour
-and 2 background patches per case instead of 12 and 4, 8 rounds instead of
-20, no whole-volume evaluation) and each privacy level, one
+For each setting (clinical_delta2 as shipped; brats_lack0_dp, a BraTS
+setting chosen so that DP-SGD can learn: see ``SETTINGS`` and
+docs/privacy.md) and each privacy level, one
 ``python -m medfed compare`` grid of the methods and seeds in
 ``<out>/<setting>/<level>`` (``level``: ``nodp``, ``eps1``, ``eps3``,
 ``eps8``), so the same command resumes an interrupted sitting (finished runs
@@ -19,8 +18,10 @@ of its first seeds. Then ``--report`` (or the end of a full sitting) reads
 every finished run and writes into ``<out>``:
 
 * ``dp_utility.csv``: one row per run: setting, level, method, seed, the
-  last round's test metrics (mean over sites), epsilon reached (the largest
-  over sites), the mean noise multiplier over sites, wall time;
+  last round's test metrics (mean over sites, and the worst site's), the
+  trivial baselines', epsilon reached (the largest over sites), the mean
+  noise multiplier over sites, wall time; ``dp_utility_sites.csv``: one
+  row per run and site;
 * ``dp_utility.md``: per setting and metric, methods as rows and levels as
   columns, ``mean ± half-width`` of the 95% t interval over seeds, and the
   epsilon reached;
