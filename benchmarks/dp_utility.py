@@ -31,7 +31,7 @@ every finished run and writes into ``<out>``:
 
     python benchmarks/dp_utility.py --out bench_out/dp_utility            # run (resumes), then report
     python benchmarks/dp_utility.py --out bench_out/dp_utility --report   # tables and figure from finished runs
-    python benchmarks/dp_utility.py --out bench_out/dp_utility --report --docs   # and into docs/privacy.md, README.md
+    python benchmarks/dp_utility.py --out bench_out/dp_utility --report --docs   # and into docs/privacy.md, docs/figures, docs/results
 """
 
 from __future__ import annotations
@@ -261,22 +261,6 @@ def table(name: str, rows: list[dict], heading: str = "##") -> str:
     return "\n".join(lines)
 
 
-def summary(rows: list[dict]) -> str:
-    """The README's table: per setting and method (and trivial baseline), the first metric at no DP, eps 8, 3, 1 (means over seeds)."""
-    order = ["nodp", *sorted((level for level in LEVELS if LEVELS[level] is not None), key=lambda level: -LEVELS[level])]
-    lines = ["| setting, metric | method | no DP / eps 8 / 3 / 1 |", "|---|---|---|"]
-    for name, setting in SETTINGS.items():
-        mine = [r for r in rows if r["setting"] == name]
-        metric = setting.metrics[0]
-        for method in setting.methods:
-            values = [f"{cell(runs, metric)[0]:.2f}" if (runs := [r for r in mine if r["method"] == method and r["level"] == level]) else "–" for level in order]
-            if mine:
-                lines.append(f"| {name}, {metric} | {method} | " + " / ".join(values) + " |")
-        for baseline, values in baselines(mine, metric).items():
-            lines.append(f"| {name}, {metric} | baseline: {baseline.replace('_', ' ')} | {cell(values, metric)[0]:.2f} (not trained) |")
-    return "\n".join(lines)
-
-
 def replace_block(path: Path, name: str, text: str) -> None:
     """Put ``text`` between ``<!-- name: ... -->`` and ``<!-- /name -->`` in ``path``."""
     document = path.read_text()
@@ -348,15 +332,14 @@ def report(out: Path, docs: bool = False) -> None:
     print(text)
     write_figure(rows, out)
     print(f"dp_utility: wrote {out}/dp_utility.csv, dp_utility_sites.csv, dp_utility.md and dp_utility.png ({len(rows)} runs)")
-    if docs:  # each measured setting's table into its block of docs/privacy.md, the summary into the README, the figure into docs/figures
+    if docs:  # each measured setting's table into its block of docs/privacy.md, the figure into docs/figures
         for name in names:
             replace_block(ROOT / "docs" / "privacy.md", f"dp-utility-{name}", table(name, rows, heading="###"))
-        replace_block(ROOT / "README.md", "dp-utility", summary(rows))
         (ROOT / "docs" / "figures").mkdir(exist_ok=True)
         shutil.copyfile(out / "dp_utility.png", ROOT / "docs" / "figures" / "dp_utility.png")
         for table_file in ("dp_utility.csv", "dp_utility_sites.csv"):
             shutil.copyfile(out / table_file, ROOT / "docs" / "results" / table_file)
-        print("dp_utility: refreshed docs/privacy.md, README.md, docs/figures/dp_utility.png, docs/results/dp_utility.csv and dp_utility_sites.csv")
+        print("dp_utility: refreshed docs/privacy.md, docs/figures/dp_utility.png, docs/results/dp_utility.csv and dp_utility_sites.csv")
 
 
 def main() -> None:
@@ -367,7 +350,7 @@ def main() -> None:
     parser.add_argument("--levels", nargs="+", default=list(LEVELS), choices=list(LEVELS))
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (compare --jobs)")
     parser.add_argument("--report", action="store_true", help="only the tables and figure, from the finished runs")
-    parser.add_argument("--docs", action="store_true", help="also put them into docs/privacy.md, README.md and docs/figures/")
+    parser.add_argument("--docs", action="store_true", help="also put them into docs/privacy.md, docs/figures/ and docs/results/")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report:
