@@ -104,3 +104,17 @@ def test_a_fused_grid_interrupted_after_round_two_resumes_to_the_uninterrupted_g
     for run in interrupted:
         assert resumed[run]["executor"]["fused"] == {"runs": 3 if run[1] == "fedavg" else 2}  # the resumed runs of each strategy
     _assert_same_numbers(resumed, _results(fused))
+
+
+def test_the_seeds_of_new_data_draws_fuse_and_a_different_model_shape_does_not(tmp_path):
+    """``new_data_per_seed`` gives each seed its own data set (``data.root``, ``data.generate.seed``): each run reads
+    its own, so the seeds still share one process; a key outside the rows (the U-Net's widths) splits the group."""
+    from test_compare import make_grid
+
+    grid = make_grid(["brats_lack0"], ["fedavg"], [0, 1, 2], ["logger.wandb=disabled"], [], tmp_path / "out", new_data_per_seed=True)
+    runs = plan_runs(grid)
+    assert len({run.overrides for run in runs}) == 3  # three data draws
+    assert [[run.seed for run in group] for group in fused_groups(runs, "on")] == [[0, 1, 2]]
+    assert fused_groups(runs, "auto") == [[run] for run in runs]  # the U-Net's stacked step does not pay on a CPU
+    wider = plan_runs(grid, ["model.channels=[8,16,32,64,128]"])
+    assert len(fused_groups([*runs, *wider], "on")) == 2

@@ -39,8 +39,12 @@ from medfed.options.strategies import strategy_spec
 FUSE_OPTIONS = ("auto", "on", "off")
 LIMIT = 64
 """The most runs fused in one process."""
-ROW_KEYS = ("output_dir", "trainer.seed", "trainer.rounds", "trainer.local_epochs", "trainer.num_threads", "model.lr")
-"""What fused runs may differ in besides their strategy's options and their federation (each row's own)."""
+ROW_KEYS = (
+    "output_dir", "trainer.seed", "trainer.rounds", "trainer.local_epochs", "trainer.num_threads", "model.lr",
+    "data.root", "data.generate.seed",
+)
+"""What fused runs may differ in besides their strategy's options and their federation (each row's own): the
+training schedule, and the data draw (``new_data_per_seed``: each seed's own generated data set, read by its run)."""
 CPU_FUSED_MODELS = ("logreg",)
 """The models whose stacked step beats training their sites in turn on a CPU (``auto`` fuses them there)."""
 
@@ -65,11 +69,12 @@ def fusion_key(run: Run, fuse: str) -> str | None:
         return None
     shared = json.loads(json.dumps(config))
     for key in ROW_KEYS:
-        group, _, name = key.partition(".")
-        if name:
-            shared.get(group, {}).pop(name, None)
-        else:
-            shared.pop(group, None)
+        *path, name = key.split(".")
+        parent = shared
+        for part in path:
+            parent = parent.get(part) if isinstance(parent, dict) else None
+        if isinstance(parent, dict):
+            parent.pop(name, None)
     shared["strategy"] = {"name": strategy}  # its options: each run's own (equal ones stack, the others train apart)
     shared.pop("federation", None)  # each run's own data
     return json.dumps(shared, sort_keys=True)
