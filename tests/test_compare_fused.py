@@ -10,7 +10,7 @@ import pytest
 
 from medfed.cli import main
 from medfed.compare.fused import fused_groups, fusion_key
-from medfed.compare.grid import read_grid
+from medfed.compare.grid import make_grid, read_grid
 from medfed.compare.plan import plan_runs
 from test_compare import TINY_CLINICAL
 
@@ -109,8 +109,6 @@ def test_a_fused_grid_interrupted_after_round_two_resumes_to_the_uninterrupted_g
 def test_the_seeds_of_new_data_draws_fuse_and_a_different_model_shape_does_not(tmp_path):
     """``new_data_per_seed`` gives each seed its own data set (``data.root``, ``data.generate.seed``): each run reads
     its own, so the seeds still share one process; a key outside the rows (the U-Net's widths) splits the group."""
-    from test_compare import make_grid
-
     grid = make_grid(["brats_lack0"], ["fedavg"], [0, 1, 2], ["logger.wandb=disabled"], [], tmp_path / "out", new_data_per_seed=True)
     runs = plan_runs(grid)
     assert len({run.overrides for run in runs}) == 3  # three data draws

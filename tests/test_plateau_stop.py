@@ -90,3 +90,24 @@ def test_a_tuning_run_on_the_validation_split_stops_on_its_own_scores(tmp_path):
     curve = validation_curve(results["history"], "accuracy", "metrics")  # the evaluated split is the validation split
     assert "validation" not in results["history"][0] and len(curve) < 200
     assert len(curve) == PlateauStop("accuracy", 4).best_round(curve) + 4 and results["stopped"]["round"] == len(curve)
+
+
+def test_a_raised_cap_extends_the_runs_that_reached_the_old_one_and_leaves_the_plateaued_ones_done(tmp_path):
+    """compare with a larger ``trainer.rounds``: a run that stopped on its plateau would stop at the same round (the
+    stop reads only its history), so it is done; a run that reached the old cap resumes."""
+    from medfed.compare.grid import make_grid
+    from medfed.compare.plan import plan_runs
+    from medfed.fit import fit
+
+    grid = make_grid(
+        ["clinical_delta2"], ["fedavg", "local"], [0],
+        ["federation.validation_fraction=0.2", "trainer.patience=4", "logger.wandb=disabled", "logger.figures=false"], [],
+        tmp_path / "out",
+    )
+    stops, capped = plan_runs(grid, ["trainer.rounds=200"])[0], plan_runs(grid, ["trainer.rounds=3"])[1]
+    for run in (stops, capped):
+        assert run.action == "new" and fit(str(run.config_path), list(run.overrides), quiet=True) == 0
+    stopped = json.loads((tmp_path / "out" / "clinical_delta2" / "fedavg" / "seed0" / "results.json").read_text())
+    assert len(stopped["history"]) < 200 and "best_round" in stopped["stopped"]
+    actions = {run.strategy: run.action for run in plan_runs(grid, ["trainer.rounds=400"])}
+    assert actions == {"fedavg": "done", "local": "resume"}

@@ -200,8 +200,9 @@ def _inspect(output_dir: Path, config: dict[str, Any], threads: int, defaults: d
     """What a run folder holds for the run of ``config``: ``(action, thread count to run with)``.
 
     ``done`` when results.json holds this config (the thread count, the
-    folder and kept checkpoints aside); ``resume`` when a checkpoint of it
-    (or results of fewer rounds) is there, with the thread count the run
+    folder and kept checkpoints aside), or holds it with fewer rounds but
+    stopped on its validation plateau; ``resume`` when a checkpoint of it
+    (or results of fewer rounds, reaching that cap) is there, with the thread count the run
     started with, which ``--resume`` needs; else ``new``. A key the saved
     config lacks (a run made before medfed had it) counts as equal where
     ``config`` holds its default (``defaults``, :func:`~medfed.components.default_config`),
@@ -232,9 +233,17 @@ def _inspect(output_dir: Path, config: dict[str, Any], threads: int, defaults: d
             "delete that folder or choose another grid output"
         )
     saved_threads = saved["trainer"].get("num_threads") or threads
-    if source == results and saved_rounds == rounds:
+    if source == results and (saved_rounds == rounds or _stopped_on_plateau(results)):
         return "done", saved_threads
     return "resume", saved_threads
+
+
+def _stopped_on_plateau(results: Path) -> bool:
+    """Whether the finished run in ``results`` ended on its validation plateau (``trainer.patience``): it reads only
+    its history, so under a larger ``trainer.rounds`` it stops at the same round: a raised cap extends only the runs
+    that reached the old one."""
+    stopped = read_run_file(results).get("stopped")
+    return isinstance(stopped, dict) and "best_round" in stopped
 
 
 def _another_strategys(key: str, config: dict[str, Any]) -> bool:
