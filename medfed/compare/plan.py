@@ -216,8 +216,9 @@ def _inspect(output_dir: Path, config: dict[str, Any], threads: int, defaults: d
     source = results if results.is_file() else started if checkpoints(output_dir / FOLDER) and started.is_file() else None
     if source is None:
         return "new", threads
-    saved = read_run_file(source, "config") if source == results else read_run_file(source)
-    if not isinstance(saved.get("trainer"), dict) or not isinstance(saved["trainer"].get("rounds"), int):
+    document = read_run_file(source)
+    saved = document.get("config") if source == results else document
+    if not isinstance(saved, dict) or not isinstance(saved.get("trainer"), dict) or not isinstance(saved["trainer"].get("rounds"), int):
         raise DataError(f"{source}: holds no run config with trainer.rounds; the file is damaged: delete the run folder {output_dir} to run it again")
     changed = [
         key
@@ -233,17 +234,11 @@ def _inspect(output_dir: Path, config: dict[str, Any], threads: int, defaults: d
             "delete that folder or choose another grid output"
         )
     saved_threads = saved["trainer"].get("num_threads") or threads
-    if source == results and (saved_rounds == rounds or _stopped_on_plateau(results)):
+    # a run that stopped on its validation plateau reads only its history: under a larger cap it stops at the same round
+    stopped_on_plateau = isinstance(document.get("stopped"), dict) and "best_round" in document["stopped"]
+    if source == results and (saved_rounds == rounds or stopped_on_plateau):
         return "done", saved_threads
     return "resume", saved_threads
-
-
-def _stopped_on_plateau(results: Path) -> bool:
-    """Whether the finished run in ``results`` ended on its validation plateau (``trainer.patience``): it reads only
-    its history, so under a larger ``trainer.rounds`` it stops at the same round: a raised cap extends only the runs
-    that reached the old one."""
-    stopped = read_run_file(results).get("stopped")
-    return isinstance(stopped, dict) and "best_round" in stopped
 
 
 def _another_strategys(key: str, config: dict[str, Any]) -> bool:
